@@ -1,0 +1,887 @@
+//! Configuration in two phases.
+//!
+//! 1. The TOML text is parsed into a `toml::Table`, every `${VAR}` in a string
+//!    value is replaced from the environment, and the result is deserialised
+//!    into the `Raw*` structs (`deny_unknown_fields`: an unknown key is an
+//!    error that names its dotted path).
+//! 2. [`RawConfig::validate`] checks every value, collects *all* problems as
+//!    `dotted.path: bad value — why`, and builds the runtime [`Config`].
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use globset::{Glob, GlobSet, GlobSetBuilder};
+use http::Uri;
+use serde::Deserialize;
+
+/// A secret from the config (an API key). It never prints its value.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The value itself, for the one place that needs it (a header).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("*****")
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("*****")
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(Secret)
+    }
+}
+
+/// Every problem found in a config file, each one line.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{path}: invalid configuration:\n{}", problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        path: PathBuf,
+        problems: Vec<String>,
+    },
+}
+
+// ---------------------------------------------------------------- raw phase
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub server: RawServer,
+    #[serde(default)]
+    pub upstream: Vec<RawUpstream>,
+    #[serde(default)]
+    pub model: Vec<RawModel>,
+    #[serde(default)]
+    pub images: RawImages,
+    #[serde(default)]
+    pub describer: RawDescriber,
+    #[serde(default)]
+    pub dedup: RawDedup,
+    #[serde(default)]
+    pub sessions: RawSessions,
+    #[serde(default)]
+    pub store: RawStore,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: u64,
+    #[serde(default = "default_request_timeout_secs")]
+    pub request_timeout_secs: f64,
+    #[serde(default = "default_connect_timeout_secs")]
+    pub connect_timeout_secs: f64,
+    #[serde(default = "default_first_byte_timeout_secs")]
+    pub first_byte_timeout_secs: f64,
+    #[serde(default = "default_idle_timeout_secs")]
+    pub idle_timeout_secs: f64,
+    #[serde(default = "default_drain_timeout_secs")]
+    pub drain_timeout_secs: f64,
+    #[serde(default = "default_data_dir")]
+    pub data_dir: String,
+    #[serde(default)]
+    pub api_keys: Vec<Secret>,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+            max_body_bytes: default_max_body_bytes(),
+            request_timeout_secs: default_request_timeout_secs(),
+            connect_timeout_secs: default_connect_timeout_secs(),
+            first_byte_timeout_secs: default_first_byte_timeout_secs(),
+            idle_timeout_secs: default_idle_timeout_secs(),
+            drain_timeout_secs: default_drain_timeout_secs(),
+            data_dir: default_data_dir(),
+            api_keys: Vec::new(),
+        }
+    }
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8787".to_owned()
+}
+fn default_max_body_bytes() -> u64 {
+    32 * 1024 * 1024
+}
+fn default_request_timeout_secs() -> f64 {
+    600.0
+}
+fn default_connect_timeout_secs() -> f64 {
+    10.0
+}
+fn default_first_byte_timeout_secs() -> f64 {
+    300.0
+}
+fn default_idle_timeout_secs() -> f64 {
+    120.0
+}
+fn default_drain_timeout_secs() -> f64 {
+    30.0
+}
+fn default_data_dir() -> String {
+    "var".to_owned()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    pub name: String,
+    pub base_url: String,
+    #[serde(default)]
+    pub api_key: Option<Secret>,
+    #[serde(default = "default_models")]
+    pub models: Vec<String>,
+    #[serde(default = "default_auth")]
+    pub auth: String,
+}
+
+fn default_models() -> Vec<String> {
+    vec!["*".to_owned()]
+}
+fn default_auth() -> String {
+    "bearer".to_owned()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModel {
+    #[serde(rename = "match")]
+    pub pattern: String,
+    #[serde(default)]
+    pub vision: Option<bool>,
+    #[serde(default)]
+    pub audio: Option<bool>,
+    #[serde(default)]
+    pub pdf: Option<bool>,
+    #[serde(default)]
+    pub max_images: Option<u32>,
+    #[serde(default)]
+    pub context_window: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawImages {
+    #[serde(default = "default_non_vision")]
+    pub non_vision: String,
+    #[serde(default = "default_keep_turns")]
+    pub keep_turns: u32,
+    #[serde(default = "default_max_per_request")]
+    pub max_per_request: u32,
+    #[serde(default = "default_true")]
+    pub dedupe: bool,
+    #[serde(default)]
+    pub artifacts_dir: Option<String>,
+}
+
+impl Default for RawImages {
+    fn default() -> Self {
+        Self {
+            non_vision: default_non_vision(),
+            keep_turns: default_keep_turns(),
+            max_per_request: default_max_per_request(),
+            dedupe: true,
+            artifacts_dir: None,
+        }
+    }
+}
+
+fn default_non_vision() -> String {
+    "describe".to_owned()
+}
+fn default_keep_turns() -> u32 {
+    2
+}
+fn default_max_per_request() -> u32 {
+    10
+}
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDescriber {
+    #[serde(default)]
+    pub upstream: Option<String>,
+    #[serde(default = "default_describer_model")]
+    pub model: String,
+    #[serde(default = "default_describer_timeout_secs")]
+    pub timeout_secs: f64,
+    #[serde(default = "default_describer_concurrency")]
+    pub concurrency: u32,
+    #[serde(default = "default_on_miss")]
+    pub on_miss: String,
+}
+
+impl Default for RawDescriber {
+    fn default() -> Self {
+        Self {
+            upstream: None,
+            model: default_describer_model(),
+            timeout_secs: default_describer_timeout_secs(),
+            concurrency: default_describer_concurrency(),
+            on_miss: default_on_miss(),
+        }
+    }
+}
+
+fn default_describer_model() -> String {
+    "gpt-4o-mini".to_owned()
+}
+fn default_describer_timeout_secs() -> f64 {
+    20.0
+}
+fn default_describer_concurrency() -> u32 {
+    4
+}
+fn default_on_miss() -> String {
+    "wait".to_owned()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDedup {
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    #[serde(default = "default_min_line_chars")]
+    pub min_line_chars: u32,
+}
+
+impl Default for RawDedup {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            min_line_chars: default_min_line_chars(),
+        }
+    }
+}
+
+fn default_min_line_chars() -> u32 {
+    16
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSessions {
+    #[serde(default = "default_depth")]
+    pub default_depth: u32,
+    #[serde(default = "default_max_depth")]
+    pub max_depth: u32,
+    #[serde(default = "default_idle_ttl_secs")]
+    pub idle_ttl_secs: u64,
+}
+
+impl Default for RawSessions {
+    fn default() -> Self {
+        Self {
+            default_depth: default_depth(),
+            max_depth: default_max_depth(),
+            idle_ttl_secs: default_idle_ttl_secs(),
+        }
+    }
+}
+
+fn default_depth() -> u32 {
+    25
+}
+fn default_max_depth() -> u32 {
+    200
+}
+fn default_idle_ttl_secs() -> u64 {
+    604_800
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStore {
+    #[serde(default = "default_backend")]
+    pub backend: String,
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        Self {
+            backend: default_backend(),
+            prefix: default_prefix(),
+        }
+    }
+}
+
+fn default_backend() -> String {
+    "disk".to_owned()
+}
+fn default_prefix() -> String {
+    "visor:".to_owned()
+}
+
+// ------------------------------------------------------------ runtime phase
+
+/// The validated configuration the proxy runs with.
+#[derive(Debug)]
+pub struct Config {
+    pub server: Server,
+    pub upstreams: Vec<Upstream>,
+    /// Sections that are parsed and validated now and used by later stages.
+    pub models: Vec<RawModel>,
+    pub images: RawImages,
+    pub describer: RawDescriber,
+    pub dedup: RawDedup,
+    pub sessions: RawSessions,
+    pub store: RawStore,
+}
+
+#[derive(Debug)]
+pub struct Server {
+    pub listen: SocketAddr,
+    pub max_body_bytes: u64,
+    pub request_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub first_byte_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub drain_timeout: Duration,
+    pub data_dir: PathBuf,
+    pub api_keys: Vec<Secret>,
+}
+
+/// How an upstream's own key is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthMode {
+    /// `Authorization: Bearer KEY`
+    Bearer,
+    /// `x-api-key: KEY` (Anthropic kind)
+    XApiKey,
+}
+
+impl AuthMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuthMode::Bearer => "bearer",
+            AuthMode::XApiKey => "x-api-key",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Upstream {
+    pub name: String,
+    /// The base URL without a trailing slash, e.g. `https://api.openai.com/v1`.
+    pub base_url: Uri,
+    pub api_key: Option<Secret>,
+    pub auth: AuthMode,
+    pub models: Vec<String>,
+    pub matcher: GlobSet,
+}
+
+impl Upstream {
+    pub fn matches(&self, model: &str) -> bool {
+        self.matcher.is_match(model)
+    }
+
+    /// True when this upstream takes every model name.
+    pub fn matches_all(&self) -> bool {
+        self.models.iter().any(|m| m == "*" || m == "**")
+    }
+}
+
+impl Config {
+    /// Reads, expands and validates the file at `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_toml(&text, path, &|name| std::env::var(name).ok())
+    }
+
+    /// Parses `text`; `env` looks up `${VAR}` references (injectable for tests).
+    pub fn from_toml(
+        text: &str,
+        path: &Path,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string().trim_end().to_owned(),
+        })?;
+        let mut missing = Vec::new();
+        let mut root = toml::Value::Table(std::mem::take(&mut table));
+        expand_env(&mut root, &mut String::new(), env, &mut missing);
+        if !missing.is_empty() {
+            return Err(ConfigError::Invalid {
+                path: path.to_owned(),
+                problems: missing,
+            });
+        }
+        let raw: RawConfig = serde_path_to_error::deserialize(root).map_err(|e| {
+            let key = e.path().to_string();
+            ConfigError::Invalid {
+                path: path.to_owned(),
+                problems: vec![format!("{key}: {}", e.into_inner())],
+            }
+        })?;
+        raw.validate().map_err(|problems| ConfigError::Invalid {
+            path: path.to_owned(),
+            problems,
+        })
+    }
+}
+
+/// Replaces `${NAME}` in every string value; records each missing variable
+/// with the dotted key that referenced it.
+fn expand_env(
+    value: &mut toml::Value,
+    key: &mut String,
+    env: &dyn Fn(&str) -> Option<String>,
+    missing: &mut Vec<String>,
+) {
+    match value {
+        toml::Value::String(s) => {
+            if s.contains("${") {
+                match expand_str(s, env) {
+                    Ok(expanded) => *s = expanded,
+                    Err(name) => missing.push(format!(
+                        "{key}: environment variable `{name}` is not set (referenced as ${{{name}}})"
+                    )),
+                }
+            }
+        }
+        toml::Value::Array(items) => {
+            for (i, item) in items.iter_mut().enumerate() {
+                let len = key.len();
+                key.push_str(&format!("[{i}]"));
+                expand_env(item, key, env, missing);
+                key.truncate(len);
+            }
+        }
+        toml::Value::Table(table) => {
+            for (name, item) in table.iter_mut() {
+                let len = key.len();
+                if !key.is_empty() {
+                    key.push('.');
+                }
+                key.push_str(name);
+                expand_env(item, key, env, missing);
+                key.truncate(len);
+            }
+        }
+        toml::Value::Integer(_)
+        | toml::Value::Float(_)
+        | toml::Value::Boolean(_)
+        | toml::Value::Datetime(_) => {}
+    }
+}
+
+/// `Err(name)` names the first variable that is not set.
+fn expand_str(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let Some(end) = after.find('}') else {
+            out.push_str(&rest[start..]);
+            return Ok(out);
+        };
+        let name = &after[..end];
+        match env(name) {
+            Some(v) => out.push_str(&v),
+            None => return Err(name.to_owned()),
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+fn secs(problems: &mut Vec<String>, key: &str, value: f64) -> Duration {
+    if value.is_finite() && value > 0.0 && value <= 31_536_000.0 {
+        Duration::from_secs_f64(value)
+    } else {
+        problems.push(format!(
+            "{key}: {value} — must be a positive number of seconds"
+        ));
+        Duration::from_secs(1)
+    }
+}
+
+fn one_of(problems: &mut Vec<String>, key: &str, value: &str, allowed: &[&str]) {
+    if !allowed.contains(&value) {
+        problems.push(format!(
+            "{key}: {value:?} — must be one of {}",
+            allowed
+                .iter()
+                .map(|a| format!("{a:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+}
+
+impl RawConfig {
+    /// Checks every value; returns all problems at once.
+    pub fn validate(self) -> Result<Config, Vec<String>> {
+        let mut p = Vec::new();
+        let s = &self.server;
+        let listen = match s.listen.parse::<SocketAddr>() {
+            Ok(a) => a,
+            Err(_) => {
+                p.push(format!(
+                    "server.listen: {:?} — must be an IP:port address such as \"127.0.0.1:8787\"",
+                    s.listen
+                ));
+                SocketAddr::from(([127, 0, 0, 1], 0))
+            }
+        };
+        if s.max_body_bytes == 0 {
+            p.push("server.max_body_bytes: 0 — must be at least 1".to_owned());
+        }
+        let server = Server {
+            listen,
+            max_body_bytes: s.max_body_bytes,
+            request_timeout: secs(
+                &mut p,
+                "server.request_timeout_secs",
+                s.request_timeout_secs,
+            ),
+            connect_timeout: secs(
+                &mut p,
+                "server.connect_timeout_secs",
+                s.connect_timeout_secs,
+            ),
+            first_byte_timeout: secs(
+                &mut p,
+                "server.first_byte_timeout_secs",
+                s.first_byte_timeout_secs,
+            ),
+            idle_timeout: secs(&mut p, "server.idle_timeout_secs", s.idle_timeout_secs),
+            drain_timeout: secs(&mut p, "server.drain_timeout_secs", s.drain_timeout_secs),
+            data_dir: PathBuf::from(&s.data_dir),
+            api_keys: s.api_keys.clone(),
+        };
+        for (i, k) in s.api_keys.iter().enumerate() {
+            if k.expose().trim().is_empty() {
+                p.push(format!(
+                    "server.api_keys[{i}]: \"\" — a proxy key must not be empty"
+                ));
+            }
+        }
+
+        if self.upstream.is_empty() {
+            p.push("upstream: (none) — at least one [[upstream]] is required".to_owned());
+        }
+        let mut upstreams = Vec::with_capacity(self.upstream.len());
+        for (i, u) in self.upstream.iter().enumerate() {
+            let key = format!("upstream[{i}]");
+            if u.name.is_empty()
+                || !u
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            {
+                p.push(format!(
+                    "{key}.name: {:?} — must be non-empty ASCII letters, digits, '-', '_' or '.'",
+                    u.name
+                ));
+            }
+            if self.upstream[..i].iter().any(|o| o.name == u.name) {
+                p.push(format!(
+                    "{key}.name: {:?} — another upstream has this name",
+                    u.name
+                ));
+            }
+            let base_url = match parse_base_url(&u.base_url) {
+                Ok(uri) => uri,
+                Err(why) => {
+                    p.push(format!("{key}.base_url: {:?} — {why}", u.base_url));
+                    Uri::from_static("http://invalid")
+                }
+            };
+            let auth = match u.auth.as_str() {
+                "bearer" => AuthMode::Bearer,
+                "x-api-key" => AuthMode::XApiKey,
+                other => {
+                    one_of(
+                        &mut p,
+                        &format!("{key}.auth"),
+                        other,
+                        &["bearer", "x-api-key"],
+                    );
+                    AuthMode::Bearer
+                }
+            };
+            if let Some(k) = &u.api_key
+                && k.expose().trim().is_empty()
+            {
+                p.push(format!(
+                    "{key}.api_key: \"\" — empty; remove the key to forward the client's own"
+                ));
+            }
+            if u.models.is_empty() {
+                p.push(format!(
+                    "{key}.models: [] — list at least one glob, e.g. [\"*\"]"
+                ));
+            }
+            let mut set = GlobSetBuilder::new();
+            for (j, m) in u.models.iter().enumerate() {
+                match Glob::new(m) {
+                    Ok(g) => {
+                        set.add(g);
+                    }
+                    Err(e) => p.push(format!("{key}.models[{j}]: {m:?} — not a valid glob: {e}")),
+                }
+            }
+            let matcher = set.build().unwrap_or_else(|_| GlobSet::empty());
+            upstreams.push(Upstream {
+                name: u.name.clone(),
+                base_url,
+                api_key: u.api_key.clone(),
+                auth,
+                models: u.models.clone(),
+                matcher,
+            });
+        }
+
+        for (i, m) in self.model.iter().enumerate() {
+            if let Err(e) = Glob::new(&m.pattern) {
+                p.push(format!(
+                    "model[{i}].match: {:?} — not a valid glob: {e}",
+                    m.pattern
+                ));
+            }
+        }
+        one_of(
+            &mut p,
+            "images.non_vision",
+            &self.images.non_vision,
+            &["describe", "strip"],
+        );
+        if self.images.max_per_request == 0 {
+            p.push("images.max_per_request: 0 — must be at least 1".to_owned());
+        }
+        if let Some(name) = &self.describer.upstream
+            && !self.upstream.iter().any(|u| &u.name == name)
+        {
+            p.push(format!(
+                "describer.upstream: {name:?} — no [[upstream]] has this name"
+            ));
+        }
+        secs(
+            &mut p,
+            "describer.timeout_secs",
+            self.describer.timeout_secs,
+        );
+        if self.describer.concurrency == 0 {
+            p.push("describer.concurrency: 0 — must be at least 1".to_owned());
+        }
+        one_of(
+            &mut p,
+            "describer.on_miss",
+            &self.describer.on_miss,
+            &["wait", "placeholder"],
+        );
+        if self.sessions.max_depth == 0 {
+            p.push("sessions.max_depth: 0 — must be at least 1".to_owned());
+        }
+        if self.sessions.default_depth > self.sessions.max_depth {
+            p.push(format!(
+                "sessions.default_depth: {} — must not exceed sessions.max_depth ({})",
+                self.sessions.default_depth, self.sessions.max_depth
+            ));
+        }
+        let b = self.store.backend.as_str();
+        if !(b == "memory"
+            || b == "disk"
+            || b.starts_with("redis://")
+            || b.starts_with("rediss://"))
+        {
+            p.push(format!(
+                "store.backend: {b:?} — must be \"memory\", \"disk\" or a redis://host:port/db URL"
+            ));
+        }
+
+        if !p.is_empty() {
+            return Err(p);
+        }
+        Ok(Config {
+            server,
+            upstreams,
+            models: self.model,
+            images: self.images,
+            describer: self.describer,
+            dedup: self.dedup,
+            sessions: self.sessions,
+            store: self.store,
+        })
+    }
+}
+
+fn parse_base_url(s: &str) -> Result<Uri, &'static str> {
+    let uri: Uri = s
+        .trim_end_matches('/')
+        .parse()
+        .map_err(|_| "not a valid URL")?;
+    match uri.scheme_str() {
+        Some("http") | Some("https") => {}
+        _ => return Err("must start with http:// or https://"),
+    }
+    if uri.authority().is_none() {
+        return Err("has no host");
+    }
+    if uri.query().is_some() {
+        return Err("must not have a query string");
+    }
+    Ok(uri)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_none(_: &str) -> Option<String> {
+        None
+    }
+
+    fn load(text: &str) -> Result<Config, ConfigError> {
+        Config::from_toml(text, Path::new("test.toml"), &env_none)
+    }
+
+    fn problems(text: &str) -> String {
+        match load(text) {
+            Ok(_) => String::from("(valid)"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn every_file_in_config_dir_parses() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("toml") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            if path.file_name().and_then(|n| n.to_str()) == Some("models.toml") {
+                // The built-in model table: a different schema, parsed as TOML here
+                // and checked field by field by the capabilities module.
+                assert!(toml::from_str::<toml::Table>(&text).is_ok(), "{path:?}");
+            } else {
+                let env = |_: &str| Some("sk-test".to_owned());
+                let r = Config::from_toml(&text, &path, &env);
+                assert!(r.is_ok(), "{path:?}: {:?}", r.err());
+            }
+            seen += 1;
+        }
+        assert!(seen >= 1, "no config files found in {dir:?}");
+    }
+
+    #[test]
+    fn shipped_default_forwards_client_key_to_openai() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/visor.toml");
+        let cfg = Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cfg.upstreams.len(), 1);
+        assert_eq!(cfg.upstreams[0].base_url, "https://api.openai.com/v1");
+        assert!(cfg.upstreams[0].api_key.is_none());
+        assert!(cfg.server.api_keys.is_empty());
+        assert!(cfg.upstreams[0].matches("gpt-4o"));
+    }
+
+    #[test]
+    fn unknown_key_is_named_with_its_path() {
+        let e = problems(
+            "[server]\nlisten = \"127.0.0.1:1\"\nlisen = 3\n[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\n",
+        );
+        assert!(e.contains("server"), "{e}");
+        assert!(e.contains("lisen"), "{e}");
+        let e = problems("[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\nmodel=[\"*\"]\n");
+        assert!(e.contains("upstream[0]") && e.contains("model"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_all_reported_with_key_value_and_reason() {
+        let e = problems(
+            "[server]\nlisten = \"nowhere\"\nrequest_timeout_secs = -1\n[[upstream]]\nname=\"a\"\nbase_url=\"ftp://x\"\nauth=\"basic\"\n",
+        );
+        assert!(e.contains("server.listen: \"nowhere\""), "{e}");
+        assert!(e.contains("server.request_timeout_secs: -1"), "{e}");
+        assert!(
+            e.contains("upstream[0].base_url: \"ftp://x\" — must start with http"),
+            "{e}"
+        );
+        assert!(e.contains("upstream[0].auth: \"basic\""), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let e = problems(
+            "[server]\nmax_body_bytes = \"big\"\n[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\n",
+        );
+        assert!(e.contains("server.max_body_bytes"), "{e}");
+    }
+
+    #[test]
+    fn missing_env_var_is_named() {
+        let e = problems(
+            "[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\napi_key=\"${VISOR_TEST_NOPE}\"\n",
+        );
+        assert!(e.contains("VISOR_TEST_NOPE"), "{e}");
+        assert!(e.contains("upstream[0].api_key"), "{e}");
+    }
+
+    #[test]
+    fn env_vars_are_expanded_and_secrets_never_print() {
+        let env = |n: &str| (n == "KEY").then(|| "sk-secret-value".to_owned());
+        let cfg = Config::from_toml(
+            "[[upstream]]\nname=\"a\"\nbase_url=\"http://x/v1/\"\napi_key=\"${KEY}\"\n",
+            Path::new("t.toml"),
+            &env,
+        );
+        let cfg = cfg.expect("config loads");
+        let key = cfg.upstreams[0].api_key.as_ref().map(Secret::expose);
+        assert_eq!(key, Some("sk-secret-value"));
+        assert_eq!(cfg.upstreams[0].base_url, "http://x/v1");
+        let printed = format!("{cfg:?}");
+        assert!(!printed.contains("sk-secret-value"), "{printed}");
+        assert!(printed.contains("*****"));
+    }
+
+    #[test]
+    fn no_upstream_is_an_error() {
+        assert!(problems("").contains("at least one [[upstream]]"));
+    }
+}

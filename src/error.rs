@@ -1,0 +1,162 @@
+//! The one error type at the boundary: every error visor itself answers with.
+//!
+//! Each variant maps, exhaustively and in one place, to an HTTP status, the
+//! OpenAI error body `{"error":{"message","type","param","code"}}`, and a
+//! short static label for metrics and logs. Upstream errors are not here: they
+//! pass through unchanged.
+
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode, header};
+
+#[derive(Debug, thiserror::Error)]
+pub enum VisorError {
+    #[error("request body is not valid JSON: {0}")]
+    InvalidJson(String),
+    #[error("{0}")]
+    BadRequest(&'static str),
+    #[error(
+        "missing or invalid proxy API key (send it as `Authorization: Bearer KEY` or `x-api-key: KEY`)"
+    )]
+    Unauthorized,
+    #[error("no upstream is configured for model `{0}`")]
+    NoRoute(String),
+    #[error("unknown path `{0}`: visor serves /v1/*, /healthz, /readyz, /metrics and /visor/*")]
+    NotFound(String),
+    #[error("request body is larger than the limit of {limit} bytes (server.max_body_bytes)")]
+    BodyTooLarge { limit: u64 },
+    #[error("upstream `{upstream}` is unreachable: {reason}")]
+    UpstreamUnreachable {
+        upstream: String,
+        reason: &'static str,
+    },
+    #[error("upstream `{upstream}` did not answer in time ({which})")]
+    UpstreamTimeout {
+        upstream: String,
+        which: &'static str,
+    },
+    #[error("visor is shutting down and no longer takes requests")]
+    Draining,
+}
+
+impl VisorError {
+    /// (status, OpenAI `type`, `code`) — the exhaustive mapping.
+    fn parts(&self) -> (StatusCode, &'static str, &'static str) {
+        match self {
+            VisorError::InvalidJson(_) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_json",
+            ),
+            VisorError::BadRequest(_) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_request",
+            ),
+            VisorError::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                "invalid_api_key",
+            ),
+            VisorError::NoRoute(_) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+            ),
+            VisorError::NotFound(_) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "unknown_url",
+            ),
+            VisorError::BodyTooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "body_too_large",
+            ),
+            VisorError::UpstreamUnreachable { .. } => (
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "upstream_unreachable",
+            ),
+            VisorError::UpstreamTimeout { .. } => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_error",
+                "upstream_timeout",
+            ),
+            VisorError::Draining => (StatusCode::SERVICE_UNAVAILABLE, "server_error", "draining"),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.parts().0
+    }
+
+    /// Short static label for metrics and logs.
+    pub fn label(&self) -> &'static str {
+        self.parts().2
+    }
+
+    /// The OpenAI-shaped JSON body.
+    pub fn body(&self) -> Bytes {
+        let (_, kind, code) = self.parts();
+        let v = serde_json::json!({
+            "error": {
+                "message": self.to_string(),
+                "type": kind,
+                "param": null,
+                "code": code,
+            }
+        });
+        Bytes::from(v.to_string())
+    }
+
+    pub fn into_response<B: From<Bytes>>(self) -> http::Response<B> {
+        let status = self.status();
+        let mut resp = http::Response::new(B::from(self.body()));
+        *resp.status_mut() = status;
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_has_openai_shape_and_its_status() {
+        let all = [
+            (VisorError::InvalidJson("eof".into()), 400),
+            (VisorError::BadRequest("bad path"), 400),
+            (VisorError::Unauthorized, 401),
+            (VisorError::NoRoute("m".into()), 404),
+            (VisorError::NotFound("/x".into()), 404),
+            (VisorError::BodyTooLarge { limit: 1 }, 413),
+            (
+                VisorError::UpstreamUnreachable {
+                    upstream: "u".into(),
+                    reason: "connection refused",
+                },
+                502,
+            ),
+            (
+                VisorError::UpstreamTimeout {
+                    upstream: "u".into(),
+                    which: "first byte",
+                },
+                504,
+            ),
+            (VisorError::Draining, 503),
+        ];
+        for (err, status) in all {
+            assert_eq!(err.status().as_u16(), status, "{err:?}");
+            let v: serde_json::Value = serde_json::from_slice(&err.body()).unwrap();
+            let e = &v["error"];
+            assert!(!e["message"].as_str().unwrap().is_empty());
+            assert!(e["type"].is_string());
+            assert_eq!(e["code"].as_str(), Some(err.label()));
+        }
+    }
+}

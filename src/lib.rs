@@ -1,0 +1,18 @@
+//! visor: a transparent, streaming reverse proxy for OpenAI-compatible APIs.
+//!
+//! A request enters through the tower stack in [`proxy::stack`] (request id,
+//! trace span, proxy keys, router). The router answers visor's own endpoints
+//! or forwards: it reads the body only where it must (the transformed
+//! endpoints, or to find `model` when routing depends on it), picks the
+//! upstream by the `model` glob tables in [`config`], sends the request
+//! through the pooled client in [`upstream`], and passes the response back
+//! chunk by chunk through one observing body that records [`metrics`].
+//! Every error visor makes itself is one [`error::VisorError`], answered in
+//! the OpenAI error shape.
+
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod proxy;
+pub mod server;
+pub mod upstream;

@@ -1,0 +1,271 @@
+//! Response bodies: visor's own answers, and upstream bodies passed through
+//! one observing wrapper.
+//!
+//! [`ObservedBody`] forwards each upstream frame the moment it arrives (no
+//! re-framing, `[DONE]` untouched) and on the side: stamps the first byte,
+//! reads `usage`, enforces the idle-gap and total deadlines, and reports one
+//! [`Outcome`] — at end of stream, on an upstream error, or on drop when the
+//! client went away. Dropping it drops the upstream body, which closes (HTTP/1)
+//! or resets (HTTP/2) the upstream request: a disconnecting client cancels it.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use tokio::time::{Instant, Sleep};
+
+use crate::metrics::Metrics;
+use crate::proxy::usage::UsageObserver;
+use crate::upstream::BoxError;
+
+/// Every response visor writes.
+pub enum ProxyBody {
+    Full(Full<Bytes>),
+    Upstream(Box<ObservedBody>),
+}
+
+impl From<Bytes> for ProxyBody {
+    fn from(b: Bytes) -> Self {
+        ProxyBody::Full(Full::new(b))
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            ProxyBody::Full(f) => Pin::new(f).poll_frame(cx).map_err(|e| match e {}),
+            ProxyBody::Upstream(o) => Pin::new(o.as_mut()).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Full(f) => f.is_end_stream(),
+            ProxyBody::Upstream(o) => o.inner.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Full(f) => f.size_hint(),
+            ProxyBody::Upstream(o) => o.inner.size_hint(),
+        }
+    }
+}
+
+/// How a response body ended. Reported once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Complete,
+    /// The upstream broke the stream or went quiet; the client's stream is
+    /// cut (HTTP/1.1: no final chunk; HTTP/2: reset).
+    UpstreamError(&'static str),
+    ClientCancelled,
+}
+
+impl Outcome {
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Complete => "complete",
+            Outcome::UpstreamError(kind) => kind,
+            Outcome::ClientCancelled => "client_cancelled",
+        }
+    }
+}
+
+/// Decrements `visor_inflight_requests` when dropped.
+pub struct InflightGuard(Arc<Metrics>);
+
+impl InflightGuard {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        metrics.inflight.inc();
+        Self(metrics)
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.inflight.dec();
+    }
+}
+
+/// What is recorded when the body ends.
+pub struct Finish {
+    pub metrics: Arc<Metrics>,
+    pub upstream: Arc<str>,
+    pub model: String,
+    pub status: u16,
+    pub request_id: String,
+    /// When the request arrived.
+    pub started: Instant,
+    /// When the request was sent upstream.
+    pub sent: Instant,
+    pub inflight: InflightGuard,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("upstream {0}")]
+pub struct StreamCut(&'static str);
+
+pub struct ObservedBody {
+    inner: Incoming,
+    timer: Pin<Box<Sleep>>,
+    idle: Duration,
+    deadline: Instant,
+    first_byte: bool,
+    usage: UsageObserver,
+    finish: Option<Finish>,
+}
+
+impl ObservedBody {
+    pub fn new(
+        inner: Incoming,
+        usage: UsageObserver,
+        idle: Duration,
+        deadline: Instant,
+        finish: Finish,
+    ) -> Self {
+        let first = (Instant::now() + idle).min(deadline);
+        Self {
+            inner,
+            timer: Box::pin(tokio::time::sleep_until(first)),
+            idle,
+            deadline,
+            first_byte: false,
+            usage,
+            finish: Some(finish),
+        }
+    }
+
+    fn stamp_first_byte(&mut self) {
+        if !self.first_byte {
+            self.first_byte = true;
+            if let Some(f) = &self.finish {
+                f.metrics
+                    .first_byte
+                    .with_label_values(&[&f.upstream])
+                    .observe(f.sent.elapsed().as_secs_f64());
+            }
+        }
+    }
+
+    fn report(&mut self, outcome: Outcome) {
+        let Some(f) = self.finish.take() else {
+            return;
+        };
+        let usage = self.usage.finish();
+        let m = &f.metrics;
+        let status = f.status.to_string();
+        m.requests
+            .with_label_values(&[&*f.upstream, f.model.as_str(), status.as_str()])
+            .inc();
+        let elapsed = f.started.elapsed();
+        m.request_duration
+            .with_label_values(&[&f.upstream])
+            .observe(elapsed.as_secs_f64());
+        if usage.prompt > 0 {
+            m.tokens.with_label_values(&["prompt"]).inc_by(usage.prompt);
+        }
+        if usage.completion > 0 {
+            m.tokens
+                .with_label_values(&["completion"])
+                .inc_by(usage.completion);
+        }
+        if let Outcome::UpstreamError(kind) = outcome {
+            m.upstream_error(&f.upstream, kind);
+        }
+        tracing::info!(
+            request_id = %f.request_id,
+            upstream = %f.upstream,
+            model = %f.model,
+            status = f.status,
+            outcome = outcome.label(),
+            prompt_tokens = usage.prompt,
+            completion_tokens = usage.completion,
+            duration_ms = elapsed.as_millis() as u64,
+            "response finished"
+        );
+    }
+}
+
+impl Body for ObservedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.finish.is_none() {
+            // Already ended (an error was returned); stay ended.
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                this.stamp_first_byte();
+                if let Some(data) = frame.data_ref() {
+                    this.usage.observe(data);
+                }
+                let next = (Instant::now() + this.idle).min(this.deadline);
+                this.timer.as_mut().reset(next);
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.report(Outcome::UpstreamError("reset"));
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            Poll::Ready(None) => {
+                this.stamp_first_byte();
+                this.report(Outcome::Complete);
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.timer.as_mut().poll(cx).is_ready() {
+                    let kind = if Instant::now() >= this.deadline {
+                        "request_timeout"
+                    } else {
+                        "idle_timeout"
+                    };
+                    this.report(Outcome::UpstreamError(kind));
+                    return Poll::Ready(Some(Err(Box::new(StreamCut(kind)))));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for ObservedBody {
+    fn drop(&mut self) {
+        if self.finish.is_some() {
+            // hyper stops polling a body whose length is known once it has
+            // all of it; only a body with bytes still to come was cut short.
+            let outcome = if self.inner.is_end_stream() {
+                Outcome::Complete
+            } else {
+                Outcome::ClientCancelled
+            };
+            self.report(outcome);
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! Header rules: hop-by-hop removal, credentials, proxy keys, request ids.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use sha2::{Digest, Sha256};
+
+use crate::config::{AuthMode, Secret, Upstream};
+
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+
+/// Headers that belong to one connection, never forwarded (RFC 9110 §7.6.1).
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Removes hop-by-hop headers, including those the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(*name);
+    }
+}
+
+/// Prepares the client's headers for the upstream: hop-by-hop, `Host` and
+/// `x-visor-*` removed; credentials per the SPEC:
+/// - the upstream has a key → it replaces whatever the client sent;
+/// - visor has proxy keys → the client's key is visor's, never forwarded;
+/// - otherwise the client's `Authorization` / `x-api-key` pass through.
+pub fn upstream_request_headers(
+    headers: &mut HeaderMap,
+    upstream: &Upstream,
+    proxy_keys_set: bool,
+    request_id: &HeaderValue,
+) {
+    strip_hop_by_hop(headers);
+    headers.remove(header::HOST);
+    let visor: Vec<HeaderName> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with("x-visor-"))
+        .cloned()
+        .collect();
+    for k in visor {
+        headers.remove(k);
+    }
+    if upstream.api_key.is_some() || proxy_keys_set {
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(&X_API_KEY);
+    }
+    if let Some(key) = &upstream.api_key {
+        let (name, value) = match upstream.auth {
+            AuthMode::Bearer => (header::AUTHORIZATION, format!("Bearer {}", key.expose())),
+            AuthMode::XApiKey => (X_API_KEY.clone(), key.expose().to_owned()),
+        };
+        if let Ok(mut v) = HeaderValue::from_str(&value) {
+            v.set_sensitive(true);
+            headers.insert(name, v);
+        }
+    }
+    headers.insert(X_REQUEST_ID.clone(), request_id.clone());
+}
+
+/// The proxy's own keys, held as SHA-256 digests and compared in constant
+/// time: every key is compared in full, whatever matched before.
+pub struct ProxyKeys {
+    digests: Vec<[u8; 32]>,
+}
+
+impl ProxyKeys {
+    pub fn new(keys: &[Secret]) -> Self {
+        Self {
+            digests: keys.iter().map(|k| digest(k.expose().as_bytes())).collect(),
+        }
+    }
+
+    pub fn is_set(&self) -> bool {
+        !self.digests.is_empty()
+    }
+
+    /// True when the request carries one of the keys, as
+    /// `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    pub fn accepts(&self, headers: &HeaderMap) -> bool {
+        let bearer = headers.get(header::AUTHORIZATION).and_then(|v| {
+            v.as_bytes()
+                .strip_prefix(b"Bearer ")
+                .map(<[u8]>::trim_ascii)
+        });
+        let x_api_key = headers.get(&X_API_KEY).map(|v| v.as_bytes().trim_ascii());
+        let mut ok = false;
+        for presented in [bearer, x_api_key].into_iter().flatten() {
+            let d = digest(presented);
+            for k in &self.digests {
+                ok |= ct_eq(&d, k);
+            }
+        }
+        ok
+    }
+}
+
+fn digest(b: &[u8]) -> [u8; 32] {
+    Sha256::digest(b).into()
+}
+
+fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// The request id: the client's `x-request-id` when it is short printable
+/// ASCII, else a new random one.
+pub fn request_id(headers: &HeaderMap) -> HeaderValue {
+    if let Some(v) = headers.get(&X_REQUEST_ID)
+        && !v.is_empty()
+        && v.len() <= 128
+        && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
+    {
+        return v.clone();
+    }
+    new_request_id()
+}
+
+fn new_request_id() -> HeaderValue {
+    use std::hash::{BuildHasher, RandomState};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        static SEED: RandomState = RandomState::new();
+    }
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let (a, b) = SEED.with(|s| (s.hash_one(n), s.hash_one(!n)));
+    let id = format!("req_{a:016x}{b:016x}");
+    HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn upstream(key: Option<&str>, auth: AuthMode) -> Upstream {
+        Upstream {
+            name: "u".into(),
+            base_url: http::Uri::from_static("http://x/v1"),
+            api_key: key.map(Secret::new),
+            auth,
+            models: vec!["*".into()],
+            matcher: globset::GlobSet::empty(),
+        }
+    }
+
+    fn client_headers() -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, "Bearer sk-client".parse().unwrap());
+        h.insert(
+            header::CONNECTION,
+            "keep-alive, x-secret-hop".parse().unwrap(),
+        );
+        h.insert("x-secret-hop", "1".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert(header::HOST, "visor".parse().unwrap());
+        h.insert("x-visor-vision", "false".parse().unwrap());
+        h.insert("openai-organization", "org-1".parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn hop_by_hop_host_and_visor_headers_dropped() {
+        let mut h = client_headers();
+        let id = HeaderValue::from_static("req_1");
+        upstream_request_headers(&mut h, &upstream(None, AuthMode::Bearer), false, &id);
+        for gone in [
+            "connection",
+            "x-secret-hop",
+            "keep-alive",
+            "host",
+            "x-visor-vision",
+        ] {
+            assert!(h.get(gone).is_none(), "{gone} kept");
+        }
+        assert_eq!(h["openai-organization"], "org-1");
+        assert_eq!(h[header::AUTHORIZATION], "Bearer sk-client");
+        assert_eq!(h[&X_REQUEST_ID], "req_1");
+    }
+
+    #[test]
+    fn upstream_key_replaces_client_key() {
+        let id = HeaderValue::from_static("r");
+        let mut h = client_headers();
+        upstream_request_headers(
+            &mut h,
+            &upstream(Some("sk-up"), AuthMode::Bearer),
+            false,
+            &id,
+        );
+        assert_eq!(h[header::AUTHORIZATION], "Bearer sk-up");
+        let mut h = client_headers();
+        upstream_request_headers(
+            &mut h,
+            &upstream(Some("sk-ant"), AuthMode::XApiKey),
+            false,
+            &id,
+        );
+        assert!(h.get(header::AUTHORIZATION).is_none());
+        assert_eq!(h[&X_API_KEY], "sk-ant");
+    }
+
+    #[test]
+    fn proxy_key_is_never_forwarded() {
+        let id = HeaderValue::from_static("r");
+        let mut h = client_headers();
+        h.insert(&X_API_KEY, "visor-key".parse().unwrap());
+        upstream_request_headers(&mut h, &upstream(None, AuthMode::Bearer), true, &id);
+        assert!(h.get(header::AUTHORIZATION).is_none());
+        assert!(h.get(&X_API_KEY).is_none());
+    }
+
+    #[test]
+    fn proxy_keys_accept_bearer_or_x_api_key_only_when_equal() {
+        let keys = ProxyKeys::new(&[Secret::new("k1"), Secret::new("k2")]);
+        let mut h = HeaderMap::new();
+        assert!(!keys.accepts(&h));
+        h.insert(header::AUTHORIZATION, "Bearer k2".parse().unwrap());
+        assert!(keys.accepts(&h));
+        h.insert(header::AUTHORIZATION, "Bearer k3".parse().unwrap());
+        assert!(!keys.accepts(&h));
+        h.insert(header::AUTHORIZATION, "k1".parse().unwrap());
+        assert!(!keys.accepts(&h));
+        h.insert(&X_API_KEY, "k1".parse().unwrap());
+        assert!(keys.accepts(&h));
+    }
+
+    #[test]
+    fn request_ids_echoed_when_sane_else_generated_and_unique() {
+        let mut h = HeaderMap::new();
+        h.insert(&X_REQUEST_ID, "abc-123".parse().unwrap());
+        assert_eq!(request_id(&h), "abc-123");
+        h.insert(&X_REQUEST_ID, "has space".parse().unwrap());
+        let a = request_id(&h);
+        assert_ne!(a, "has space");
+        assert_ne!(request_id(&HeaderMap::new()), request_id(&HeaderMap::new()));
+    }
+}

@@ -1,0 +1,280 @@
+//! The service stack: what happens to a request, in order.
+
+pub mod body;
+mod forward;
+pub mod headers;
+pub mod probe;
+mod router;
+pub mod usage;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::task::{Context, Poll};
+
+use http::{HeaderValue, Request, Response};
+use hyper::body::Incoming;
+use tower::{Layer, Service, ServiceBuilder};
+use tracing::Instrument;
+
+use crate::config::Config;
+use crate::error::VisorError;
+use crate::metrics::{Metrics, NO_UPSTREAM};
+use crate::upstream::UpstreamClient;
+use body::ProxyBody;
+use headers::{ProxyKeys, X_REQUEST_ID};
+
+/// What every request handler shares.
+pub struct AppState {
+    pub config: Config,
+    pub metrics: Arc<Metrics>,
+    pub client: UpstreamClient,
+    pub keys: ProxyKeys,
+    /// Set at shutdown: `/readyz` answers 503.
+    pub draining: AtomicBool,
+    /// Upstream names, shared into response bodies for their metrics.
+    pub upstream_names: Vec<Arc<str>>,
+    /// Each upstream's base URL, split once.
+    pub targets: Vec<forward::Target>,
+    /// False when the first upstream takes every model: then the route never
+    /// depends on the body, and bodies visor does not transform are not read.
+    pub route_by_model: bool,
+}
+
+impl AppState {
+    pub fn new(
+        config: Config,
+        metrics: Arc<Metrics>,
+        client: UpstreamClient,
+    ) -> Result<Self, String> {
+        let keys = ProxyKeys::new(&config.server.api_keys);
+        let upstream_names = config
+            .upstreams
+            .iter()
+            .map(|u| Arc::from(u.name.as_str()))
+            .collect();
+        let targets = config
+            .upstreams
+            .iter()
+            .map(|u| {
+                forward::Target::new(&u.base_url)
+                    .ok_or_else(|| format!("upstream {}: base_url has no host", u.name))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let route_by_model = !config.upstreams.first().is_some_and(|u| u.matches_all());
+        if config.upstreams.is_empty() {
+            return Err("no upstream configured".to_owned());
+        }
+        Ok(Self {
+            config,
+            metrics,
+            client,
+            keys,
+            draining: AtomicBool::new(false),
+            upstream_names,
+            targets,
+            route_by_model,
+        })
+    }
+}
+
+/// The request id of this request, put in the extensions by [`RequestId`].
+#[derive(Clone)]
+pub struct RequestIdExt(pub HeaderValue);
+
+type BoxFut = Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible>> + Send>>;
+
+/// Builds the whole request path. Layers, outermost first:
+///
+/// 1. [`RequestId`] — takes a sane `x-request-id` from the client or makes one,
+///    stores it as [`RequestIdExt`] (read by Trace, the proxy, and the upstream
+///    headers), and echoes it on every response.
+/// 2. [`Trace`] — opens the request span (id, method, path) that every log
+///    line of the request is inside. Never logs headers or bodies.
+/// 3. [`Auth`] — when `server.api_keys` is set, `/v1/*` and `/visor/*` need one
+///    of them (`Authorization: Bearer` or `x-api-key`, constant-time compare);
+///    401 otherwise. `/healthz`, `/readyz`, `/metrics` stay open.
+/// 4. the router ([`router::handle`]) — visor's own endpoints, or the proxy:
+///    refuse bad targets (400/404), read or stream the body (413 over the
+///    limit, 400 for invalid JSON on transformed endpoints), pick the upstream
+///    by `model` (404 if none), forward, and answer with the upstream's
+///    response passed through an observing body (metrics, usage, deadlines).
+pub fn stack(
+    state: Arc<AppState>,
+) -> impl Service<Request<Incoming>, Response = Response<ProxyBody>, Error = Infallible, Future = BoxFut>
++ Clone
++ Send
++ 'static {
+    ServiceBuilder::new()
+        .layer(tower::layer::layer_fn(|inner| RequestId { inner }))
+        .layer(tower::layer::layer_fn(|inner| Trace { inner }))
+        .layer(AuthLayer {
+            state: state.clone(),
+        })
+        .service(Router { state })
+}
+
+/// Layer 1: request ids.
+#[derive(Clone)]
+pub struct RequestId<S> {
+    inner: S,
+}
+
+impl<S> Service<Request<Incoming>> for RequestId<S>
+where
+    S: Service<
+            Request<Incoming>,
+            Response = Response<ProxyBody>,
+            Error = Infallible,
+            Future = BoxFut,
+        >,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future = BoxFut;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<Incoming>) -> BoxFut {
+        let id = headers::request_id(req.headers());
+        req.extensions_mut().insert(RequestIdExt(id.clone()));
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let mut resp = fut.await?;
+            resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
+            Ok(resp)
+        })
+    }
+}
+
+/// Layer 2: the request span.
+#[derive(Clone)]
+pub struct Trace<S> {
+    inner: S,
+}
+
+impl<S> Service<Request<Incoming>> for Trace<S>
+where
+    S: Service<
+            Request<Incoming>,
+            Response = Response<ProxyBody>,
+            Error = Infallible,
+            Future = BoxFut,
+        >,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future = BoxFut;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> BoxFut {
+        let id = req
+            .extensions()
+            .get::<RequestIdExt>()
+            .and_then(|r| r.0.to_str().ok().map(str::to_owned))
+            .unwrap_or_default();
+        let span = tracing::info_span!(
+            "request",
+            request_id = %id,
+            method = %req.method(),
+            path = %req.uri().path(),
+        );
+        let fut = self.inner.call(req);
+        Box::pin(
+            async move {
+                let resp = fut.await?;
+                tracing::debug!(status = resp.status().as_u16(), "response head sent");
+                Ok(resp)
+            }
+            .instrument(span),
+        )
+    }
+}
+
+/// Layer 3: proxy keys.
+#[derive(Clone)]
+pub struct AuthLayer {
+    state: Arc<AppState>,
+}
+
+impl<S> Layer<S> for AuthLayer {
+    type Service = Auth<S>;
+
+    fn layer(&self, inner: S) -> Auth<S> {
+        Auth {
+            inner,
+            state: self.state.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Auth<S> {
+    inner: S,
+    state: Arc<AppState>,
+}
+
+impl<S> Service<Request<Incoming>> for Auth<S>
+where
+    S: Service<
+            Request<Incoming>,
+            Response = Response<ProxyBody>,
+            Error = Infallible,
+            Future = BoxFut,
+        >,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future = BoxFut;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> BoxFut {
+        let path = req.uri().path();
+        let guarded = path == "/v1"
+            || path.starts_with("/v1/")
+            || path == "/visor"
+            || path.starts_with("/visor/");
+        if guarded && self.state.keys.is_set() && !self.state.keys.accepts(req.headers()) {
+            let err = VisorError::Unauthorized;
+            tracing::info!(error = err.label(), "refused");
+            self.state
+                .metrics
+                .requests
+                .with_label_values(&[NO_UPSTREAM, "", "401"])
+                .inc();
+            return Box::pin(async move { Ok(err.into_response()) });
+        }
+        self.inner.call(req)
+    }
+}
+
+/// Layer 4: the innermost service.
+#[derive(Clone)]
+pub struct Router {
+    state: Arc<AppState>,
+}
+
+impl Service<Request<Incoming>> for Router {
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future = BoxFut;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> BoxFut {
+        let state = self.state.clone();
+        Box::pin(async move { Ok(router::handle(state, req).await) })
+    }
+}

@@ -1,0 +1,190 @@
+//! Which handler answers: visor's own endpoints, or the proxy.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, Version, header};
+use hyper::body::Incoming;
+
+use super::AppState;
+use super::body::ProxyBody;
+use super::forward;
+use crate::error::VisorError;
+use crate::metrics::NO_UPSTREAM;
+
+pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
+    if let Err(e) = check_target(&req) {
+        return refuse(&state, e);
+    }
+    let path = req.uri().path();
+    match (req.method(), path) {
+        (&Method::GET, "/healthz") => json(StatusCode::OK, r#"{"status":"ok"}"#),
+        (&Method::GET, "/readyz") => {
+            if state.draining.load(Ordering::Relaxed) {
+                json(StatusCode::SERVICE_UNAVAILABLE, r#"{"status":"draining"}"#)
+            } else {
+                json(StatusCode::OK, r#"{"status":"ready"}"#)
+            }
+        }
+        (&Method::GET, "/metrics") => {
+            let mut resp = Response::new(ProxyBody::from(Bytes::from(state.metrics.render())));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            resp
+        }
+        _ if path == "/v1" || path.starts_with("/v1/") => forward::proxy(state, req).await,
+        _ => {
+            let e = VisorError::NotFound(truncate(path, 200));
+            refuse(&state, e)
+        }
+    }
+}
+
+/// An error answered before any upstream was chosen.
+pub fn refuse(state: &AppState, e: VisorError) -> Response<ProxyBody> {
+    tracing::info!(error = e.label(), status = e.status().as_u16(), "refused");
+    state
+        .metrics
+        .requests
+        .with_label_values(&[NO_UPSTREAM, "", e.status().as_str()])
+        .inc();
+    e.into_response()
+}
+
+fn json(status: StatusCode, body: &'static str) -> Response<ProxyBody> {
+    let mut resp = Response::new(ProxyBody::from(Bytes::from_static(body.as_bytes())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_owned(),
+    }
+}
+
+/// No open relay: only origin-form targets under our own prefixes, without
+/// `.` / `..` segments (also percent-encoded, also with `\`).
+fn check_target<B>(req: &Request<B>) -> Result<(), VisorError> {
+    if req.method() == Method::CONNECT {
+        return Err(VisorError::BadRequest(
+            "CONNECT is not supported: visor is not a forward proxy",
+        ));
+    }
+    // HTTP/2 requests always carry :scheme and :authority; for HTTP/1 a
+    // scheme or authority in the target means absolute form.
+    if req.version() < Version::HTTP_2
+        && (req.uri().scheme().is_some() || req.uri().authority().is_some())
+    {
+        return Err(VisorError::BadRequest(
+            "absolute-form request targets are refused: visor only forwards to its configured upstreams",
+        ));
+    }
+    let path = req.uri().path();
+    if !path.starts_with('/') {
+        return Err(VisorError::BadRequest("the request target must be a path"));
+    }
+    if has_dot_segment(path) {
+        return Err(VisorError::BadRequest(
+            "paths with `.` or `..` segments are refused",
+        ));
+    }
+    Ok(())
+}
+
+fn has_dot_segment(path: &str) -> bool {
+    let decoded = percent_decode_lossy(path);
+    decoded
+        .split(['/', '\\'])
+        .any(|seg| seg == "." || seg == "..")
+}
+
+/// Decodes `%XX` escapes (repeatedly, so `%252e` is caught too); invalid
+/// escapes stay as they are.
+fn percent_decode_lossy(s: &str) -> String {
+    let mut cur = s.to_owned();
+    for _ in 0..3 {
+        if !cur.contains('%') {
+            break;
+        }
+        let b = cur.as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'%'
+                && i + 2 < b.len()
+                && let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2]))
+            {
+                out.push(h * 16 + l);
+                i += 3;
+                continue;
+            }
+            out.push(b[i]);
+            i += 1;
+        }
+        let next = String::from_utf8_lossy(&out).into_owned();
+        if next == cur {
+            break;
+        }
+        cur = next;
+    }
+    cur
+}
+
+fn hex(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(target: &str) -> Request<()> {
+        Request::builder().uri(target).body(()).unwrap()
+    }
+
+    #[test]
+    fn dot_segments_refused_in_every_spelling() {
+        for bad in [
+            "/v1/../admin",
+            "/v1/%2e%2e/admin",
+            "/v1/%2E%2e/x",
+            "/v1/.%2e/x",
+            "/v1/%252e%252e/x",
+            "/v1/..%5cx",
+            "/v1/./chat/completions",
+            "/v1/..",
+        ] {
+            assert!(check_target(&req(bad)).is_err(), "{bad} accepted");
+        }
+        for good in [
+            "/v1/chat/completions",
+            "/v1/files/file-..abc",
+            "/v1/models?x=..",
+            "/v1/a..b",
+        ] {
+            assert!(check_target(&req(good)).is_ok(), "{good} refused");
+        }
+    }
+
+    #[test]
+    fn absolute_form_refused_on_http1() {
+        assert!(check_target(&req("http://evil.example/v1/models")).is_err());
+        let mut r = req("http://host/v1/models");
+        *r.version_mut() = Version::HTTP_2;
+        assert!(check_target(&r).is_ok());
+    }
+}

@@ -1,0 +1,265 @@
+//! Reads token `usage` from a response as it passes, without delaying it.
+//!
+//! - A JSON body (non-stream): the chunks are kept by reference (`Bytes` are
+//!   reference-counted, nothing is copied) up to [`MAX_JSON`], and parsed once
+//!   at the end.
+//! - An SSE stream: each complete `data:` line that carries a `"usage":{…}`
+//!   object is parsed; only the unfinished last line of a chunk is copied.
+//!
+//! Shapes understood: OpenAI Chat (`prompt_tokens`/`completion_tokens`),
+//! Responses (`response.usage.input_tokens`/`output_tokens`) and Anthropic
+//! (`message.usage.input_tokens` in `message_start`, cumulative
+//! `usage.output_tokens` in `message_delta`).
+
+use bytes::Bytes;
+use serde_json::Value;
+
+const MAX_JSON: usize = 4 * 1024 * 1024;
+const MAX_LINE: usize = 1024 * 1024;
+
+/// Tokens seen so far.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt: u64,
+    pub completion: u64,
+}
+
+impl Usage {
+    fn merge(&mut self, v: &Value) {
+        let u = if v.get("usage").is_some_and(Value::is_object) {
+            &v["usage"]
+        } else if v.pointer("/response/usage").is_some_and(Value::is_object) {
+            &v["response"]["usage"]
+        } else if v.pointer("/message/usage").is_some_and(Value::is_object) {
+            &v["message"]["usage"]
+        } else {
+            return;
+        };
+        let get = |a: &str, b: &str| u.get(a).or_else(|| u.get(b)).and_then(Value::as_u64);
+        if let Some(p) = get("prompt_tokens", "input_tokens") {
+            self.prompt = self.prompt.max(p);
+        }
+        if let Some(c) = get("completion_tokens", "output_tokens") {
+            self.completion = self.completion.max(c);
+        }
+    }
+}
+
+pub enum UsageObserver {
+    /// Not a body we read (compressed, binary, or too large).
+    Off,
+    Json {
+        chunks: Vec<Bytes>,
+        len: usize,
+    },
+    Sse {
+        partial: Vec<u8>,
+        usage: Usage,
+    },
+}
+
+impl UsageObserver {
+    /// Chooses by the response's `content-type` and `content-encoding`.
+    pub fn for_response(headers: &http::HeaderMap) -> Self {
+        let encoded = headers
+            .get(http::header::CONTENT_ENCODING)
+            .is_some_and(|v| v.as_bytes() != b"identity");
+        if encoded {
+            return UsageObserver::Off;
+        }
+        let ct = headers
+            .get(http::header::CONTENT_TYPE)
+            .map(|v| v.as_bytes())
+            .unwrap_or_default();
+        if contains(ct, b"text/event-stream") {
+            UsageObserver::Sse {
+                partial: Vec::new(),
+                usage: Usage::default(),
+            }
+        } else if contains(ct, b"json") {
+            UsageObserver::Json {
+                chunks: Vec::new(),
+                len: 0,
+            }
+        } else {
+            UsageObserver::Off
+        }
+    }
+
+    pub fn observe(&mut self, data: &Bytes) {
+        match self {
+            UsageObserver::Off => {}
+            UsageObserver::Json { chunks, len } => {
+                *len += data.len();
+                if *len > MAX_JSON {
+                    *self = UsageObserver::Off;
+                } else {
+                    chunks.push(data.clone());
+                }
+            }
+            UsageObserver::Sse { partial, usage } => {
+                let mut rest: &[u8] = data;
+                while let Some(nl) = memchr::memchr(b'\n', rest) {
+                    let line = &rest[..nl];
+                    if partial.is_empty() {
+                        sse_line(line, usage);
+                    } else {
+                        partial.extend_from_slice(line);
+                        sse_line(partial, usage);
+                        partial.clear();
+                    }
+                    rest = &rest[nl + 1..];
+                }
+                if !rest.is_empty() {
+                    if partial.len() + rest.len() > MAX_LINE {
+                        partial.clear();
+                    } else {
+                        partial.extend_from_slice(rest);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The usage found, at the end of the body.
+    pub fn finish(&mut self) -> Usage {
+        match std::mem::replace(self, UsageObserver::Off) {
+            UsageObserver::Off => Usage::default(),
+            UsageObserver::Json { chunks, len } => {
+                let mut usage = Usage::default();
+                let parsed = if chunks.len() == 1 {
+                    serde_json::from_slice::<Value>(&chunks[0])
+                } else {
+                    let mut all = Vec::with_capacity(len);
+                    for c in &chunks {
+                        all.extend_from_slice(c);
+                    }
+                    serde_json::from_slice::<Value>(&all)
+                };
+                if let Ok(v) = parsed {
+                    usage.merge(&v);
+                }
+                usage
+            }
+            UsageObserver::Sse { partial, mut usage } => {
+                sse_line(&partial, &mut usage);
+                usage
+            }
+        }
+    }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    memchr::memmem::find(hay, needle).is_some()
+}
+
+/// Parses one SSE line if it is `data: {…"usage": {…}…}`.
+fn sse_line(line: &[u8], usage: &mut Usage) {
+    let Some(payload) = line.strip_prefix(b"data:") else {
+        return;
+    };
+    let Some(at) = memchr::memmem::find(payload, b"\"usage\"") else {
+        return;
+    };
+    // Skip `"usage"`, whitespace and `:`; only an object is worth parsing
+    // (OpenAI sends `"usage":null` on every chunk but the last).
+    let after = payload[at + 7..]
+        .iter()
+        .position(|b| !(b.is_ascii_whitespace() || *b == b':'))
+        .map(|p| payload[at + 7 + p]);
+    if after != Some(b'{') {
+        return;
+    }
+    if let Ok(v) = serde_json::from_slice::<Value>(payload.trim_ascii()) {
+        usage.merge(&v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(ct: &str) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        h.insert(http::header::CONTENT_TYPE, ct.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn json_usage_across_chunks() {
+        let mut o = UsageObserver::for_response(&headers("application/json"));
+        let body =
+            br#"{"id":"x","usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17}}"#;
+        for c in body.chunks(7) {
+            o.observe(&Bytes::copy_from_slice(c));
+        }
+        assert_eq!(
+            o.finish(),
+            Usage {
+                prompt: 12,
+                completion: 5
+            }
+        );
+    }
+
+    #[test]
+    fn sse_usage_in_final_chunk_split_anywhere() {
+        let stream = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n\
+                      data: {\"choices\":[],\"usage\": {\"prompt_tokens\":9,\"completion_tokens\":3}}\n\n\
+                      data: [DONE]\n\n";
+        for piece in [1, 5, 13, 4096] {
+            let mut o = UsageObserver::for_response(&headers("text/event-stream; charset=utf-8"));
+            for c in stream.as_bytes().chunks(piece) {
+                o.observe(&Bytes::copy_from_slice(c));
+            }
+            assert_eq!(
+                o.finish(),
+                Usage {
+                    prompt: 9,
+                    completion: 3
+                },
+                "piece {piece}"
+            );
+        }
+    }
+
+    #[test]
+    fn anthropic_and_responses_streams() {
+        let anthropic = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n\
+                         event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\n\n";
+        let mut o = UsageObserver::for_response(&headers("text/event-stream"));
+        o.observe(&Bytes::from(anthropic));
+        assert_eq!(
+            o.finish(),
+            Usage {
+                prompt: 25,
+                completion: 15
+            }
+        );
+
+        let responses = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":7,\"output_tokens\":2}}}\n\n";
+        let mut o = UsageObserver::for_response(&headers("text/event-stream"));
+        o.observe(&Bytes::from(responses));
+        assert_eq!(
+            o.finish(),
+            Usage {
+                prompt: 7,
+                completion: 2
+            }
+        );
+    }
+
+    #[test]
+    fn compressed_or_binary_bodies_are_not_read() {
+        let mut h = headers("application/json");
+        h.insert(http::header::CONTENT_ENCODING, "gzip".parse().unwrap());
+        assert!(matches!(
+            UsageObserver::for_response(&h),
+            UsageObserver::Off
+        ));
+        assert!(matches!(
+            UsageObserver::for_response(&headers("audio/mpeg")),
+            UsageObserver::Off
+        ));
+    }
+}
