@@ -129,9 +129,10 @@ fn serve(path: &std::path::Path, listen: Option<SocketAddr>) -> ExitCode {
     };
     let result = runtime.block_on(async move {
         let server = Server::bind(cfg, listen).await?;
+        let shutdown = shutdown_signal()?;
         let addr = server.local_addr()?;
         tracing::info!(%addr, config = %path.display(), "visor listening");
-        server.run(shutdown_signal()).await
+        server.run(shutdown).await
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

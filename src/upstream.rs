@@ -99,11 +99,17 @@ impl Body for UpstreamBody {
             UpstreamBody::Full(None) => SizeHint::with_exact(0),
             UpstreamBody::Stream { prefix, rest } => {
                 let held: u64 = prefix.iter().map(|b| b.len() as u64).sum();
-                let mut hint = rest.as_ref().map(Body::size_hint).unwrap_or_default();
-                hint.set_lower(hint.lower() + held);
-                if let Some(upper) = hint.upper() {
-                    hint.set_upper(upper + held);
+                let inner = match rest {
+                    Some(r) => r.size_hint(),
+                    None => SizeHint::with_exact(0),
+                };
+                // Upper first: a fresh hint's lower bound is 0, so neither
+                // setter can see lower > upper.
+                let mut hint = SizeHint::new();
+                if let Some(upper) = inner.upper() {
+                    hint.set_upper(upper.saturating_add(held));
                 }
+                hint.set_lower(inner.lower().saturating_add(held));
                 hint
             }
         }

@@ -1,0 +1,288 @@
+//! Bad input: each gets a clear OpenAI-shaped error, never a panic or a hang.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const BOUND: Duration = Duration::from_secs(10);
+
+async fn ok_mock() -> MockUpstream {
+    MockUpstream::start(|_| Reply::json(200, r#"{"ok":true}"#)).await
+}
+
+/// Writes `head` (and optionally some body) on a raw socket and reads the
+/// response head and body that visor sends back.
+async fn raw(addr: std::net::SocketAddr, head: &str, body: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    if !body.is_empty() {
+        let _ = s.write_all(body).await;
+    }
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    // Read until the JSON error body has arrived (or the connection closes).
+    let _ = tokio::time::timeout(BOUND, async {
+        loop {
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+            if let Some(pos) = buf.windows(4).position(|w| w == b"\r\n\r\n")
+                && buf[pos..].ends_with(b"}}")
+            {
+                break;
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+#[tokio::test]
+async fn invalid_json_on_chat_completions_is_400_and_never_forwarded() {
+    let mock = ok_mock().await;
+    let visor = Visor::for_mock(&mock, "").await;
+    for body in [
+        &b"{\"model\":\"m\",\"messages\":["[..],
+        b"not json at all",
+        b"",
+        b"[{\"model\":\"m\"}]",
+        b"{\"model\":42}",
+    ] {
+        let (status, _, resp) = send(post_json(
+            &visor.url("/v1/chat/completions"),
+            Bytes::copy_from_slice(body),
+        ))
+        .await;
+        assert_eq!(status, 400, "{}", String::from_utf8_lossy(body));
+        assert_eq!(error_code(&resp), "invalid_json");
+    }
+    assert_eq!(mock.count(), 0);
+}
+
+#[tokio::test]
+async fn body_over_the_limit_is_413_without_reading_it() {
+    let mock = ok_mock().await;
+    let visor = Visor::for_mock(&mock, "").await;
+    // Content-Length says 40 MB; visor answers before a single body byte.
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        40 * 1024 * 1024
+    );
+    let resp = raw(visor.addr, &head, b"").await;
+    assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
+    assert!(resp.contains("\"code\":\"body_too_large\""), "{resp}");
+    assert_eq!(mock.count(), 0);
+}
+
+#[tokio::test]
+async fn chunked_body_over_the_limit_is_413_on_every_endpoint() {
+    let mock = ok_mock().await;
+    let visor = Visor::for_mock(&mock, "[server]\nmax_body_bytes = 1048576\n").await;
+    for path in ["/v1/chat/completions", "/v1/files"] {
+        let mut s = TcpStream::connect(visor.addr).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let (mut rd, mut wr) = s.into_split();
+        // 40 MB in 64 KB chunks; visor may stop reading at any point.
+        let writer = tokio::spawn(async move {
+            let chunk = vec![b'a'; 64 * 1024];
+            for _ in 0..640 {
+                let framed =
+                    [format!("{:x}\r\n", chunk.len()).as_bytes(), &chunk, b"\r\n"].concat();
+                if wr.write_all(&framed).await.is_err() {
+                    return;
+                }
+            }
+            let _ = wr.write_all(b"0\r\n\r\n").await;
+        });
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(BOUND, rd.read_to_end(&mut buf)).await;
+        let resp = String::from_utf8_lossy(&buf);
+        assert!(resp.starts_with("HTTP/1.1 413"), "{path}: {resp}");
+        assert!(resp.contains("body_too_large"), "{path}: {resp}");
+        writer.abort();
+    }
+}
+
+#[tokio::test]
+async fn dot_segments_absolute_targets_and_unknown_prefixes_are_refused() {
+    let mock = ok_mock().await;
+    let visor = Visor::for_mock(&mock, "").await;
+    for path in [
+        "/v1/../admin",
+        "/v1/%2e%2e/secrets",
+        "/v1/chat/%2E%2E/%2e%2e/x",
+    ] {
+        let resp = raw(
+            visor.addr,
+            &format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n"),
+            b"",
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 400"), "{path}: {resp}");
+        assert!(resp.contains("invalid_request"), "{resp}");
+    }
+    let resp = raw(
+        visor.addr,
+        "GET http://169.254.169.254/latest/meta-data HTTP/1.1\r\nhost: 169.254.169.254\r\n\r\n",
+        b"",
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
+    let resp = raw(
+        visor.addr,
+        "CONNECT evil.example:443 HTTP/1.1\r\nhost: evil.example:443\r\n\r\n",
+        b"",
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
+    let (status, _, body) = send(
+        Request::get(visor.url("/v2/models"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(error_code(&body), "unknown_url");
+    assert_eq!(mock.count(), 0, "nothing may reach the upstream");
+}
+
+#[tokio::test]
+async fn a_model_no_upstream_matches_is_404() {
+    let mock = ok_mock().await;
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname=\"only-gpt\"\nbase_url=\"{}/v1\"\nmodels=[\"gpt-*\"]\n",
+        mock.url()
+    ))
+    .await;
+    let (status, _, body) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"llama-3-70b","messages":[]}"#,
+    ))
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(error_code(&body), "model_not_found");
+    assert!(String::from_utf8_lossy(&body).contains("llama-3-70b"));
+    assert_eq!(mock.count(), 0);
+}
+
+#[tokio::test]
+async fn a_closed_upstream_port_is_502() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    }; // closed again here
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname=\"dead\"\nbase_url=\"http://127.0.0.1:{port}/v1\"\n"
+    ))
+    .await;
+    let (status, _, body) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"m","messages":[]}"#,
+    ))
+    .await;
+    assert_eq!(status, 502);
+    assert_eq!(error_code(&body), "upstream_unreachable");
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_upstream_errors_total",
+            &[("upstream", "dead"), ("kind", "connect")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "visor_requests_total",
+            &[("upstream", "dead"), ("status", "502")]
+        ),
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn an_upstream_that_never_answers_is_504() {
+    let mock = MockUpstream::start(|_| Reply::Hang).await;
+    let visor = Visor::for_mock(&mock, "[server]\nfirst_byte_timeout_secs = 0.3\n").await;
+    let (status, _, body) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"m","messages":[]}"#,
+    ))
+    .await;
+    assert_eq!(status, 504);
+    assert_eq!(error_code(&body), "upstream_timeout");
+    // The abandoned upstream request is closed, not left hanging.
+    assert!(mock.wait_closed(1, BOUND).await);
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_upstream_errors_total",
+            &[("kind", "first_byte_timeout")]
+        ),
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn an_upstream_that_closes_without_answering_is_502() {
+    // A raw listener that reads the request and closes the socket.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf).await;
+            drop(s);
+        }
+    });
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname=\"rude\"\nbase_url=\"http://{addr}/v1\"\n"
+    ))
+    .await;
+    let (status, _, body) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"m","messages":[]}"#,
+    ))
+    .await;
+    assert_eq!(status, 502);
+    assert_eq!(error_code(&body), "upstream_unreachable");
+}
+
+#[tokio::test]
+async fn odd_but_valid_requests_still_pass() {
+    let mock = ok_mock().await;
+    let visor = Visor::for_mock(&mock, "").await;
+    // No model, unicode, huge numbers, deep nesting: forwarded as is.
+    let deep = format!(
+        "{{\"messages\":{}1{},\"x\":\"é😀\",\"n\":1e400}}",
+        "[".repeat(100),
+        "]".repeat(100)
+    );
+    let (status, _, _) = send(post_json(&visor.url("/v1/chat/completions"), deep.clone())).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.recorded()[0].body, deep.as_bytes());
+    // Nesting far deeper than any recursion limit: validated without
+    // recursion, so no stack overflow, and forwarded as is.
+    let deeper = format!("{{\"m\":{}1{}}}", "[".repeat(100_000), "]".repeat(100_000));
+    let (status, _, _) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        deeper.clone(),
+    ))
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.recorded()[1].body, deeper.as_bytes());
+}

@@ -1,0 +1,366 @@
+//! Transparency, routing, credentials, own endpoints and metrics, over real
+//! loopback sockets against the mock upstream.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use support::*;
+
+fn ok_chat() -> Reply {
+    Reply::json(
+        200,
+        r#"{"id":"c1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":11,"completion_tokens":4,"total_tokens":15}}"#,
+    )
+}
+
+#[tokio::test]
+async fn untouched_request_reaches_upstream_byte_for_byte() {
+    let mock = MockUpstream::start(|_| ok_chat()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    // Odd spacing, key order, escapes and a 1 KB image: any re-serialisation shows.
+    let fixture = fixture("chat-image-vision-stream.json");
+    let odd = Bytes::from_static(
+        b"{ \"messages\" : [ {\"role\":\"user\",\"content\":\"caf\\u00e9 \\\"q\\\"\"} ],\n\t\"model\":\"gpt-4o\" ,\"temperature\":0.50 }",
+    );
+    for body in [fixture, odd] {
+        let (status, _, _) =
+            send(post_json(&visor.url("/v1/chat/completions"), body.clone())).await;
+        assert_eq!(status, 200);
+        let rec = mock.recorded().pop().unwrap();
+        assert_eq!(rec.body, body, "body changed on the way");
+        assert_eq!(rec.uri.path(), "/v1/chat/completions");
+        assert_eq!(
+            rec.headers["content-length"],
+            body.len().to_string().as_str()
+        );
+    }
+    // A streamed endpoint (not transformed) is byte for byte too.
+    let emb =
+        Bytes::from_static(b"{\"input\": [\"a\",\"b\"], \"model\": \"text-embedding-3-small\"}");
+    let (status, _, _) = send(post_json(&visor.url("/v1/embeddings"), emb.clone())).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.recorded().pop().unwrap().body, emb);
+}
+
+#[tokio::test]
+async fn headers_hop_by_hop_dropped_client_key_forwarded_request_id_echoed() {
+    let mock = MockUpstream::start(|_| ok_chat()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let req = Request::post(visor.url("/v1/chat/completions?api-version=2024-06-01"))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk-client")
+        .header("connection", "keep-alive, x-hop")
+        .header("x-hop", "1")
+        .header("x-visor-vision", "false")
+        .header("openai-organization", "org-7")
+        .header("x-request-id", "trace-abc")
+        .body(Full::new(Bytes::from_static(
+            br#"{"model":"m","messages":[]}"#,
+        )))
+        .unwrap();
+    let (status, headers, _) = send(req).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-request-id"], "trace-abc");
+    assert_eq!(headers["x-visor-images-replaced"], "0");
+    assert_eq!(headers["x-visor-bytes-saved"], "0");
+    let rec = mock.recorded().pop().unwrap();
+    assert_eq!(rec.uri.query(), Some("api-version=2024-06-01"));
+    assert_eq!(rec.headers["authorization"], "Bearer sk-client");
+    assert_eq!(rec.headers["openai-organization"], "org-7");
+    assert_eq!(rec.headers["x-request-id"], "trace-abc");
+    assert!(rec.headers.get("x-hop").is_none());
+    assert!(rec.headers.get("x-visor-vision").is_none());
+    assert_eq!(rec.headers["host"], mock.addr.to_string().as_str());
+
+    // Without a client id, one is generated and forwarded.
+    let (_, headers, _) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"m"}"#,
+    ))
+    .await;
+    let id = headers["x-request-id"].to_str().unwrap().to_owned();
+    assert!(id.starts_with("req_") && id.len() > 20, "{id}");
+    assert_eq!(
+        mock.recorded().pop().unwrap().headers["x-request-id"],
+        id.as_str()
+    );
+}
+
+#[tokio::test]
+async fn upstream_key_replaces_client_key_and_anthropic_kind_uses_x_api_key() {
+    let mock = MockUpstream::start(|_| ok_chat()).await;
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname=\"oai\"\nbase_url=\"{0}/v1\"\nmodels=[\"gpt-*\"]\napi_key=\"sk-upstream\"\n\
+         [[upstream]]\nname=\"ant\"\nbase_url=\"{0}/anthropic/v1\"\nmodels=[\"claude-*\"]\napi_key=\"sk-ant\"\nauth=\"x-api-key\"\n",
+        mock.url()
+    ))
+    .await;
+    let req = |model: &str, path: &str| {
+        Request::post(visor.url(path))
+            .header("authorization", "Bearer sk-client")
+            .header("x-api-key", "sk-client")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(format!(
+                r#"{{"model":"{model}","messages":[]}}"#
+            ))))
+            .unwrap()
+    };
+    send(req("gpt-4o", "/v1/chat/completions")).await;
+    let rec = mock.recorded().pop().unwrap();
+    assert_eq!(rec.headers["authorization"], "Bearer sk-upstream");
+    assert!(rec.headers.get("x-api-key").is_none());
+    send(req("claude-sonnet-4", "/v1/messages")).await;
+    let rec = mock.recorded().pop().unwrap();
+    assert_eq!(rec.uri.path(), "/anthropic/v1/messages");
+    assert_eq!(rec.headers["x-api-key"], "sk-ant");
+    assert!(rec.headers.get("authorization").is_none());
+}
+
+#[tokio::test]
+async fn routes_by_model_glob_and_modelless_requests_go_to_first() {
+    let a = MockUpstream::start(|_| ok_chat()).await;
+    let b = MockUpstream::start(|_| ok_chat()).await;
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname=\"a\"\nbase_url=\"{}/v1\"\nmodels=[\"gpt-*\",\"o[0-9]*\"]\n\
+         [[upstream]]\nname=\"b\"\nbase_url=\"{}/openai\"\nmodels=[\"*\"]\n",
+        a.url(),
+        b.url()
+    ))
+    .await;
+    let chat = |m: &str| format!(r#"{{"model":"{m}","messages":[]}}"#);
+    send(post_json(
+        &visor.url("/v1/chat/completions"),
+        chat("gpt-4o"),
+    ))
+    .await;
+    send(post_json(
+        &visor.url("/v1/chat/completions"),
+        chat("o3-mini"),
+    ))
+    .await;
+    send(post_json(
+        &visor.url("/v1/chat/completions"),
+        chat("llama-3.1-8b"),
+    ))
+    .await;
+    assert_eq!(a.count(), 2);
+    assert_eq!(b.count(), 1);
+    assert_eq!(b.recorded()[0].uri.path(), "/openai/chat/completions");
+
+    // Streamed endpoint: the model comes after a long input and still routes.
+    let long = "x".repeat(200_000);
+    let body = format!(r#"{{"input":"{long}","model":"nomic-embed"}}"#);
+    let (status, _, _) = send(post_json(&visor.url("/v1/embeddings"), body.clone())).await;
+    assert_eq!(status, 200);
+    assert_eq!(b.count(), 2);
+    assert_eq!(b.recorded()[1].body, body.as_bytes());
+
+    // No model: the first upstream, path and query mapped.
+    let (status, _, _) = send(
+        Request::get(visor.url("/v1/models?limit=3"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let rec = a.recorded().pop().unwrap();
+    assert_eq!(rec.uri.to_string(), "/v1/models?limit=3");
+}
+
+#[tokio::test]
+async fn upstream_errors_and_response_headers_pass_through_unchanged() {
+    let gz: &'static [u8] = &[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2, 3, 0xff, 0];
+    let mock = MockUpstream::start(move |r| {
+        if r.uri.path().ends_with("/embeddings") {
+            Reply::Full {
+                status: 200,
+                headers: vec![
+                    ("content-type", "application/json".into()),
+                    ("content-encoding", "gzip".into()),
+                    ("x-ratelimit-remaining-requests", "99".into()),
+                ],
+                body: Bytes::from_static(gz),
+            }
+        } else {
+            Reply::Full {
+                status: 429,
+                headers: vec![
+                    ("content-type", "application/json".into()),
+                    ("retry-after", "7".into()),
+                ],
+                body: Bytes::from_static(
+                    br#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#,
+                ),
+            }
+        }
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let (status, headers, body) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"m"}"#,
+    ))
+    .await;
+    assert_eq!(status, 429);
+    assert_eq!(headers["retry-after"], "7");
+    assert_eq!(
+        body,
+        Bytes::from_static(br#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#)
+    );
+    let (status, headers, body) =
+        send(post_json(&visor.url("/v1/embeddings"), r#"{"model":"m"}"#)).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-encoding"], "gzip");
+    assert_eq!(headers["x-ratelimit-remaining-requests"], "99");
+    assert_eq!(body, Bytes::from_static(gz));
+}
+
+#[tokio::test]
+async fn proxy_keys_guard_v1_and_visor_but_not_health_or_metrics() {
+    let mock = MockUpstream::start(|_| ok_chat()).await;
+    let visor = Visor::for_mock(&mock, "[server]\napi_keys = [\"vk-1\", \"vk-2\"]\n").await;
+    let chat = || r#"{"model":"m","messages":[]}"#;
+
+    let (status, _, body) = send(post_json(&visor.url("/v1/chat/completions"), chat())).await;
+    assert_eq!(status, 401);
+    assert_eq!(error_code(&body), "invalid_api_key");
+
+    let with = |name: &str, value: &str, path: &str| {
+        Request::post(visor.url(path))
+            .header(name, value)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(chat().as_bytes())))
+            .unwrap()
+    };
+    let (status, _, _) = send(with("authorization", "Bearer vk-3", "/v1/chat/completions")).await;
+    assert_eq!(status, 401);
+    let (status, _, _) = send(with("authorization", "vk-1", "/v1/chat/completions")).await;
+    assert_eq!(status, 401, "a key without Bearer is not accepted");
+    let (status, _, _) = send(with("x-api-key", "vk-1", "/visor/sessions/abc")).await;
+    assert_ne!(status, 401);
+    assert_eq!(
+        mock.count(),
+        0,
+        "refused requests must not reach the upstream"
+    );
+
+    let (status, _, _) = send(with("authorization", "Bearer vk-2", "/v1/chat/completions")).await;
+    assert_eq!(status, 200);
+    let (status, _, _) = send(with("x-api-key", "vk-1", "/v1/chat/completions")).await;
+    assert_eq!(status, 200);
+    for rec in mock.recorded() {
+        assert!(
+            rec.headers.get("authorization").is_none(),
+            "proxy key forwarded"
+        );
+        assert!(
+            rec.headers.get("x-api-key").is_none(),
+            "proxy key forwarded"
+        );
+    }
+
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let (status, _, _) = send(
+            Request::get(visor.url(path))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(status, 200, "{path}");
+    }
+}
+
+#[tokio::test]
+async fn own_endpoints_answer() {
+    let mock = MockUpstream::start(|_| ok_chat()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let get = |p: &str| {
+        Request::get(visor.url(p))
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let (status, _, body) = send(get("/healthz")).await;
+    assert_eq!(
+        (status.as_u16(), &body[..]),
+        (200, &br#"{"status":"ok"}"#[..])
+    );
+    let (status, _, body) = send(get("/readyz")).await;
+    assert_eq!(
+        (status.as_u16(), &body[..]),
+        (200, &br#"{"status":"ready"}"#[..])
+    );
+    let (status, headers, _) = send(get("/metrics")).await;
+    assert_eq!(status, 200);
+    assert!(
+        headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    let (status, _, body) = send(get("/admin")).await;
+    assert_eq!(status, 404);
+    assert_eq!(error_code(&body), "unknown_url");
+}
+
+#[tokio::test]
+async fn metrics_count_requests_tokens_and_first_byte() {
+    let mock = MockUpstream::start(|r| {
+        if r.body.windows(14).any(|w| w == b"\"stream\": true") {
+            Reply::sse_chunks(vec![
+                Chunk::Data(Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":null}\n\n")),
+                Chunk::Data(Bytes::from_static(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":100,\"completion_tokens\":20}}\n\n")),
+                Chunk::Data(Bytes::from_static(b"data: [DONE]\n\n")),
+            ])
+        } else {
+            ok_chat()
+        }
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, "").await;
+    send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"gpt-x","messages":[]}"#,
+    ))
+    .await;
+    let (_, _, body) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"gpt-x","stream": true,"messages":[]}"#,
+    ))
+    .await;
+    assert!(body.ends_with(b"data: [DONE]\n\n"));
+    let text = visor.metrics().await;
+    let reqs = metric(
+        &text,
+        "visor_requests_total",
+        &[("upstream", "mock"), ("model", "gpt-x"), ("status", "200")],
+    );
+    assert_eq!(reqs, Some(2.0), "{text}");
+    assert_eq!(
+        metric(&text, "visor_tokens_total", &[("kind", "prompt")]),
+        Some(111.0)
+    );
+    assert_eq!(
+        metric(&text, "visor_tokens_total", &[("kind", "completion")]),
+        Some(24.0)
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "visor_upstream_first_byte_seconds_count",
+            &[("upstream", "mock")]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "visor_request_duration_seconds_count",
+            &[("upstream", "mock")]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(metric(&text, "visor_inflight_requests", &[]), Some(0.0));
+}

@@ -1,0 +1,291 @@
+//! Streaming: chunk by chunk, disconnects, mid-stream failures, deadlines,
+//! backpressure and draining at shutdown.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use support::*;
+use tokio::sync::mpsc;
+
+const BOUND: Duration = Duration::from_secs(5);
+
+/// A mock whose SSE bodies are fed by the test: each request hands its
+/// sender to `senders`.
+async fn fed_mock() -> (MockUpstream, Arc<Mutex<Vec<mpsc::Sender<Chunk>>>>) {
+    let senders = Arc::new(Mutex::new(Vec::new()));
+    let s = senders.clone();
+    let mock = MockUpstream::start(move |_| {
+        let (tx, rx) = mpsc::channel(1);
+        s.lock().unwrap().push(tx);
+        Reply::sse(rx)
+    })
+    .await;
+    (mock, senders)
+}
+
+fn sender(senders: &Arc<Mutex<Vec<mpsc::Sender<Chunk>>>>) -> mpsc::Sender<Chunk> {
+    senders
+        .lock()
+        .unwrap()
+        .last()
+        .cloned()
+        .expect("mock got a request")
+}
+
+async fn open_stream(visor: &Visor) -> http::Response<hyper::body::Incoming> {
+    let req = post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    tokio::time::timeout(BOUND, client().request(req))
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+fn event(i: usize) -> Bytes {
+    Bytes::from(format!(
+        "data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n"
+    ))
+}
+
+#[tokio::test]
+async fn each_chunk_reaches_the_client_before_the_next_is_sent() {
+    let (mock, senders) = fed_mock().await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let resp = open_stream(&visor).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let tx = sender(&senders);
+    let mut body = resp.into_body();
+    for i in 0..5 {
+        tx.send(Chunk::Data(event(i))).await.unwrap();
+        // The mock sends nothing more until the client has this one.
+        let got = next_data(&mut body, BOUND).await.unwrap().unwrap();
+        assert_eq!(got, event(i));
+    }
+    tx.send(Chunk::Data(Bytes::from_static(b"data: [DONE]\n\n")))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_data(&mut body, BOUND).await.unwrap().unwrap(),
+        Bytes::from_static(b"data: [DONE]\n\n")
+    );
+    drop(tx);
+    senders.lock().unwrap().clear();
+    assert_eq!(next_data(&mut body, BOUND).await, Ok(None), "clean end");
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_upstream_request() {
+    let (mock, senders) = fed_mock().await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let resp = open_stream(&visor).await;
+    let tx = sender(&senders);
+    tx.send(Chunk::Data(event(0))).await.unwrap();
+    let mut body = resp.into_body();
+    next_data(&mut body, BOUND).await.unwrap().unwrap();
+    let closed_before = mock.closed.load(std::sync::atomic::Ordering::SeqCst);
+    drop(body); // the client goes away mid-stream
+    assert!(
+        mock.wait_closed(closed_before + 1, BOUND).await,
+        "the upstream connection was not closed after the client left"
+    );
+    let text = visor.metrics().await;
+    assert_eq!(metric(&text, "visor_inflight_requests", &[]), Some(0.0));
+}
+
+#[tokio::test]
+async fn upstream_failing_mid_stream_cuts_the_client_stream_without_done() {
+    let mock = MockUpstream::start(|_| {
+        Reply::sse_chunks(vec![
+            Chunk::Data(event(0)),
+            Chunk::Data(event(1)),
+            Chunk::Fail,
+        ])
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let mut body = open_stream(&visor).await.into_body();
+    let mut got = Vec::new();
+    let end = loop {
+        match next_data(&mut body, BOUND).await {
+            Ok(Some(d)) => got.extend_from_slice(&d),
+            other => break other,
+        }
+    };
+    assert!(end.is_err(), "the stream must end abnormally, got {end:?}");
+    let text = String::from_utf8(got).unwrap();
+    assert!(text.contains("t0") && text.contains("t1"), "{text}");
+    assert!(!text.contains("[DONE]"));
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(&m, "visor_upstream_errors_total", &[("kind", "reset")]),
+        Some(1.0),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn idle_gap_deadline_cuts_a_stalled_stream() {
+    let (mock, senders) = fed_mock().await;
+    let visor = Visor::for_mock(&mock, "[server]\nidle_timeout_secs = 0.3\n").await;
+    let resp = open_stream(&visor).await;
+    let tx = sender(&senders);
+    tx.send(Chunk::Data(event(0))).await.unwrap();
+    let mut body = resp.into_body();
+    assert_eq!(
+        next_data(&mut body, BOUND).await.unwrap().unwrap(),
+        event(0)
+    );
+    // Nothing more is sent: visor must cut the stream itself.
+    let end = next_data(&mut body, BOUND).await;
+    assert!(
+        end.is_err() && !end.as_ref().unwrap_err().contains("bound"),
+        "{end:?}"
+    );
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_upstream_errors_total",
+            &[("kind", "idle_timeout")]
+        ),
+        Some(1.0)
+    );
+    drop(tx);
+}
+
+#[tokio::test]
+async fn total_deadline_cuts_a_stream_that_keeps_talking() {
+    let (mock, senders) = fed_mock().await;
+    let visor = Visor::for_mock(&mock, "[server]\nrequest_timeout_secs = 0.5\n").await;
+    let resp = open_stream(&visor).await;
+    let tx = sender(&senders);
+    let feeder = tokio::spawn(async move {
+        for i in 0..200 {
+            if tx.send(Chunk::Data(event(i))).await.is_err() {
+                return i;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        200
+    });
+    let mut body = resp.into_body();
+    let end = loop {
+        match next_data(&mut body, BOUND).await {
+            Ok(Some(_)) => {}
+            other => break other,
+        }
+    };
+    assert!(
+        end.is_err() && !end.as_ref().unwrap_err().contains("bound"),
+        "{end:?}"
+    );
+    let sent = feeder.await.unwrap();
+    assert!(sent < 200, "the upstream stream should have been cancelled");
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_upstream_errors_total",
+            &[("kind", "request_timeout")]
+        ),
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_does_not_read_holds_back_the_upstream() {
+    let (mock, senders) = fed_mock().await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let resp = open_stream(&visor).await;
+    let tx = sender(&senders);
+    const CHUNKS: usize = 512;
+    const SIZE: usize = 64 * 1024; // 32 MiB in all: far more than socket buffers hold
+    let mut feeder = tokio::spawn(async move {
+        let chunk = Bytes::from(vec![b'x'; SIZE]);
+        for _ in 0..CHUNKS {
+            tx.send(Chunk::Data(chunk.clone())).await.unwrap();
+        }
+    });
+    // Without backpressure the feeder would finish at once; it must stall
+    // while the client reads nothing.
+    let stalled = tokio::time::timeout(Duration::from_secs(2), &mut feeder)
+        .await
+        .is_err();
+    assert!(stalled, "the upstream was read ahead of the client");
+    let total = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut body = resp.into_body();
+        let mut n = 0;
+        while let Some(f) = body.frame().await {
+            if let Ok(d) = f.unwrap().into_data() {
+                n += d.len();
+            }
+            if n == CHUNKS * SIZE {
+                break;
+            }
+        }
+        n
+    })
+    .await
+    .unwrap();
+    assert_eq!(total, CHUNKS * SIZE);
+    feeder.await.unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_lets_an_open_stream_finish_then_returns() {
+    let (mock, senders) = fed_mock().await;
+    let mut visor = Visor::for_mock(&mock, "[server]\ndrain_timeout_secs = 10\n").await;
+    let resp = open_stream(&visor).await;
+    let tx = sender(&senders);
+    tx.send(Chunk::Data(event(0))).await.unwrap();
+    let mut body = resp.into_body();
+    next_data(&mut body, BOUND).await.unwrap().unwrap();
+
+    visor.shutdown();
+    // Draining: readiness turns off and new connections are refused…
+    let draining = tokio::time::timeout(BOUND, async {
+        while !visor
+            .state
+            .draining
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(draining.is_ok());
+    let refused = tokio::time::timeout(BOUND, tokio::net::TcpStream::connect(visor.addr))
+        .await
+        .unwrap();
+    assert!(
+        refused.is_err(),
+        "new connections must be refused while draining"
+    );
+    // …while the open stream goes on to its end.
+    tx.send(Chunk::Data(event(1))).await.unwrap();
+    assert_eq!(
+        next_data(&mut body, BOUND).await.unwrap().unwrap(),
+        event(1)
+    );
+    tx.send(Chunk::Data(Bytes::from_static(b"data: [DONE]\n\n")))
+        .await
+        .unwrap();
+    next_data(&mut body, BOUND).await.unwrap().unwrap();
+    drop(tx);
+    senders.lock().unwrap().clear();
+    assert_eq!(next_data(&mut body, BOUND).await, Ok(None));
+    let task = visor.task.take().unwrap();
+    let done = tokio::time::timeout(BOUND, task).await;
+    assert!(
+        matches!(done, Ok(Ok(Ok(())))),
+        "run() must return Ok after draining"
+    );
+}
