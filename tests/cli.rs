@@ -155,3 +155,153 @@ fn serve_exits_zero_on_sigterm() {
     };
     assert_eq!(exit.and_then(|s| s.code()), Some(0), "exit after SIGTERM");
 }
+
+/// Runs the real binary at `RUST_LOG=trace` against a mock upstream, sends
+/// requests carrying keys and a body over HTTP/1.1 and HTTP/2, and checks
+/// that no log line holds a key, an Authorization value or the body.
+#[test]
+fn logs_never_contain_keys_or_bodies() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let upstream = listener.local_addr().unwrap();
+    // A minimal upstream: answer every HTTP/1.1 request with a small JSON body.
+    rt.spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let mut seen = Vec::new();
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                    if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        if seen.len() >= end + 4 + len {
+                            seen.drain(..end + 4 + len);
+                            let body = r#"{"ok":true,"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
+                            let resp = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                                body.len()
+                            );
+                            if s.write_all(resp.as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let path = temp_config(
+        "secrets",
+        &format!(
+            "[server]\napi_keys = [\"${{VISOR_TEST_PROXY_KEY}}\"]\n\
+             [[upstream]]\nname=\"mock\"\nbase_url=\"http://{upstream}/v1\"\napi_key=\"${{VISOR_TEST_UP_KEY}}\"\n"
+        ),
+    );
+    let mut child = visor()
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&path)
+        .env("RUST_LOG", "trace")
+        .env("VISOR_TEST_PROXY_KEY", "vk-SECRET-proxy")
+        .env("VISOR_TEST_UP_KEY", "sk-SECRET-upstream")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut log = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut addr = None;
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        if line.contains("visor listening") {
+            let plain: String = strip_ansi(&line);
+            addr = plain
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr="))
+                .map(str::to_owned);
+        }
+        log.push(line);
+        if addr.is_some() {
+            break;
+        }
+    }
+    let addr = addr.expect("listening address in the log");
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"BODY-SECRET-text"}]}"#;
+    rt.block_on(async {
+        use http_body_util::{BodyExt, Full};
+        // HTTP/1.1 with a Bearer key, and HTTP/2 with x-api-key.
+        let h1 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http::<Full<bytes::Bytes>>();
+        let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http::<Full<bytes::Bytes>>();
+        for (client, name, value) in [
+            (&h1, "authorization", "Bearer vk-SECRET-proxy"),
+            (&h2, "x-api-key", "vk-SECRET-proxy"),
+            (&h1, "authorization", "Bearer sk-SECRET-wrong"),
+        ] {
+            let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
+                .header(name, value)
+                .header("content-type", "application/json")
+                .body(Full::new(bytes::Bytes::from_static(body.as_bytes())))
+                .unwrap();
+            let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+                .await
+                .unwrap()
+                .unwrap();
+            let status = resp.status();
+            let _ = resp.into_body().collect().await;
+            assert!(status == 200 || status == 401, "{status}");
+        }
+    });
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        log.push(line);
+    }
+    let _ = child.wait();
+    let all = log.join("\n");
+    assert!(
+        all.contains("response finished"),
+        "expected request logs:\n{all}"
+    );
+    for secret in ["SECRET"] {
+        assert!(!all.contains(secret), "a secret reached the log:\n{all}");
+    }
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

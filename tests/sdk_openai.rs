@@ -40,7 +40,12 @@ fn venv_python() -> Result<PathBuf, String> {
         ));
     }
     let pip = Command::new(venv.join("bin/pip"))
-        .args(["install", "--quiet", "--disable-pip-version-check", "openai"])
+        .args([
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "openai",
+        ])
         .output()
         .map_err(|e| format!("pip not runnable: {e}"))?;
     if !pip.status.success() || !has_openai(&python) {
@@ -106,7 +111,10 @@ fn chat_reply(req: &Recorded) -> Reply {
             r#"{"object":"list","data":[{"id":"gpt-4o-mini","object":"model","created":1,"owned_by":"mock"}]}"#,
         );
     }
-    let said = body["messages"][0]["content"].as_str().unwrap_or("?").to_owned();
+    let said = body["messages"][0]["content"]
+        .as_str()
+        .unwrap_or("?")
+        .to_owned();
     if body["stream"] == true {
         let mut chunks = Vec::new();
         for word in ["pong", " to ", &said] {
@@ -185,15 +193,32 @@ async fn openai_python_sdk_through_visor() {
     assert_eq!(v["auth_code"], "invalid_api_key");
     assert_eq!(v["notfound_status"], 404);
     assert_eq!(v["notfound_code"], "model_not_found");
-    assert!(v["notfound_message"].as_str().unwrap().contains("no-such-model"));
+    assert!(
+        v["notfound_message"]
+            .as_str()
+            .unwrap()
+            .contains("no-such-model")
+    );
 
     // What reached the upstream: the SDK's own body, no proxy key.
     let recs = mock.recorded();
-    assert_eq!(recs.len(), 3, "two chats and a model list; refused ones never arrive");
+    assert_eq!(
+        recs.len(),
+        3,
+        "two chats and a model list; refused ones never arrive"
+    );
     for r in &recs {
         assert!(r.headers.get("authorization").is_none());
-        assert!(r.headers["user-agent"].to_str().unwrap().starts_with("OpenAI/Python"));
+        assert!(
+            r.headers["user-agent"]
+                .to_str()
+                .unwrap()
+                .starts_with("OpenAI/Python")
+        );
     }
     let text = visor.metrics().await;
-    assert_eq!(metric(&text, "visor_tokens_total", &[("kind", "prompt")]), Some(16.0));
+    assert_eq!(
+        metric(&text, "visor_tokens_total", &[("kind", "prompt")]),
+        Some(16.0)
+    );
 }

@@ -75,6 +75,13 @@ pub fn upstream_request_headers(
             headers.insert(name, v);
         }
     }
+    // Forwarded client credentials are marked sensitive too, so no HTTP/2
+    // frame log or HPACK table ever holds them in the clear.
+    for name in [header::AUTHORIZATION, X_API_KEY.clone()] {
+        if let Some(v) = headers.get_mut(name) {
+            v.set_sensitive(true);
+        }
+    }
     headers.insert(X_REQUEST_ID.clone(), request_id.clone());
 }
 
