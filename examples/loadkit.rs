@@ -153,7 +153,9 @@ async fn first_byte(url: &str, body: Bytes, n: usize) -> Result<(), Box<dyn std:
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     match args.get(1).map(String::as_str) {
         Some("mock") => {
             let addr = args.get(2).map(String::as_str).unwrap_or("127.0.0.1:9100");
@@ -168,7 +170,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let body = Bytes::from(std::fs::read(file)?);
             rt.block_on(first_byte(url, body, n))?;
         }
-        _ => return Err("usage: loadkit mock ADDR [PACE_MS] | loadkit first-byte URL BODY_FILE N".into()),
+        _ => {
+            return Err(
+                "usage: loadkit mock ADDR [PACE_MS] | loadkit first-byte URL BODY_FILE N".into(),
+            );
+        }
     }
     Ok(())
 }

@@ -35,8 +35,10 @@ impl Server {
     pub async fn bind(config: Config, listen: Option<SocketAddr>) -> io::Result<Self> {
         let addr = listen.unwrap_or(config.server.listen);
         let metrics = Arc::new(Metrics::new().map_err(io::Error::other)?);
-        let client = upstream::client(config.server.connect_timeout).map_err(io::Error::other)?;
-        let state = Arc::new(AppState::new(config, metrics, client).map_err(io::Error::other)?);
+        let upstreams =
+            upstream::Upstreams::new(config.server.connect_timeout, config.upstreams.len())
+                .map_err(io::Error::other)?;
+        let state = Arc::new(AppState::new(config, metrics, upstreams).map_err(io::Error::other)?);
         let listener = TcpListener::bind(addr).await?;
         Ok(Self { state, listener })
     }

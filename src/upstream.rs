@@ -1,6 +1,16 @@
 //! The pooled HTTP client to providers, used by the proxy (and later the
 //! describer): keep-alive connections, rustls (ring, webpki roots) for https,
 //! HTTP/2 when the upstream offers it by ALPN, and a connect timeout.
+//!
+//! Two transports behind one [`Upstreams::send`]:
+//! - `http://` upstreams (local inference servers, sidecars) use HTTP/1.1
+//!   connections that are *driven by the request's own task*: the connection
+//!   future is polled from the response body, so a response's bytes go from
+//!   the upstream socket to the client socket without a hop between tasks,
+//!   and chunks that arrived together leave together. Idle connections wait
+//!   in a small pool.
+//! - `https://` upstreams use hyper-util's pooled client (TLS, ALPN h2/h1.1),
+//!   whose connections run in their own tasks.
 
 use std::error::Error as StdError;
 use std::pin::Pin;
@@ -11,11 +21,17 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+use std::sync::Mutex;
+
+use http::{Request, Response};
 use hyper::body::Incoming;
+use hyper::client::conn::http1;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 pub type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -224,5 +240,336 @@ pub fn classify(err: &hyper_util::client::legacy::Error, body_exceeded: bool) ->
         }
     } else {
         SendFailure::Reset
+    }
+}
+
+// ------------------------------------------------------------------ transport
+
+/// Idle inline connections kept per upstream.
+const MAX_IDLE_PER_UPSTREAM: usize = 512;
+/// An idle connection older than this is closed instead of reused.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Chunks that are already there are merged up to this size per write.
+const COALESCE_MAX: usize = 64 * 1024;
+
+/// An HTTP/1.1 connection whose driver is polled by whoever holds it.
+struct InlineConn {
+    tx: http1::SendRequest<UpstreamBody>,
+    conn: http1::Connection<TokioIo<TcpStream>, UpstreamBody>,
+}
+
+impl InlineConn {
+    /// Lets the connection make progress (read, write, notice a close).
+    /// Returns false once the connection has ended.
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+        Pin::new(&mut self.conn).poll(cx).is_pending()
+    }
+
+    /// True when a pooled connection can take a request now.
+    fn usable(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        self.drive(&mut cx) && matches!(self.tx.poll_ready(&mut cx), Poll::Ready(Ok(())))
+    }
+}
+
+struct Pool {
+    idle: Mutex<Vec<Vec<(InlineConn, Instant)>>>,
+}
+
+impl Pool {
+    fn checkout(&self, index: usize) -> Option<InlineConn> {
+        let mut idle = self.idle.lock().ok()?;
+        let list = idle.get_mut(index)?;
+        while let Some((mut c, since)) = list.pop() {
+            if since.elapsed() < IDLE_TIMEOUT && c.usable() {
+                return Some(c);
+            }
+        }
+        None
+    }
+
+    fn checkin(&self, index: usize, mut c: InlineConn) {
+        if !c.usable() {
+            return;
+        }
+        if let Ok(mut idle) = self.idle.lock()
+            && let Some(list) = idle.get_mut(index)
+            && list.len() < MAX_IDLE_PER_UPSTREAM
+        {
+            list.push((c, Instant::now()));
+        }
+    }
+}
+
+/// Where one upstream is reached.
+pub enum Route {
+    /// `http://host:port`: inline HTTP/1.1 connections to this address.
+    Plain { authority: String },
+    /// `https://…`: the pooled TLS client.
+    Tls,
+}
+
+/// The client to every upstream.
+pub struct Upstreams {
+    tls: UpstreamClient,
+    pool: Arc<Pool>,
+    connect_timeout: Duration,
+}
+
+/// What a failed send tells.
+pub struct Failed {
+    pub failure: SendFailure,
+}
+
+impl Upstreams {
+    pub fn new(connect_timeout: Duration, upstreams: usize) -> Result<Self, rustls::Error> {
+        Ok(Self {
+            tls: client(connect_timeout)?,
+            pool: Arc::new(Pool {
+                idle: Mutex::new((0..upstreams).map(|_| Vec::new()).collect()),
+            }),
+            connect_timeout,
+        })
+    }
+
+    /// Sends `req` (absolute URI) to upstream `index` and waits for the
+    /// response head. `exceeded` is the request body's limit flag.
+    pub async fn send(
+        &self,
+        index: usize,
+        route: &Route,
+        req: Request<UpstreamBody>,
+        exceeded: &AtomicBool,
+    ) -> Result<Response<ResponseBody>, Failed> {
+        match route {
+            Route::Tls => match self.tls.request(req).await {
+                Ok(resp) => Ok(resp.map(|body| ResponseBody::new(body, None))),
+                Err(e) => Err(Failed {
+                    failure: classify(&e, exceeded.load(Ordering::Relaxed)),
+                }),
+            },
+            Route::Plain { authority } => self.send_inline(index, authority, req, exceeded).await,
+        }
+    }
+
+    async fn send_inline(
+        &self,
+        index: usize,
+        authority: &str,
+        mut req: Request<UpstreamBody>,
+        exceeded: &AtomicBool,
+    ) -> Result<Response<ResponseBody>, Failed> {
+        // Origin-form target and a Host header, as a client library would.
+        if let Some(pq) = req.uri().path_and_query().cloned()
+            && let Ok(uri) = http::Uri::try_from(pq.as_str())
+        {
+            *req.uri_mut() = uri;
+        }
+        if let Ok(host) = http::HeaderValue::from_str(authority) {
+            req.headers_mut().insert(http::header::HOST, host);
+        }
+        let fail = |failure| Failed { failure };
+        // A pooled connection may have been closed by the upstream a moment
+        // ago; a request it never took is retried once on a new connection.
+        let mut req = Some(req);
+        for attempt in 0..2 {
+            let Some(r) = req.take() else { break };
+            let (mut conn, pooled) = match self.pool.checkout(index) {
+                Some(c) if attempt == 0 => (c, true),
+                _ => (self.connect(authority).await.map_err(fail)?, false),
+            };
+            let mut sending = std::pin::pin!(conn.tx.try_send_request(r));
+            let result = std::future::poll_fn(|cx| {
+                let _ = conn.drive(cx);
+                sending.as_mut().poll(cx)
+            })
+            .await;
+            match result {
+                Ok(resp) => {
+                    let pool = self.pool.clone();
+                    return Ok(resp
+                        .map(|body| ResponseBody::new(body, Some(Inline { conn, pool, index }))));
+                }
+                Err(mut e) => {
+                    if exceeded.load(Ordering::Relaxed) {
+                        return Err(fail(SendFailure::BodyTooLarge));
+                    }
+                    match e.take_message() {
+                        Some(unsent) if pooled => req = Some(unsent),
+                        _ => return Err(fail(SendFailure::Reset)),
+                    }
+                }
+            }
+        }
+        Err(fail(SendFailure::Reset))
+    }
+
+    async fn connect(&self, authority: &str) -> Result<InlineConn, SendFailure> {
+        let stream =
+            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(authority)).await {
+                Err(_) => return Err(SendFailure::ConnectTimeout),
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    return Err(SendFailure::ConnectTimeout);
+                }
+                Ok(Err(_)) => return Err(SendFailure::Connect),
+                Ok(Ok(s)) => s,
+            };
+        let _ = stream.set_nodelay(true);
+        let (tx, conn) = http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|_| SendFailure::Reset)?;
+        Ok(InlineConn { tx, conn })
+    }
+}
+
+/// The inline connection a response body drives, and where it goes back.
+struct Inline {
+    conn: InlineConn,
+    pool: Arc<Pool>,
+    index: usize,
+}
+
+/// An upstream response body. Polling it drives its connection (inline
+/// transport) and merges chunks that are already there into one frame, so
+/// a burst of SSE events becomes one write to the client, never a wait.
+pub struct ResponseBody {
+    body: Incoming,
+    inline: Option<Inline>,
+    /// An error or end seen while merging, reported on the next poll.
+    pending_end: Option<Option<BoxError>>,
+    yielded: bool,
+}
+
+impl ResponseBody {
+    fn new(body: Incoming, inline: Option<Inline>) -> Self {
+        Self {
+            body,
+            inline,
+            pending_end: None,
+            yielded: false,
+        }
+    }
+
+    /// The body ended cleanly: its connection can serve the next request.
+    fn release(&mut self) {
+        if let Some(mut i) = self.inline.take() {
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            let _ = i.conn.drive(&mut cx);
+            i.pool.checkin(i.index, i.conn);
+        }
+    }
+}
+
+impl Drop for ResponseBody {
+    fn drop(&mut self) {
+        // A body read to its end gives its connection back; one dropped
+        // early (the client left) closes it, cancelling the upstream request.
+        if self.pending_end.is_none() && self.body.is_end_stream() {
+            self.release();
+        }
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if let Some(end) = this.pending_end.take() {
+            if end.is_some() && !this.yielded {
+                // Let hyper flush the data merged before the error first: on
+                // a body error it closes the connection without flushing.
+                this.yielded = true;
+                this.pending_end = Some(end);
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            return Poll::Ready(end.map(Err));
+        }
+        let mut merged: Option<bytes::BytesMut> = None;
+        let mut first: Option<Bytes> = None;
+        loop {
+            if let Some(i) = this.inline.as_mut() {
+                let _ = i.conn.drive(cx);
+            }
+            let have =
+                first.as_ref().map_or(0, Bytes::len) + merged.as_ref().map_or(0, |m| m.len());
+            match Pin::new(&mut this.body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => {
+                        let total = have + data.len();
+                        if let Some(m) = merged.as_mut() {
+                            m.extend_from_slice(&data);
+                        } else if let Some(f) = first.take() {
+                            let mut m = bytes::BytesMut::with_capacity(total + 1024);
+                            m.extend_from_slice(&f);
+                            m.extend_from_slice(&data);
+                            merged = Some(m);
+                        } else {
+                            first = Some(data);
+                        }
+                        if this.body.is_end_stream() {
+                            // hyper may not poll a finished body again.
+                            this.release();
+                            break;
+                        }
+                        if total >= COALESCE_MAX {
+                            break;
+                        }
+                    }
+                    Err(trailers) => {
+                        if have == 0 {
+                            return Poll::Ready(Some(Ok(trailers)));
+                        }
+                        // Trailers after merged data: rare; dropped rather
+                        // than reordered (HTTP/1.1 clients ignore them).
+                        break;
+                    }
+                },
+                Poll::Ready(Some(Err(e))) => {
+                    this.inline = None; // a broken connection is not reused
+                    if have == 0 {
+                        return Poll::Ready(Some(Err(Box::new(e))));
+                    }
+                    this.pending_end = Some(Some(Box::new(e)));
+                    break;
+                }
+                Poll::Ready(None) => {
+                    this.release();
+                    if have == 0 {
+                        return Poll::Ready(None);
+                    }
+                    this.pending_end = Some(None);
+                    break;
+                }
+                Poll::Pending => {
+                    if have == 0 {
+                        return Poll::Pending;
+                    }
+                    break;
+                }
+            }
+        }
+        let data = match merged {
+            Some(m) => m.freeze(),
+            None => first.unwrap_or_default(),
+        };
+        Poll::Ready(Some(Ok(Frame::data(data))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.pending_end.is_none() && self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.pending_end.is_some() {
+            return SizeHint::default();
+        }
+        self.body.size_hint()
     }
 }

@@ -364,3 +364,35 @@ async fn metrics_count_requests_tokens_and_first_byte() {
     );
     assert_eq!(metric(&text, "visor_inflight_requests", &[]), Some(0.0));
 }
+
+#[tokio::test]
+async fn upstream_connections_are_kept_alive_and_reused() {
+    let mock = MockUpstream::start(|r| {
+        if r.body.windows(13).any(|w| w == b"\"stream\":true") {
+            Reply::sse_chunks(vec![
+                Chunk::Data(Bytes::from_static(b"data: {}\n\n")),
+                Chunk::Data(Bytes::from_static(b"data: [DONE]\n\n")),
+            ])
+        } else {
+            ok_chat()
+        }
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, "").await;
+    for i in 0..6 {
+        let body = if i % 2 == 0 {
+            r#"{"model":"m","messages":[]}"#
+        } else {
+            r#"{"model":"m","stream":true,"messages":[]}"#
+        };
+        let (status, _, body) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+        assert_eq!(status, 200);
+        assert!(!body.is_empty());
+    }
+    assert_eq!(mock.count(), 6);
+    assert_eq!(
+        mock.connections.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "sequential requests should share one upstream connection"
+    );
+}

@@ -16,12 +16,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
 use crate::metrics::Metrics;
 use crate::proxy::usage::UsageObserver;
-use crate::upstream::BoxError;
+use crate::upstream::{BoxError, ResponseBody};
 
 /// Every response visor writes.
 pub enum ProxyBody {
@@ -119,10 +118,14 @@ pub struct Finish {
 pub struct StreamCut(&'static str);
 
 pub struct ObservedBody {
-    inner: Incoming,
+    inner: ResponseBody,
+    /// Fires at the idle or total deadline. It is not reset per chunk (that
+    /// would touch the timer wheel for every SSE event): chunks only stamp
+    /// `last_data`, and when the timer fires it is re-armed if data came.
     timer: Pin<Box<Sleep>>,
     idle: Duration,
     deadline: Instant,
+    last_data: Instant,
     first_byte: bool,
     usage: UsageObserver,
     finish: Option<Finish>,
@@ -130,18 +133,20 @@ pub struct ObservedBody {
 
 impl ObservedBody {
     pub fn new(
-        inner: Incoming,
+        inner: ResponseBody,
         usage: UsageObserver,
         idle: Duration,
         deadline: Instant,
         finish: Finish,
     ) -> Self {
-        let first = (Instant::now() + idle).min(deadline);
+        let now = Instant::now();
+        let first = (now + idle).min(deadline);
         Self {
             inner,
             timer: Box::pin(tokio::time::sleep_until(first)),
             idle,
             deadline,
+            last_data: now,
             first_byte: false,
             usage,
             finish: Some(finish),
@@ -218,13 +223,12 @@ impl Body for ObservedBody {
                 if let Some(data) = frame.data_ref() {
                     this.usage.observe(data);
                 }
-                let next = (Instant::now() + this.idle).min(this.deadline);
-                this.timer.as_mut().reset(next);
+                this.last_data = Instant::now();
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
                 this.report(Outcome::UpstreamError("reset"));
-                Poll::Ready(Some(Err(Box::new(e))))
+                Poll::Ready(Some(Err(e)))
             }
             Poll::Ready(None) => {
                 this.stamp_first_byte();
@@ -232,11 +236,17 @@ impl Body for ObservedBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.timer.as_mut().poll(cx).is_ready() {
-                    let kind = if Instant::now() >= this.deadline {
+                while this.timer.as_mut().poll(cx).is_ready() {
+                    let now = Instant::now();
+                    let kind = if now >= this.deadline {
                         "request_timeout"
-                    } else {
+                    } else if now >= this.last_data + this.idle {
                         "idle_timeout"
+                    } else {
+                        // Data came since the timer was set: re-arm it.
+                        let next = (this.last_data + this.idle).min(this.deadline);
+                        this.timer.as_mut().reset(next);
+                        continue;
                     };
                     this.report(Outcome::UpstreamError(kind));
                     return Poll::Ready(Some(Err(Box::new(StreamCut(kind)))));

@@ -33,7 +33,7 @@ use super::router::refuse;
 use super::usage::UsageObserver;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
-use crate::upstream::{LimitedIncoming, SendFailure, UpstreamBody, classify};
+use crate::upstream::{LimitedIncoming, SendFailure, UpstreamBody};
 
 /// Endpoints whose JSON body visor reads whole (and, in later stages, rewrites).
 fn is_transformed(method: &Method, rest: &str) -> bool {
@@ -131,10 +131,13 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         tracing::warn!(upstream = %upstream_name, error = e.label(), kind, "upstream request failed");
         e.into_response()
     };
-    let resp = match tokio::time::timeout_at(head_deadline, state.client.request(up_req)).await {
+    let sending = state
+        .upstreams
+        .send(index, &state.routes[index], up_req, &exceeded);
+    let resp = match tokio::time::timeout_at(head_deadline, sending).await {
         Ok(Ok(resp)) => resp,
-        Ok(Err(err)) => {
-            let failure = classify(&err, exceeded.load(std::sync::atomic::Ordering::Relaxed));
+        Ok(Err(failed)) => {
+            let failure = failed.failure;
             let e = match failure {
                 SendFailure::BodyTooLarge => {
                     return refuse(&state, VisorError::BodyTooLarge { limit });

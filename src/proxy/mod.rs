@@ -22,7 +22,7 @@ use tracing::Instrument;
 use crate::config::Config;
 use crate::error::VisorError;
 use crate::metrics::{Metrics, NO_UPSTREAM};
-use crate::upstream::UpstreamClient;
+use crate::upstream::{Route, Upstreams};
 use body::ProxyBody;
 use headers::{ProxyKeys, X_REQUEST_ID};
 
@@ -30,7 +30,7 @@ use headers::{ProxyKeys, X_REQUEST_ID};
 pub struct AppState {
     pub config: Config,
     pub metrics: Arc<Metrics>,
-    pub client: UpstreamClient,
+    pub upstreams: Upstreams,
     pub keys: ProxyKeys,
     /// Set at shutdown: `/readyz` answers 503.
     pub draining: AtomicBool,
@@ -38,6 +38,8 @@ pub struct AppState {
     pub upstream_names: Vec<Arc<str>>,
     /// Each upstream's base URL, split once.
     pub targets: Vec<forward::Target>,
+    /// How each upstream is reached (plain HTTP/1.1 inline, or TLS).
+    pub routes: Vec<Route>,
     /// False when the first upstream takes every model: then the route never
     /// depends on the body, and bodies visor does not transform are not read.
     pub route_by_model: bool,
@@ -47,7 +49,7 @@ impl AppState {
     pub fn new(
         config: Config,
         metrics: Arc<Metrics>,
-        client: UpstreamClient,
+        upstreams: Upstreams,
     ) -> Result<Self, String> {
         let keys = ProxyKeys::new(&config.server.api_keys);
         let upstream_names = config
@@ -63,6 +65,21 @@ impl AppState {
                     .ok_or_else(|| format!("upstream {}: base_url has no host", u.name))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let routes = config
+            .upstreams
+            .iter()
+            .map(
+                |u| match (u.base_url.scheme_str(), u.base_url.authority()) {
+                    (Some("http"), Some(a)) => Route::Plain {
+                        authority: match a.port_u16() {
+                            Some(_) => a.as_str().to_owned(),
+                            None => format!("{}:80", a.host()),
+                        },
+                    },
+                    _ => Route::Tls,
+                },
+            )
+            .collect();
         let route_by_model = !config.upstreams.first().is_some_and(|u| u.matches_all());
         if config.upstreams.is_empty() {
             return Err("no upstream configured".to_owned());
@@ -70,11 +87,12 @@ impl AppState {
         Ok(Self {
             config,
             metrics,
-            client,
+            upstreams,
             keys,
             draining: AtomicBool::new(false),
             upstream_names,
             targets,
+            routes,
             route_by_model,
         })
     }
