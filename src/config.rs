@@ -110,6 +110,9 @@ pub struct RawServer {
     pub data_dir: String,
     #[serde(default)]
     pub api_keys: Vec<Secret>,
+    /// Worker threads, each with its own listener; 0 = one per CPU.
+    #[serde(default)]
+    pub workers: usize,
 }
 
 impl Default for RawServer {
@@ -124,6 +127,7 @@ impl Default for RawServer {
             drain_timeout_secs: default_drain_timeout_secs(),
             data_dir: default_data_dir(),
             api_keys: Vec::new(),
+            workers: 0,
         }
     }
 }
@@ -375,6 +379,7 @@ pub struct Server {
     pub drain_timeout: Duration,
     pub data_dir: PathBuf,
     pub api_keys: Vec<Secret>,
+    pub workers: usize,
 }
 
 /// How an upstream's own key is sent.
@@ -591,7 +596,14 @@ impl RawConfig {
             drain_timeout: secs(&mut p, "server.drain_timeout_secs", s.drain_timeout_secs),
             data_dir: PathBuf::from(&s.data_dir),
             api_keys: s.api_keys.clone(),
+            workers: s.workers,
         };
+        if s.workers > 1024 {
+            p.push(format!(
+                "server.workers: {} — at most 1024 (0 = one per CPU)",
+                s.workers
+            ));
+        }
         for (i, k) in s.api_keys.iter().enumerate() {
             if k.expose().trim().is_empty() {
                 p.push(format!(

@@ -117,7 +117,8 @@ fn serve(path: &std::path::Path, listen: Option<SocketAddr>) -> ExitCode {
     let Some(cfg) = load(path) else {
         return ExitCode::FAILURE;
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+    // Worker 0 runs on this thread; Server::run starts the others.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {

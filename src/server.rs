@@ -1,7 +1,9 @@
 //! Listening, connections, and graceful shutdown.
 //!
-//! Each accepted connection is served by hyper's auto builder (HTTP/1.1, or
-//! HTTP/2 with prior knowledge) and watched by a [`GracefulShutdown`]. On
+//! visor runs one worker per core (`server.workers`), each a single-threaded
+//! runtime with its own listening socket on the shared address. Each accepted
+//! connection is served by hyper's auto builder (HTTP/1.1, or HTTP/2 with
+//! prior knowledge) and watched by its worker's [`GracefulShutdown`]. On
 //! shutdown visor stops accepting, marks itself draining (`/readyz` → 503),
 //! lets in-flight responses (streams included) finish for up to
 //! `server.drain_timeout_secs`, and returns.
@@ -17,7 +19,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
+use tokio::sync::{oneshot, watch};
 
 use crate::config::Config;
 use crate::metrics::Metrics;
@@ -27,24 +30,41 @@ use crate::upstream;
 /// A bound, not yet serving, proxy.
 pub struct Server {
     state: Arc<AppState>,
-    listener: TcpListener,
+    addr: SocketAddr,
+    /// One listening socket per worker, all on `addr` (SO_REUSEPORT): the
+    /// kernel spreads connections over them.
+    listeners: Vec<std::net::TcpListener>,
 }
 
 impl Server {
-    /// Builds the shared state and binds `listen` (or `server.listen`).
+    /// Builds the shared state and binds `listen` (or `server.listen`) once
+    /// per worker.
     pub async fn bind(config: Config, listen: Option<SocketAddr>) -> io::Result<Self> {
         let addr = listen.unwrap_or(config.server.listen);
+        let workers = match config.server.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
         let metrics = Arc::new(Metrics::new().map_err(io::Error::other)?);
         let upstreams =
             upstream::Upstreams::new(config.server.connect_timeout, config.upstreams.len())
                 .map_err(io::Error::other)?;
         let state = Arc::new(AppState::new(config, metrics, upstreams).map_err(io::Error::other)?);
-        let listener = TcpListener::bind(addr).await?;
-        Ok(Self { state, listener })
+        let first = reuseport_listener(addr, workers > 1)?;
+        let addr = first.local_addr()?;
+        let mut listeners = vec![first.into_std()?];
+        for _ in 1..workers {
+            listeners.push(reuseport_listener(addr, true)?.into_std()?);
+        }
+        Ok(Self {
+            state,
+            addr,
+            listeners,
+        })
     }
 
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.listener.local_addr()
+        Ok(self.addr)
     }
 
     pub fn state(&self) -> Arc<AppState> {
@@ -52,54 +72,136 @@ impl Server {
     }
 
     /// Serves until `shutdown` resolves, then drains.
+    ///
+    /// Worker 0 runs on the calling task's runtime; every other worker gets
+    /// an OS thread with a single-threaded runtime of its own. A connection
+    /// lives on one worker from accept to close, and the upstream connections
+    /// it uses are driven by the same task, so a request never waits for a
+    /// wake-up from another thread (thread-per-core, as nginx does it).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
-        let Server { state, listener } = self;
-        let service = TowerToHyperService::new(stack(state.clone()));
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(Duration::from_secs(30));
-        builder.http2().timer(TokioTimer::new());
-        let graceful = GracefulShutdown::new();
-        tokio::pin!(shutdown);
-        loop {
-            tokio::select! {
-                accepted = listener.accept() => {
-                    let (stream, _peer) = match accepted {
-                        Ok(a) => a,
-                        Err(e) => {
-                            // Out of file descriptors and the like: log, back
-                            // off a moment, keep serving.
-                            tracing::warn!(error = %e, "accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    };
-                    let _ = stream.set_nodelay(true);
-                    let conn = builder.serve_connection(TokioIo::new(stream), service.clone());
-                    let conn = graceful.watch(conn.into_owned());
-                    tokio::spawn(async move {
-                        if let Err(e) = conn.await {
-                            tracing::debug!(error = %e, "connection ended with an error");
-                        }
-                    });
-                }
-                () = &mut shutdown => break,
+        let Server {
+            state, listeners, ..
+        } = self;
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut listeners = listeners.into_iter();
+        let first = listeners
+            .next()
+            .ok_or_else(|| io::Error::other("no listener"))?;
+        let mut workers = Vec::new();
+        for (i, listener) in listeners.enumerate() {
+            let (done_tx, done_rx) = oneshot::channel();
+            let (state, stop) = (state.clone(), stop_rx.clone());
+            std::thread::Builder::new()
+                .name(format!("visor-worker-{}", i + 1))
+                .spawn(move || {
+                    let result = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .and_then(|rt| rt.block_on(serve(state, listener, stop)));
+                    let _ = done_tx.send(result);
+                })?;
+            workers.push(done_rx);
+        }
+        let signal = async {
+            shutdown.await;
+            state.draining.store(true, Ordering::Relaxed);
+            let drain = state.config.server.drain_timeout;
+            tracing::info!(
+                drain_secs = drain.as_secs_f64(),
+                "shutting down: draining connections"
+            );
+            let _ = stop_tx.send(true);
+        };
+        let (local, ()) = tokio::join!(serve(state.clone(), first, stop_rx), signal);
+        let mut result = local;
+        for w in workers {
+            match w.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => result = result.and(Err(e)),
+                Err(_) => result = result.and(Err(io::Error::other("a worker thread died"))),
             }
         }
-        drop(listener);
-        state.draining.store(true, Ordering::Relaxed);
-        let drain = state.config.server.drain_timeout;
-        tracing::info!(
-            drain_secs = drain.as_secs_f64(),
-            "shutting down: draining connections"
-        );
+        result
+    }
+}
+
+fn reuseport_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    #[cfg(unix)]
+    if reuse_port {
+        socket.set_reuseport(true)?;
+    }
+    #[cfg(not(unix))]
+    let _ = reuse_port;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+/// One worker: accepts on its listener until told to stop, then drains its
+/// connections for up to `server.drain_timeout_secs`.
+async fn serve(
+    state: Arc<AppState>,
+    listener: std::net::TcpListener,
+    mut stop: watch::Receiver<bool>,
+) -> io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let listener = TcpListener::from_std(listener)?;
+    let service = TowerToHyperService::new(stack(state.clone()));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30));
+    builder.http2().timer(TokioTimer::new());
+    let graceful = GracefulShutdown::new();
+    loop {
         tokio::select! {
-            () = graceful.shutdown() => tracing::info!("all connections closed"),
-            () = tokio::time::sleep(drain) => tracing::warn!("drain timeout reached; closing the rest"),
+            accepted = listener.accept() => {
+                let (stream, _peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of file descriptors and the like: log, back
+                        // off a moment, keep serving.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let conn = builder.serve_connection(TokioIo::new(stream), service.clone());
+                let conn = graceful.watch(conn.into_owned());
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                });
+            }
+            () = stopped(&mut stop) => break,
         }
-        Ok(())
+    }
+    drop(listener);
+    let drain = state.config.server.drain_timeout;
+    tokio::select! {
+        () = graceful.shutdown() => tracing::debug!("worker: all connections closed"),
+        () = tokio::time::sleep(drain) => tracing::warn!("drain timeout reached; closing the rest"),
+    }
+    Ok(())
+}
+
+/// Resolves once the stop flag is set (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    loop {
+        if *stop.borrow_and_update() {
+            return;
+        }
+        if stop.changed().await.is_err() {
+            return;
+        }
     }
 }
 

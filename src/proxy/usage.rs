@@ -12,7 +12,7 @@
 //! `usage.output_tokens` in `message_delta`).
 
 use bytes::Bytes;
-use serde_json::Value;
+use serde::Deserialize;
 
 const MAX_JSON: usize = 4 * 1024 * 1024;
 const MAX_LINE: usize = 1024 * 1024;
@@ -24,22 +24,43 @@ pub struct Usage {
     pub completion: u64,
 }
 
+/// The parts of a response or event that may carry `usage`; everything else
+/// is skipped by serde without being built.
+#[derive(Deserialize, Default)]
+struct Carrier {
+    #[serde(default)]
+    usage: Option<Counts>,
+    #[serde(default)]
+    response: Option<Nested>,
+    #[serde(default)]
+    message: Option<Nested>,
+}
+
+#[derive(Deserialize, Default)]
+struct Nested {
+    #[serde(default)]
+    usage: Option<Counts>,
+}
+
+#[derive(Deserialize, Default)]
+struct Counts {
+    #[serde(default, alias = "input_tokens")]
+    prompt_tokens: Option<u64>,
+    #[serde(default, alias = "output_tokens")]
+    completion_tokens: Option<u64>,
+}
+
 impl Usage {
-    fn merge(&mut self, v: &Value) {
-        let u = if v.get("usage").is_some_and(Value::is_object) {
-            &v["usage"]
-        } else if v.pointer("/response/usage").is_some_and(Value::is_object) {
-            &v["response"]["usage"]
-        } else if v.pointer("/message/usage").is_some_and(Value::is_object) {
-            &v["message"]["usage"]
-        } else {
-            return;
-        };
-        let get = |a: &str, b: &str| u.get(a).or_else(|| u.get(b)).and_then(Value::as_u64);
-        if let Some(p) = get("prompt_tokens", "input_tokens") {
+    fn merge(&mut self, c: Carrier) {
+        let counts = c
+            .usage
+            .or_else(|| c.response.and_then(|r| r.usage))
+            .or_else(|| c.message.and_then(|m| m.usage));
+        let Some(u) = counts else { return };
+        if let Some(p) = u.prompt_tokens {
             self.prompt = self.prompt.max(p);
         }
-        if let Some(c) = get("completion_tokens", "output_tokens") {
+        if let Some(c) = u.completion_tokens {
             self.completion = self.completion.max(c);
         }
     }
@@ -128,16 +149,16 @@ impl UsageObserver {
             UsageObserver::Json { chunks, len } => {
                 let mut usage = Usage::default();
                 let parsed = if chunks.len() == 1 {
-                    serde_json::from_slice::<Value>(&chunks[0])
+                    serde_json::from_slice::<Carrier>(&chunks[0])
                 } else {
                     let mut all = Vec::with_capacity(len);
                     for c in &chunks {
                         all.extend_from_slice(c);
                     }
-                    serde_json::from_slice::<Value>(&all)
+                    serde_json::from_slice::<Carrier>(&all)
                 };
-                if let Ok(v) = parsed {
-                    usage.merge(&v);
+                if let Ok(c) = parsed {
+                    usage.merge(c);
                 }
                 usage
             }
@@ -170,8 +191,8 @@ fn sse_line(line: &[u8], usage: &mut Usage) {
     if after != Some(b'{') {
         return;
     }
-    if let Ok(v) = serde_json::from_slice::<Value>(payload.trim_ascii()) {
-        usage.merge(&v);
+    if let Ok(c) = serde_json::from_slice::<Carrier>(payload.trim_ascii()) {
+        usage.merge(c);
     }
 }
 
