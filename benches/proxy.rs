@@ -1,1 +1,95 @@
-fn main() {}
+//! Hot paths of the proxy core, measured with criterion:
+//!
+//! - `probe/4mb-image`: validate a 4 MB image request and read its model
+//!   (what every transformed request pays before routing).
+//! - `scan/4mb-image-64k-chunks`: the streaming model finder on the same
+//!   body, fed in 64 KiB chunks (bodies visor does not transform).
+//! - `usage/sse-18-events`: the usage observer on a typical short stream.
+//!
+//! `cargo bench --bench proxy`. The 4 MB fixture is made by
+//! `../shared/fixtures/make_fixtures.py --large` into `target/load/` on
+//! first use (python3).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
+
+use std::hint::black_box;
+use std::path::PathBuf;
+
+use bytes::Bytes;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use visor::proxy::probe::{ModelScanner, probe};
+use visor::proxy::usage::UsageObserver;
+
+fn large_fixture() -> Vec<u8> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let dir = root.join("target/load");
+    let path = dir.join("large-image-4mb.json");
+    if !path.exists() {
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            root.join("../shared/fixtures/make_fixtures.py"),
+            dir.join("make_fixtures.py"),
+        )
+        .unwrap();
+        let ok = std::process::Command::new("python3")
+            .arg(dir.join("make_fixtures.py"))
+            .arg("--large")
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "make_fixtures.py --large failed");
+    }
+    std::fs::read(path).unwrap()
+}
+
+fn bench(c: &mut Criterion) {
+    let body = large_fixture();
+    assert_eq!(probe(&body).unwrap().model.as_deref(), Some("gpt-oss-120b"));
+
+    let mut g = c.benchmark_group("probe");
+    g.throughput(Throughput::Bytes(body.len() as u64));
+    g.bench_function("4mb-image", |b| b.iter(|| probe(black_box(&body)).unwrap()));
+    g.finish();
+
+    let chunks: Vec<Bytes> = body.chunks(64 * 1024).map(Bytes::copy_from_slice).collect();
+    let mut g = c.benchmark_group("scan");
+    g.throughput(Throughput::Bytes(body.len() as u64));
+    g.bench_function("4mb-image-64k-chunks", |b| {
+        b.iter(|| {
+            let mut s = ModelScanner::new();
+            for c in &chunks {
+                s.feed(black_box(c));
+                if s.is_done() {
+                    break;
+                }
+            }
+            assert!(s.model().is_some());
+        })
+    });
+    g.finish();
+
+    let mut events: Vec<Bytes> = (0..16)
+        .map(|i| {
+            Bytes::from(format!(
+                "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"token{i} \"}}}}],\"usage\":null}}\n\n"
+            ))
+        })
+        .collect();
+    events.push(Bytes::from_static(
+        b"data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":16}}\n\n",
+    ));
+    events.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    let mut headers = http::HeaderMap::new();
+    headers.insert(http::header::CONTENT_TYPE, "text/event-stream".parse().unwrap());
+    c.bench_function("usage/sse-18-events", |b| {
+        b.iter(|| {
+            let mut o = UsageObserver::for_response(&headers);
+            for e in &events {
+                o.observe(black_box(e));
+            }
+            assert_eq!(o.finish().completion, 16);
+        })
+    });
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -293,3 +293,34 @@ async fn shutdown_lets_an_open_stream_finish_then_returns() {
         "run() must return Ok after draining"
     );
 }
+
+#[tokio::test]
+async fn over_http2_chunks_stream_and_a_mid_stream_failure_resets_the_stream() {
+    let mock = MockUpstream::start(|_| {
+        Reply::sse_chunks(vec![Chunk::Data(event(0)), Chunk::Data(event(1)), Chunk::Fail])
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<http_body_util::Full<Bytes>>();
+    let req = post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"m","stream":true,"messages":[]}"#,
+    );
+    let resp = tokio::time::timeout(BOUND, h2.request(req)).await.unwrap().unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    let end = loop {
+        match next_data(&mut body, BOUND).await {
+            Ok(Some(d)) => got.extend_from_slice(&d),
+            other => break other,
+        }
+    };
+    let text = String::from_utf8(got).unwrap();
+    assert!(text.contains("t0") && text.contains("t1"), "{text}");
+    let err = end.expect_err("the HTTP/2 stream must end with an error");
+    assert!(!err.contains("bound"), "{err}");
+}
