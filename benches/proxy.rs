@@ -79,7 +79,10 @@ fn bench(c: &mut Criterion) {
     ));
     events.push(Bytes::from_static(b"data: [DONE]\n\n"));
     let mut headers = http::HeaderMap::new();
-    headers.insert(http::header::CONTENT_TYPE, "text/event-stream".parse().unwrap());
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        "text/event-stream".parse().unwrap(),
+    );
     c.bench_function("usage/sse-18-events", |b| {
         b.iter(|| {
             let mut o = UsageObserver::for_response(&headers);

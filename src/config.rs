@@ -168,6 +168,10 @@ pub struct RawUpstream {
     pub models: Vec<String>,
     #[serde(default = "default_auth")]
     pub auth: String,
+    /// PEM file of extra CA certificates trusted for this upstream (besides
+    /// the webpki roots), for providers behind a private CA.
+    #[serde(default)]
+    pub ca_file: Option<String>,
 }
 
 fn default_models() -> Vec<String> {
@@ -409,6 +413,8 @@ pub struct Upstream {
     pub auth: AuthMode,
     pub models: Vec<String>,
     pub matcher: GlobSet,
+    /// Extra trusted CA certificates (`ca_file`).
+    pub ca_certs: Vec<rustls::pki_types::CertificateDer<'static>>,
 }
 
 impl Upstream {
@@ -677,6 +683,16 @@ impl RawConfig {
                 }
             }
             let matcher = set.build().unwrap_or_else(|_| GlobSet::empty());
+            let ca_certs = match &u.ca_file {
+                None => Vec::new(),
+                Some(f) => match read_ca_file(f) {
+                    Ok(certs) => certs,
+                    Err(why) => {
+                        p.push(format!("{key}.ca_file: {f:?} — {why}"));
+                        Vec::new()
+                    }
+                },
+            };
             upstreams.push(Upstream {
                 name: u.name.clone(),
                 base_url,
@@ -684,6 +700,7 @@ impl RawConfig {
                 auth,
                 models: u.models.clone(),
                 matcher,
+                ca_certs,
             });
         }
 
@@ -759,6 +776,18 @@ impl RawConfig {
             store: self.store,
         })
     }
+}
+
+fn read_ca_file(path: &str) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
+    use rustls::pki_types::pem::PemObject;
+    let certs = rustls::pki_types::CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("cannot read: {e}"))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("not a PEM certificate file: {e}"))?;
+    if certs.is_empty() {
+        return Err("holds no PEM certificate".to_owned());
+    }
+    Ok(certs)
 }
 
 fn parse_base_url(s: &str) -> Result<Uri, &'static str> {

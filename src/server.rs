@@ -46,9 +46,8 @@ impl Server {
             n => n,
         };
         let metrics = Arc::new(Metrics::new().map_err(io::Error::other)?);
-        let upstreams =
-            upstream::Upstreams::new(config.server.connect_timeout, config.upstreams.len())
-                .map_err(io::Error::other)?;
+        let upstreams = upstream::Upstreams::new(config.server.connect_timeout, &config.upstreams)
+            .map_err(io::Error::other)?;
         let state = Arc::new(AppState::new(config, metrics, upstreams).map_err(io::Error::other)?);
         let first = reuseport_listener(addr, workers > 1)?;
         let addr = first.local_addr()?;

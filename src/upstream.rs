@@ -38,15 +38,30 @@ pub type BoxError = Box<dyn StdError + Send + Sync>;
 /// The one client type: pooled, TLS-capable, over [`UpstreamBody`].
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
 
-/// Builds the pooled client.
-pub fn client(connect_timeout: Duration) -> Result<UpstreamClient, rustls::Error> {
+/// Builds a pooled TLS client trusting the webpki roots plus `extra_roots`.
+pub fn client(
+    connect_timeout: Duration,
+    extra_roots: &[rustls::pki_types::CertificateDer<'static>],
+) -> Result<UpstreamClient, rustls::Error> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_connect_timeout(Some(connect_timeout));
     http.set_nodelay(true);
     http.set_keepalive(Some(Duration::from_secs(60)));
+    let mut roots = rustls::RootCertStore {
+        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+    };
+    for cert in extra_roots {
+        roots.add(cert.clone())?;
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
     let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())?
+        .with_tls_config(tls)
         .https_or_http()
         .enable_http1()
         .enable_http2()
@@ -311,7 +326,9 @@ pub enum Route {
 
 /// The client to every upstream.
 pub struct Upstreams {
-    tls: UpstreamClient,
+    /// One per upstream; those without a `ca_file` share one client (and
+    /// its connection pool).
+    tls: Vec<UpstreamClient>,
     pool: Arc<Pool>,
     connect_timeout: Duration,
 }
@@ -322,11 +339,25 @@ pub struct Failed {
 }
 
 impl Upstreams {
-    pub fn new(connect_timeout: Duration, upstreams: usize) -> Result<Self, rustls::Error> {
+    pub fn new(
+        connect_timeout: Duration,
+        upstreams: &[crate::config::Upstream],
+    ) -> Result<Self, rustls::Error> {
+        let shared = client(connect_timeout, &[])?;
+        let tls = upstreams
+            .iter()
+            .map(|u| {
+                if u.ca_certs.is_empty() {
+                    Ok(shared.clone())
+                } else {
+                    client(connect_timeout, &u.ca_certs)
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
-            tls: client(connect_timeout)?,
+            tls,
             pool: Arc::new(Pool {
-                idle: Mutex::new((0..upstreams).map(|_| Vec::new()).collect()),
+                idle: Mutex::new(upstreams.iter().map(|_| Vec::new()).collect()),
             }),
             connect_timeout,
         })
@@ -342,7 +373,7 @@ impl Upstreams {
         exceeded: &AtomicBool,
     ) -> Result<Response<ResponseBody>, Failed> {
         match route {
-            Route::Tls => match self.tls.request(req).await {
+            Route::Tls => match self.tls[index].request(req).await {
                 Ok(resp) => Ok(resp.map(|body| ResponseBody::new(body, None))),
                 Err(e) => Err(Failed {
                     failure: classify(&e, exceeded.load(Ordering::Relaxed)),

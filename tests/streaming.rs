@@ -297,7 +297,11 @@ async fn shutdown_lets_an_open_stream_finish_then_returns() {
 #[tokio::test]
 async fn over_http2_chunks_stream_and_a_mid_stream_failure_resets_the_stream() {
     let mock = MockUpstream::start(|_| {
-        Reply::sse_chunks(vec![Chunk::Data(event(0)), Chunk::Data(event(1)), Chunk::Fail])
+        Reply::sse_chunks(vec![
+            Chunk::Data(event(0)),
+            Chunk::Data(event(1)),
+            Chunk::Fail,
+        ])
     })
     .await;
     let visor = Visor::for_mock(&mock, "").await;
@@ -308,7 +312,10 @@ async fn over_http2_chunks_stream_and_a_mid_stream_failure_resets_the_stream() {
         &visor.url("/v1/chat/completions"),
         r#"{"model":"m","stream":true,"messages":[]}"#,
     );
-    let resp = tokio::time::timeout(BOUND, h2.request(req)).await.unwrap().unwrap();
+    let resp = tokio::time::timeout(BOUND, h2.request(req))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(resp.version(), http::Version::HTTP_2);
     assert_eq!(resp.status(), 200);
     let mut body = resp.into_body();

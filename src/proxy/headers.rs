@@ -168,6 +168,7 @@ mod tests {
             auth,
             models: vec!["*".into()],
             matcher: globset::GlobSet::empty(),
+            ca_certs: Vec::new(),
         }
     }
 
