@@ -1,9 +1,10 @@
 //! Hot paths of the proxy core, measured with criterion:
 //!
-//! - `probe/4mb-image`: validate a 4 MB image request and read its model
-//!   (what every transformed request pays before routing).
-//! - `scan/4mb-image-64k-chunks`: the streaming model finder on the same
-//!   body, fed in 64 KiB chunks (bodies visor does not transform).
+//! - `probe/4mb-image`: validate a 4 MB image request and read its model,
+//!   in one piece.
+//! - `scan/4mb-image-64k-chunks`: the same in 64 KiB chunks, as a request
+//!   arrives (what every transformed request pays before routing).
+//! - `serde/4mb-image`: `serde_json` checking the same body, for scale.
 //! - `usage/sse-18-events`: the usage observer on a typical short stream.
 //!
 //! `cargo bench --bench proxy`. The 4 MB fixture is made by
@@ -16,7 +17,7 @@ use std::path::PathBuf;
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use visor::proxy::probe::{ModelScanner, probe};
+use visor::proxy::probe::{JsonScanner, probe};
 use visor::proxy::usage::UsageObserver;
 
 fn large_fixture() -> Vec<u8> {
@@ -50,19 +51,23 @@ fn bench(c: &mut Criterion) {
     g.bench_function("4mb-image", |b| b.iter(|| probe(black_box(&body)).unwrap()));
     g.finish();
 
+    let mut g = c.benchmark_group("serde");
+    g.throughput(Throughput::Bytes(body.len() as u64));
+    g.bench_function("4mb-image", |b| {
+        b.iter(|| serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&body)).unwrap())
+    });
+    g.finish();
+
     let chunks: Vec<Bytes> = body.chunks(64 * 1024).map(Bytes::copy_from_slice).collect();
     let mut g = c.benchmark_group("scan");
     g.throughput(Throughput::Bytes(body.len() as u64));
     g.bench_function("4mb-image-64k-chunks", |b| {
         b.iter(|| {
-            let mut s = ModelScanner::new();
+            let mut s = JsonScanner::new();
             for c in &chunks {
                 s.feed(black_box(c));
-                if s.is_done() {
-                    break;
-                }
             }
-            assert!(s.model().is_some());
+            assert!(s.finish().unwrap().model.is_some());
         })
     });
     g.finish();

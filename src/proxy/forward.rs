@@ -19,7 +19,6 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use bytes::{Bytes, BytesMut};
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, Version, header};
 use http_body_util::BodyExt;
@@ -28,7 +27,7 @@ use tokio::time::Instant;
 
 use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
-use super::probe::{ModelScanner, probe};
+use super::probe::JsonScanner;
 use super::router::refuse;
 use super::usage::UsageObserver;
 use super::{AppState, RequestIdExt};
@@ -61,13 +60,9 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let transformed = is_transformed(&parts.method, &rest);
     let exceeded = Arc::new(AtomicBool::new(false));
     let (model, up_body) = if transformed {
-        let bytes = match read_limited(body, limit, &parts.headers).await {
-            Ok(b) => b,
+        match read_validated(body, limit).await {
+            Ok(read) => read,
             Err(e) => return refuse(&state, e),
-        };
-        match probe(&bytes) {
-            Ok(p) => (p.model, UpstreamBody::full(bytes)),
-            Err(why) => return refuse(&state, VisorError::InvalidJson(why)),
         }
     } else if state.route_by_model && carries_json(&parts.method, &parts.headers) {
         match scan_model(body, limit, exceeded.clone()).await {
@@ -229,16 +224,17 @@ fn carries_json(method: &Method, headers: &HeaderMap) -> bool {
             .is_some_and(|v| memchr::memmem::find(v.as_bytes(), b"json").is_some())
 }
 
-/// Reads a whole body, never more than `limit` bytes. This is the one place
-/// a request body is held: the transformed endpoints need all of it.
-async fn read_limited(
+/// Reads a whole body, never more than `limit` bytes, checking it is a
+/// JSON object and finding its model as the chunks arrive. The chunks are
+/// held as they came (no copy) and go upstream as they are. This is the one
+/// place a request body is held whole: the transformed endpoints need all of
+/// it before the request may leave.
+async fn read_validated(
     mut body: Incoming,
     limit: u64,
-    headers: &HeaderMap,
-) -> Result<Bytes, VisorError> {
-    let hint = content_length(headers).unwrap_or(0).min(limit) as usize;
-    let mut first: Option<Bytes> = None;
-    let mut buf = BytesMut::new();
+) -> Result<(Option<String>, UpstreamBody), VisorError> {
+    let mut scanner = JsonScanner::new();
+    let mut chunks = VecDeque::new();
     let mut total: u64 = 0;
     while let Some(frame) = body.frame().await {
         let frame =
@@ -250,18 +246,17 @@ async fn read_limited(
         if total > limit {
             return Err(VisorError::BodyTooLarge { limit });
         }
-        // A body that arrives as one frame is used as is, without a copy.
-        match first.take() {
-            None if buf.is_empty() => first = Some(data),
-            None => buf.extend_from_slice(&data),
-            Some(f) => {
-                buf.reserve(hint.max(f.len() + data.len()));
-                buf.extend_from_slice(&f);
-                buf.extend_from_slice(&data);
-            }
-        }
+        scanner.feed(&data);
+        chunks.push_back(data);
     }
-    Ok(first.unwrap_or_else(|| buf.freeze()))
+    let probed = scanner.finish().map_err(VisorError::InvalidJson)?;
+    Ok((
+        probed.model,
+        UpstreamBody::Stream {
+            prefix: chunks,
+            rest: None,
+        },
+    ))
 }
 
 /// Streams a body while looking for its top-level `model`: chunks are held
@@ -271,11 +266,11 @@ async fn scan_model(
     limit: u64,
     exceeded: Arc<AtomicBool>,
 ) -> Result<(Option<String>, UpstreamBody), VisorError> {
-    let mut scanner = ModelScanner::new();
+    let mut scanner = JsonScanner::new();
     let mut prefix = VecDeque::new();
     let mut held: u64 = 0;
     let mut ended = false;
-    while !scanner.is_done() {
+    while !scanner.found() {
         match body.frame().await {
             None => {
                 ended = true;
