@@ -319,7 +319,10 @@ impl Pool {
 /// Where one upstream is reached.
 pub enum Route {
     /// `http://host:port`: inline HTTP/1.1 connections to this address.
-    Plain { authority: String },
+    Plain {
+        authority: String,
+        host: http::HeaderValue,
+    },
     /// `https://…`: the pooled TLS client.
     Tls,
 }
@@ -379,7 +382,10 @@ impl Upstreams {
                     failure: classify(&e, exceeded.load(Ordering::Relaxed)),
                 }),
             },
-            Route::Plain { authority } => self.send_inline(index, authority, req, exceeded).await,
+            Route::Plain { authority, host } => {
+                self.send_inline(index, authority, host, req, exceeded)
+                    .await
+            }
         }
     }
 
@@ -387,18 +393,15 @@ impl Upstreams {
         &self,
         index: usize,
         authority: &str,
+        host: &http::HeaderValue,
         mut req: Request<UpstreamBody>,
         exceeded: &AtomicBool,
     ) -> Result<Response<ResponseBody>, Failed> {
         // Origin-form target and a Host header, as a client library would.
-        if let Some(pq) = req.uri().path_and_query().cloned()
-            && let Ok(uri) = http::Uri::try_from(pq.as_str())
-        {
-            *req.uri_mut() = uri;
+        if let Some(pq) = req.uri().path_and_query().cloned() {
+            *req.uri_mut() = http::Uri::from(pq);
         }
-        if let Ok(host) = http::HeaderValue::from_str(authority) {
-            req.headers_mut().insert(http::header::HOST, host);
-        }
+        req.headers_mut().insert(http::header::HOST, host.clone());
         let fail = |failure| Failed { failure };
         // A pooled connection may have been closed by the upstream a moment
         // ago; a request it never took is retried once on a new connection.

@@ -105,7 +105,7 @@ pub struct Finish {
     pub upstream: Arc<str>,
     pub model: String,
     pub status: u16,
-    pub request_id: String,
+    pub request_id: http::HeaderValue,
     /// When the request arrived.
     pub started: Instant,
     /// When the request was sent upstream.
@@ -132,18 +132,20 @@ pub struct ObservedBody {
 }
 
 impl ObservedBody {
+    /// `timer` is the request's one timer, re-armed here for the body.
     pub fn new(
         inner: ResponseBody,
         usage: UsageObserver,
         idle: Duration,
         deadline: Instant,
+        mut timer: Pin<Box<Sleep>>,
         finish: Finish,
     ) -> Self {
         let now = Instant::now();
-        let first = (now + idle).min(deadline);
+        timer.as_mut().reset((now + idle).min(deadline));
         Self {
             inner,
-            timer: Box::pin(tokio::time::sleep_until(first)),
+            timer,
             idle,
             deadline,
             last_data: now,
@@ -191,7 +193,7 @@ impl ObservedBody {
             m.upstream_error(&f.upstream, kind);
         }
         tracing::info!(
-            request_id = %f.request_id,
+            request_id = f.request_id.to_str().unwrap_or_default(),
             upstream = %f.upstream,
             model = %f.model,
             status = f.status,

@@ -129,7 +129,14 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let sending = state
         .upstreams
         .send(index, &state.routes[index], up_req, &exceeded);
-    let resp = match tokio::time::timeout_at(head_deadline, sending).await {
+    // The request's one timer: the head deadline now, the body's later.
+    let mut timer = Box::pin(tokio::time::sleep_until(head_deadline));
+    let outcome = tokio::select! {
+        biased;
+        r = sending => Ok(r),
+        () = timer.as_mut() => Err(()),
+    };
+    let resp = match outcome {
         Ok(Ok(resp)) => resp,
         Ok(Err(failed)) => {
             let failure = failed.failure;
@@ -190,12 +197,19 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         upstream: upstream_name,
         model: model_label,
         status: head.status.as_u16(),
-        request_id: request_id.to_str().unwrap_or_default().to_owned(),
+        request_id,
         started,
         sent,
         inflight,
     };
-    let observed = ObservedBody::new(incoming, usage, server.idle_timeout, deadline, finish);
+    let observed = ObservedBody::new(
+        incoming,
+        usage,
+        server.idle_timeout,
+        deadline,
+        timer,
+        finish,
+    );
     Response::from_parts(head, ProxyBody::Upstream(Box::new(observed)))
 }
 

@@ -70,16 +70,18 @@ impl AppState {
             .iter()
             .map(
                 |u| match (u.base_url.scheme_str(), u.base_url.authority()) {
-                    (Some("http"), Some(a)) => Route::Plain {
+                    (Some("http"), Some(a)) => Ok(Route::Plain {
                         authority: match a.port_u16() {
                             Some(_) => a.as_str().to_owned(),
                             None => format!("{}:80", a.host()),
                         },
-                    },
-                    _ => Route::Tls,
+                        host: http::HeaderValue::from_str(a.as_str())
+                            .map_err(|_| format!("upstream {}: invalid host", u.name))?,
+                    }),
+                    _ => Ok(Route::Tls),
                 },
             )
-            .collect();
+            .collect::<Result<Vec<_>, String>>()?;
         let route_by_model = !config.upstreams.first().is_some_and(|u| u.matches_all());
         if config.upstreams.is_empty() {
             return Err("no upstream configured".to_owned());
