@@ -24,6 +24,8 @@ pub enum VisorError {
     NotFound(String),
     #[error("request body is larger than the limit of {limit} bytes (server.max_body_bytes)")]
     BodyTooLarge { limit: u64 },
+    #[error("the request body did not arrive within server.request_timeout_secs")]
+    BodyTimeout,
     #[error("upstream `{upstream}` is unreachable: {reason}")]
     UpstreamUnreachable {
         upstream: String,
@@ -71,6 +73,11 @@ impl VisorError {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "invalid_request_error",
                 "body_too_large",
+            ),
+            VisorError::BodyTimeout => (
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                "request_timeout",
             ),
             VisorError::UpstreamUnreachable { .. } => (
                 StatusCode::BAD_GATEWAY,
@@ -134,6 +141,7 @@ mod tests {
             (VisorError::NoRoute("m".into()), 404),
             (VisorError::NotFound("/x".into()), 404),
             (VisorError::BodyTooLarge { limit: 1 }, 413),
+            (VisorError::BodyTimeout, 408),
             (
                 VisorError::UpstreamUnreachable {
                     upstream: "u".into(),

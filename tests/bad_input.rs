@@ -286,3 +286,71 @@ async fn odd_but_valid_requests_still_pass() {
     assert_eq!(status, 200);
     assert_eq!(mock.recorded()[1].body, deeper.as_bytes());
 }
+
+#[tokio::test]
+async fn a_body_that_never_finishes_arriving_is_408() {
+    let mock = ok_mock().await;
+    let visor = Visor::for_mock(&mock, "[server]\nrequest_timeout_secs = 0.5\n").await;
+    // Promise 100 bytes, send 10, then wait.
+    let mut s = TcpStream::connect(visor.addr).await.unwrap();
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":",
+    )
+    .await
+    .unwrap();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let _ = tokio::time::timeout(BOUND, async {
+        while !buf.ends_with(b"}}") {
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await;
+    let resp = String::from_utf8_lossy(&buf);
+    assert!(resp.starts_with("HTTP/1.1 408"), "{resp}");
+    assert!(resp.contains("request_timeout"), "{resp}");
+    assert_eq!(mock.count(), 0);
+}
+
+#[tokio::test]
+async fn expect_100_continue_is_answered_by_visor_and_not_forwarded() {
+    let mock = ok_mock().await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let body = br#"{"model":"m","messages":[]}"#;
+    let mut s = TcpStream::connect(visor.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nexpect: 100-continue\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(BOUND, s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 100 Continue"));
+    s.write_all(body).await.unwrap();
+    let resp = raw_read(&mut s).await;
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    let rec = mock.recorded().pop().unwrap();
+    assert!(rec.headers.get("expect").is_none());
+    assert_eq!(rec.body, Bytes::from_static(body));
+}
+
+async fn raw_read(s: &mut TcpStream) -> String {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let _ = tokio::time::timeout(BOUND, async {
+        while !buf.ends_with(b"}") {
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&buf).into_owned()
+}

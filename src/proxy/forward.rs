@@ -57,17 +57,23 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     }
 
     // 2. body
+    // A body visor reads before forwarding must arrive within the request's
+    // total deadline (no slow-loris uploads holding a worker's memory).
+    let deadline = started + state.config.server.request_timeout;
     let transformed = is_transformed(&parts.method, &rest);
     let exceeded = Arc::new(AtomicBool::new(false));
     let (model, up_body) = if transformed {
-        match read_validated(body, limit).await {
-            Ok(read) => read,
-            Err(e) => return refuse(&state, e),
+        match tokio::time::timeout_at(deadline, read_validated(body, limit)).await {
+            Ok(Ok(read)) => read,
+            Ok(Err(e)) => return refuse(&state, e),
+            Err(_) => return refuse(&state, VisorError::BodyTimeout),
         }
     } else if state.route_by_model && carries_json(&parts.method, &parts.headers) {
-        match scan_model(body, limit, exceeded.clone()).await {
-            Ok(found) => found,
-            Err(e) => return refuse(&state, e),
+        let scan = scan_model(body, limit, exceeded.clone());
+        match tokio::time::timeout_at(deadline, scan).await {
+            Ok(Ok(found)) => found,
+            Ok(Err(e)) => return refuse(&state, e),
+            Err(_) => return refuse(&state, VisorError::BodyTimeout),
         }
     } else {
         let rest = LimitedIncoming::new(body, limit, exceeded.clone());
@@ -113,7 +119,6 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let up_req = Request::from_parts(parts, up_body);
 
     let server = &state.config.server;
-    let deadline = started + server.request_timeout;
     let sent = Instant::now();
     let head_deadline = (sent + server.first_byte_timeout).min(deadline);
     let fail = |e: VisorError, kind: &'static str| {

@@ -53,6 +53,9 @@ pub fn upstream_request_headers(
 ) {
     strip_hop_by_hop(headers);
     headers.remove(header::HOST);
+    // `Expect: 100-continue` was answered by visor's own server when it read
+    // the body; the upstream gets the body at once.
+    headers.remove(header::EXPECT);
     let visor: Vec<HeaderName> = headers
         .keys()
         .filter(|k| k.as_str().starts_with("x-visor-"))
@@ -184,6 +187,7 @@ mod tests {
         h.insert(header::HOST, "visor".parse().unwrap());
         h.insert("x-visor-vision", "false".parse().unwrap());
         h.insert("openai-organization", "org-1".parse().unwrap());
+        h.insert(header::EXPECT, "100-continue".parse().unwrap());
         h
     }
 
