@@ -206,8 +206,8 @@ async fn a_client_that_does_not_read_holds_back_the_upstream() {
     let visor = Visor::for_mock(&mock, "").await;
     let resp = open_stream(&visor).await;
     let tx = sender(&senders);
-    const CHUNKS: usize = 512;
-    const SIZE: usize = 64 * 1024; // 32 MiB in all: far more than socket buffers hold
+    const CHUNKS: usize = 1024;
+    const SIZE: usize = 64 * 1024; // 64 MiB in all: far more than socket buffers hold
     let mut feeder = tokio::spawn(async move {
         let chunk = Bytes::from(vec![b'x'; SIZE]);
         for _ in 0..CHUNKS {
