@@ -19,26 +19,38 @@ async fn ok_mock() -> MockUpstream {
 }
 
 /// Writes `head` (and optionally some body) on a raw socket and reads the
-/// response head and body that visor sends back.
+/// response visor sends back.
 async fn raw(addr: std::net::SocketAddr, head: &str, body: &[u8]) -> String {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(head.as_bytes()).await.unwrap();
     if !body.is_empty() {
         let _ = s.write_all(body).await;
     }
+    read_response(&mut s).await
+}
+
+/// Reads one HTTP/1.1 response — the head, then a `Content-Length` body —
+/// from a raw socket, within the bound; what came if the socket closes first.
+async fn read_response<R: AsyncReadExt + Unpin>(s: &mut R) -> String {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
-    // Read until the JSON error body has arrived (or the connection closes).
     let _ = tokio::time::timeout(BOUND, async {
         loop {
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                if buf.len() >= end + 4 + len {
+                    buf.truncate(end + 4 + len);
+                    return;
+                }
             }
-            if let Some(pos) = buf.windows(4).position(|w| w == b"\r\n\r\n")
-                && buf[pos..].ends_with(b"}}")
-            {
-                break;
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
         }
     })
@@ -106,9 +118,7 @@ async fn chunked_body_over_the_limit_is_413_on_every_endpoint() {
             }
             let _ = wr.write_all(b"0\r\n\r\n").await;
         });
-        let mut buf = Vec::new();
-        let _ = tokio::time::timeout(BOUND, rd.read_to_end(&mut buf)).await;
-        let resp = String::from_utf8_lossy(&buf);
+        let resp = read_response(&mut rd).await;
         assert!(resp.starts_with("HTTP/1.1 413"), "{path}: {resp}");
         assert!(resp.contains("body_too_large"), "{path}: {resp}");
         writer.abort();
@@ -298,18 +308,7 @@ async fn a_body_that_never_finishes_arriving_is_408() {
     )
     .await
     .unwrap();
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let _ = tokio::time::timeout(BOUND, async {
-        while !buf.ends_with(b"}}") {
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        }
-    })
-    .await;
-    let resp = String::from_utf8_lossy(&buf);
+    let resp = read_response(&mut s).await;
     assert!(resp.starts_with("HTTP/1.1 408"), "{resp}");
     assert!(resp.contains("request_timeout"), "{resp}");
     assert_eq!(mock.count(), 0);
@@ -326,31 +325,12 @@ async fn expect_100_continue_is_answered_by_visor_and_not_forwarded() {
         body.len()
     );
     s.write_all(head.as_bytes()).await.unwrap();
-    let mut buf = [0u8; 256];
-    let n = tokio::time::timeout(BOUND, s.read(&mut buf))
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 100 Continue"));
+    let interim = read_response(&mut s).await;
+    assert!(interim.starts_with("HTTP/1.1 100 Continue"), "{interim}");
     s.write_all(body).await.unwrap();
-    let resp = raw_read(&mut s).await;
+    let resp = read_response(&mut s).await;
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     let rec = mock.recorded().pop().unwrap();
     assert!(rec.headers.get("expect").is_none());
     assert_eq!(rec.body, Bytes::from_static(body));
-}
-
-async fn raw_read(s: &mut TcpStream) -> String {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let _ = tokio::time::timeout(BOUND, async {
-        while !buf.ends_with(b"}") {
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        }
-    })
-    .await;
-    String::from_utf8_lossy(&buf).into_owned()
 }

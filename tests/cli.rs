@@ -21,6 +21,90 @@ fn temp_config(name: &str, text: &str) -> PathBuf {
     path
 }
 
+/// A `visor serve` child process, its log lines, and its address.
+struct Serving {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// Lines read so far.
+    log: Vec<String>,
+    addr: String,
+}
+
+impl Serving {
+    /// Starts `visor serve --listen 127.0.0.1:0 ARGS` and waits (bounded)
+    /// for its "listening" line.
+    fn start(args: &[&str], env: &[(&str, &str)]) -> Serving {
+        let mut cmd = visor();
+        cmd.args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut log = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut addr = None;
+        while addr.is_none() {
+            let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            else {
+                let _ = child.kill();
+                panic!("visor did not report listening:\n{}", log.join("\n"));
+            };
+            if line.contains("visor listening") {
+                addr = line
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("addr="))
+                    .map(str::to_owned);
+            }
+            log.push(line);
+        }
+        Serving {
+            child,
+            lines,
+            log,
+            addr: addr.unwrap_or_default(),
+        }
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the exit; returns its code and
+    /// every log line.
+    fn terminate(mut self) -> (Option<i32>, String) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // The reader thread ends when the process closes stderr.
+        while let Ok(line) = self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            self.log.push(line);
+        }
+        let code = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s.code();
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        (code, self.log.join("\n"))
+    }
+}
+
 #[test]
 fn check_accepts_the_shipped_config_and_prints_routes() {
     let out = visor().arg("check").output().unwrap();
@@ -114,46 +198,10 @@ fn config_from_env_var_and_missing_file() {
 
 #[test]
 fn serve_exits_zero_on_sigterm() {
-    let mut child = visor()
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut listening = false;
-    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        if line.contains("visor listening") {
-            listening = true;
-            break;
-        }
-    }
-    assert!(listening, "visor did not report listening");
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let exit = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break Some(s);
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert_eq!(exit.and_then(|s| s.code()), Some(0), "exit after SIGTERM");
+    let serving = Serving::start(&[], &[("RUST_LOG", "info")]);
+    let (code, log) = serving.terminate();
+    assert_eq!(code, Some(0), "exit after SIGTERM:\n{log}");
+    assert!(log.contains("SIGTERM received"), "{log}");
 }
 
 /// Runs the real binary at `RUST_LOG=trace` against a mock upstream, sends
@@ -208,40 +256,16 @@ fn logs_never_contain_keys_or_bodies() {
              [[upstream]]\nname=\"mock\"\nbase_url=\"http://{upstream}/v1\"\napi_key=\"${{VISOR_TEST_UP_KEY}}\"\n"
         ),
     );
-    let mut child = visor()
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(&path)
-        .env("RUST_LOG", "trace")
-        .env("VISOR_TEST_PROXY_KEY", "vk-SECRET-proxy")
-        .env("VISOR_TEST_UP_KEY", "sk-SECRET-upstream")
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut log = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut addr = None;
-    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        if line.contains("visor listening") {
-            let plain: String = strip_ansi(&line);
-            addr = plain
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("addr="))
-                .map(str::to_owned);
-        }
-        log.push(line);
-        if addr.is_some() {
-            break;
-        }
-    }
-    let addr = addr.expect("listening address in the log");
+    let config = path.to_string_lossy().into_owned();
+    let serving = Serving::start(
+        &["--config", &config],
+        &[
+            ("RUST_LOG", "trace"),
+            ("VISOR_TEST_PROXY_KEY", "vk-SECRET-proxy"),
+            ("VISOR_TEST_UP_KEY", "sk-SECRET-upstream"),
+        ],
+    );
+    let addr = serving.addr.clone();
     let body = r#"{"model":"m","messages":[{"role":"user","content":"BODY-SECRET-text"}]}"#;
     rt.block_on(async {
         use http_body_util::{BodyExt, Full};
@@ -270,37 +294,12 @@ fn logs_never_contain_keys_or_bodies() {
             assert!(status == 200 || status == 401, "{status}");
         }
     });
-    Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        log.push(line);
-    }
-    let _ = child.wait();
-    let all = log.join("\n");
+    let (code, all) = serving.terminate();
+    assert_eq!(code, Some(0));
     assert!(
         all.contains("response finished"),
         "expected request logs:\n{all}"
     );
     // Every key and the body text carry the marker SECRET.
     assert!(!all.contains("SECRET"), "a secret reached the log:\n{all}");
-}
-
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for d in chars.by_ref() {
-                if d.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }

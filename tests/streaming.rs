@@ -48,6 +48,18 @@ async fn open_stream(visor: &Visor) -> http::Response<hyper::body::Incoming> {
         .unwrap()
 }
 
+/// An upstream that sends two events and then breaks the connection.
+async fn breaking_mock() -> MockUpstream {
+    MockUpstream::start(|_| {
+        Reply::sse_chunks(vec![
+            Chunk::Data(event(0)),
+            Chunk::Data(event(1)),
+            Chunk::Fail,
+        ])
+    })
+    .await
+}
+
 fn event(i: usize) -> Bytes {
     Bytes::from(format!(
         "data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n"
@@ -102,25 +114,11 @@ async fn client_disconnect_cancels_the_upstream_request() {
 
 #[tokio::test]
 async fn upstream_failing_mid_stream_cuts_the_client_stream_without_done() {
-    let mock = MockUpstream::start(|_| {
-        Reply::sse_chunks(vec![
-            Chunk::Data(event(0)),
-            Chunk::Data(event(1)),
-            Chunk::Fail,
-        ])
-    })
-    .await;
+    let mock = breaking_mock().await;
     let visor = Visor::for_mock(&mock, "").await;
     let mut body = open_stream(&visor).await.into_body();
-    let mut got = Vec::new();
-    let end = loop {
-        match next_data(&mut body, BOUND).await {
-            Ok(Some(d)) => got.extend_from_slice(&d),
-            other => break other,
-        }
-    };
+    let (text, end) = read_stream(&mut body, BOUND).await;
     assert!(end.is_err(), "the stream must end abnormally, got {end:?}");
-    let text = String::from_utf8(got).unwrap();
     assert!(text.contains("t0") && text.contains("t1"), "{text}");
     assert!(!text.contains("[DONE]"));
     let m = visor.metrics().await;
@@ -177,12 +175,7 @@ async fn total_deadline_cuts_a_stream_that_keeps_talking() {
         200
     });
     let mut body = resp.into_body();
-    let end = loop {
-        match next_data(&mut body, BOUND).await {
-            Ok(Some(_)) => {}
-            other => break other,
-        }
-    };
+    let (_, end) = read_stream(&mut body, BOUND).await;
     assert!(
         end.is_err() && !end.as_ref().unwrap_err().contains("bound"),
         "{end:?}"
@@ -296,14 +289,7 @@ async fn shutdown_lets_an_open_stream_finish_then_returns() {
 
 #[tokio::test]
 async fn over_http2_chunks_stream_and_a_mid_stream_failure_resets_the_stream() {
-    let mock = MockUpstream::start(|_| {
-        Reply::sse_chunks(vec![
-            Chunk::Data(event(0)),
-            Chunk::Data(event(1)),
-            Chunk::Fail,
-        ])
-    })
-    .await;
+    let mock = breaking_mock().await;
     let visor = Visor::for_mock(&mock, "").await;
     let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .http2_only(true)
@@ -319,14 +305,7 @@ async fn over_http2_chunks_stream_and_a_mid_stream_failure_resets_the_stream() {
     assert_eq!(resp.version(), http::Version::HTTP_2);
     assert_eq!(resp.status(), 200);
     let mut body = resp.into_body();
-    let mut got = Vec::new();
-    let end = loop {
-        match next_data(&mut body, BOUND).await {
-            Ok(Some(d)) => got.extend_from_slice(&d),
-            other => break other,
-        }
-    };
-    let text = String::from_utf8(got).unwrap();
+    let (text, end) = read_stream(&mut body, BOUND).await;
     assert!(text.contains("t0") && text.contains("t1"), "{text}");
     let err = end.expect_err("the HTTP/2 stream must end with an error");
     assert!(!err.contains("bound"), "{err}");

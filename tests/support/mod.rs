@@ -446,6 +446,20 @@ pub async fn next_data(body: &mut Incoming, bound: Duration) -> Result<Option<By
     }
 }
 
+/// Reads a streaming body to its end, each frame within `bound`: the bytes,
+/// and how it ended (`Ok` clean, `Err` cut or stalled).
+pub async fn read_stream(body: &mut Incoming, bound: Duration) -> (String, Result<(), String>) {
+    let mut got = Vec::new();
+    let end = loop {
+        match next_data(body, bound).await {
+            Ok(Some(d)) => got.extend_from_slice(&d),
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        }
+    };
+    (String::from_utf8_lossy(&got).into_owned(), end)
+}
+
 /// The error body's `error.code`.
 pub fn error_code(body: &[u8]) -> String {
     let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_else(|e| {
