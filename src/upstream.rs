@@ -229,6 +229,53 @@ impl SendFailure {
     }
 }
 
+impl SendFailure {
+    fn default_cause(self) -> &'static str {
+        match self {
+            SendFailure::Connect => "connection failed",
+            SendFailure::ConnectTimeout => "timed out",
+            SendFailure::Reset => "connection closed before a response",
+            SendFailure::BodyTooLarge => "request body too large",
+        }
+    }
+}
+
+/// A short fixed description of why a connection failed, read from the
+/// error chain (never the error's own text, which may hold anything).
+pub fn cause_of(err: &(dyn StdError + 'static)) -> &'static str {
+    use std::io::ErrorKind;
+    let mut source: Option<&(dyn StdError + 'static)> = Some(err);
+    while let Some(e) = source {
+        if e.is::<rustls::Error>() {
+            return "TLS handshake failed (certificate not trusted, or TLS error)";
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            match io.kind() {
+                ErrorKind::ConnectionRefused => return "connection refused",
+                ErrorKind::ConnectionReset => return "connection reset",
+                ErrorKind::ConnectionAborted => return "connection aborted",
+                ErrorKind::TimedOut => return "timed out",
+                ErrorKind::UnexpectedEof => return "connection closed before a response",
+                _ => {}
+            }
+            if io.to_string().contains("lookup address") {
+                return "DNS lookup failed";
+            }
+            // An io::Error's source() skips the error it wraps; look inside.
+            if let Some(inner) = io.get_ref() {
+                source = Some(inner);
+                continue;
+            }
+        }
+        let text = e.to_string();
+        if text.contains("dns error") || text.contains("lookup address") {
+            return "DNS lookup failed";
+        }
+        source = e.source();
+    }
+    "connection failed"
+}
+
 /// Sorts a client error into a [`SendFailure`].
 pub fn classify(err: &hyper_util::client::legacy::Error, body_exceeded: bool) -> SendFailure {
     if body_exceeded {
@@ -339,6 +386,8 @@ pub struct Upstreams {
 /// What a failed send tells.
 pub struct Failed {
     pub failure: SendFailure,
+    /// A short, fixed description of the cause, for the error message.
+    pub cause: &'static str,
 }
 
 impl Upstreams {
@@ -380,6 +429,7 @@ impl Upstreams {
                 Ok(resp) => Ok(resp.map(|body| ResponseBody::new(body, None))),
                 Err(e) => Err(Failed {
                     failure: classify(&e, exceeded.load(Ordering::Relaxed)),
+                    cause: cause_of(&e),
                 }),
             },
             Route::Plain { authority, host } => {
@@ -402,7 +452,10 @@ impl Upstreams {
             *req.uri_mut() = http::Uri::from(pq);
         }
         req.headers_mut().insert(http::header::HOST, host.clone());
-        let fail = |failure| Failed { failure };
+        let fail = |failure: SendFailure| Failed {
+            failure,
+            cause: failure.default_cause(),
+        };
         // A pooled connection may have been closed by the upstream a moment
         // ago; a request it never took is retried once on a new connection.
         let mut req = Some(req);
@@ -410,7 +463,7 @@ impl Upstreams {
             let Some(r) = req.take() else { break };
             let (mut conn, pooled) = match self.pool.checkout(index) {
                 Some(c) if attempt == 0 => (c, true),
-                _ => (self.connect(authority).await.map_err(fail)?, false),
+                _ => (self.connect(authority).await?, false),
             };
             let mut sending = std::pin::pin!(conn.tx.try_send_request(r));
             let result = std::future::poll_fn(|cx| {
@@ -438,21 +491,36 @@ impl Upstreams {
         Err(fail(SendFailure::Reset))
     }
 
-    async fn connect(&self, authority: &str) -> Result<InlineConn, SendFailure> {
-        let stream =
-            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(authority)).await {
-                Err(_) => return Err(SendFailure::ConnectTimeout),
-                Ok(Err(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
-                    return Err(SendFailure::ConnectTimeout);
-                }
-                Ok(Err(_)) => return Err(SendFailure::Connect),
-                Ok(Ok(s)) => s,
-            };
+    async fn connect(&self, authority: &str) -> Result<InlineConn, Failed> {
+        let connecting = TcpStream::connect(authority);
+        let stream = match tokio::time::timeout(self.connect_timeout, connecting).await {
+            Err(_) => {
+                return Err(Failed {
+                    failure: SendFailure::ConnectTimeout,
+                    cause: "timed out",
+                });
+            }
+            Ok(Err(e)) => {
+                let failure = if e.kind() == std::io::ErrorKind::TimedOut {
+                    SendFailure::ConnectTimeout
+                } else {
+                    SendFailure::Connect
+                };
+                return Err(Failed {
+                    failure,
+                    cause: cause_of(&e),
+                });
+            }
+            Ok(Ok(s)) => s,
+        };
         let _ = stream.set_nodelay(true);
         let (tx, conn) = http1::Builder::new()
             .handshake(TokioIo::new(stream))
             .await
-            .map_err(|_| SendFailure::Reset)?;
+            .map_err(|e| Failed {
+                failure: SendFailure::Reset,
+                cause: cause_of(&e),
+            })?;
         Ok(InlineConn { tx, conn })
     }
 }

@@ -204,6 +204,11 @@ async fn a_closed_upstream_port_is_502() {
     .await;
     assert_eq!(status, 502);
     assert_eq!(error_code(&body), "upstream_unreachable");
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        text.contains("`dead` is unreachable: connection refused"),
+        "{text}"
+    );
     let m = visor.metrics().await;
     assert_eq!(
         metric(
@@ -270,6 +275,8 @@ async fn an_upstream_that_closes_without_answering_is_502() {
     .await;
     assert_eq!(status, 502);
     assert_eq!(error_code(&body), "upstream_unreachable");
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("closed before a response"), "{text}");
 }
 
 #[tokio::test]

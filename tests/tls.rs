@@ -168,6 +168,8 @@ async fn an_untrusted_certificate_is_refused_with_502() {
     .await;
     assert_eq!(status, 502);
     assert_eq!(error_code(&body), "upstream_unreachable");
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("TLS handshake failed"), "{text}");
     assert!(mock.versions.lock().unwrap().is_empty());
 }
 

@@ -149,17 +149,13 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
                 SendFailure::BodyTooLarge => {
                     return refuse(&state, VisorError::BodyTooLarge { limit });
                 }
-                SendFailure::Connect => VisorError::UpstreamUnreachable {
+                SendFailure::Connect | SendFailure::Reset => VisorError::UpstreamUnreachable {
                     upstream: upstream_name.to_string(),
-                    reason: "connection failed",
+                    reason: failed.cause,
                 },
                 SendFailure::ConnectTimeout => VisorError::UpstreamTimeout {
                     upstream: upstream_name.to_string(),
                     which: "connect timeout",
-                },
-                SendFailure::Reset => VisorError::UpstreamUnreachable {
-                    upstream: upstream_name.to_string(),
-                    reason: "connection closed before a response",
                 },
             };
             return fail(e, failure.label());
