@@ -8,20 +8,21 @@
 //!   future is polled from the response body, so a response's bytes go from
 //!   the upstream socket to the client socket without a hop between tasks,
 //!   and chunks that arrived together leave together. Idle connections wait
-//!   in a small pool.
+//!   in a small pool per worker thread.
 //! - `https://` upstreams use hyper-util's pooled client (TLS, ALPN h2/h1.1),
 //!   whose connections run in their own tasks.
 
 use std::error::Error as StdError;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use std::sync::Mutex;
+use std::cell::RefCell;
+use std::collections::HashMap;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -334,32 +335,62 @@ impl InlineConn {
     }
 }
 
+/// Idle inline connections. Each worker thread keeps its own: a connection
+/// is registered with the I/O driver of the runtime that opened it, so it is
+/// only ever reused on that thread (no wake-ups across threads, and nothing
+/// left pointing at a worker that has shut down).
 struct Pool {
-    idle: Mutex<Vec<Vec<(InlineConn, Instant)>>>,
+    /// Tells this client's connections from another's (tests run several
+    /// visors in one process).
+    id: u64,
+}
+
+type IdleKey = (u64, usize);
+
+thread_local! {
+    static IDLE: RefCell<HashMap<IdleKey, Vec<(InlineConn, Instant)>>> =
+        RefCell::new(HashMap::new());
 }
 
 impl Pool {
-    fn checkout(&self, index: usize) -> Option<InlineConn> {
-        let mut idle = self.idle.lock().ok()?;
-        let list = idle.get_mut(index)?;
-        while let Some((mut c, since)) = list.pop() {
-            if since.elapsed() < IDLE_TIMEOUT && c.usable() {
-                return Some(c);
-            }
+    fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Self {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
         }
-        None
+    }
+
+    fn checkout(&self, index: usize) -> Option<InlineConn> {
+        IDLE.with_borrow_mut(|idle| {
+            let list = idle.get_mut(&(self.id, index))?;
+            while let Some((mut c, since)) = list.pop() {
+                if since.elapsed() < IDLE_TIMEOUT && c.usable() {
+                    return Some(c);
+                }
+            }
+            None
+        })
     }
 
     fn checkin(&self, index: usize, mut c: InlineConn) {
         if !c.usable() {
             return;
         }
-        if let Ok(mut idle) = self.idle.lock()
-            && let Some(list) = idle.get_mut(index)
-            && list.len() < MAX_IDLE_PER_UPSTREAM
-        {
-            list.push((c, Instant::now()));
-        }
+        IDLE.with_borrow_mut(|idle| {
+            let list = idle.entry((self.id, index)).or_default();
+            if list.len() < MAX_IDLE_PER_UPSTREAM {
+                list.push((c, Instant::now()));
+            }
+        });
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // This thread's idle connections of this client; other threads' go
+        // when those threads end.
+        let id = self.id;
+        let _ = IDLE.try_with(|idle| idle.borrow_mut().retain(|(pool, _), _| *pool != id));
     }
 }
 
@@ -408,9 +439,7 @@ impl Upstreams {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             tls,
-            pool: Arc::new(Pool {
-                idle: Mutex::new(upstreams.iter().map(|_| Vec::new()).collect()),
-            }),
+            pool: Arc::new(Pool::new()),
             connect_timeout,
         })
     }

@@ -379,13 +379,17 @@ async fn upstream_connections_are_kept_alive_and_reused() {
     })
     .await;
     let visor = Visor::for_mock(&mock, "").await;
+    // One client connection: visor serves it on one worker, and each
+    // worker keeps its own idle upstream connections.
+    let client = client();
     for i in 0..6 {
         let body = if i % 2 == 0 {
             r#"{"model":"m","messages":[]}"#
         } else {
             r#"{"model":"m","stream":true,"messages":[]}"#
         };
-        let (status, _, body) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+        let (status, _, body) =
+            send_on(&client, post_json(&visor.url("/v1/chat/completions"), body)).await;
         assert_eq!(status, 200);
         assert!(!body.is_empty());
     }

@@ -407,9 +407,14 @@ pub fn client() -> Client {
     hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http()
 }
 
-/// Sends and collects: (status, headers, body).
+/// Sends on a new client and collects: (status, headers, body).
 pub async fn send(req: Request<Full<Bytes>>) -> (StatusCode, HeaderMap, Bytes) {
-    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req))
+    send_on(&client(), req).await
+}
+
+/// Sends on `client` (keeping its connections) and collects.
+pub async fn send_on(client: &Client, req: Request<Full<Bytes>>) -> (StatusCode, HeaderMap, Bytes) {
+    let resp = tokio::time::timeout(Duration::from_secs(20), client.request(req))
         .await
         .expect("response within 20 s")
         .expect("request sent");
