@@ -132,7 +132,8 @@ fn serve(path: &std::path::Path, listen: Option<SocketAddr>) -> ExitCode {
         let server = Server::bind(cfg, listen).await?;
         let shutdown = shutdown_signal()?;
         let addr = server.local_addr()?;
-        tracing::info!(%addr, config = %path.display(), "visor listening");
+        let workers = server.workers();
+        tracing::info!(%addr, workers, config = %path.display(), "visor listening");
         server.run(shutdown).await
     });
     match result {

@@ -20,7 +20,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpSocket};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{Barrier, oneshot, watch};
 
 use crate::config::Config;
 use crate::metrics::Metrics;
@@ -66,6 +66,11 @@ impl Server {
         Ok(self.addr)
     }
 
+    /// Worker threads (one listener each).
+    pub fn workers(&self) -> usize {
+        self.listeners.len()
+    }
+
     pub fn state(&self) -> Arc<AppState> {
         self.state.clone()
     }
@@ -86,17 +91,24 @@ impl Server {
         let first = listeners
             .next()
             .ok_or_else(|| io::Error::other("no listener"))?;
+        // Workers leave together: a worker that has drained keeps its runtime
+        // (and the upstream connection tasks it spawned, which others may
+        // share) running until every worker has drained.
+        let all_drained = Arc::new(Barrier::new(listeners.len() + 1));
         let mut workers = Vec::new();
         for (i, listener) in listeners.enumerate() {
             let (done_tx, done_rx) = oneshot::channel();
             let (state, stop) = (state.clone(), stop_rx.clone());
+            let all_drained = all_drained.clone();
             std::thread::Builder::new()
                 .name(format!("visor-worker-{}", i + 1))
                 .spawn(move || {
                     let result = tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()
-                        .and_then(|rt| rt.block_on(serve(state, listener, stop)));
+                        .and_then(|rt| {
+                            rt.block_on(serve_then_wait(state, listener, stop, all_drained))
+                        });
                     let _ = done_tx.send(result);
                 })?;
             workers.push(done_rx);
@@ -111,7 +123,8 @@ impl Server {
             );
             let _ = stop_tx.send(true);
         };
-        let (local, ()) = tokio::join!(serve(state.clone(), first, stop_rx), signal);
+        let local = serve_then_wait(state.clone(), first, stop_rx, all_drained);
+        let (local, ()) = tokio::join!(local, signal);
         let mut result = local;
         for w in workers {
             match w.await {
@@ -139,6 +152,19 @@ fn reuseport_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<TcpListe
     let _ = reuse_port;
     socket.bind(addr)?;
     socket.listen(1024)
+}
+
+/// [`serve`], then waits (bounded) for the other workers to finish draining.
+async fn serve_then_wait(
+    state: Arc<AppState>,
+    listener: std::net::TcpListener,
+    stop: watch::Receiver<bool>,
+    all_drained: Arc<Barrier>,
+) -> io::Result<()> {
+    let bound = state.config.server.drain_timeout + Duration::from_secs(5);
+    let result = serve(state, listener, stop).await;
+    let _ = tokio::time::timeout(bound, all_drained.wait()).await;
+    result
 }
 
 /// One worker: accepts on its listener until told to stop, then drains its
