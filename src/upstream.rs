@@ -250,6 +250,11 @@ pub fn cause_of(err: &(dyn StdError + 'static)) -> &'static str {
         if e.is::<rustls::Error>() {
             return "TLS handshake failed (certificate not trusted, or TLS error)";
         }
+        if let Some(h) = e.downcast_ref::<hyper::Error>()
+            && (h.is_incomplete_message() || h.is_closed() || h.is_canceled())
+        {
+            return "connection closed before a response";
+        }
         if let Some(io) = e.downcast_ref::<std::io::Error>() {
             match io.kind() {
                 ErrorKind::ConnectionRefused => return "connection refused",
@@ -490,9 +495,14 @@ impl Upstreams {
         let mut req = Some(req);
         for attempt in 0..2 {
             let Some(r) = req.take() else { break };
-            let (mut conn, pooled) = match self.pool.checkout(index) {
-                Some(c) if attempt == 0 => (c, true),
-                _ => (self.connect(authority).await?, false),
+            let idle = if attempt == 0 {
+                self.pool.checkout(index)
+            } else {
+                None
+            };
+            let (mut conn, pooled) = match idle {
+                Some(c) => (c, true),
+                None => (self.connect(authority).await?, false),
             };
             let mut sending = std::pin::pin!(conn.tx.try_send_request(r));
             let result = std::future::poll_fn(|cx| {
@@ -512,7 +522,12 @@ impl Upstreams {
                     }
                     match e.take_message() {
                         Some(unsent) if pooled => req = Some(unsent),
-                        _ => return Err(fail(SendFailure::Reset)),
+                        _ => {
+                            return Err(Failed {
+                                failure: SendFailure::Reset,
+                                cause: cause_of(e.error()),
+                            });
+                        }
                     }
                 }
             }
