@@ -310,3 +310,46 @@ async fn over_http2_chunks_stream_and_a_mid_stream_failure_resets_the_stream() {
     let err = end.expect_err("the HTTP/2 stream must end with an error");
     assert!(!err.contains("bound"), "{err}");
 }
+
+#[tokio::test]
+async fn a_slow_head_within_the_first_byte_deadline_still_gets_the_idle_check() {
+    // The head takes longer than one idle gap (allowed: it is under the
+    // first-byte deadline); then the body stalls after one event.
+    let senders = Arc::new(Mutex::new(Vec::new()));
+    let s = senders.clone();
+    let mock = MockUpstream::start(move |_| {
+        let (tx, rx) = mpsc::channel(1);
+        let _ = tx.try_send(Chunk::Data(event(0)));
+        s.lock().unwrap().push(tx);
+        Reply::After(Duration::from_millis(600), Box::new(Reply::sse(rx)))
+    })
+    .await;
+    let visor = Visor::for_mock(
+        &mock,
+        "[server]\nidle_timeout_secs = 0.3\nfirst_byte_timeout_secs = 5\n",
+    )
+    .await;
+    let resp = open_stream(&visor).await;
+    assert_eq!(
+        resp.status(),
+        200,
+        "a head under the first-byte deadline is not a timeout"
+    );
+    let mut body = resp.into_body();
+    let (text, end) = read_stream(&mut body, BOUND).await;
+    assert!(text.contains("t0"), "{text}");
+    assert!(
+        end.is_err() && !end.as_ref().unwrap_err().contains("bound"),
+        "{end:?}"
+    );
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_upstream_errors_total",
+            &[("kind", "idle_timeout")]
+        ),
+        Some(1.0)
+    );
+    drop(senders);
+}

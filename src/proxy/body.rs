@@ -132,7 +132,8 @@ pub struct ObservedBody {
 }
 
 impl ObservedBody {
-    /// `timer` is the request's one timer, re-armed here for the body.
+    /// `timer` is the request's one timer; it is left as it is when it is
+    /// due within one idle gap (the poll re-arms it from `last_data`).
     pub fn new(
         inner: ResponseBody,
         usage: UsageObserver,
@@ -142,7 +143,12 @@ impl ObservedBody {
         finish: Finish,
     ) -> Self {
         let now = Instant::now();
-        timer.as_mut().reset((now + idle).min(deadline));
+        // Usually already due within one idle gap: left alone. Re-armed only
+        // when the head took longer than that.
+        let due = (now + idle).min(deadline);
+        if timer.deadline() > due {
+            timer.as_mut().reset(due);
+        }
         Self {
             inner,
             timer,

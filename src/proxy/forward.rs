@@ -134,12 +134,26 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let sending = state
         .upstreams
         .send(index, &state.routes[index], up_req, &exceeded);
-    // The request's one timer: the head deadline now, the body's later.
-    let mut timer = Box::pin(tokio::time::sleep_until(head_deadline));
-    let outcome = tokio::select! {
-        biased;
-        r = sending => Ok(r),
-        () = timer.as_mut() => Err(()),
+    // The request's one timer, armed once at the earlier of the head
+    // deadline and one idle gap from now. A head that comes sooner (the usual
+    // case) hands it to the body as is, already right for the body's idle
+    // check; re-arming it would make tokio wake its driver (a system call)
+    // just before the first byte goes out.
+    let mut timer = Box::pin(tokio::time::sleep_until(
+        head_deadline.min(sent + server.idle_timeout),
+    ));
+    tokio::pin!(sending);
+    let outcome = loop {
+        tokio::select! {
+            biased;
+            r = &mut sending => break Ok(r),
+            () = timer.as_mut() => {
+                if Instant::now() >= head_deadline {
+                    break Err(());
+                }
+                timer.as_mut().reset(head_deadline);
+            }
+        }
     };
     let resp = match outcome {
         Ok(Ok(resp)) => resp,

@@ -54,6 +54,8 @@ pub enum Reply {
     },
     /// Accept the request and never answer.
     Hang,
+    /// Wait, then answer as the inner reply does.
+    After(Duration, Box<Reply>),
 }
 
 impl Reply {
@@ -244,9 +246,13 @@ async fn answer(
         headers: parts.headers,
         body,
     };
-    let reply = handler(&rec);
+    let mut reply = handler(&rec);
     reqs.lock().unwrap().push(rec);
     received.notify_waiters();
+    while let Reply::After(wait, inner) = reply {
+        tokio::time::sleep(wait).await;
+        reply = *inner;
+    }
     match reply {
         Reply::Full {
             status,
@@ -276,6 +282,7 @@ async fn answer(
             r
         }
         Reply::Hang => std::future::pending().await,
+        Reply::After(..) => unreachable!("unwrapped above"),
     }
 }
 
