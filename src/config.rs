@@ -459,9 +459,13 @@ impl Config {
         }
         let raw: RawConfig = serde_path_to_error::deserialize(root).map_err(|e| {
             let key = e.path().to_string();
+            // The TOML layer appends "in `table`" on a second line; the
+            // dotted key already says where.
+            let message = e.into_inner().to_string();
+            let message = message.lines().next().unwrap_or_default().trim_end();
             ConfigError::Invalid {
                 path: path.to_owned(),
-                problems: vec![format!("{key}: {}", e.into_inner())],
+                problems: vec![format!("{key}: {message}")],
             }
         })?;
         raw.validate().map_err(|problems| ConfigError::Invalid {
