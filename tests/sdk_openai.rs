@@ -59,7 +59,7 @@ fn venv_python() -> Result<PathBuf, String> {
 
 const SCRIPT: &str = r#"
 import json, os
-from openai import OpenAI, AuthenticationError, NotFoundError
+from openai import OpenAI, APIConnectionError, AuthenticationError, NotFoundError
 
 base = os.environ["VISOR_BASE"]
 client = OpenAI(base_url=base, api_key="vk-test", max_retries=0, timeout=20)
@@ -100,6 +100,18 @@ except NotFoundError as e:
     out["notfound_code"] = e.code
     out["notfound_message"] = e.message
 
+# An upstream that breaks mid-stream: the SDK must see an error, not a
+# short answer that looks complete.
+got = []
+try:
+    for chunk in client.chat.completions.create(model="gpt-cut", messages=msgs, stream=True):
+        if chunk.choices:
+            got.append(chunk.choices[0].delta.content or "")
+    out["cut"] = "completed"
+except APIConnectionError:
+    out["cut"] = "APIConnectionError"
+out["cut_text"] = "".join(got)
+
 print(json.dumps(out))
 "#;
 
@@ -115,6 +127,17 @@ fn chat_reply(req: &Recorded) -> Reply {
         .as_str()
         .unwrap_or("?")
         .to_owned();
+    if body["model"] == "gpt-cut" {
+        let c = serde_json::json!({
+            "id": "chatcmpl-2", "object": "chat.completion.chunk", "created": 1,
+            "model": "gpt-cut",
+            "choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": null}]
+        });
+        return Reply::sse_chunks(vec![
+            Chunk::Data(Bytes::from(format!("data: {c}\n\n"))),
+            Chunk::Fail,
+        ]);
+    }
     if body["stream"] == true {
         let mut chunks = Vec::new();
         for word in ["pong", " to ", &said] {
@@ -199,13 +222,18 @@ async fn openai_python_sdk_through_visor() {
             .unwrap()
             .contains("no-such-model")
     );
+    assert_eq!(v["cut"], "APIConnectionError", "{v}");
+    assert_eq!(
+        v["cut_text"], "partial",
+        "events before the break are delivered"
+    );
 
     // What reached the upstream: the SDK's own body, no proxy key.
     let recs = mock.recorded();
     assert_eq!(
         recs.len(),
-        3,
-        "two chats and a model list; refused ones never arrive"
+        4,
+        "three chats and a model list; refused ones never arrive"
     );
     for r in &recs {
         assert!(r.headers.get("authorization").is_none());
