@@ -36,8 +36,6 @@ pub enum VisorError {
         upstream: String,
         which: &'static str,
     },
-    #[error("visor is shutting down and no longer takes requests")]
-    Draining,
 }
 
 impl VisorError {
@@ -156,7 +154,6 @@ mod tests {
                 },
                 504,
             ),
-            (VisorError::Draining, 503),
         ];
         for (err, status) in all {
             assert_eq!(err.status().as_u16(), status, "{err:?}");
