@@ -87,7 +87,6 @@ impl VisorError {
                 "upstream_error",
                 "upstream_timeout",
             ),
-            VisorError::Draining => (StatusCode::SERVICE_UNAVAILABLE, "server_error", "draining"),
         }
     }
 
