@@ -36,17 +36,9 @@ async fn read_response<R: AsyncReadExt + Unpin>(s: &mut R) -> String {
     let mut chunk = [0u8; 4096];
     let _ = tokio::time::timeout(BOUND, async {
         loop {
-            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                let len: usize = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .and_then(|v| v.trim().parse().ok())
-                    .unwrap_or(0);
-                if buf.len() >= end + 4 + len {
-                    buf.truncate(end + 4 + len);
-                    return;
-                }
+            if let Some(len) = http_message_len(&buf) {
+                buf.truncate(len);
+                return;
             }
             match s.read(&mut chunk).await {
                 Ok(0) | Err(_) => return,

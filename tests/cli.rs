@@ -2,6 +2,8 @@
 //! exit on SIGTERM.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -210,45 +212,13 @@ fn serve_exits_zero_on_sigterm() {
 #[test]
 fn logs_never_contain_keys_or_bodies() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let upstream = listener.local_addr().unwrap();
-    // A minimal upstream: answer every HTTP/1.1 request with a small JSON body.
-    rt.spawn(async move {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        while let Ok((mut s, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                let mut seen = Vec::new();
-                while let Ok(n) = s.read(&mut buf).await {
-                    if n == 0 {
-                        return;
-                    }
-                    seen.extend_from_slice(&buf[..n]);
-                    if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
-                        let len: usize = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        if seen.len() >= end + 4 + len {
-                            seen.drain(..end + 4 + len);
-                            let body = r#"{"ok":true,"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
-                            let resp = format!(
-                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                                body.len()
-                            );
-                            if s.write_all(resp.as_bytes()).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                }
-            });
-        }
-    });
+    let mock = rt.block_on(support::MockUpstream::start(|_| {
+        support::Reply::json(
+            200,
+            r#"{"ok":true,"usage":{"prompt_tokens":1,"completion_tokens":1}}"#,
+        )
+    }));
+    let upstream = mock.addr;
     let path = temp_config(
         "secrets",
         &format!(
@@ -296,6 +266,14 @@ fn logs_never_contain_keys_or_bodies() {
     });
     let (code, all) = serving.terminate();
     assert_eq!(code, Some(0));
+    assert_eq!(
+        mock.count(),
+        2,
+        "the two keyed requests reached the upstream"
+    );
+    for rec in mock.recorded() {
+        assert_eq!(rec.headers["authorization"], "Bearer sk-SECRET-upstream");
+    }
     assert!(
         all.contains("response finished"),
         "expected request logs:\n{all}"

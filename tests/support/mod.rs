@@ -472,6 +472,28 @@ pub async fn read_stream(body: &mut Incoming, bound: Duration) -> (String, Resul
     (String::from_utf8_lossy(&got).into_owned(), end)
 }
 
+/// The length of the first complete HTTP/1.1 message in `buf` (head plus a
+/// `Content-Length` body), or `None` while it is incomplete.
+pub fn http_message_len(buf: &[u8]) -> Option<usize> {
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    (buf.len() >= end + 4 + len).then_some(end + 4 + len)
+}
+
+/// Asserts a stream was cut by visor (an error), not a stall of the test's
+/// own bound and not a clean end.
+pub fn assert_cut<T: std::fmt::Debug>(end: &Result<T, String>) {
+    match end {
+        Err(e) => assert!(!e.contains("bound"), "the stream stalled instead: {e}"),
+        Ok(v) => panic!("the stream went on ({v:?}); it should have been cut"),
+    }
+}
+
 /// The error body's `error.code`.
 pub fn error_code(body: &[u8]) -> String {
     let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_else(|e| {
