@@ -4,6 +4,8 @@
 
 mod support;
 
+const BOUND: std::time::Duration = std::time::Duration::from_secs(5);
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http::{Request, Response, Version};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::*;
@@ -21,6 +23,41 @@ struct TlsMock {
     ca_file: std::path::PathBuf,
     versions: Arc<Mutex<Vec<Version>>>,
     connections: Arc<AtomicUsize>,
+    /// Streams the mock was still sending when the client side went away.
+    cancelled: Arc<AtomicUsize>,
+    cancelled_notify: Arc<tokio::sync::Notify>,
+}
+
+/// One SSE event, then silence until dropped; counts the drop.
+struct HangBody {
+    sent: bool,
+    cancelled: Arc<AtomicUsize>,
+    notify: Arc<tokio::sync::Notify>,
+}
+
+impl http_body::Body for HangBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        if self.sent {
+            return std::task::Poll::Pending;
+        }
+        self.sent = true;
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"first\"}}]}\n\n",
+        )))))
+    }
+}
+
+impl Drop for HangBody {
+    fn drop(&mut self) {
+        self.cancelled.fetch_add(1, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
 }
 
 /// An https mock with its own CA; answers JSON, or SSE when asked to stream.
@@ -59,10 +96,14 @@ async fn tls_mock() -> TlsMock {
     let addr = listener.local_addr().unwrap();
     let versions = Arc::new(Mutex::new(Vec::new()));
     let connections = Arc::new(AtomicUsize::new(0));
+    let cancelled = Arc::new(AtomicUsize::new(0));
+    let cancelled_notify = Arc::new(tokio::sync::Notify::new());
     let (v, c) = (versions.clone(), connections.clone());
+    let (x, xn) = (cancelled.clone(), cancelled_notify.clone());
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
             let (acceptor, v) = (acceptor.clone(), v.clone());
+            let (x, xn) = (x.clone(), xn.clone());
             c.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
                 let Ok(tls) = acceptor.accept(stream).await else {
@@ -70,21 +111,34 @@ async fn tls_mock() -> TlsMock {
                 };
                 let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                     let v = v.clone();
+                    let (x, xn) = (x.clone(), xn.clone());
                     async move {
                         v.lock().unwrap().push(req.version());
                         let body = req.into_body().collect().await.unwrap().to_bytes();
                         let stream = body.windows(13).any(|w| w == b"\"stream\":true");
-                        let resp = if stream {
+                        let hang = body.windows(14).any(|w| w == b"\"model\":\"hang\"");
+                        let resp = if hang {
                             Response::builder()
                                 .header("content-type", "text/event-stream")
-                                .body(Full::new(Bytes::from_static(
+                                .body(Either::Right(HangBody {
+                                    sent: false,
+                                    cancelled: x,
+                                    notify: xn,
+                                }))
+                                .unwrap()
+                        } else if stream {
+                            Response::builder()
+                                .header("content-type", "text/event-stream")
+                                .body(Either::Left(Full::new(Bytes::from_static(
                                     b"data: {\"choices\":[{\"delta\":{\"content\":\"secure\"}}]}\n\ndata: [DONE]\n\n",
-                                )))
+                                ))))
                                 .unwrap()
                         } else {
                             Response::builder()
                                 .header("content-type", "application/json")
-                                .body(Full::new(Bytes::from_static(br#"{"ok":"tls"}"#)))
+                                .body(Either::Left(Full::new(Bytes::from_static(
+                                    br#"{"ok":"tls"}"#,
+                                ))))
                                 .unwrap()
                         };
                         Ok::<_, Infallible>(resp)
@@ -101,6 +155,8 @@ async fn tls_mock() -> TlsMock {
         ca_file,
         versions,
         connections,
+        cancelled,
+        cancelled_notify,
     }
 }
 
@@ -150,6 +206,42 @@ async fn https_upstream_with_private_ca_speaks_http2_and_reuses_the_connection()
         1,
         "one pooled TLS connection"
     );
+}
+
+#[tokio::test]
+async fn a_client_leaving_mid_stream_resets_the_https_upstream_stream() {
+    let mock = tls_mock().await;
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname=\"secure\"\nbase_url=\"https://localhost:{}/v1\"\nca_file=\"{}\"\n",
+        mock.addr.port(),
+        mock.ca_file.display()
+    ))
+    .await;
+    let req = post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"hang","stream":true,"messages":[]}"#,
+    );
+    let resp = tokio::time::timeout(BOUND, client().request(req))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut body = resp.into_body();
+    let first = next_data(&mut body, BOUND).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("first"));
+    assert_eq!(mock.cancelled.load(Ordering::SeqCst), 0);
+    drop(body); // the client leaves
+    let deadline = tokio::time::Instant::now() + BOUND;
+    loop {
+        let notified = mock.cancelled_notify.notified();
+        if mock.cancelled.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::timeout_at(deadline, notified).await.is_ok(),
+            "the upstream HTTP/2 stream was not reset after the client left"
+        );
+    }
+    assert_eq!(*mock.versions.lock().unwrap(), vec![Version::HTTP_2]);
 }
 
 #[tokio::test]
