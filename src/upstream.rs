@@ -74,24 +74,13 @@ pub fn client(
         .build(https))
 }
 
-/// A request body sent upstream: either bytes visor holds (a body it read to
-/// route or rewrite), or the client's body streamed through with the
-/// `max_body_bytes` limit enforced as it passes.
-pub enum UpstreamBody {
-    /// Held bytes, sent as one frame.
-    Full(Option<Bytes>),
-    /// Chunks already read (to find the model) followed by the rest of the
-    /// client's body.
-    Stream {
-        prefix: std::collections::VecDeque<Bytes>,
-        rest: Option<LimitedIncoming>,
-    },
-}
-
-impl UpstreamBody {
-    pub fn full(bytes: Bytes) -> Self {
-        UpstreamBody::Full(Some(bytes))
-    }
+/// A request body sent upstream: the chunks visor already read (all of a
+/// body it had to hold, or the first ones, scanned for the model), then the
+/// rest of the client's body streamed through with the `max_body_bytes`
+/// limit enforced as it passes.
+pub struct UpstreamBody {
+    pub prefix: std::collections::VecDeque<Bytes>,
+    pub rest: Option<LimitedIncoming>,
 }
 
 impl Body for UpstreamBody {
@@ -102,49 +91,34 @@ impl Body for UpstreamBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.get_mut() {
-            UpstreamBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            UpstreamBody::Stream { prefix, rest } => {
-                if let Some(b) = prefix.pop_front() {
-                    return Poll::Ready(Some(Ok(Frame::data(b))));
-                }
-                match rest {
-                    Some(r) => Pin::new(r).poll_frame(cx),
-                    None => Poll::Ready(None),
-                }
-            }
+        let this = self.get_mut();
+        if let Some(b) = this.prefix.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(b))));
+        }
+        match &mut this.rest {
+            Some(r) => Pin::new(r).poll_frame(cx),
+            None => Poll::Ready(None),
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        match self {
-            UpstreamBody::Full(b) => b.is_none(),
-            UpstreamBody::Stream { prefix, rest } => {
-                prefix.is_empty() && rest.as_ref().is_none_or(|r| r.is_end_stream())
-            }
-        }
+        self.prefix.is_empty() && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self {
-            UpstreamBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
-            UpstreamBody::Full(None) => SizeHint::with_exact(0),
-            UpstreamBody::Stream { prefix, rest } => {
-                let held: u64 = prefix.iter().map(|b| b.len() as u64).sum();
-                let inner = match rest {
-                    Some(r) => r.size_hint(),
-                    None => SizeHint::with_exact(0),
-                };
-                // Upper first: a fresh hint's lower bound is 0, so neither
-                // setter can see lower > upper.
-                let mut hint = SizeHint::new();
-                if let Some(upper) = inner.upper() {
-                    hint.set_upper(upper.saturating_add(held));
-                }
-                hint.set_lower(inner.lower().saturating_add(held));
-                hint
-            }
+        let held: u64 = self.prefix.iter().map(|b| b.len() as u64).sum();
+        let inner = match &self.rest {
+            Some(r) => r.size_hint(),
+            None => SizeHint::with_exact(0),
+        };
+        // Upper first: a fresh hint's lower bound is 0, so neither setter
+        // can see lower > upper.
+        let mut hint = SizeHint::new();
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper.saturating_add(held));
         }
+        hint.set_lower(inner.lower().saturating_add(held));
+        hint
     }
 }
 

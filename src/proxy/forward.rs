@@ -79,7 +79,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         let rest = LimitedIncoming::new(body, limit, exceeded.clone());
         (
             None,
-            UpstreamBody::Stream {
+            UpstreamBody {
                 prefix: VecDeque::new(),
                 rest: Some(rest),
             },
@@ -281,7 +281,7 @@ async fn read_validated(
     let probed = scanner.finish().map_err(VisorError::InvalidJson)?;
     Ok((
         probed.model,
-        UpstreamBody::Stream {
+        UpstreamBody {
             prefix: chunks,
             rest: None,
         },
@@ -323,7 +323,7 @@ async fn scan_model(
     }
     let model = scanner.model().map(str::to_owned);
     let rest = (!ended).then(|| LimitedIncoming::new(body, limit - held, exceeded));
-    Ok((model, UpstreamBody::Stream { prefix, rest }))
+    Ok((model, UpstreamBody { prefix, rest }))
 }
 
 /// An upstream's base URL split once, at startup.
