@@ -10,9 +10,12 @@
 //! Every error visor makes itself is one [`error::VisorError`], answered in
 //! the OpenAI error shape.
 
+pub mod artifacts;
 pub mod config;
 pub mod error;
 pub mod metrics;
+pub mod models;
 pub mod proxy;
 pub mod server;
+pub mod transform;
 pub mod upstream;

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Builds config/models.toml, the built-in model-spec table, from
+../shared/data/model-capabilities.tsv (public capability facts from litellm)
+plus hand-written rows for well-known text-only families the source leaves
+blank.
+
+    python3 scripts/gen_models.py [TSV] > config/models.toml
+
+Names are normalised the way visor normalises a requested model (see
+`src/models.rs`, `candidates`): lower case, provider path and dotted vendor
+prefix dropped, version / date / tag suffixes dropped. Rows are then folded
+into family globs `prefix*` wherever every stated name under the prefix
+agrees on `vision`; names with no agreeing family stay exact. An empty cell
+means "not stated" and never counts as false. The script checks that every
+stated name resolves to its stated value through the finished table (first
+match wins) and fails otherwise.
+"""
+import csv
+import re
+import sys
+from collections import defaultdict
+
+SEPS = "-._:@"
+REGION = re.compile(r"^(us|eu|apac|global|jp|au|ca|us-gov)\.")
+VENDOR = re.compile(r"^[a-z][a-z0-9_-]*\.(?=[a-z])")
+SUFFIXES = [
+    re.compile(r":[a-z0-9._-]*$"),
+    re.compile(r"-v\d+$"),
+    re.compile(r"@[0-9a-z-]*$"),
+    re.compile(r"-\d{4}-\d{2}-\d{2}$"),
+    re.compile(r"-\d{8}$"),
+    re.compile(r"-\d{4}$"),
+    re.compile(r"-latest$"),
+]
+
+# Well-known families the source leaves blank (or states only for some
+# hosts). First match wins, so the vision exceptions come before the
+# text-only families they sit in.
+MANUAL = [
+    # vision members of otherwise text-only families
+    ("*-vl-*", True), ("*-vl", True), ("*vision*", True), ("qvq*", True),
+    ("pixtral*", True), ("llava*", True), ("llama-4*", True), ("llama4*", True),
+    ("qwen*-omni*", True), ("mistral-small-3.1*", True), ("mistral-small-3.2*", True),
+    ("mistral-medium-3*", True), ("gemma-3-*", True), ("gemma3*", True),
+    # text-only
+    ("gpt-4", False), ("gpt-4-32k*", False), ("gpt-4-0125-preview", False),
+    ("gpt-4-1106-preview", False), ("gpt-3.5*", False), ("gpt-35*", False), ("gpt-oss*", False),
+    ("o1-mini*", False), ("o3-mini*", False), ("o1-preview*", False),
+    ("deepseek-chat*", False), ("deepseek-reasoner*", False), ("deepseek-coder*", False),
+    ("deepseek-r1*", False), ("deepseek-v3*", False), ("deepseek-v2*", False),
+    ("llama-2*", False), ("llama2*", False), ("llama-3-*", False), ("llama3-*", False),
+    ("llama-3.1*", False), ("llama3.1*", False), ("llama-3.2-1b*", False),
+    ("llama-3.2-3b*", False), ("llama3.2*", False), ("llama-3.3*", False),
+    ("llama3.3*", False), ("llama-v3*", False), ("meta-llama-3*", False),
+    ("codellama*", False), ("qwen2.5*", False), ("qwen2-*", False), ("qwen3-*", False),
+    ("qwen3*", False), ("qwq*", False), ("qwen-turbo*", False), ("qwen-plus*", False),
+    ("qwen-max*", False), ("qwen2.5-coder*", False), ("qwen3-coder*", False),
+    ("mistral-7b*", False), ("mixtral*", False), ("mistral-nemo*", False),
+    ("open-mistral*", False), ("open-mixtral*", False), ("codestral*", False),
+    ("ministral*", False), ("mistral-tiny*", False), ("mistral-large-2*", False),
+    ("phi-3*", False), ("phi-4*", False), ("gemma-2*", False), ("gemma2*", False),
+    ("command-r*", False), ("yi-*", False), ("glm-4-*", False), ("kimi-k2*", False),
+]
+
+
+def normalise(name):
+    n = name.lower().rsplit("/", 1)[-1]
+    n = REGION.sub("", n)
+    n = VENDOR.sub("", n)
+    changed = True
+    while changed:
+        changed = False
+        for s in SUFFIXES:
+            m = s.sub("", n)
+            if m != n and m:
+                n, changed = m, True
+    return n
+
+
+def merge(values):
+    """One stated value for a name from several hosts: agreement, else the
+    majority, else not stated."""
+    stated = [v for v in values if v is not None]
+    if not stated:
+        return None
+    t, f = stated.count(True), stated.count(False)
+    return True if t > f else False if f > t else None
+
+
+def flag(cell):
+    return {"true": True, "false": False}.get(cell.strip().lower())
+
+
+def glob_match(pattern, name):
+    rx = "^" + "".join(".*" if c == "*" else re.escape(c) for c in pattern) + "$"
+    return re.match(rx, name) is not None
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else "../shared/data/model-capabilities.tsv"
+    by_name = defaultdict(lambda: {"vision": [], "audio": [], "pdf": [], "ctx": []})
+    with open(path) as f:
+        rows = [r for r in csv.reader(f, delimiter="\t") if r and not r[0].startswith("#")]
+    for r in rows[1:]:
+        e = by_name[normalise(r[0])]
+        e["vision"].append(flag(r[2]))
+        e["audio"].append(flag(r[3]))
+        e["pdf"].append(flag(r[4]))
+        if r[5].strip():
+            e["ctx"].append(int(r[5]))
+    names = {}
+    for n, e in by_name.items():
+        ctx = max(set(e["ctx"]), key=e["ctx"].count) if e["ctx"] else None
+        names[n] = {"vision": merge(e["vision"]), "audio": merge(e["audio"]),
+                    "pdf": merge(e["pdf"]), "ctx": ctx}
+    stated = {n: v for n, v in names.items() if v["vision"] is not None}
+
+    def manual_row(n):
+        return next(((p, v) for p, v in MANUAL if glob_match(p, n)), None)
+
+    # Hand rows come first; a stated name a hand row gets wrong becomes an
+    # exact row above them. Families are folded from the names no hand row
+    # covers, so a data glob never overrides a hand row.
+    exceptions = []
+    rest = {}
+    for n, v in stated.items():
+        m = manual_row(n)
+        if m is None:
+            rest[n] = v
+        elif m[1] != v["vision"]:
+            exceptions.append(n)
+
+    def agrees(p):
+        vals = {v["vision"] for n, v in rest.items() if n.startswith(p)}
+        count = sum(1 for n in rest if n.startswith(p))
+        return len(vals) == 1 and count >= 2
+
+    chosen = {}
+    for n in sorted(rest):
+        best = None
+        for i, c in enumerate(n):
+            if c in SEPS and i >= 3 and agrees(n[:i]):
+                best = n[:i]
+                break
+        chosen.setdefault(best + "*" if best else n, []).append(n)
+
+    def row(pattern, members):
+        vals = [names[m] for m in members]
+        out = {"match": pattern}
+        v = {x["vision"] for x in vals} - {None}
+        if len(v) == 1:
+            out["vision"] = v.pop()
+        for key in ("audio", "pdf"):
+            s = {x[key] for x in vals} - {None}
+            if len(s) == 1:
+                out[key] = s.pop()
+        c = {x["ctx"] for x in vals}
+        if len(c) == 1 and None not in c:
+            out["context_window"] = c.pop()
+        return out
+
+    def members_of(pattern):
+        if pattern.endswith("*"):
+            p = pattern[:-1]
+            return [n for n in names if n.startswith(p) and manual_row(n) is None]
+        return [pattern]
+
+    data_rows = [row(p, members_of(p)) for p in chosen]
+    # Exact names first, then globs from the most specific down.
+    data_rows.sort(key=lambda r: (r["match"].endswith("*"), -len(r["match"]), r["match"]))
+    table = (
+        sorted((row(n, [n]) for n in exceptions), key=lambda r: r["match"])
+        + [{"match": p, "vision": v} for p, v in MANUAL]
+        + data_rows
+    )
+
+    bad = []
+    for n, v in stated.items():
+        for r in table:
+            if glob_match(r["match"], n):
+                if r.get("vision") != v["vision"]:
+                    bad.append((n, v["vision"], r["match"]))
+                break
+        else:
+            bad.append((n, v["vision"], None))
+    if bad:
+        for b in bad:
+            print("mismatch:", b, file=sys.stderr)
+        sys.exit(1)
+
+    print("# The built-in model-spec table, compiled into visor. Generated by")
+    print("# scripts/gen_models.py from litellm's public model map (see")
+    print("# ../shared/data/README.md) plus hand rows for text-only families the")
+    print("# source leaves blank. First match wins; user [[model]] rows come first.")
+    print("# Names are matched lower case, with and without provider prefix and")
+    print("# date/version suffix. A missing field means \"not stated\".")
+    print(f"# {len(stated)} names with a stated vision flag -> {len(table)} rows.")
+    for r in table:
+        print()
+        print("[[model]]")
+        for k in ("match", "vision", "audio", "pdf", "context_window"):
+            if k in r:
+                v = r[k]
+                print(f"{k} = " + (f'"{v}"' if isinstance(v, str) else str(v).lower()))
+
+
+main()

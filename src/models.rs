@@ -1,0 +1,560 @@
+//! The model-spec table: which models accept images (and, later, audio and
+//! documents), how many, and how large a context they take.
+//!
+//! Resolution for a request: the `x-visor-vision` header, then the user's
+//! `[[model]]` rows, then the built-in rows (`config/models.toml`, compiled
+//! in), then rows learned from upstream refusals; a model none of them
+//! states is "unknown" and treated as capable. Each field is taken from the
+//! first row that states it, so a user row that only sets `max_images`
+//! keeps the built-in vision flag.
+//!
+//! Names are compared lower case, and each request's model is tried in a few
+//! forms so that a provider path (`openrouter/…`), a dotted vendor prefix
+//! (`us.anthropic.…`) or a date/version suffix (`-2024-08-06`, `@20240620`,
+//! `-v1:0`, `:8b`) does not defeat a match. `scripts/gen_models.py` applies
+//! the same normalisation when it builds the built-in table.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::RwLock;
+
+use globset::{Glob, GlobBuilder, GlobSet, GlobSetBuilder};
+use serde::Deserialize;
+
+use crate::config::RawModel;
+
+/// The built-in table, compiled in.
+const BUILT_IN: &str = include_str!("../config/models.toml");
+
+/// What a table says about one model. `None` means "not stated".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Caps {
+    pub vision: Option<bool>,
+    pub audio: Option<bool>,
+    pub pdf: Option<bool>,
+    pub max_images: Option<u32>,
+    pub context_window: Option<u64>,
+}
+
+impl Caps {
+    fn from_raw(m: &RawModel) -> Self {
+        Self {
+            vision: m.vision,
+            audio: m.audio,
+            pdf: m.pdf,
+            max_images: m.max_images,
+            context_window: m.context_window,
+        }
+    }
+}
+
+/// Where a decision came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// The `x-visor-vision` request header.
+    Header,
+    /// A user `[[model]]` row: index and pattern.
+    User(usize, String),
+    /// A built-in row: index and pattern.
+    BuiltIn(usize, String),
+    /// Learned from an upstream refusal (the learned name).
+    Learned(String),
+    /// No row states it.
+    Unknown,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Header => f.write_str("x-visor-vision header"),
+            Source::User(i, p) => write!(f, "user row model[{i}] match = {p:?}"),
+            Source::BuiltIn(i, p) => write!(f, "built-in row {i} match = {p:?}"),
+            Source::Learned(n) => write!(f, "learned: {n:?} refused images"),
+            Source::Unknown => f.write_str("no row (unknown: treated as capable)"),
+        }
+    }
+}
+
+/// The table's answer for one model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
+    pub caps: Caps,
+    /// Whether images may be sent: the stated flag, else true (unknown).
+    pub vision: bool,
+    pub vision_from: Source,
+}
+
+impl Resolved {
+    /// True when some row (or the header) states the vision flag: visor then
+    /// never tries to learn it.
+    pub fn known(&self) -> bool {
+        self.vision_from != Source::Unknown
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TableError {
+    #[error("built-in model table: {0}")]
+    BuiltIn(String),
+    #[error("model[{0}].match: {1:?} — not a valid glob")]
+    Glob(usize, String),
+}
+
+struct Layer {
+    patterns: Vec<String>,
+    caps: Vec<Caps>,
+    set: GlobSet,
+}
+
+impl Layer {
+    fn new(rows: &[RawModel]) -> Result<Self, TableError> {
+        let mut b = GlobSetBuilder::new();
+        for (i, r) in rows.iter().enumerate() {
+            b.add(glob(&r.pattern).map_err(|_| TableError::Glob(i, r.pattern.clone()))?);
+        }
+        Ok(Self {
+            patterns: rows.iter().map(|r| r.pattern.clone()).collect(),
+            caps: rows.iter().map(Caps::from_raw).collect(),
+            set: b
+                .build()
+                .map_err(|e| TableError::BuiltIn(format!("glob set: {e}")))?,
+        })
+    }
+
+    /// Indices of matching rows for any of the name's forms, in row order.
+    fn matching(&self, forms: &[String]) -> Vec<usize> {
+        let mut hits = Vec::new();
+        for f in forms {
+            hits.extend(self.set.matches(f.as_str()));
+        }
+        hits.sort_unstable();
+        hits.dedup();
+        hits
+    }
+}
+
+fn glob(pattern: &str) -> Result<Glob, globset::Error> {
+    GlobBuilder::new(&pattern.to_ascii_lowercase())
+        .literal_separator(false)
+        .build()
+}
+
+/// Models learned to refuse images, kept in a file under the data dir so a
+/// restart remembers them. (The store of a later stage takes this over.)
+pub struct Learned {
+    path: Option<PathBuf>,
+    names: RwLock<BTreeSet<String>>,
+}
+
+impl Learned {
+    /// Loads the file at `path` if there is one; a missing or unreadable
+    /// file starts empty (with a warning for an unreadable one).
+    pub fn open(path: Option<PathBuf>) -> Self {
+        let mut names = BTreeSet::new();
+        if let Some(p) = &path {
+            match std::fs::read_to_string(p) {
+                Ok(text) => match serde_json::from_str::<LearnedFile>(&text) {
+                    Ok(f) => names.extend(f.non_vision),
+                    Err(e) => {
+                        tracing::warn!(path = %p.display(), error = %e, "ignoring unreadable learned-models file")
+                    }
+                },
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(path = %p.display(), error = %e, "cannot read learned-models file")
+                }
+            }
+        }
+        Self {
+            path,
+            names: RwLock::new(names),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.names.read().map(|n| n.len()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.names
+            .read()
+            .map(|n| n.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn find(&self, forms: &[String]) -> Option<String> {
+        let names = self.names.read().ok()?;
+        forms.iter().find(|f| names.contains(f.as_str())).cloned()
+    }
+
+    /// Records `model` as unable to take images. Returns false when it was
+    /// already known. The file is rewritten atomically (temp file, rename);
+    /// a failed write is logged and the model stays learned in memory.
+    pub fn learn(&self, model: &str) -> bool {
+        let name = normalise(model);
+        let snapshot = {
+            let Ok(mut names) = self.names.write() else {
+                return false;
+            };
+            if !names.insert(name) {
+                return false;
+            }
+            names.iter().cloned().collect::<Vec<_>>()
+        };
+        if let Some(path) = &self.path
+            && let Err(e) = write_learned(path, snapshot)
+        {
+            tracing::warn!(path = %path.display(), error = %e, "cannot save learned-models file");
+        }
+        true
+    }
+}
+
+#[derive(Deserialize, serde::Serialize)]
+struct LearnedFile {
+    non_vision: Vec<String>,
+}
+
+fn write_learned(path: &Path, names: Vec<String>) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let text = serde_json::to_vec_pretty(&LearnedFile { non_vision: names })?;
+    crate::artifacts::write_atomic(path, &text)
+}
+
+pub struct ModelTable {
+    user: Layer,
+    builtin: Layer,
+    pub learned: Learned,
+}
+
+#[derive(Deserialize)]
+struct BuiltInFile {
+    model: Vec<RawModel>,
+}
+
+impl ModelTable {
+    pub fn new(user: &[RawModel], learned: Learned) -> Result<Self, TableError> {
+        let file: BuiltInFile =
+            toml::from_str(BUILT_IN).map_err(|e| TableError::BuiltIn(e.to_string()))?;
+        Ok(Self {
+            user: Layer::new(user)?,
+            builtin: Layer::new(&file.model)?,
+            learned,
+        })
+    }
+
+    pub fn builtin_len(&self) -> usize {
+        self.builtin.patterns.len()
+    }
+
+    pub fn user_rows(&self) -> impl Iterator<Item = (&str, &Caps)> {
+        self.user
+            .patterns
+            .iter()
+            .map(String::as_str)
+            .zip(&self.user.caps)
+    }
+
+    /// The table's answer for `model`; `header` is the `x-visor-vision`
+    /// override, when the request has one.
+    pub fn resolve(&self, model: &str, header: Option<bool>) -> Resolved {
+        let forms = candidates(model);
+        let mut caps = Caps::default();
+        let mut vision_from = Source::Unknown;
+        if let Some(v) = header {
+            caps.vision = Some(v);
+            vision_from = Source::Header;
+        }
+        for (layer, is_user) in [(&self.user, true), (&self.builtin, false)] {
+            for i in layer.matching(&forms) {
+                let row = &layer.caps[i];
+                if caps.vision.is_none() && row.vision.is_some() {
+                    caps.vision = row.vision;
+                    let p = layer.patterns[i].clone();
+                    vision_from = if is_user {
+                        Source::User(i, p)
+                    } else {
+                        Source::BuiltIn(i, p)
+                    };
+                }
+                caps.audio = caps.audio.or(row.audio);
+                caps.pdf = caps.pdf.or(row.pdf);
+                caps.max_images = caps.max_images.or(row.max_images);
+                caps.context_window = caps.context_window.or(row.context_window);
+            }
+        }
+        if caps.vision.is_none()
+            && let Some(name) = self.learned.find(&forms)
+        {
+            caps.vision = Some(false);
+            vision_from = Source::Learned(name);
+        }
+        Resolved {
+            vision: caps.vision.unwrap_or(true),
+            caps,
+            vision_from,
+        }
+    }
+}
+
+/// The forms a requested model name is matched in, most specific first:
+/// as sent (lower case), without its provider path, without a dotted vendor
+/// or region prefix, and without version/date/tag suffixes.
+pub fn candidates(model: &str) -> Vec<String> {
+    let lower = model.trim().to_ascii_lowercase();
+    let mut out = vec![lower.clone()];
+    let mut push = |s: &str| {
+        if !s.is_empty() && !out.iter().any(|o| o == s) {
+            out.push(s.to_owned());
+        }
+    };
+    let base = lower.rsplit('/').next().unwrap_or(&lower);
+    push(base);
+    let unprefixed = strip_prefixes(base);
+    push(unprefixed);
+    push(strip_suffixes(unprefixed));
+    out
+}
+
+/// The fully normalised name: the last of [`candidates`].
+pub fn normalise(model: &str) -> String {
+    candidates(model).pop().unwrap_or_default()
+}
+
+const REGIONS: &[&str] = &[
+    "us.", "eu.", "apac.", "global.", "jp.", "au.", "ca.", "us-gov.",
+];
+
+/// `us.anthropic.claude…` → `claude…`: a region, then a vendor made of
+/// `[a-z0-9_-]` that starts with a letter and is followed by a letter.
+fn strip_prefixes(name: &str) -> &str {
+    let mut n = name;
+    for r in REGIONS {
+        if let Some(rest) = n.strip_prefix(r) {
+            n = rest;
+            break;
+        }
+    }
+    let bytes = n.as_bytes();
+    if bytes.first().is_some_and(u8::is_ascii_lowercase)
+        && let Some(dot) = n.find('.')
+        && n[..dot]
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+        && bytes.get(dot + 1).is_some_and(u8::is_ascii_lowercase)
+    {
+        n = &n[dot + 1..];
+    }
+    n
+}
+
+/// Drops trailing `:tag`, `-vN`, `@…`, `-YYYY-MM-DD`, `-YYYYMMDD`, `-MMDD`
+/// and `-latest`, repeatedly, never down to nothing.
+fn strip_suffixes(name: &str) -> &str {
+    let mut n = name;
+    loop {
+        let before = n;
+        if let Some(i) = n.rfind(':')
+            && n[i + 1..]
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
+        {
+            n = &n[..i];
+        }
+        if let Some(i) = n.rfind('@')
+            && n[i + 1..]
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            n = &n[..i];
+        }
+        if let Some(i) = n.rfind("-v")
+            && n.len() > i + 2
+            && n[i + 2..].bytes().all(|b| b.is_ascii_digit())
+        {
+            n = &n[..i];
+        }
+        n = n.strip_suffix("-latest").unwrap_or(n);
+        n = strip_date(n);
+        if n == before || n.is_empty() {
+            return if n.is_empty() { before } else { n };
+        }
+    }
+}
+
+fn strip_date(n: &str) -> &str {
+    let b = n.as_bytes();
+    let digits = |s: &[u8]| s.iter().all(u8::is_ascii_digit);
+    let ends = |len: usize, shape: &dyn Fn(&[u8]) -> bool| {
+        b.len() > len + 1 && b[b.len() - len - 1] == b'-' && shape(&b[b.len() - len..])
+    };
+    let iso = |s: &[u8]| {
+        digits(&s[0..4]) && s[4] == b'-' && digits(&s[5..7]) && s[7] == b'-' && digits(&s[8..10])
+    };
+    if ends(10, &iso) {
+        return &n[..n.len() - 11];
+    }
+    if ends(8, &digits) {
+        return &n[..n.len() - 9];
+    }
+    if ends(4, &digits) {
+        return &n[..n.len() - 5];
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> ModelTable {
+        ModelTable::new(&[], Learned::open(None)).unwrap()
+    }
+
+    #[test]
+    fn candidates_strip_prefixes_and_suffixes() {
+        assert_eq!(
+            candidates("us.anthropic.claude-3-5-sonnet-20240620-v1:0"),
+            vec![
+                "us.anthropic.claude-3-5-sonnet-20240620-v1:0",
+                "claude-3-5-sonnet-20240620-v1:0",
+                "claude-3-5-sonnet"
+            ]
+        );
+        assert_eq!(normalise("openrouter/openai/GPT-4o-2024-08-06"), "gpt-4o");
+        assert_eq!(normalise("claude-3-5-sonnet@20240620"), "claude-3-5-sonnet");
+        assert_eq!(normalise("gpt-4-0613"), "gpt-4");
+        assert_eq!(normalise("llama3.1:8b"), "llama3.1");
+        assert_eq!(normalise("gpt-4.1"), "gpt-4.1");
+        assert_eq!(normalise("mistral-large-latest"), "mistral-large");
+        assert_eq!(normalise("-2024-01-01"), "-2024-01-01");
+        assert_eq!(normalise(""), "");
+    }
+
+    /// Known answers both ways, through provider prefixes and date suffixes.
+    #[test]
+    fn built_in_table_known_answers() {
+        let t = table();
+        let cannot_see = [
+            "gpt-oss-120b",
+            "gpt-oss-20b",
+            "openrouter/openai/gpt-oss-120b",
+            "deepseek-chat",
+            "deepseek-reasoner",
+            "deepseek/deepseek-chat",
+            "deepseek-r1",
+            "gpt-3.5-turbo",
+            "gpt-3.5-turbo-0125",
+            "azure/gpt-35-turbo",
+            "gpt-4",
+            "gpt-4-0613",
+            "o1-mini",
+            "o3-mini-2025-01-31",
+            "meta-llama/Llama-3.3-70B-Instruct",
+            "llama-3.1-8b-instruct",
+            "llama3.1:8b",
+            "Qwen/Qwen2.5-72B-Instruct",
+            "qwen3-32b",
+            "qwq-32b",
+            "mixtral-8x7b-instruct",
+            "mistral-7b-instruct-v0.3",
+            "codestral-latest",
+            "glm-4.6",
+            "command-r-plus",
+            "kimi-k2-instruct",
+        ];
+        let can_see = [
+            "gpt-4o",
+            "gpt-4o-2024-08-06",
+            "gpt-4o-mini",
+            "azure/gpt-4o",
+            "gpt-4.1",
+            "gpt-5",
+            "gpt-4-turbo",
+            "o1",
+            "claude-3-5-sonnet-20240620",
+            "us.anthropic.claude-3-5-sonnet-20240620-v1:0",
+            "claude-opus-4-1",
+            "gemini-2.5-flash",
+            "gemini/gemini-1.5-pro",
+            "Qwen/Qwen2.5-VL-72B-Instruct",
+            "qwen-vl-max",
+            "llama-3.2-11b-vision-instruct",
+            "meta-llama/Llama-4-Maverick-17B-128E-Instruct",
+            "pixtral-12b",
+            "grok-4",
+            "gemma-3-27b-it",
+        ];
+        for m in cannot_see {
+            let r = t.resolve(m, None);
+            assert!(!r.vision && r.known(), "{m}: {r:?}");
+        }
+        for m in can_see {
+            let r = t.resolve(m, None);
+            assert!(r.vision && r.known(), "{m}: {r:?}");
+        }
+        let unknown = t.resolve("my-own-finetune-7b", None);
+        assert!(unknown.vision && !unknown.known());
+    }
+
+    #[test]
+    fn resolution_order_header_user_builtin_learned() {
+        let user = vec![
+            RawModel {
+                pattern: "gpt-4o*".into(),
+                vision: Some(false),
+                audio: None,
+                pdf: None,
+                max_images: None,
+                context_window: None,
+            },
+            RawModel {
+                pattern: "gpt-oss-*".into(),
+                vision: None,
+                audio: None,
+                pdf: None,
+                max_images: Some(3),
+                context_window: None,
+            },
+        ];
+        let t = ModelTable::new(&user, Learned::open(None)).unwrap();
+        let r = t.resolve("openrouter/openai/gpt-4o-2024-08-06", None);
+        assert!(!r.vision);
+        assert_eq!(r.vision_from, Source::User(0, "gpt-4o*".into()));
+        let r = t.resolve("gpt-4o", Some(true));
+        assert!(r.vision);
+        assert_eq!(r.vision_from, Source::Header);
+        // A user row that states only max_images keeps the built-in flag.
+        let r = t.resolve("gpt-oss-120b", None);
+        assert!(!r.vision);
+        assert_eq!(r.caps.max_images, Some(3));
+        assert!(matches!(r.vision_from, Source::BuiltIn(_, _)));
+        // Learned rows come after every stated row.
+        assert!(t.learned.learn("acme/my-text-model-2025-01-01"));
+        assert!(!t.learned.learn("my-text-model"));
+        let r = t.resolve("other/my-text-model", None);
+        assert!(!r.vision);
+        assert_eq!(r.vision_from, Source::Learned("my-text-model".into()));
+    }
+
+    #[test]
+    fn learned_rows_survive_a_restart() {
+        let dir = std::env::temp_dir().join(format!("visor-learned-{}", std::process::id()));
+        let path = dir.join("learned-models.json");
+        let _ = std::fs::remove_file(&path);
+        let l = Learned::open(Some(path.clone()));
+        assert!(l.learn("house-model-v2"));
+        let again = Learned::open(Some(path.clone()));
+        assert_eq!(again.names(), vec!["house-model".to_owned()]);
+        std::fs::write(&path, "not json").unwrap();
+        assert!(Learned::open(Some(path)).is_empty());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

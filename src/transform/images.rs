@@ -1,0 +1,897 @@
+//! Finding every image in a request, and replacing the chosen ones in place.
+//!
+//! [`scan`] walks the request once (see [`super::json`]) and returns each
+//! image with where it sits: a content part (Chat `image_url`, MCP-native
+//! `{"type":"image","data","mimeType"}`, Responses `input_image`, Anthropic
+//! `image` blocks — also inside tool results), or hidden in the text of a
+//! user or tool message (a `data:image/…;base64,` URL, or JSON-stringified
+//! MCP output). Base64 images are decoded and hashed here, once.
+//!
+//! [`Scan::apply`] then replaces the images a caller chose with one text
+//! part each, splicing only those byte ranges: no message is added or
+//! removed, every other byte (unknown fields included) stays as it was.
+
+use std::ops::Range;
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use super::Shape;
+use super::json::{Cursor, Kind, Malformed, Result, Str, quote, splice};
+use crate::artifacts::{Artifact, sniff_media_type};
+
+/// Descent into nested tool results stops here (deeper ones are left as
+/// they are).
+const MAX_NESTING: usize = 8;
+/// Depth of the generic walk over JSON found inside a text.
+const MAX_TEXT_JSON_DEPTH: usize = 32;
+
+/// What an image is, once read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// Base64 bytes that decoded to a non-empty image.
+    Inline {
+        media_type: String,
+        size: usize,
+        dims: Option<(usize, usize)>,
+    },
+    /// An http(s) (or other) URL; visor never fetches it.
+    Url(String),
+    /// A provider file id (Responses `file_id`, Anthropic `source.file_id`).
+    File(String),
+    /// Could not be read; the reason is said in the placeholder.
+    Broken(&'static str),
+}
+
+/// Where an image sits in the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Site {
+    /// A whole content part (its object's byte range).
+    Part(Range<usize>),
+    /// Inside the decoded text of text spot `spot`: a JSON object of a
+    /// stringified tool result, or a data URL.
+    InText {
+        spot: usize,
+        range: Range<usize>,
+        object: bool,
+    },
+}
+
+/// One image found in the request.
+#[derive(Debug, Clone)]
+pub struct Found {
+    /// Full SHA-256 hex of the decoded bytes (of the URL or file id for
+    /// references, of the undecodable text for broken data).
+    pub sha256: String,
+    pub source: Source,
+    /// Index of the message (or Responses input item) it is in.
+    pub message: usize,
+    /// Role of that message (`tool` for Responses function outputs).
+    pub role: String,
+    /// True inside a tool or function result.
+    pub in_tool_result: bool,
+    /// A readable location, e.g. `messages[3].content[1]`.
+    pub path: String,
+    site: Site,
+    bytes: Option<Vec<u8>>,
+}
+
+/// A string in the request whose text may hold images or be rewritten.
+#[derive(Debug, Clone)]
+struct Spot {
+    lit: Str,
+    /// Decoded text, kept when something was found in it.
+    text: Option<String>,
+}
+
+/// A Chat tool message's content array: when every image in it is
+/// replaced, it becomes one string (providers that take only a string as
+/// tool content stay valid).
+#[derive(Debug, Clone)]
+struct Collapsible {
+    range: Range<usize>,
+    parts: Vec<PartRef>,
+}
+
+/// A content array: its range, its parts, and whether every part is text
+/// or image.
+type ContentArray = (Range<usize>, Vec<PartRef>, bool);
+
+#[derive(Debug, Clone)]
+enum PartRef {
+    Text(usize),
+    Image(usize),
+}
+
+/// Every image of one request.
+#[derive(Debug, Default)]
+pub struct Scan {
+    pub images: Vec<Found>,
+    spots: Vec<Spot>,
+    collapsible: Vec<Collapsible>,
+}
+
+/// Reads the request once and finds every image in it.
+pub fn scan(body: &[u8], shape: Shape) -> std::result::Result<Scan, Malformed> {
+    let mut w = Walker {
+        src: body,
+        shape,
+        out: Scan::default(),
+    };
+    let mut c = Cursor::new(body);
+    if c.kind()? != Kind::Object {
+        return Err(Malformed);
+    }
+    let items_key = match shape {
+        Shape::Chat | Shape::Messages => "messages",
+        Shape::Responses => "input",
+    };
+    c.object(|c, key| {
+        if key.is(body, items_key) && c.kind()? == Kind::Array {
+            c.array(|c, i| w.message(c, i, items_key)).map(drop)
+        } else {
+            c.skip().map(drop)
+        }
+    })?;
+    Ok(w.out)
+}
+
+struct Walker<'a> {
+    src: &'a [u8],
+    shape: Shape,
+    out: Scan,
+}
+
+/// Per-message context while walking its content.
+struct Msg {
+    index: usize,
+    /// Images and spots found in this message, finished at its end when the
+    /// role is known.
+    first_image: usize,
+    spots: Vec<(usize, bool)>,
+}
+
+/// The fields of a content part the classifier needs.
+#[derive(Default)]
+struct PartFields {
+    ty: Option<Str>,
+    image_url: Option<Str>,
+    image_url_bad: bool,
+    data: Option<Str>,
+    media_type: Option<Str>,
+    source_type: Option<Str>,
+    source_media_type: Option<Str>,
+    source_data: Option<Str>,
+    source_url: Option<Str>,
+    source_file: Option<Str>,
+    source_bad: bool,
+    file_id: Option<Str>,
+    text: Option<Str>,
+}
+
+impl Walker<'_> {
+    fn message(&mut self, c: &mut Cursor<'_>, index: usize, items_key: &str) -> Result<()> {
+        if c.kind()? != Kind::Object {
+            c.skip()?;
+            return Ok(());
+        }
+        let src = self.src;
+        let mut role: Option<Str> = None;
+        let mut ty: Option<Str> = None;
+        let mut msg = Msg {
+            index,
+            first_image: self.out.images.len(),
+            spots: Vec::new(),
+        };
+        let mut content: Option<ContentArray> = None;
+        c.object(|c, key| {
+            if key.is(src, "role") && c.kind()? == Kind::String {
+                role = Some(c.string()?);
+            } else if key.is(src, "type") && c.kind()? == Kind::String {
+                ty = Some(c.string()?);
+            } else if key.is(src, "content") || key.is(src, "output") {
+                let which = if key.is(src, "content") {
+                    "content"
+                } else {
+                    "output"
+                };
+                let path = format!("{items_key}[{index}].{which}");
+                let tool = key.is(src, "output");
+                content = self.content(c, &mut msg, &path, tool, 0)?;
+            } else {
+                c.skip()?;
+            }
+            Ok(())
+        })?;
+        let role = role.and_then(|r| r.decode(src)).map(|r| r.into_owned());
+        let is_output = ty.as_ref().is_some_and(|t| {
+            t.is(src, "function_call_output") || t.is(src, "custom_tool_call_output")
+        });
+        let role = match (role, is_output) {
+            (_, true) => "tool".to_owned(),
+            (Some(r), false) => r,
+            (None, false) => "user".to_owned(),
+        };
+        let tool_message = role == "tool" || role == "function";
+        for img in &mut self.out.images[msg.first_image..] {
+            img.role.clone_from(&role);
+            img.in_tool_result |= tool_message;
+        }
+        // Text of user and tool messages may hide images; system, developer
+        // and assistant text is never looked into.
+        if !matches!(role.as_str(), "system" | "developer" | "assistant") {
+            for (spot, in_tool) in std::mem::take(&mut msg.spots) {
+                self.look_in_text(spot, &msg, &role, in_tool || tool_message);
+            }
+        }
+        if self.shape == Shape::Chat
+            && tool_message
+            && let Some((range, parts, true)) = content
+            && parts.iter().any(|p| matches!(p, PartRef::Image(_)))
+        {
+            self.out.collapsible.push(Collapsible { range, parts });
+        }
+        Ok(())
+    }
+
+    /// Walks a `content` (or `output`) value. Returns, for an array, its
+    /// range, its parts and whether every part is text or image.
+    fn content(
+        &mut self,
+        c: &mut Cursor<'_>,
+        msg: &mut Msg,
+        path: &str,
+        in_tool: bool,
+        depth: usize,
+    ) -> Result<Option<ContentArray>> {
+        match c.kind()? {
+            Kind::String => {
+                let lit = c.string()?;
+                let spot = self.spot(lit);
+                msg.spots.push((spot, in_tool));
+                Ok(None)
+            }
+            Kind::Array if depth < MAX_NESTING => {
+                let mut parts = Vec::new();
+                let mut simple = true;
+                let range = c.array(|c, j| {
+                    let p = format!("{path}[{j}]");
+                    match self.part(c, msg, &p, in_tool, depth)? {
+                        Some(r) => parts.push(r),
+                        None => simple = false,
+                    }
+                    Ok(())
+                })?;
+                Ok(Some((range, parts, simple)))
+            }
+            _ => {
+                c.skip()?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn spot(&mut self, lit: Str) -> usize {
+        self.out.spots.push(Spot { lit, text: None });
+        self.out.spots.len() - 1
+    }
+
+    /// Walks one content part. Returns what it is for a possible collapse:
+    /// a text part, an image, or `None` for anything else.
+    fn part(
+        &mut self,
+        c: &mut Cursor<'_>,
+        msg: &mut Msg,
+        path: &str,
+        in_tool: bool,
+        depth: usize,
+    ) -> Result<Option<PartRef>> {
+        if c.kind()? != Kind::Object {
+            c.skip()?;
+            return Ok(None);
+        }
+        let src = self.src;
+        let mut f = PartFields::default();
+        let images_before = self.out.images.len();
+        let spots_before = msg.spots.len();
+        let mut tool_result = false;
+        let range = c.object(|c, key| {
+            let k = |name: &str| key.is(src, name);
+            if k("type") && c.kind()? == Kind::String {
+                let t = c.string()?;
+                tool_result = t.is(src, "tool_result");
+                f.ty = Some(t);
+            } else if k("image_url") {
+                match c.kind()? {
+                    Kind::String => f.image_url = Some(c.string()?),
+                    Kind::Object => {
+                        let mut url = None;
+                        c.object(|c, key| {
+                            if key.is(src, "url") && c.kind()? == Kind::String {
+                                url = Some(c.string()?);
+                            } else {
+                                c.skip()?;
+                            }
+                            Ok(())
+                        })?;
+                        f.image_url_bad = url.is_none();
+                        f.image_url = url;
+                    }
+                    _ => {
+                        f.image_url_bad = true;
+                        c.skip()?;
+                    }
+                }
+            } else if k("data") && c.kind()? == Kind::String {
+                f.data = Some(c.string()?);
+            } else if (k("mimeType") || k("mime_type") || k("media_type"))
+                && c.kind()? == Kind::String
+            {
+                f.media_type = Some(c.string()?);
+            } else if k("file_id") && c.kind()? == Kind::String {
+                f.file_id = Some(c.string()?);
+            } else if k("text") && c.kind()? == Kind::String {
+                f.text = Some(c.string()?);
+            } else if k("source") {
+                if c.kind()? == Kind::Object {
+                    c.object(|c, key| {
+                        let sk = |name: &str| key.is(src, name);
+                        if c.kind()? != Kind::String {
+                            c.skip()?;
+                        } else if sk("type") {
+                            f.source_type = Some(c.string()?);
+                        } else if sk("media_type") {
+                            f.source_media_type = Some(c.string()?);
+                        } else if sk("data") {
+                            f.source_data = Some(c.string()?);
+                        } else if sk("url") {
+                            f.source_url = Some(c.string()?);
+                        } else if sk("file_id") {
+                            f.source_file = Some(c.string()?);
+                        } else {
+                            c.skip()?;
+                        }
+                        Ok(())
+                    })?;
+                } else {
+                    f.source_bad = true;
+                    c.skip()?;
+                }
+            } else if k("content") {
+                // An Anthropic tool_result (or anything shaped like one):
+                // its content is a tool result of its own.
+                let p = format!("{path}.content");
+                self.content(c, msg, &p, true, depth + 1)?;
+            } else {
+                c.skip()?;
+            }
+            Ok(())
+        })?;
+        let Some(ty) = f.ty.as_ref() else {
+            return Ok(None);
+        };
+        if let Some(source) = classify(src, ty, &f) {
+            // The whole part is replaced: anything found inside it goes.
+            self.out.images.truncate(images_before);
+            msg.spots.truncate(spots_before);
+            let (sha256, source, bytes) = read_image(src, source);
+            self.out.images.push(Found {
+                sha256,
+                source,
+                message: msg.index,
+                role: String::new(),
+                in_tool_result: in_tool,
+                path: path.to_owned(),
+                site: Site::Part(range),
+                bytes,
+            });
+            return Ok(Some(PartRef::Image(self.out.images.len() - 1)));
+        }
+        if tool_result {
+            return Ok(None);
+        }
+        if (ty.is(src, "text") || ty.is(src, "input_text"))
+            && let Some(text) = f.text
+        {
+            let spot = self.spot(text);
+            msg.spots.push((spot, in_tool));
+            return Ok(Some(PartRef::Text(spot)));
+        }
+        Ok(None)
+    }
+
+    /// Finds images hidden in the text of spot `spot`.
+    fn look_in_text(&mut self, spot: usize, msg: &Msg, role: &str, in_tool: bool) {
+        let Some(text) = self.out.spots[spot].lit.decode(self.src) else {
+            return;
+        };
+        let found = find_in_text(&text);
+        if found.is_empty() {
+            return;
+        }
+        let text = text.into_owned();
+        for (range, object, source) in found {
+            let (sha256, source, bytes) = read_image(text.as_bytes(), source);
+            self.out.images.push(Found {
+                sha256,
+                source,
+                message: msg.index,
+                role: role.to_owned(),
+                in_tool_result: in_tool,
+                path: format!("messages[{}] text", msg.index),
+                site: Site::InText {
+                    spot,
+                    range,
+                    object,
+                },
+                bytes,
+            });
+        }
+        self.out.spots[spot].text = Some(text);
+    }
+}
+
+/// Where an image's bytes are, before decoding.
+#[derive(Debug)]
+enum Raw {
+    /// A `data:` URL string literal.
+    DataUrl(Str),
+    /// Base64 data and its declared media type.
+    Base64(Str, Option<Str>),
+    Url(Str),
+    File(Str),
+    Broken(&'static str),
+}
+
+/// Decides whether a part is an image, and where its bytes are.
+fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
+    let url_like = |s: &Str| {
+        if s.raw(src).starts_with(b"data:") {
+            Raw::DataUrl(s.clone())
+        } else {
+            Raw::Url(s.clone())
+        }
+    };
+    if ty.is(src, "image_url") {
+        return Some(match &f.image_url {
+            Some(u) => url_like(u),
+            None if f.image_url_bad => Raw::Broken("image_url has an unexpected shape"),
+            None => Raw::Broken("image_url part without a URL"),
+        });
+    }
+    if ty.is(src, "input_image") {
+        return Some(match (&f.image_url, &f.file_id) {
+            (Some(u), _) => url_like(u),
+            (None, Some(id)) => Raw::File(id.clone()),
+            (None, None) => Raw::Broken("input_image without image_url or file_id"),
+        });
+    }
+    if ty.is(src, "image") {
+        if f.source_type.is_some() || f.source_bad {
+            let st = f.source_type.as_ref();
+            let is = |name| st.is_some_and(|t| t.is(src, name));
+            return Some(if is("base64") {
+                match &f.source_data {
+                    Some(d) => Raw::Base64(d.clone(), f.source_media_type.clone()),
+                    None => Raw::Broken("base64 image source without data"),
+                }
+            } else if is("url") {
+                match &f.source_url {
+                    Some(u) => url_like(u),
+                    None => Raw::Broken("url image source without a url"),
+                }
+            } else if is("file") {
+                match &f.source_file {
+                    Some(id) => Raw::File(id.clone()),
+                    None => Raw::Broken("file image source without a file_id"),
+                }
+            } else {
+                Raw::Broken("image source of an unknown type")
+            });
+        }
+        return Some(match (&f.data, &f.image_url) {
+            (Some(d), _) => Raw::Base64(d.clone(), f.media_type.clone()),
+            (None, Some(u)) => url_like(u),
+            (None, None) => Raw::Broken("image part without data or source"),
+        });
+    }
+    None
+}
+
+fn hex(digest: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(digest.len() * 2);
+    for b in digest {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+/// Decodes and hashes one image.
+fn read_image(src: &[u8], raw: Raw) -> (String, Source, Option<Vec<u8>>) {
+    let text = |s: &Str| s.decode(src).map(|c| c.into_owned()).unwrap_or_default();
+    match raw {
+        Raw::Url(u) => {
+            let url = text(&u);
+            (sha256_hex(url.as_bytes()), Source::Url(url), None)
+        }
+        Raw::File(id) => {
+            let id = text(&id);
+            (sha256_hex(id.as_bytes()), Source::File(id), None)
+        }
+        Raw::Broken(why) => (sha256_hex(b""), Source::Broken(why), None),
+        Raw::DataUrl(s) => {
+            let url = s.decode(src).unwrap_or_default();
+            match split_data_url(&url) {
+                Some((mt, b64)) => decode_image(b64.as_bytes(), mt),
+                None => (
+                    sha256_hex(url.as_bytes()),
+                    Source::Broken("a data URL that is not base64"),
+                    None,
+                ),
+            }
+        }
+        Raw::Base64(d, mt) => {
+            let mt = mt.and_then(|m| m.decode(src)).unwrap_or_default();
+            if d.escaped {
+                let data = d.decode(src).unwrap_or_default();
+                decode_image(data.as_bytes(), &mt)
+            } else {
+                decode_image(d.raw(src), &mt)
+            }
+        }
+    }
+}
+
+/// `data:image/png;base64,AAAA` → (`image/png`, `AAAA`).
+fn split_data_url(url: &str) -> Option<(&str, &str)> {
+    let rest = url.strip_prefix("data:")?;
+    let comma = rest.find(',')?;
+    let (meta, data) = (&rest[..comma], &rest[comma + 1..]);
+    let meta = meta.strip_suffix(";base64")?;
+    let mt = meta.split(';').next().unwrap_or("");
+    Some((mt, data))
+}
+
+fn decode_image(b64: &[u8], declared: &str) -> (String, Source, Option<Vec<u8>>) {
+    let decoded = base64_simd::STANDARD
+        .decode_to_vec(b64)
+        .or_else(|_| base64_simd::forgiving_decode_to_vec(b64))
+        .or_else(|_| base64_simd::URL_SAFE_NO_PAD.decode_to_vec(trim_pad(b64)));
+    match decoded {
+        Err(_) => (
+            sha256_hex(b64),
+            Source::Broken("its base64 data is invalid"),
+            None,
+        ),
+        Ok(bytes) if bytes.is_empty() => (sha256_hex(b""), Source::Broken("it is empty"), None),
+        Ok(bytes) => {
+            let sha = sha256_hex(&bytes);
+            let sniffed = sniff_media_type(&bytes);
+            let media_type = if declared.is_empty() {
+                sniffed.unwrap_or("application/octet-stream").to_owned()
+            } else {
+                declared.to_ascii_lowercase()
+            };
+            let dims = imagesize::blob_size(&bytes)
+                .ok()
+                .map(|s| (s.width, s.height));
+            let size = bytes.len();
+            (
+                sha,
+                Source::Inline {
+                    media_type,
+                    size,
+                    dims,
+                },
+                Some(bytes),
+            )
+        }
+    }
+}
+
+fn trim_pad(b: &[u8]) -> &[u8] {
+    let mut end = b.len();
+    while end > 0 && b[end - 1] == b'=' {
+        end -= 1;
+    }
+    &b[..end]
+}
+
+/// Images in a text: JSON objects of a stringified tool result (MCP
+/// `{"type":"image",…}` and the other image part shapes), and
+/// `data:image/…;base64,…` URLs outside them. Ranges are in `text`.
+fn find_in_text(text: &str) -> Vec<(Range<usize>, bool, Raw)> {
+    let mut out = Vec::new();
+    let t = text.trim_start();
+    if (t.starts_with('{') || t.starts_with('['))
+        && memchr::memmem::find(text.as_bytes(), b"image").is_some()
+        && crate::proxy::probe::probe(text.as_bytes()).is_ok()
+    {
+        let mut c = Cursor::new(text.as_bytes());
+        let _ = json_images(&mut c, &mut out, 0);
+    }
+    let bytes = text.as_bytes();
+    let mut at = 0;
+    while let Some(k) = memchr::memmem::find(&bytes[at..], b"data:image/") {
+        let start = at + k;
+        let end = data_url_end(bytes, start);
+        at = end.max(start + 1);
+        if out
+            .iter()
+            .any(|(r, _, _): &(Range<usize>, bool, Raw)| r.contains(&start))
+        {
+            continue;
+        }
+        if let Some(end) = end_if_base64(bytes, start, end) {
+            let lit = Str {
+                range: start..end,
+                escaped: false,
+            };
+            out.push((start..end, false, Raw::DataUrl(lit)));
+        }
+    }
+    out.sort_by_key(|(r, _, _)| r.start);
+    out
+}
+
+/// The end of a data URL's media type and parameters, up to the comma.
+fn data_url_end(b: &[u8], start: usize) -> usize {
+    let mut i = start + "data:".len();
+    while i < b.len() && (b[i].is_ascii_alphanumeric() || b"/+.-;=_".contains(&b[i])) {
+        i += 1;
+    }
+    i
+}
+
+/// When the data URL at `start` (head up to `head_end`) is `;base64,`,
+/// the end of its base64 payload.
+fn end_if_base64(b: &[u8], start: usize, head_end: usize) -> Option<usize> {
+    if !b[start..head_end].ends_with(b";base64") || b.get(head_end) != Some(&b',') {
+        return None;
+    }
+    let mut i = head_end + 1;
+    while i < b.len() && (b[i].is_ascii_alphanumeric() || b"+/=-_".contains(&b[i])) {
+        i += 1;
+    }
+    Some(i)
+}
+
+/// The generic walk of JSON inside a text: any object shaped like an image
+/// part is an image, wherever it sits.
+fn json_images(
+    c: &mut Cursor<'_>,
+    out: &mut Vec<(Range<usize>, bool, Raw)>,
+    depth: usize,
+) -> Result<()> {
+    if depth > MAX_TEXT_JSON_DEPTH {
+        c.skip()?;
+        return Ok(());
+    }
+    match c.kind()? {
+        Kind::Array => c.array(|c, _| json_images(c, out, depth + 1)).map(drop),
+        Kind::Object => {
+            let src = c.src();
+            let mut f = PartFields::default();
+            let before = out.len();
+            let range = c.object(|c, key| {
+                let k = |n: &str| key.is(src, n);
+                match c.kind()? {
+                    Kind::String if k("type") => f.ty = Some(c.string()?),
+                    Kind::String if k("data") => f.data = Some(c.string()?),
+                    Kind::String if k("mimeType") || k("mime_type") || k("media_type") => {
+                        f.media_type = Some(c.string()?)
+                    }
+                    Kind::String if k("image_url") => f.image_url = Some(c.string()?),
+                    Kind::String if k("file_id") => f.file_id = Some(c.string()?),
+                    Kind::Object if k("image_url") => {
+                        c.object(|c, key| {
+                            if key.is(src, "url") && c.kind()? == Kind::String {
+                                f.image_url = Some(c.string()?);
+                            } else {
+                                c.skip()?;
+                            }
+                            Ok(())
+                        })?;
+                    }
+                    Kind::Object if k("source") => {
+                        c.object(|c, key| {
+                            let sk = |n: &str| key.is(src, n);
+                            if c.kind()? != Kind::String {
+                                c.skip()?;
+                            } else if sk("type") {
+                                f.source_type = Some(c.string()?);
+                            } else if sk("media_type") {
+                                f.source_media_type = Some(c.string()?);
+                            } else if sk("data") {
+                                f.source_data = Some(c.string()?);
+                            } else if sk("url") {
+                                f.source_url = Some(c.string()?);
+                            } else {
+                                c.skip()?;
+                            }
+                            Ok(())
+                        })?;
+                    }
+                    _ => json_images(c, out, depth + 1)?,
+                }
+                Ok(())
+            })?;
+            if let Some(ty) = &f.ty
+                && let Some(raw) = classify(src, ty, &f)
+            {
+                out.truncate(before);
+                out.push((range, true, raw));
+            }
+            Ok(())
+        }
+        _ => c.skip().map(drop),
+    }
+}
+
+/// Why an image is replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// The model cannot see images.
+    NonVision,
+}
+
+impl Reason {
+    fn words(self) -> &'static str {
+        match self {
+            Reason::NonVision => "this model cannot see images",
+        }
+    }
+}
+
+/// The text that takes an image's place: `sha256:` and 12 hex digits, what
+/// the image was, and either its description or why it is not shown. The
+/// same image always gives the same text (provider prompt caches keep
+/// hitting).
+pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> String {
+    let short = img.sha256.get(..12).unwrap_or(&img.sha256);
+    let what = match &img.source {
+        Source::Inline {
+            media_type, dims, ..
+        } => match dims {
+            Some((w, h)) => format!("image sha256:{short}, {media_type} {w}x{h}"),
+            None => format!("image sha256:{short}, {media_type}"),
+        },
+        Source::Url(url) => format!("image {url} (sha256:{short})"),
+        Source::File(id) => format!("image file {id} (sha256:{short})"),
+        Source::Broken(why) => {
+            return format!("[image sha256:{short} removed: {why}]");
+        }
+    };
+    match description {
+        Some(d) => format!("[{what}, described: {d}]"),
+        None => format!("[{what}: not shown, {}]", reason.words()),
+    }
+}
+
+impl Scan {
+    /// Rewrites `body` with each image for which `choose` returns a text
+    /// replaced by that text. `None` when nothing was chosen.
+    pub fn apply(
+        &self,
+        body: &[u8],
+        shape: Shape,
+        choose: impl Fn(usize, &Found) -> Option<String>,
+    ) -> Option<Vec<u8>> {
+        let texts: Vec<Option<String>> = self
+            .images
+            .iter()
+            .enumerate()
+            .map(|(i, f)| choose(i, f))
+            .collect();
+        if texts.iter().all(Option::is_none) {
+            return None;
+        }
+        // New text of each spot that holds a replaced image.
+        let mut spot_text: Vec<Option<String>> = vec![None; self.spots.len()];
+        for (s, spot) in self.spots.iter().enumerate() {
+            let Some(text) = &spot.text else { continue };
+            let mut edits = Vec::new();
+            for (i, img) in self.images.iter().enumerate() {
+                if let (
+                    Site::InText {
+                        spot,
+                        range,
+                        object,
+                    },
+                    Some(t),
+                ) = (&img.site, &texts[i])
+                    && *spot == s
+                {
+                    let new = if *object {
+                        text_part(Shape::Chat, t)
+                    } else {
+                        t.clone().into_bytes()
+                    };
+                    edits.push((range.clone(), new));
+                }
+            }
+            if !edits.is_empty() {
+                let out = splice(text.as_bytes(), &edits);
+                spot_text[s] = Some(String::from_utf8_lossy(&out).into_owned());
+            }
+        }
+        let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::new();
+        for (i, img) in self.images.iter().enumerate() {
+            if let (Site::Part(range), Some(t)) = (&img.site, &texts[i]) {
+                edits.push((range.clone(), text_part(shape, t)));
+            }
+        }
+        for (s, t) in spot_text.iter().enumerate() {
+            if let Some(t) = t {
+                edits.push((self.spots[s].lit.range.clone(), quote(t)));
+            }
+        }
+        // A Chat tool message whose images are all replaced becomes a string.
+        for col in &self.collapsible {
+            let all = col.parts.iter().all(|p| match p {
+                PartRef::Image(i) => texts[*i].is_some(),
+                PartRef::Text(_) => true,
+            });
+            if !all {
+                continue;
+            }
+            let mut joined = Vec::new();
+            for p in &col.parts {
+                joined.push(match p {
+                    PartRef::Image(i) => texts[*i].clone().unwrap_or_default(),
+                    PartRef::Text(s) => match &spot_text[*s] {
+                        Some(t) => t.clone(),
+                        None => self.spots[*s]
+                            .lit
+                            .decode(body)
+                            .map(|c| c.into_owned())
+                            .unwrap_or_default(),
+                    },
+                });
+            }
+            edits.retain(|(r, _)| !(col.range.start <= r.start && r.end <= col.range.end));
+            edits.push((col.range.clone(), quote(&joined.join("\n"))));
+        }
+        edits.sort_by_key(|(r, _)| r.start);
+        Some(splice(body, &edits))
+    }
+
+    /// The decoded bytes of images to save as artifacts, once per image.
+    /// Takes the decoded bytes out of the scan (no copy).
+    pub fn artifacts(&mut self, chosen: impl Fn(usize) -> bool) -> Vec<Artifact> {
+        let mut out: Vec<Artifact> = Vec::new();
+        for (i, img) in self.images.iter_mut().enumerate() {
+            if chosen(i)
+                && !out.iter().any(|a| a.sha256 == img.sha256)
+                && let Some(bytes) = img.bytes.take()
+            {
+                out.push(Artifact {
+                    sha256: img.sha256.clone(),
+                    bytes,
+                });
+            }
+        }
+        out
+    }
+}
+
+/// One text part in the request's own shape.
+fn text_part(shape: Shape, text: &str) -> Vec<u8> {
+    let ty = match shape {
+        Shape::Chat | Shape::Messages => "text",
+        Shape::Responses => "input_text",
+    };
+    let mut out = Vec::with_capacity(text.len() + 32);
+    out.extend_from_slice(b"{\"type\":\"");
+    out.extend_from_slice(ty.as_bytes());
+    out.extend_from_slice(b"\",\"text\":");
+    out.extend_from_slice(&quote(text));
+    out.push(b'}');
+    out
+}

@@ -1,0 +1,328 @@
+//! A borrowed, single-pass walk over a request body that is already known to
+//! be valid JSON (the proxy validates every transformed body as it arrives).
+//!
+//! The transforms only need a few places of a request (message roles, content
+//! parts, image fields); everything else, megabytes of base64 included, is
+//! skipped with `memchr` and never copied or parsed into values. Each place
+//! is found as a byte range of the original body, so a rewrite can splice
+//! the few changed ranges and copy every other byte as it was.
+//!
+//! Skipping is iterative: a body nested a million levels deep costs a
+//! counter, not the stack. Only the transforms' own descent recurses, and
+//! that is bounded by the shapes they look for.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+/// The body was not the JSON the walk expected (it should have been
+/// validated first); the caller leaves the request unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Malformed;
+
+pub type Result<T> = std::result::Result<T, Malformed>;
+
+/// A string literal: its range in the source (quotes included) and whether
+/// it holds escapes (then it must be decoded before use).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Str {
+    pub range: Range<usize>,
+    pub escaped: bool,
+}
+
+impl Str {
+    /// The literal's contents between the quotes, undecoded.
+    pub fn raw<'a>(&self, src: &'a [u8]) -> &'a [u8] {
+        src.get(self.range.start + 1..self.range.end - 1)
+            .unwrap_or_default()
+    }
+
+    /// The decoded string, borrowed when it has no escapes.
+    pub fn decode<'a>(&self, src: &'a [u8]) -> Option<Cow<'a, str>> {
+        if self.escaped {
+            let lit = src.get(self.range.clone())?;
+            serde_json::from_slice::<String>(lit).ok().map(Cow::Owned)
+        } else {
+            std::str::from_utf8(self.raw(src)).ok().map(Cow::Borrowed)
+        }
+    }
+
+    /// True when the literal is exactly `"name"` (no escapes).
+    pub fn is(&self, src: &[u8], name: &str) -> bool {
+        !self.escaped && self.raw(src) == name.as_bytes()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Object,
+    Array,
+    String,
+    Other,
+}
+
+pub struct Cursor<'a> {
+    src: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    pub fn new(src: &'a [u8]) -> Self {
+        Self { src, pos: 0 }
+    }
+
+    pub fn src(&self) -> &'a [u8] {
+        self.src
+    }
+
+    fn ws(&mut self) {
+        while let Some(b) = self.src.get(self.pos) {
+            if matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
+                self.pos += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    fn byte(&self) -> Result<u8> {
+        self.src.get(self.pos).copied().ok_or(Malformed)
+    }
+
+    fn expect(&mut self, b: u8) -> Result<()> {
+        self.ws();
+        if self.byte()? == b {
+            self.pos += 1;
+            Ok(())
+        } else {
+            Err(Malformed)
+        }
+    }
+
+    /// The kind of the next value.
+    pub fn kind(&mut self) -> Result<Kind> {
+        self.ws();
+        Ok(match self.byte()? {
+            b'{' => Kind::Object,
+            b'[' => Kind::Array,
+            b'"' => Kind::String,
+            _ => Kind::Other,
+        })
+    }
+
+    /// Reads a string literal.
+    pub fn string(&mut self) -> Result<Str> {
+        self.ws();
+        let start = self.pos;
+        if self.byte()? != b'"' {
+            return Err(Malformed);
+        }
+        let mut i = start + 1;
+        let mut escaped = false;
+        loop {
+            let rest = self.src.get(i..).ok_or(Malformed)?;
+            match memchr::memchr2(b'"', b'\\', rest) {
+                None => return Err(Malformed),
+                Some(k) if rest[k] == b'\\' => {
+                    escaped = true;
+                    i += k + 2;
+                }
+                Some(k) => {
+                    self.pos = i + k + 1;
+                    return Ok(Str {
+                        range: start..self.pos,
+                        escaped,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Skips the next value, however deep, without recursion.
+    pub fn skip(&mut self) -> Result<Range<usize>> {
+        self.ws();
+        let start = self.pos;
+        match self.byte()? {
+            b'"' => {
+                self.string()?;
+            }
+            b'{' | b'[' => {
+                let mut depth = 0usize;
+                loop {
+                    match self.byte()? {
+                        b'"' => {
+                            self.string()?;
+                            continue;
+                        }
+                        b'{' | b'[' => depth += 1,
+                        b'}' | b']' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                self.pos += 1;
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.pos += 1;
+                }
+            }
+            _ => {
+                while let Some(b) = self.src.get(self.pos) {
+                    if matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                        break;
+                    }
+                    self.pos += 1;
+                }
+                if self.pos == start {
+                    return Err(Malformed);
+                }
+            }
+        }
+        Ok(start..self.pos)
+    }
+
+    /// Walks an object: `f` is called with each key, the cursor before the
+    /// value, and must consume the value (read it, walk it or skip it).
+    pub fn object(
+        &mut self,
+        mut f: impl FnMut(&mut Self, Str) -> Result<()>,
+    ) -> Result<Range<usize>> {
+        self.ws();
+        let start = self.pos;
+        self.expect(b'{')?;
+        self.ws();
+        if self.byte()? == b'}' {
+            self.pos += 1;
+            return Ok(start..self.pos);
+        }
+        loop {
+            let key = self.string()?;
+            self.expect(b':')?;
+            f(self, key)?;
+            self.ws();
+            match self.byte()? {
+                b',' => self.pos += 1,
+                b'}' => {
+                    self.pos += 1;
+                    return Ok(start..self.pos);
+                }
+                _ => return Err(Malformed),
+            }
+        }
+    }
+
+    /// Walks an array: `f` is called with each index, the cursor before the
+    /// element, and must consume it.
+    pub fn array(
+        &mut self,
+        mut f: impl FnMut(&mut Self, usize) -> Result<()>,
+    ) -> Result<Range<usize>> {
+        self.ws();
+        let start = self.pos;
+        self.expect(b'[')?;
+        self.ws();
+        if self.byte()? == b']' {
+            self.pos += 1;
+            return Ok(start..self.pos);
+        }
+        let mut i = 0;
+        loop {
+            f(self, i)?;
+            i += 1;
+            self.ws();
+            match self.byte()? {
+                b',' => self.pos += 1,
+                b']' => {
+                    self.pos += 1;
+                    return Ok(start..self.pos);
+                }
+                _ => return Err(Malformed),
+            }
+        }
+    }
+}
+
+/// Copies `src` with each `(range, replacement)` edit applied. Edits must be
+/// sorted by start and must not overlap.
+pub fn splice(src: &[u8], edits: &[(Range<usize>, Vec<u8>)]) -> Vec<u8> {
+    let removed: usize = edits.iter().map(|(r, _)| r.len()).sum();
+    let added: usize = edits.iter().map(|(_, b)| b.len()).sum();
+    let mut out = Vec::with_capacity((src.len() + added).saturating_sub(removed));
+    let mut at = 0;
+    for (r, b) in edits {
+        out.extend_from_slice(src.get(at..r.start).unwrap_or_default());
+        out.extend_from_slice(b);
+        at = r.end;
+    }
+    out.extend_from_slice(src.get(at..).unwrap_or_default());
+    out
+}
+
+/// `s` as a JSON string literal.
+pub fn quote(s: &str) -> Vec<u8> {
+    serde_json::to_vec(s).unwrap_or_else(|_| b"\"\"".to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn walks_objects_and_arrays_and_skips_the_rest() {
+        let src = br#" {"a": [1, {"b": "x\"y"}, true], "c" : {"d": null}, "e": "\u00e9"} "#;
+        let mut c = Cursor::new(src);
+        let mut keys = Vec::new();
+        let mut e = None;
+        c.object(|c, k| {
+            keys.push(String::from_utf8(k.raw(src).to_vec()).unwrap());
+            if k.is(src, "e") {
+                e = Some(c.string()?);
+                Ok(())
+            } else if k.is(src, "a") {
+                let mut kinds = Vec::new();
+                c.array(|c, _| {
+                    kinds.push(c.kind()?);
+                    c.skip().map(drop)
+                })?;
+                assert_eq!(kinds, vec![Kind::Other, Kind::Object, Kind::Other]);
+                Ok(())
+            } else {
+                c.skip().map(drop)
+            }
+        })
+        .unwrap();
+        assert_eq!(keys, ["a", "c", "e"]);
+        let e = e.unwrap();
+        assert!(e.escaped);
+        assert_eq!(e.decode(src).unwrap(), "é");
+    }
+
+    #[test]
+    fn deep_nesting_is_skipped_without_recursion() {
+        let deep = format!("{}{}", "[".repeat(1_000_000), "]".repeat(1_000_000));
+        let mut c = Cursor::new(deep.as_bytes());
+        assert_eq!(c.skip().unwrap(), 0..deep.len());
+    }
+
+    #[test]
+    fn truncated_input_is_malformed_not_a_panic() {
+        for src in [
+            &b"{\"a\":"[..],
+            b"[1,",
+            b"\"abc",
+            b"{\"a\" 1}",
+            b"",
+            b"[\"\\",
+        ] {
+            let mut c = Cursor::new(src);
+            let r = c.object(|c, _| c.skip().map(drop));
+            assert_eq!(r, Err(Malformed), "{:?}", String::from_utf8_lossy(src));
+        }
+    }
+
+    #[test]
+    fn splice_replaces_ranges_and_copies_the_rest() {
+        let out = splice(b"0123456789", &[(1..3, b"ab".to_vec()), (5..9, Vec::new())]);
+        assert_eq!(out, b"0ab349");
+    }
+}
