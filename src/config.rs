@@ -211,6 +211,11 @@ pub struct RawImages {
     pub dedupe: bool,
     #[serde(default)]
     pub artifacts_dir: Option<String>,
+    /// Phrases (case-insensitive) that mark an upstream's 4xx answer as
+    /// "this model does not take images": visor then retries once with the
+    /// images replaced and learns the model.
+    #[serde(default = "default_refusal_phrases")]
+    pub refusal_phrases: Vec<String>,
 }
 
 impl Default for RawImages {
@@ -221,8 +226,35 @@ impl Default for RawImages {
             max_per_request: default_max_per_request(),
             dedupe: true,
             artifacts_dir: None,
+            refusal_phrases: default_refusal_phrases(),
         }
     }
+}
+
+/// How providers and servers say "no images for this model" (OpenAI, vLLM,
+/// DeepSeek, OpenRouter, Ollama, LiteLLM, llama.cpp, TGI phrasings).
+pub fn default_refusal_phrases() -> Vec<String> {
+    [
+        "image_url is only supported by certain models",
+        "does not support image",
+        "doesn't support image",
+        "image input is not supported",
+        "image inputs are not supported",
+        "images are not supported",
+        "image content is not supported",
+        "does not support vision",
+        "vision is not supported",
+        "not a multimodal model",
+        "does not support multimodal",
+        "multimodal input is not supported",
+        "unknown variant `image_url`",
+        "unknown variant `image`",
+        "no endpoints found that support image input",
+        "image input not supported",
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect()
 }
 
 fn default_non_vision() -> String {
@@ -429,6 +461,20 @@ impl Upstream {
 }
 
 impl Config {
+    /// Where replaced images are saved: `images.artifacts_dir`, else
+    /// `<data_dir>/artifacts`.
+    pub fn artifacts_dir(&self) -> PathBuf {
+        match &self.images.artifacts_dir {
+            Some(d) => PathBuf::from(d),
+            None => self.server.data_dir.join("artifacts"),
+        }
+    }
+
+    /// The file that keeps learned model capabilities across restarts.
+    pub fn learned_path(&self) -> PathBuf {
+        self.server.data_dir.join("learned-models.json")
+    }
+
     /// Reads, expands and validates the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -722,6 +768,13 @@ impl RawConfig {
             &self.images.non_vision,
             &["describe", "strip"],
         );
+        for (i, ph) in self.images.refusal_phrases.iter().enumerate() {
+            if ph.trim().is_empty() {
+                p.push(format!(
+                    "images.refusal_phrases[{i}]: \"\" — a phrase must not be empty"
+                ));
+            }
+        }
         if self.images.max_per_request == 0 {
             p.push("images.max_per_request: 0 — must be at least 1".to_owned());
         }

@@ -22,6 +22,8 @@ pub enum VisorError {
     NoRoute(String),
     #[error("unknown path `{0}`: visor serves /v1/*, /healthz, /readyz, /metrics and /visor/*")]
     NotFound(String),
+    #[error("no saved image has the id `{0}`")]
+    ArtifactNotFound(String),
     #[error("request body is larger than the limit of {limit} bytes (server.max_body_bytes)")]
     BodyTooLarge { limit: u64 },
     #[error("the request body did not arrive within server.request_timeout_secs")]
@@ -66,6 +68,11 @@ impl VisorError {
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 "unknown_url",
+            ),
+            VisorError::ArtifactNotFound(_) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "artifact_not_found",
             ),
             VisorError::BodyTooLarge { .. } => (
                 StatusCode::PAYLOAD_TOO_LARGE,

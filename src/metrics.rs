@@ -8,7 +8,8 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 
 /// Distinct `model` label values kept per process.
@@ -30,6 +31,11 @@ pub struct Metrics {
     pub inflight: IntGauge,
     pub upstream_errors: IntCounterVec,
     pub tokens: IntCounterVec,
+    pub images: IntCounterVec,
+    pub bytes_saved: IntCounterVec,
+    pub capability_learned: IntCounter,
+    pub transform_duration: Histogram,
+    pub artifact_errors: IntCounter,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -77,6 +83,55 @@ impl Metrics {
             ),
             &["kind"],
         )?;
+        let images = IntCounterVec::new(
+            Opts::new(
+                "visor_images_total",
+                "Images seen in transformed requests, by what was done: kept, described, stripped, aged_out, capped, deduped",
+            ),
+            &["action"],
+        )?;
+        let bytes_saved = IntCounterVec::new(
+            Opts::new(
+                "visor_bytes_saved_total",
+                "Request bytes removed by the transforms, by reason (images, dedup)",
+            ),
+            &["reason"],
+        )?;
+        let capability_learned = IntCounter::new(
+            "visor_capability_learned_total",
+            "Models learned to refuse image input from an upstream's 4xx answer",
+        )?;
+        let transform_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "visor_transform_duration_seconds",
+                "Time spent rewriting a request body (finding, decoding, hashing and replacing images)",
+            )
+            .buckets(vec![
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+            ]),
+        )?;
+        let artifact_errors = IntCounter::new(
+            "visor_artifact_write_errors_total",
+            "Replaced images that could not be saved under artifacts_dir (the request still went on)",
+        )?;
+        registry.register(Box::new(images.clone()))?;
+        registry.register(Box::new(bytes_saved.clone()))?;
+        registry.register(Box::new(capability_learned.clone()))?;
+        registry.register(Box::new(transform_duration.clone()))?;
+        registry.register(Box::new(artifact_errors.clone()))?;
+        for action in [
+            "kept",
+            "described",
+            "stripped",
+            "aged_out",
+            "capped",
+            "deduped",
+        ] {
+            images.with_label_values(&[action]);
+        }
+        for reason in ["images", "dedup"] {
+            bytes_saved.with_label_values(&[reason]);
+        }
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
         registry.register(Box::new(first_byte.clone()))?;
@@ -91,6 +146,11 @@ impl Metrics {
             inflight,
             upstream_errors,
             tokens,
+            images,
+            bytes_saved,
+            capability_learned,
+            transform_duration,
+            artifact_errors,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

@@ -78,6 +78,7 @@ pub fn client(
 /// body it had to hold, or the first ones, scanned for the model), then the
 /// rest of the client's body streamed through with the `max_body_bytes`
 /// limit enforced as it passes.
+#[derive(Default)]
 pub struct UpstreamBody {
     pub prefix: std::collections::VecDeque<Bytes>,
     pub rest: Option<LimitedIncoming>,

@@ -25,19 +25,21 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
+use std::pin::Pin;
+
+use bytes::Bytes;
+use tokio::time::Sleep;
+
 use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
 use super::probe::JsonScanner;
 use super::router::refuse;
+use super::transform::{self, Options};
 use super::usage::UsageObserver;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
-use crate::upstream::{LimitedIncoming, SendFailure, UpstreamBody};
-
-/// Endpoints whose JSON body visor reads whole (and, in later stages, rewrites).
-fn is_transformed(method: &Method, rest: &str) -> bool {
-    method == Method::POST && matches!(rest, "/chat/completions" | "/responses" | "/messages")
-}
+use crate::transform::{Report, Shape};
+use crate::upstream::{LimitedIncoming, ResponseBody, SendFailure, UpstreamBody};
 
 pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
     let started = Instant::now();
@@ -50,6 +52,16 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let (mut parts, body) = req.into_parts();
     let rest = parts.uri.path()["/v1".len()..].to_owned();
     let limit = state.config.server.max_body_bytes;
+    let shape = if parts.method == Method::POST {
+        Shape::of_path(&rest)
+    } else {
+        None
+    };
+    let opts = match shape.map(|_| Options::from_headers(&parts.headers)) {
+        Some(Err(e)) => return refuse(&state, e),
+        Some(Ok(o)) => o,
+        None => Options::default(),
+    };
 
     // 1. limit
     if content_length(&parts.headers).is_some_and(|n| n > limit) {
@@ -60,30 +72,32 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     // A body visor reads before forwarding must arrive within the request's
     // total deadline (no slow-loris uploads holding a worker's memory).
     let deadline = started + state.config.server.request_timeout;
-    let transformed = is_transformed(&parts.method, &rest);
     let exceeded = Arc::new(AtomicBool::new(false));
-    let (model, up_body) = if transformed {
-        match tokio::time::timeout_at(deadline, read_validated(body, limit)).await {
-            Ok(Ok(read)) => read,
+    let mut whole = None;
+    let (model, up_body) = if shape.is_some() {
+        let hint = content_length(&parts.headers).unwrap_or(0);
+        match tokio::time::timeout_at(deadline, read_validated(body, limit, hint)).await {
+            Ok(Ok((model, bytes))) => {
+                whole = Some(bytes);
+                (model, None)
+            }
             Ok(Err(e)) => return refuse(&state, e),
             Err(_) => return refuse(&state, VisorError::BodyTimeout),
         }
     } else if state.route_by_model && carries_json(&parts.method, &parts.headers) {
         let scan = scan_model(body, limit, exceeded.clone());
         match tokio::time::timeout_at(deadline, scan).await {
-            Ok(Ok(found)) => found,
+            Ok(Ok((model, b))) => (model, Some(b)),
             Ok(Err(e)) => return refuse(&state, e),
             Err(_) => return refuse(&state, VisorError::BodyTimeout),
         }
     } else {
         let rest = LimitedIncoming::new(body, limit, exceeded.clone());
-        (
-            None,
-            UpstreamBody {
-                prefix: VecDeque::new(),
-                rest: Some(rest),
-            },
-        )
+        let b = UpstreamBody {
+            prefix: VecDeque::new(),
+            rest: Some(rest),
+        };
+        (None, Some(b))
     };
 
     // 3. route
@@ -97,7 +111,15 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let model_label = state.metrics.model_label(model.as_deref().unwrap_or(""));
     tracing::debug!(upstream = %upstream_name, model = %model_label, "routed");
 
-    // 4. send
+    // 4. transform: the pure rewrite of the body visor holds whole.
+    let mut prepared = match (shape, whole) {
+        (Some(shape), Some(bytes)) => {
+            Some(transform::prepare(&state, shape, model.as_deref(), bytes, opts).await)
+        }
+        _ => None,
+    };
+
+    // 5. send
     let uri = match target.uri(&rest, parts.uri.query()) {
         Some(u) => u,
         None => {
@@ -116,6 +138,24 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     parts.uri = uri;
     parts.version = Version::HTTP_11;
     parts.extensions = http::Extensions::new();
+    // Kept only while an upstream refusal may still be learned from.
+    let retry_head = prepared
+        .as_ref()
+        .is_some_and(|p| p.learn.is_some())
+        .then(|| {
+            (
+                parts.method.clone(),
+                parts.uri.clone(),
+                parts.headers.clone(),
+            )
+        });
+    let up_body = match &prepared {
+        Some(p) => {
+            set_content_length(&mut parts.headers, p.body.len());
+            p.upstream_body()
+        }
+        None => up_body.unwrap_or_default(),
+    };
     let up_req = Request::from_parts(parts, up_body);
 
     let server = &state.config.server;
@@ -131,79 +171,78 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         tracing::warn!(upstream = %upstream_name, error = e.label(), kind, "upstream request failed");
         e.into_response()
     };
-    let sending = state
-        .upstreams
-        .send(index, &state.routes[index], up_req, &exceeded);
-    // The request's one timer, armed once at the earlier of the head
-    // deadline and one idle gap from now. A head that comes sooner (the usual
-    // case) hands it to the body as is, already right for the body's idle
-    // check; re-arming it would make tokio wake its driver (a system call)
-    // just before the first byte goes out.
-    let mut timer = Box::pin(tokio::time::sleep_until(
-        head_deadline.min(sent + server.idle_timeout),
-    ));
-    tokio::pin!(sending);
-    let outcome = loop {
-        tokio::select! {
-            biased;
-            r = &mut sending => break Ok(r),
-            () = timer.as_mut() => {
-                if Instant::now() >= head_deadline {
-                    break Err(());
-                }
-                timer.as_mut().reset(head_deadline);
-            }
-        }
+    let exchange = Exchange {
+        state: &state,
+        index,
+        head_deadline,
+        deadline,
+        limit,
+        upstream: &upstream_name,
     };
-    let resp = match outcome {
-        Ok(Ok(resp)) => resp,
-        Ok(Err(failed)) => {
-            let failure = failed.failure;
-            let e = match failure {
-                SendFailure::BodyTooLarge => {
-                    return refuse(&state, VisorError::BodyTooLarge { limit });
-                }
-                SendFailure::Connect | SendFailure::Reset => VisorError::UpstreamUnreachable {
-                    upstream: upstream_name.to_string(),
-                    reason: failed.cause,
-                },
-                SendFailure::ConnectTimeout => VisorError::UpstreamTimeout {
-                    upstream: upstream_name.to_string(),
-                    which: "connect timeout",
-                },
-            };
-            return fail(e, failure.label());
-        }
-        Err(_) => {
-            let (which, kind) = if head_deadline >= deadline {
-                ("request timeout", "request_timeout")
-            } else {
-                ("first byte timeout", "first_byte_timeout")
-            };
-            let e = VisorError::UpstreamTimeout {
-                upstream: upstream_name.to_string(),
-                which,
-            };
-            return fail(e, kind);
-        }
+    let (mut resp, mut timer) = match exchange.run(up_req, &exceeded, sent).await {
+        Ok(r) => r,
+        Err(Refused::Limit(r)) => return r,
+        Err(Refused::Failed(e, kind)) => return fail(e, kind),
     };
 
-    // 5. respond
+    // 6. learn: a model of unknown vision whose upstream refuses images is
+    // retried once with them replaced, and remembered as non-vision.
+    if let Some(p) = prepared.as_mut()
+        && let Some(learn) = p.learn.take()
+        && let Some((method, uri, mut headers)) = retry_head
+        && may_be_refusal(resp.status(), resp.headers())
+    {
+        let (head, incoming) = resp.into_parts();
+        let error_body = match read_error_body(incoming, head_deadline, &upstream_name).await {
+            Ok(b) => b,
+            Err((e, kind)) => return fail(e, kind),
+        };
+        let retry =
+            transform::after_refusal(&state, &learn, model.as_deref().unwrap_or(""), &error_body)
+                .await;
+        let Some(retry) = retry else {
+            // Not about images: the upstream's answer, as it was.
+            let mut head = head;
+            strip_hop_by_hop(&mut head.headers);
+            visor_counts(&mut head.headers, &p.report);
+            let status = head.status.as_str().to_owned();
+            state
+                .metrics
+                .requests
+                .with_label_values(&[&*upstream_name, model_label.as_str(), status.as_str()])
+                .inc();
+            state
+                .metrics
+                .request_duration
+                .with_label_values(&[&upstream_name])
+                .observe(started.elapsed().as_secs_f64());
+            return Response::from_parts(head, ProxyBody::from(error_body));
+        };
+        set_content_length(&mut headers, retry.body.len());
+        let mut req = Request::new(retry.upstream_body());
+        *req.method_mut() = method;
+        *req.uri_mut() = uri;
+        *req.headers_mut() = headers;
+        *p = retry;
+        (resp, timer) = match exchange.run(req, &exceeded, Instant::now()).await {
+            Ok(r) => r,
+            Err(Refused::Limit(r)) => return r,
+            Err(Refused::Failed(e, kind)) => return fail(e, kind),
+        };
+    }
+
+    // 7. respond
     let (mut head, incoming) = resp.into_parts();
     if head.status.is_server_error() {
         state.metrics.upstream_error(&upstream_name, "status_5xx");
     }
     strip_hop_by_hop(&mut head.headers);
-    if transformed {
-        for name in [
-            "x-visor-images-replaced",
-            "x-visor-bytes-saved",
-            "x-visor-history-used",
-        ] {
-            head.headers.insert(
-                header::HeaderName::from_static(name),
-                HeaderValue::from_static("0"),
-            );
+    if let Some(p) = prepared.as_mut() {
+        visor_counts(&mut head.headers, &p.report);
+        // The replaced images are on disk before the response is returned
+        // (the write overlapped the upstream call).
+        if let Some(saving) = p.saving.take() {
+            let _ = saving.await;
         }
     }
     let usage = UsageObserver::for_response(&head.headers);
@@ -226,6 +265,167 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         finish,
     );
     Response::from_parts(head, ProxyBody::Upstream(Box::new(observed)))
+}
+
+/// Why an exchange gave no response head.
+enum Refused {
+    /// Answered already (413 when a streamed body ran over the limit).
+    Limit(Response<ProxyBody>),
+    /// An upstream failure: the error and its metric kind.
+    Failed(VisorError, &'static str),
+}
+
+/// One request/response-head exchange with the chosen upstream, under the
+/// first-byte and total deadlines.
+struct Exchange<'a> {
+    state: &'a Arc<AppState>,
+    index: usize,
+    head_deadline: Instant,
+    deadline: Instant,
+    limit: u64,
+    upstream: &'a Arc<str>,
+}
+
+impl Exchange<'_> {
+    async fn run(
+        &self,
+        req: Request<UpstreamBody>,
+        exceeded: &AtomicBool,
+        sent: Instant,
+    ) -> Result<(Response<ResponseBody>, Pin<Box<Sleep>>), Refused> {
+        let state = self.state;
+        let idle = state.config.server.idle_timeout;
+        let sending = state
+            .upstreams
+            .send(self.index, &state.routes[self.index], req, exceeded);
+        // The request's one timer, armed once at the earlier of the head
+        // deadline and one idle gap from now. A head that comes sooner (the
+        // usual case) hands it to the body as is, already right for the
+        // body's idle check; re-arming it would make tokio wake its driver
+        // (a system call) just before the first byte goes out.
+        let mut timer = Box::pin(tokio::time::sleep_until(
+            self.head_deadline.min(sent + idle),
+        ));
+        tokio::pin!(sending);
+        let outcome = loop {
+            tokio::select! {
+                biased;
+                r = &mut sending => break Ok(r),
+                () = timer.as_mut() => {
+                    if Instant::now() >= self.head_deadline {
+                        break Err(());
+                    }
+                    timer.as_mut().reset(self.head_deadline);
+                }
+            }
+        };
+        let upstream = self.upstream.to_string();
+        match outcome {
+            Ok(Ok(resp)) => Ok((resp, timer)),
+            Ok(Err(failed)) => {
+                let failure = failed.failure;
+                let e = match failure {
+                    SendFailure::BodyTooLarge => {
+                        let limit = self.limit;
+                        return Err(Refused::Limit(refuse(
+                            state,
+                            VisorError::BodyTooLarge { limit },
+                        )));
+                    }
+                    SendFailure::Connect | SendFailure::Reset => VisorError::UpstreamUnreachable {
+                        upstream,
+                        reason: failed.cause,
+                    },
+                    SendFailure::ConnectTimeout => VisorError::UpstreamTimeout {
+                        upstream,
+                        which: "connect timeout",
+                    },
+                };
+                Err(Refused::Failed(e, failure.label()))
+            }
+            Err(()) => {
+                let (which, kind) = if self.head_deadline >= self.deadline {
+                    ("request timeout", "request_timeout")
+                } else {
+                    ("first byte timeout", "first_byte_timeout")
+                };
+                let e = VisorError::UpstreamTimeout { upstream, which };
+                Err(Refused::Failed(e, kind))
+            }
+        }
+    }
+}
+
+/// The three `x-visor-*` counts of a transformed endpoint.
+fn visor_counts(headers: &mut HeaderMap, report: &Report) {
+    let num = |n: i64| HeaderValue::from(n);
+    headers.insert(
+        header::HeaderName::from_static("x-visor-images-replaced"),
+        num(report.images_replaced as i64),
+    );
+    headers.insert(
+        header::HeaderName::from_static("x-visor-bytes-saved"),
+        num(report.bytes_saved.max(0)),
+    );
+    headers.insert(
+        header::HeaderName::from_static("x-visor-history-used"),
+        num(0),
+    );
+}
+
+fn set_content_length(headers: &mut HeaderMap, len: usize) {
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    headers.remove(header::TRANSFER_ENCODING);
+}
+
+/// Largest upstream error body read to look for an image refusal.
+const MAX_ERROR_BODY: usize = 256 * 1024;
+
+/// A 4xx that may say "this model takes no images": not an auth, rate or
+/// timeout answer, and not announced as larger than we would read.
+fn may_be_refusal(status: http::StatusCode, headers: &HeaderMap) -> bool {
+    status.is_client_error()
+        && !matches!(status.as_u16(), 401 | 403 | 407 | 408 | 429)
+        && content_length(headers).is_none_or(|n| n <= MAX_ERROR_BODY as u64)
+}
+
+async fn read_error_body(
+    mut body: ResponseBody,
+    deadline: Instant,
+    upstream: &str,
+) -> Result<Bytes, (VisorError, &'static str)> {
+    let read = async {
+        let mut out = bytes::BytesMut::new();
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else {
+                return Err("closed before a response");
+            };
+            if let Ok(data) = frame.into_data() {
+                out.extend_from_slice(&data);
+                if out.len() > MAX_ERROR_BODY {
+                    return Err("error body too large");
+                }
+            }
+        }
+        Ok(out.freeze())
+    };
+    match tokio::time::timeout_at(deadline, read).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(reason)) => Err((
+            VisorError::UpstreamUnreachable {
+                upstream: upstream.to_owned(),
+                reason,
+            },
+            "reset",
+        )),
+        Err(_) => Err((
+            VisorError::UpstreamTimeout {
+                upstream: upstream.to_owned(),
+                which: "first byte timeout",
+            },
+            "first_byte_timeout",
+        )),
+    }
 }
 
 /// The first upstream whose globs match; no model → the first upstream.
@@ -254,16 +454,19 @@ fn carries_json(method: &Method, headers: &HeaderMap) -> bool {
 }
 
 /// Reads a whole body, never more than `limit` bytes, checking it is a
-/// JSON object and finding its model as the chunks arrive. The chunks are
-/// held as they came (no copy) and go upstream as they are. This is the one
-/// place a request body is held whole: the transformed endpoints need all of
-/// it before the request may leave.
+/// JSON object and finding its model as the chunks arrive, into one
+/// contiguous buffer (sized from `Content-Length` when there is one) that the
+/// transforms walk and that goes upstream as is when nothing changes. This is
+/// the one place a request body is held whole: the transformed endpoints
+/// need all of it before the request may leave.
 async fn read_validated(
     mut body: Incoming,
     limit: u64,
-) -> Result<(Option<String>, UpstreamBody), VisorError> {
+    hint: u64,
+) -> Result<(Option<String>, Bytes), VisorError> {
     let mut scanner = JsonScanner::new();
-    let mut chunks = VecDeque::new();
+    let mut first: Option<Bytes> = None;
+    let mut buf = bytes::BytesMut::new();
     let mut total: u64 = 0;
     while let Some(frame) = body.frame().await {
         let frame =
@@ -276,16 +479,20 @@ async fn read_validated(
             return Err(VisorError::BodyTooLarge { limit });
         }
         scanner.feed(&data);
-        chunks.push_back(data);
+        // One chunk is kept as it came; a second starts the buffer.
+        match first.take() {
+            None if buf.is_empty() => first = Some(data),
+            None => buf.extend_from_slice(&data),
+            Some(f) => {
+                buf.reserve((hint.min(limit) as usize).max(f.len() + data.len()));
+                buf.extend_from_slice(&f);
+                buf.extend_from_slice(&data);
+            }
+        }
     }
     let probed = scanner.finish().map_err(VisorError::InvalidJson)?;
-    Ok((
-        probed.model,
-        UpstreamBody {
-            prefix: chunks,
-            rest: None,
-        },
-    ))
+    let bytes = first.unwrap_or_else(|| buf.freeze());
+    Ok((probed.model, bytes))
 }
 
 /// Streams a body while looking for its top-level `model`: chunks are held
@@ -390,11 +597,10 @@ mod tests {
 
     #[test]
     fn transformed_endpoints() {
-        assert!(is_transformed(&Method::POST, "/chat/completions"));
-        assert!(is_transformed(&Method::POST, "/responses"));
-        assert!(is_transformed(&Method::POST, "/messages"));
-        assert!(!is_transformed(&Method::GET, "/chat/completions"));
-        assert!(!is_transformed(&Method::POST, "/embeddings"));
-        assert!(!is_transformed(&Method::POST, "/responses/abc/cancel"));
+        assert_eq!(Shape::of_path("/chat/completions"), Some(Shape::Chat));
+        assert_eq!(Shape::of_path("/responses"), Some(Shape::Responses));
+        assert_eq!(Shape::of_path("/messages"), Some(Shape::Messages));
+        assert_eq!(Shape::of_path("/embeddings"), None);
+        assert_eq!(Shape::of_path("/responses/abc/cancel"), None);
     }
 }

@@ -5,6 +5,7 @@ mod forward;
 pub mod headers;
 pub mod probe;
 mod router;
+mod transform;
 pub mod usage;
 
 use std::convert::Infallible;
@@ -19,9 +20,11 @@ use hyper::body::Incoming;
 use tower::{Layer, Service, ServiceBuilder};
 use tracing::Instrument;
 
+use crate::artifacts::Artifacts;
 use crate::config::Config;
 use crate::error::VisorError;
 use crate::metrics::{Metrics, NO_UPSTREAM};
+use crate::models::{Learned, ModelTable};
 use crate::upstream::{Route, Upstreams};
 use body::ProxyBody;
 use headers::{ProxyKeys, X_REQUEST_ID};
@@ -43,6 +46,12 @@ pub struct AppState {
     /// False when the first upstream takes every model: then the route never
     /// depends on the body, and bodies visor does not transform are not read.
     pub route_by_model: bool,
+    /// The model-spec table (user, built-in and learned rows).
+    pub models: ModelTable,
+    /// Where replaced images are saved and served from.
+    pub artifacts: Artifacts,
+    /// `images.refusal_phrases`, lower case.
+    pub refusal_phrases: Vec<String>,
 }
 
 impl AppState {
@@ -86,7 +95,19 @@ impl AppState {
         if config.upstreams.is_empty() {
             return Err("no upstream configured".to_owned());
         }
+        let models = ModelTable::new(&config.models, Learned::open(Some(config.learned_path())))
+            .map_err(|e| e.to_string())?;
+        let artifacts = Artifacts::new(config.artifacts_dir());
+        let refusal_phrases = config
+            .images
+            .refusal_phrases
+            .iter()
+            .map(|p| p.to_lowercase())
+            .collect();
         Ok(Self {
+            models,
+            artifacts,
+            refusal_phrases,
             config,
             metrics,
             upstreams,

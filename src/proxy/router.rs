@@ -36,10 +36,51 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
             resp
         }
         _ if path == "/v1" || path.starts_with("/v1/") => forward::proxy(state, req).await,
+        (&Method::GET | &Method::HEAD, _) if path.starts_with("/visor/artifacts/") => {
+            let id = path["/visor/artifacts/".len()..].to_owned();
+            artifact(&state, id).await
+        }
         _ => {
             let e = VisorError::NotFound(truncate(path, 200));
             refuse(&state, e)
         }
+    }
+}
+
+/// `GET /visor/artifacts/<sha256>`: a replaced image, with its media type.
+async fn artifact(state: &AppState, id: String) -> Response<ProxyBody> {
+    if !crate::artifacts::valid_id(&id) {
+        return refuse(
+            state,
+            VisorError::BadRequest(
+                "an artifact id is the full SHA-256 in lower-case hex (64 characters)",
+            ),
+        );
+    }
+    let store = state.artifacts.clone();
+    let key = id.clone();
+    let read = tokio::task::spawn_blocking(move || store.read(&key)).await;
+    match read {
+        Ok(Ok(Some((bytes, media_type)))) => {
+            let mut resp = Response::new(ProxyBody::from(Bytes::from(bytes)));
+            let h = resp.headers_mut();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(media_type));
+            h.insert(
+                header::CACHE_CONTROL,
+                HeaderValue::from_static("private, max-age=31536000, immutable"),
+            );
+            h.insert(
+                header::X_CONTENT_TYPE_OPTIONS,
+                HeaderValue::from_static("nosniff"),
+            );
+            resp
+        }
+        Ok(Ok(None)) => refuse(state, VisorError::ArtifactNotFound(id)),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "cannot read artifact");
+            refuse(state, VisorError::ArtifactNotFound(id))
+        }
+        Err(_) => refuse(state, VisorError::ArtifactNotFound(id)),
     }
 }
 

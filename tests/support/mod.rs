@@ -339,8 +339,13 @@ pub struct Visor {
 impl Visor {
     /// Starts visor with `toml`; `{mock}` in it is replaced by `mock_url`.
     pub async fn start(toml: &str) -> Visor {
-        let cfg = visor::config::Config::from_toml(toml, Path::new("test.toml"), &|_| None)
+        let mut cfg = visor::config::Config::from_toml(toml, Path::new("test.toml"), &|_| None)
             .unwrap_or_else(|e| panic!("test config: {e}"));
+        // Each visor gets its own data dir under target/, unless the test
+        // chose one (to restart on the same one).
+        if cfg.server.data_dir == Path::new("var") {
+            cfg.server.data_dir = temp_dir("data");
+        }
         let server = visor::server::Server::bind(cfg, Some("127.0.0.1:0".parse().unwrap()))
             .await
             .unwrap();
@@ -369,6 +374,10 @@ impl Visor {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.state.config.server.data_dir.clone()
     }
 
     /// Begins the graceful shutdown.
@@ -505,6 +514,23 @@ pub fn error_code(body: &[u8]) -> String {
     assert!(v["error"]["message"].is_string(), "no error.message: {v}");
     assert!(v["error"]["type"].is_string(), "no error.type: {v}");
     v["error"]["code"].as_str().unwrap_or_default().to_owned()
+}
+
+/// A new, empty folder under `target/tmp`.
+pub fn temp_dir(what: &str) -> PathBuf {
+    static SEQ: AtomicUsize = AtomicUsize::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!(
+        "target/tmp/{what}-{}-{}-{nanos}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 pub fn fixtures() -> PathBuf {

@@ -1,0 +1,197 @@
+//! The async edge of the request transforms: reads visor's request headers,
+//! resolves the model in the model-spec table, runs the pure transforms
+//! ([`crate::transform`]) — off the worker thread for large bodies — saves
+//! the replaced images in the background, and records metrics. Nothing here
+//! fails a request: a body the transforms cannot walk goes out unchanged.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::HeaderMap;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::AppState;
+use crate::error::VisorError;
+use crate::transform::{self, Plan, Report, Rewrite, Shape};
+use crate::upstream::UpstreamBody;
+
+/// Bodies larger than this are transformed on the blocking pool, so a
+/// multi-megabyte image does not hold up the other connections of a worker.
+const INLINE_LIMIT: usize = 256 * 1024;
+
+/// What the client asked of visor for this request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// `x-visor-transform: off`
+    pub off: bool,
+    /// `x-visor-vision: true|false`
+    pub vision: Option<bool>,
+}
+
+impl Options {
+    pub fn from_headers(headers: &HeaderMap) -> Result<Self, VisorError> {
+        let flag = |name: &str| {
+            headers
+                .get(name)
+                .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase())
+        };
+        let off = match flag("x-visor-transform").as_deref() {
+            None | Some("on") => false,
+            Some("off") => true,
+            Some(_) => {
+                return Err(VisorError::BadRequest(
+                    "x-visor-transform must be \"off\" (or \"on\")",
+                ));
+            }
+        };
+        let vision = match flag("x-visor-vision").as_deref() {
+            None => None,
+            Some("true") => Some(true),
+            Some("false") => Some(false),
+            Some(_) => {
+                return Err(VisorError::BadRequest(
+                    "x-visor-vision must be \"true\" or \"false\"",
+                ));
+            }
+        };
+        Ok(Self { off, vision })
+    }
+}
+
+/// The body to send, what was done to it, and what may follow.
+pub struct Prepared {
+    pub body: Bytes,
+    pub report: Report,
+    /// Replaced images being saved; awaited before the response is returned.
+    pub saving: Option<JoinHandle<()>>,
+    /// Set when the model's vision is unknown and the body may hold images:
+    /// an upstream refusal can then be learned from, once.
+    pub learn: Option<Learnable>,
+}
+
+pub struct Learnable {
+    pub shape: Shape,
+    pub original: Bytes,
+}
+
+impl Prepared {
+    pub fn upstream_body(&self) -> UpstreamBody {
+        UpstreamBody {
+            prefix: VecDeque::from([self.body.clone()]),
+            rest: None,
+        }
+    }
+}
+
+pub async fn prepare(
+    state: &Arc<AppState>,
+    shape: Shape,
+    model: Option<&str>,
+    body: Bytes,
+    opts: Options,
+) -> Prepared {
+    let unchanged = |body: Bytes, learn| Prepared {
+        body,
+        report: Report::default(),
+        saving: None,
+        learn,
+    };
+    if opts.off {
+        return unchanged(body, None);
+    }
+    let resolved = state.models.resolve(model.unwrap_or(""), opts.vision);
+    let plan = Plan {
+        shape,
+        vision: resolved.vision,
+    };
+    if !transform::needed(&plan) {
+        let learn = (!resolved.known() && might_hold_images(&body)).then(|| Learnable {
+            shape,
+            original: body.clone(),
+        });
+        return unchanged(body, learn);
+    }
+    run(state, body, plan).await
+}
+
+/// After an upstream refused images for a model of unknown vision: when its
+/// error says so, the body with every image replaced, and the model learned.
+pub async fn after_refusal(
+    state: &Arc<AppState>,
+    learn: &Learnable,
+    model: &str,
+    error_body: &[u8],
+) -> Option<Prepared> {
+    let text = String::from_utf8_lossy(error_body).to_lowercase();
+    let phrase = state
+        .refusal_phrases
+        .iter()
+        .find(|p| text.contains(p.as_str()))?;
+    let plan = Plan {
+        shape: learn.shape,
+        vision: false,
+    };
+    let prepared = run(state, learn.original.clone(), plan).await;
+    if prepared.report.images_replaced == 0 {
+        return None;
+    }
+    if state.models.learned.learn(model) {
+        state.metrics.capability_learned.inc();
+    }
+    tracing::info!(phrase = %phrase, "upstream refused images: retrying once with them replaced; model learned as non-vision");
+    Some(prepared)
+}
+
+async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan) -> Prepared {
+    let started = Instant::now();
+    let rewrite = if body.len() > INLINE_LIMIT {
+        let b = body.clone();
+        tokio::task::spawn_blocking(move || transform::rewrite(&b, &plan))
+            .await
+            .unwrap_or_default()
+    } else {
+        transform::rewrite(&body, &plan)
+    };
+    let m = &state.metrics;
+    m.transform_duration
+        .observe(started.elapsed().as_secs_f64());
+    let Rewrite {
+        body: new,
+        report,
+        artifacts,
+    } = rewrite;
+    if report.images_replaced > 0 {
+        m.images
+            .with_label_values(&["stripped"])
+            .inc_by(report.images_replaced as u64);
+        m.bytes_saved
+            .with_label_values(&["images"])
+            .inc_by(report.bytes_saved.max(0) as u64);
+    }
+    if let Some(why) = report.skipped {
+        tracing::debug!(why, "request body left unchanged");
+    }
+    let saving = (!artifacts.is_empty()).then(|| {
+        let store = state.artifacts.clone();
+        let metrics = state.metrics.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = store.save_all(&artifacts) {
+                metrics.artifact_errors.inc();
+                tracing::warn!(dir = %store.dir().display(), error = %e, "cannot save replaced images");
+            }
+        })
+    });
+    Prepared {
+        body: new.map(Bytes::from).unwrap_or(body),
+        report,
+        saving,
+        learn: None,
+    }
+}
+
+/// A cheap test before keeping a body for a possible retry.
+fn might_hold_images(body: &[u8]) -> bool {
+    memchr::memmem::find(body, b"image").is_some()
+}
