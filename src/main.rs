@@ -1,12 +1,14 @@
-//! The `visor` command line: `serve` (the default) and `check`.
+//! The `visor` command line: `serve` (the default), `check` and `explain`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use visor::config::Config;
+use visor::models::{Caps, Learned, ModelTable};
 use visor::server::{Server, shutdown_signal};
+use visor::transform::{self, Plan, Shape};
 
 #[derive(Parser)]
 #[command(
@@ -30,12 +32,42 @@ enum Command {
         #[arg(long)]
         listen: Option<SocketAddr>,
     },
-    /// Validate the config and print the routes; exit 0 when valid, 1 if not.
+    /// Validate the config and print the routes and the model table; exit 0
+    /// when valid, 1 if not.
     Check {
         /// Config file [default: $VISOR_CONFIG, then config/visor.toml]
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Also print what the model table says about this model, and which
+        /// row decided
+        #[arg(long)]
+        model: Option<String>,
     },
+    /// Dry run, offline: print the request visor would send for FILE (or
+    /// stdin) and a report of what it changed, as JSON.
+    Explain {
+        /// Config file [default: $VISOR_CONFIG, then config/visor.toml]
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The model to resolve (overrides the body's `model`)
+        #[arg(long)]
+        model: String,
+        /// The API shape of the body
+        #[arg(long, value_enum, default_value = "chat")]
+        endpoint: Endpoint,
+        /// Request body file; `-` or nothing reads stdin
+        file: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Endpoint {
+    /// POST /v1/chat/completions
+    Chat,
+    /// POST /v1/responses
+    Responses,
+    /// POST /v1/messages (Anthropic)
+    Messages,
 }
 
 fn config_path(flag: Option<PathBuf>) -> PathBuf {
@@ -49,7 +81,13 @@ fn main() -> ExitCode {
         config: None,
         listen: None,
     }) {
-        Command::Check { config } => check(&config_path(config)),
+        Command::Check { config, model } => check(&config_path(config), model.as_deref()),
+        Command::Explain {
+            config,
+            model,
+            endpoint,
+            file,
+        } => explain(&config_path(config), &model, endpoint, file),
         Command::Serve { config, listen } => serve(&config_path(config), listen),
     }
 }
@@ -64,7 +102,30 @@ fn load(path: &std::path::Path) -> Option<Config> {
     }
 }
 
-fn check(path: &std::path::Path) -> ExitCode {
+fn table(cfg: &Config) -> Option<ModelTable> {
+    match ModelTable::new(&cfg.models, Learned::open(Some(cfg.learned_path()))) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            eprintln!("error: {e}");
+            None
+        }
+    }
+}
+
+fn caps_text(c: &Caps) -> String {
+    let flag = |v: Option<bool>| v.map_or("?".to_owned(), |b| b.to_string());
+    let num = |v: Option<u64>| v.map_or("?".to_owned(), |n| n.to_string());
+    format!(
+        "vision={} audio={} pdf={} max_images={} context_window={}",
+        flag(c.vision),
+        flag(c.audio),
+        flag(c.pdf),
+        num(c.max_images.map(u64::from)),
+        num(c.context_window)
+    )
+}
+
+fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
     let Some(cfg) = load(path) else {
         return ExitCode::FAILURE;
     };
@@ -108,8 +169,120 @@ fn check(path: &std::path::Path) -> ExitCode {
             u.models.join(","),
         );
     }
-    println!("user model rows: {}", cfg.models.len());
+    let Some(table) = table(&cfg) else {
+        return ExitCode::FAILURE;
+    };
+    println!(
+        "model table: {} user rows, {} built-in rows, {} learned rows (first match wins, in that order)",
+        cfg.models.len(),
+        table.builtin_len(),
+        table.learned.len()
+    );
+    for (pattern, caps) in table.user_rows() {
+        println!("  user     {pattern:?}  {}", caps_text(caps));
+    }
+    for name in table.learned.names() {
+        println!("  learned  {name:?}  vision=false (refused images)");
+    }
+    println!(
+        "images: non_vision={} artifacts in {}",
+        cfg.images.non_vision,
+        cfg.artifacts_dir().display()
+    );
+    if let Some(m) = model {
+        let r = table.resolve(m, None);
+        println!("model {m:?}: {}", caps_text(&r.caps));
+        println!(
+            "  images {} — decided by {}",
+            if r.vision {
+                "sent as they are"
+            } else {
+                "replaced"
+            },
+            r.vision_from
+        );
+    }
     ExitCode::SUCCESS
+}
+
+fn explain(
+    path: &std::path::Path,
+    model: &str,
+    endpoint: Endpoint,
+    file: Option<PathBuf>,
+) -> ExitCode {
+    let Some(cfg) = load(path) else {
+        return ExitCode::FAILURE;
+    };
+    let Some(table) = table(&cfg) else {
+        return ExitCode::FAILURE;
+    };
+    let body = match file.as_deref() {
+        Some(p) if p != std::path::Path::new("-") => {
+            std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
+        }
+        _ => {
+            let mut b = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::stdin(), &mut b)
+                .map(|_| b)
+                .map_err(|e| format!("cannot read stdin: {e}"))
+        }
+    };
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(e) = visor::proxy::probe::probe(&body) {
+        eprintln!("error: the request body is not valid JSON: {e}");
+        return ExitCode::FAILURE;
+    }
+    let shape = match endpoint {
+        Endpoint::Chat => Shape::Chat,
+        Endpoint::Responses => Shape::Responses,
+        Endpoint::Messages => Shape::Messages,
+    };
+    let resolved = table.resolve(model, None);
+    let plan = Plan {
+        shape,
+        vision: resolved.vision,
+    };
+    let rewrite = transform::rewrite(&body, &plan);
+    let sent = rewrite.body.as_deref().unwrap_or(&body);
+    let request: serde_json::Value = match serde_json::from_slice(sent) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: the rewritten request is not valid JSON ({e}); please report this");
+            return ExitCode::FAILURE;
+        }
+    };
+    let out = serde_json::json!({
+        "request": request,
+        "report": {
+            "model": model,
+            "endpoint": shape,
+            "vision": resolved.vision,
+            "vision_decided_by": resolved.vision_from.to_string(),
+            "changed": rewrite.body.is_some(),
+            "images_found": rewrite.report.images_found,
+            "images_replaced": rewrite.report.images_replaced,
+            "bytes_saved": rewrite.report.bytes_saved,
+            "images": rewrite.report.images,
+            "skipped": rewrite.report.skipped,
+        }
+    });
+    match serde_json::to_string_pretty(&out) {
+        Ok(s) => {
+            println!("{s}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn serve(path: &std::path::Path, listen: Option<SocketAddr>) -> ExitCode {

@@ -281,3 +281,114 @@ fn logs_never_contain_keys_or_bodies() {
     // Every key and the body text carry the marker SECRET.
     assert!(!all.contains("SECRET"), "a secret reached the log:\n{all}");
 }
+
+#[test]
+fn check_prints_the_model_table_and_resolves_a_model() {
+    let cfg = temp_config(
+        "models",
+        "[[upstream]]\nname = \"local\"\nbase_url = \"http://127.0.0.1:9/v1\"\nmodels = [\"*\"]\n\
+         [[model]]\nmatch = \"house-*\"\nvision = false\nmax_images = 2\n",
+    );
+    let out = visor()
+        .args([
+            "check",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--model",
+            "openrouter/acme/house-7b",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("model table: 1 user rows, "), "{text}");
+    assert!(
+        text.contains("  user     \"house-*\"  vision=false"),
+        "{text}"
+    );
+    assert!(
+        text.contains("model \"openrouter/acme/house-7b\": vision=false"),
+        "{text}"
+    );
+    assert!(text.contains("max_images=2"), "{text}");
+    assert!(text.contains("decided by user row model[0]"), "{text}");
+
+    let out = visor()
+        .args([
+            "check",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--model",
+            "deepseek-chat",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("images replaced — decided by built-in row"),
+        "{text}"
+    );
+    let out = visor()
+        .args([
+            "check",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--model",
+            "my-unknown-model",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("images sent as they are — decided by no row (unknown"),
+        "{text}"
+    );
+}
+
+#[test]
+fn explain_prints_the_rewritten_request_and_the_report() {
+    let fixture = support::fixtures().join("anthropic-messages-image.json");
+    let out = visor()
+        .args(["explain", "--model", "glm-4.6", "--endpoint", "messages"])
+        .arg(&fixture)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["report"]["images_replaced"], 2);
+    assert_eq!(v["report"]["vision"], false);
+    assert_eq!(v["request"]["messages"][0]["content"][0]["type"], "text");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains(";base64"));
+
+    // From stdin, a vision model: unchanged, images kept.
+    let mut child = visor()
+        .args(["explain", "--model", "gpt-4o", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let body = std::fs::read(support::fixtures().join("chat-image-nonvision.json")).unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), &body).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["report"]["changed"], false);
+    assert_eq!(
+        v["request"],
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()
+    );
+
+    // Not JSON: a clear error, exit 1.
+    let bad = temp_config("bad-body", "{\"model\": ");
+    let out = visor()
+        .args(["explain", "--model", "m"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not valid JSON"));
+}

@@ -113,19 +113,20 @@ pub struct Scan {
 
 /// Reads the request once and finds every image in it.
 pub fn scan(body: &[u8], shape: Shape) -> std::result::Result<Scan, Malformed> {
+    let items_key = match shape {
+        Shape::Chat | Shape::Messages => "messages",
+        Shape::Responses => "input",
+    };
     let mut w = Walker {
         src: body,
         shape,
+        items_key,
         out: Scan::default(),
     };
     let mut c = Cursor::new(body);
     if c.kind()? != Kind::Object {
         return Err(Malformed);
     }
-    let items_key = match shape {
-        Shape::Chat | Shape::Messages => "messages",
-        Shape::Responses => "input",
-    };
     c.object(|c, key| {
         if key.is(body, items_key) && c.kind()? == Kind::Array {
             c.array(|c, i| w.message(c, i, items_key)).map(drop)
@@ -139,6 +140,7 @@ pub fn scan(body: &[u8], shape: Shape) -> std::result::Result<Scan, Malformed> {
 struct Walker<'a> {
     src: &'a [u8],
     shape: Shape,
+    items_key: &'static str,
     out: Scan,
 }
 
@@ -418,7 +420,7 @@ impl Walker<'_> {
                 message: msg.index,
                 role: role.to_owned(),
                 in_tool_result: in_tool,
-                path: format!("messages[{}] text", msg.index),
+                path: format!("{}[{}] (in text)", self.items_key, msg.index),
                 site: Site::InText {
                     spot,
                     range,
