@@ -32,7 +32,7 @@ use tokio::time::Sleep;
 
 use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
-use super::probe::JsonScanner;
+use super::probe::{JsonScanner, WholeBody};
 use super::router::refuse;
 use super::transform::{self, Options};
 use super::usage::UsageObserver;
@@ -453,20 +453,16 @@ fn carries_json(method: &Method, headers: &HeaderMap) -> bool {
             .is_some_and(|v| memchr::memmem::find(v.as_bytes(), b"json").is_some())
 }
 
-/// Reads a whole body, never more than `limit` bytes, checking it is a
-/// JSON object and finding its model as the chunks arrive, into one
-/// contiguous buffer (sized from `Content-Length` when there is one) that the
-/// transforms walk and that goes upstream as is when nothing changes. This is
-/// the one place a request body is held whole: the transformed endpoints
-/// need all of it before the request may leave.
+/// Reads a whole body, never more than `limit` bytes, through a
+/// [`WholeBody`] (validated as it arrives, held in one buffer). This is the
+/// one place a request body is held whole: the transformed endpoints need
+/// all of it before the request may leave.
 async fn read_validated(
     mut body: Incoming,
     limit: u64,
     hint: u64,
 ) -> Result<(Option<String>, Bytes), VisorError> {
-    let mut scanner = JsonScanner::new();
-    let mut first: Option<Bytes> = None;
-    let mut buf = bytes::BytesMut::new();
+    let mut whole = WholeBody::new(hint.min(limit));
     let mut total: u64 = 0;
     while let Some(frame) = body.frame().await {
         let frame =
@@ -478,21 +474,10 @@ async fn read_validated(
         if total > limit {
             return Err(VisorError::BodyTooLarge { limit });
         }
-        scanner.feed(&data);
-        // One chunk is kept as it came; a second starts the buffer.
-        match first.take() {
-            None if buf.is_empty() => first = Some(data),
-            None => buf.extend_from_slice(&data),
-            Some(f) => {
-                buf.reserve((hint.min(limit) as usize).max(f.len() + data.len()));
-                buf.extend_from_slice(&f);
-                buf.extend_from_slice(&data);
-            }
-        }
+        whole.push(data);
     }
-    let probed = scanner.finish().map_err(VisorError::InvalidJson)?;
-    let bytes = first.unwrap_or_else(|| buf.freeze());
-    Ok((probed.model, bytes))
+    let (model, bytes) = whole.finish().map_err(VisorError::InvalidJson)?;
+    Ok((model, bytes))
 }
 
 /// Streams a body while looking for its top-level `model`: chunks are held

@@ -19,6 +19,53 @@ pub struct Probed {
     pub model: Option<String>,
 }
 
+/// A request body read whole: each chunk is validated as it arrives (and
+/// its top-level `model` found), and the chunks are gathered into one
+/// contiguous buffer — sized once from `Content-Length` — that the
+/// transforms walk and that goes upstream as is when nothing changes. A body
+/// that came in one chunk is kept as it came, without a copy.
+pub struct WholeBody {
+    scanner: JsonScanner,
+    first: Option<bytes::Bytes>,
+    buf: bytes::BytesMut,
+    hint: usize,
+}
+
+impl WholeBody {
+    /// `hint`: the expected size (`Content-Length`, capped by the limit).
+    pub fn new(hint: u64) -> Self {
+        Self {
+            scanner: JsonScanner::new(),
+            first: None,
+            buf: bytes::BytesMut::new(),
+            hint: usize::try_from(hint).unwrap_or(0),
+        }
+    }
+
+    pub fn push(&mut self, data: bytes::Bytes) {
+        self.scanner.feed(&data);
+        match self.first.take() {
+            None if self.buf.is_empty() => self.first = Some(data),
+            None => self.buf.extend_from_slice(&data),
+            Some(f) => {
+                self.buf.reserve(self.hint.max(f.len() + data.len()));
+                self.buf.extend_from_slice(&f);
+                self.buf.extend_from_slice(&data);
+            }
+        }
+    }
+
+    /// The model and the body, or why it is not a JSON object.
+    pub fn finish(self) -> Result<(Option<String>, bytes::Bytes), String> {
+        let probed = self.scanner.finish()?;
+        let bytes = match self.first {
+            Some(f) => f,
+            None => self.buf.freeze(),
+        };
+        Ok((probed.model, bytes))
+    }
+}
+
 /// Validates a whole `body` as a JSON object and returns its `model`.
 pub fn probe(body: &[u8]) -> Result<Probed, String> {
     let mut s = JsonScanner::new();
