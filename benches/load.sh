@@ -42,7 +42,10 @@ fi
 # The 4 MB request goes to a vision model: it must pass byte for byte.
 sed 's/"model": "gpt-oss-120b"/"model": "gpt-4o"/' "$WORK/large-image-4mb.json" > "$WORK/large-vision.json"
 
-for name in small stream large-vision; do
+# The same 4 MB request for a text-only model: the image is replaced.
+cp "$WORK/large-image-4mb.json" "$WORK/large-strip.json"
+
+for name in small stream large-vision large-strip; do
   cat > "$WORK/$name.lua" <<LUA
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -158,6 +161,17 @@ for t in direct visor nginx; do
   run "c1/$t" "${URL[$t]}" small 1
 done
 
+# The image path: 4 MB bodies for a text-only model, through visor only
+# (nginx and the mock would just pass the image on). Peak memory is measured
+# from a reset high-water mark (clear_refs 5) at STRIP_CONNS in flight.
+STRIP_CONNS=${STRIP_CONNS:-8}
+echo "running large-strip via visor (c=$STRIP_CONNS, ${DURATION}s)" >&2
+STRIP_BASE=$(rss_kb "$VISOR_PID")
+echo 5 > "/proc/$VISOR_PID/clear_refs" 2>/dev/null || true
+run "strip/visor" "${URL[visor]}" large-strip "$STRIP_CONNS"
+STRIP_HWM=$(hwm_kb "$VISOR_PID")
+STRIP_SIZE=$(stat -c %s "$WORK/large-strip.json")
+
 # First byte with chunks paced 5 ms apart (sequential, one connection).
 sed 's/"model":"gpt-4o"/"model":"paced-gpt-4o"/' "$WORK/stream.json" > "$WORK/paced.json"
 declare -A FB
@@ -185,4 +199,7 @@ for t in visor nginx; do
     'BEGIN { printf "c=1 added by %-5s p50 %+.0f us, p99 %+.0f us\n", t, p50-d50, p99-d99 }'
 done
 for t in direct visor nginx; do echo "paced stream first byte via $t: ${FB[$t]}"; done
+awk -v r="${RPS[strip/visor]}" -v p50="${P50[strip/visor]}" -v p99="${P99[strip/visor]}" -v c="$STRIP_CONNS" \
+    -v base="$STRIP_BASE" -v hwm="$STRIP_HWM" -v size="$STRIP_SIZE" \
+  'BEGIN { per=(hwm-base)*1024/c; printf "4 MB image replaced (c=%d): %s req/s, p50 %.0f us, p99 %.0f us; peak RSS %.0f MB over %.0f MB before = %.1f MB per request in flight (%.1fx the body)\n", c, r, p50, p99, hwm/1024, base/1024, per/1048576, per/size }'
 echo "visor RSS: idle $((IDLE_RSS / 1024)) MB; peak $((PEAK_RSS_SMALL / 1024)) MB over the small and stream runs at c=$CONNS; peak $((PEAK_RSS / 1024)) MB once the 4 MB bodies ran"

@@ -293,6 +293,7 @@ fn serve(path: &std::path::Path, listen: Option<SocketAddr>) -> ExitCode {
     // Worker 0 runs on this thread; Server::run starts the others.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .max_blocking_threads(visor::server::MAX_BLOCKING_THREADS)
         .build()
     {
         Ok(r) => r,

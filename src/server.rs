@@ -28,6 +28,14 @@ use crate::proxy::{AppState, stack};
 use crate::upstream;
 
 /// A bound, not yet serving, proxy.
+
+/// Blocking threads per worker runtime (large-image transforms, artifact
+/// writes). Few on purpose: each thread that allocates multi-megabyte
+/// buffers gets its own malloc arena, and with tokio's default (512) the
+/// arenas' retained memory made a 4 MB image request cost 4.5× its size in
+/// resident memory instead of 2× (`benches/load.sh`, large-strip).
+pub const MAX_BLOCKING_THREADS: usize = 2;
+
 pub struct Server {
     state: Arc<AppState>,
     addr: SocketAddr,
@@ -105,6 +113,7 @@ impl Server {
                 .spawn(move || {
                     let result = tokio::runtime::Builder::new_current_thread()
                         .enable_all()
+                        .max_blocking_threads(MAX_BLOCKING_THREADS)
                         .build()
                         .and_then(|rt| {
                             rt.block_on(serve_then_wait(state, listener, stop, all_drained))

@@ -438,6 +438,8 @@ impl Walker<'_> {
 enum Raw {
     /// A `data:` URL string literal.
     DataUrl(Str),
+    /// A `data:` URL inside a decoded text (a byte range, no quotes).
+    DataUrlInText(Range<usize>),
     /// Base64 data and its declared media type.
     Base64(Str, Option<Str>),
     Url(Str),
@@ -526,17 +528,14 @@ fn read_image(src: &[u8], raw: Raw) -> (String, Source, Option<Vec<u8>>) {
             (sha256_hex(id.as_bytes()), Source::File(id), None)
         }
         Raw::Broken(why) => (sha256_hex(b""), Source::Broken(why), None),
-        Raw::DataUrl(s) => {
-            let url = s.decode(src).unwrap_or_default();
-            match split_data_url(&url) {
-                Some((mt, b64)) => decode_image(b64.as_bytes(), mt),
-                None => (
-                    sha256_hex(url.as_bytes()),
-                    Source::Broken("a data URL that is not base64"),
-                    None,
-                ),
-            }
+        Raw::DataUrlInText(range) => {
+            let url = src
+                .get(range)
+                .and_then(|b| std::str::from_utf8(b).ok())
+                .unwrap_or_default();
+            read_data_url(url)
         }
+        Raw::DataUrl(s) => read_data_url(&s.decode(src).unwrap_or_default()),
         Raw::Base64(d, mt) => {
             let mt = mt.and_then(|m| m.decode(src)).unwrap_or_default();
             if d.escaped {
@@ -546,6 +545,17 @@ fn read_image(src: &[u8], raw: Raw) -> (String, Source, Option<Vec<u8>>) {
                 decode_image(d.raw(src), &mt)
             }
         }
+    }
+}
+
+fn read_data_url(url: &str) -> (String, Source, Option<Vec<u8>>) {
+    match split_data_url(url) {
+        Some((mt, b64)) => decode_image(b64.as_bytes(), mt),
+        None => (
+            sha256_hex(url.as_bytes()),
+            Source::Broken("a data URL that is not base64"),
+            None,
+        ),
     }
 }
 
@@ -630,11 +640,7 @@ fn find_in_text(text: &str) -> Vec<(Range<usize>, bool, Raw)> {
             continue;
         }
         if let Some(end) = end_if_base64(bytes, start, end) {
-            let lit = Str {
-                range: start..end,
-                escaped: false,
-            };
-            out.push((start..end, false, Raw::DataUrl(lit)));
+            out.push((start..end, false, Raw::DataUrlInText(start..end)));
         }
     }
     out.sort_by_key(|(r, _, _)| r.start);
