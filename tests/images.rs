@@ -406,3 +406,75 @@ async fn a_large_image_is_replaced_while_others_are_served() {
         big.len()
     );
 }
+
+#[tokio::test]
+async fn bad_input_through_the_proxy() {
+    let mock = MockUpstream::start(|_| ok()).await;
+    let visor = Visor::for_mock(&mock, "[server]\nmax_body_bytes = 50000000\n").await;
+    let url = visor.url("/v1/chat/completions");
+    let chat = |content: String| {
+        format!(r#"{{"model":"deepseek-chat","messages":[{{"role":"user","content":{content}}}]}}"#)
+    };
+
+    // Broken base64, an empty image, an odd part, a string where an array
+    // was expected: 200, each image a placeholder saying what was wrong.
+    let body = chat(
+        r#"[{"type":"image_url","image_url":{"url":"data:image/png;base64,@@@"}},
+            {"type":"image_url","image_url":{"url":"data:image/png;base64,"}},
+            {"type":"image_url","image_url":[1,2]},
+            {"type":"text","text":"still here","x-unknown":{"kept":true}}]"#
+            .to_owned(),
+    );
+    let (status, headers, _) = send(post_json(&url, body)).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-visor-images-replaced"], "3");
+    let sent = json(&mock.recorded().pop().unwrap().body);
+    let parts = sent["messages"][0]["content"].as_array().unwrap();
+    assert!(parts[0]["text"].as_str().unwrap().contains("invalid"));
+    assert!(parts[1]["text"].as_str().unwrap().contains("empty"));
+    assert!(
+        parts[2]["text"]
+            .as_str()
+            .unwrap()
+            .contains("unexpected shape")
+    );
+    assert_eq!(parts[3]["x-unknown"]["kept"], true);
+
+    let (status, headers, _) = send(post_json(&url, chat("\"just text\"".to_owned()))).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-visor-images-replaced"], "0");
+
+    // Deeply nested JSON: valid, forwarded as it is.
+    let deep = format!(
+        r#"{{"model":"deepseek-chat","metadata":{}0{},"messages":[]}}"#,
+        "[".repeat(200_000),
+        "]".repeat(200_000)
+    );
+    let (status, _, _) = send(post_json(&url, deep.clone())).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.recorded().pop().unwrap().body, deep);
+
+    // A 30 MB image (under a raised body limit): replaced, saved once.
+    let png = std::fs::read(fixtures().join("chart.png")).unwrap();
+    let mut big = png.clone();
+    big.resize(22_500_000, 7);
+    let b64 = base64_simd::STANDARD.encode_to_string(&big);
+    assert!(b64.len() >= 30_000_000);
+    let body = chat(format!(
+        r#"[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}}]"#
+    ));
+    let (status, headers, _) = send(post_json(&url, body)).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-visor-images-replaced"], "1");
+    assert!(mock.recorded().pop().unwrap().body.len() < 1_000);
+    let saved = visor.data_dir().join("artifacts").join(sha_hex(&big));
+    assert_eq!(std::fs::metadata(saved).unwrap().len(), big.len() as u64);
+
+    // Over the limit: 413 in the OpenAI shape, nothing forwarded.
+    let before = mock.count();
+    let huge = chat(format!("\"{}\"", "a".repeat(50_000_001)));
+    let (status, _, body) = send(post_json(&url, huge)).await;
+    assert_eq!(status, 413);
+    assert_eq!(error_code(&body), "body_too_large");
+    assert_eq!(mock.count(), before);
+}
