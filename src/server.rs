@@ -27,8 +27,6 @@ use crate::metrics::Metrics;
 use crate::proxy::{AppState, stack};
 use crate::upstream;
 
-/// A bound, not yet serving, proxy.
-
 /// Blocking threads per worker runtime (large-image transforms, artifact
 /// writes). Few on purpose: each thread that allocates multi-megabyte
 /// buffers gets its own malloc arena, and with tokio's default (512) the
@@ -36,6 +34,7 @@ use crate::upstream;
 /// resident memory instead of 2× (`benches/load.sh`, large-strip).
 pub const MAX_BLOCKING_THREADS: usize = 2;
 
+/// A bound, not yet serving, proxy.
 pub struct Server {
     state: Arc<AppState>,
     addr: SocketAddr,
