@@ -16,6 +16,8 @@
 //! `../shared/fixtures/make_fixtures.py --large` into `target/load/`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
 
+mod common;
+
 use std::hint::black_box;
 use std::path::PathBuf;
 
@@ -26,30 +28,8 @@ use visor::models::{Learned, ModelTable};
 use visor::proxy::probe::WholeBody;
 use visor::transform::{Plan, Shape, rewrite};
 
-fn large_fixture() -> Vec<u8> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let dir = root.join("target/load");
-    let path = dir.join("large-image-4mb.json");
-    if !path.exists() {
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::copy(
-            root.join("../shared/fixtures/make_fixtures.py"),
-            dir.join("make_fixtures.py"),
-        )
-        .unwrap();
-        let ok = std::process::Command::new("python3")
-            .arg(dir.join("make_fixtures.py"))
-            .arg("--large")
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "make_fixtures.py --large failed");
-    }
-    std::fs::read(path).unwrap()
-}
-
 fn bench(c: &mut Criterion) {
-    let body = large_fixture();
+    let body = common::large_fixture();
     let plan = Plan {
         shape: Shape::Chat,
         vision: false,

@@ -171,6 +171,82 @@ struct PartFields {
     text: Option<Str>,
 }
 
+impl PartFields {
+    /// Reads the value of `key` when it is one of the fields an image part
+    /// is recognised by; false (nothing consumed) for any other key.
+    fn read(&mut self, c: &mut Cursor<'_>, src: &[u8], key: &Str) -> Result<bool> {
+        let k = |name: &str| key.is(src, name);
+        let kind = c.kind()?;
+        let string = kind == Kind::String;
+        if string && k("type") {
+            self.ty = Some(c.string()?);
+        } else if k("image_url") {
+            match kind {
+                Kind::String => self.image_url = Some(c.string()?),
+                Kind::Object => {
+                    let mut url = None;
+                    c.object(|c, key| {
+                        if key.is(src, "url") && c.kind()? == Kind::String {
+                            url = Some(c.string()?);
+                        } else {
+                            c.skip()?;
+                        }
+                        Ok(())
+                    })?;
+                    self.image_url_bad = url.is_none();
+                    self.image_url = url;
+                }
+                _ => {
+                    self.image_url_bad = true;
+                    c.skip()?;
+                }
+            }
+        } else if string && k("data") {
+            self.data = Some(c.string()?);
+        } else if string && (k("mimeType") || k("mime_type") || k("media_type")) {
+            self.media_type = Some(c.string()?);
+        } else if string && k("file_id") {
+            self.file_id = Some(c.string()?);
+        } else if string && k("text") {
+            self.text = Some(c.string()?);
+        } else if k("source") {
+            if kind != Kind::Object {
+                self.source_bad = true;
+                c.skip()?;
+                return Ok(true);
+            }
+            c.object(|c, key| {
+                let sk = |name: &str| key.is(src, name);
+                let slot = if c.kind()? != Kind::String {
+                    None
+                } else if sk("type") {
+                    Some(&mut self.source_type)
+                } else if sk("media_type") {
+                    Some(&mut self.source_media_type)
+                } else if sk("data") {
+                    Some(&mut self.source_data)
+                } else if sk("url") {
+                    Some(&mut self.source_url)
+                } else if sk("file_id") {
+                    Some(&mut self.source_file)
+                } else {
+                    None
+                };
+                match slot {
+                    Some(slot) => *slot = Some(c.string()?),
+                    None => {
+                        c.skip()?;
+                    }
+                }
+                Ok(())
+            })?;
+        } else {
+            return Ok(false);
+        }
+        Ok(true)
+    }
+}
+
 impl Walker<'_> {
     fn message(&mut self, c: &mut Cursor<'_>, index: usize, items_key: &str) -> Result<()> {
         if c.kind()? != Kind::Object {
@@ -296,70 +372,11 @@ impl Walker<'_> {
         let mut f = PartFields::default();
         let images_before = self.out.images.len();
         let spots_before = msg.spots.len();
-        let mut tool_result = false;
         let range = c.object(|c, key| {
-            let k = |name: &str| key.is(src, name);
-            if k("type") && c.kind()? == Kind::String {
-                let t = c.string()?;
-                tool_result = t.is(src, "tool_result");
-                f.ty = Some(t);
-            } else if k("image_url") {
-                match c.kind()? {
-                    Kind::String => f.image_url = Some(c.string()?),
-                    Kind::Object => {
-                        let mut url = None;
-                        c.object(|c, key| {
-                            if key.is(src, "url") && c.kind()? == Kind::String {
-                                url = Some(c.string()?);
-                            } else {
-                                c.skip()?;
-                            }
-                            Ok(())
-                        })?;
-                        f.image_url_bad = url.is_none();
-                        f.image_url = url;
-                    }
-                    _ => {
-                        f.image_url_bad = true;
-                        c.skip()?;
-                    }
-                }
-            } else if k("data") && c.kind()? == Kind::String {
-                f.data = Some(c.string()?);
-            } else if (k("mimeType") || k("mime_type") || k("media_type"))
-                && c.kind()? == Kind::String
-            {
-                f.media_type = Some(c.string()?);
-            } else if k("file_id") && c.kind()? == Kind::String {
-                f.file_id = Some(c.string()?);
-            } else if k("text") && c.kind()? == Kind::String {
-                f.text = Some(c.string()?);
-            } else if k("source") {
-                if c.kind()? == Kind::Object {
-                    c.object(|c, key| {
-                        let sk = |name: &str| key.is(src, name);
-                        if c.kind()? != Kind::String {
-                            c.skip()?;
-                        } else if sk("type") {
-                            f.source_type = Some(c.string()?);
-                        } else if sk("media_type") {
-                            f.source_media_type = Some(c.string()?);
-                        } else if sk("data") {
-                            f.source_data = Some(c.string()?);
-                        } else if sk("url") {
-                            f.source_url = Some(c.string()?);
-                        } else if sk("file_id") {
-                            f.source_file = Some(c.string()?);
-                        } else {
-                            c.skip()?;
-                        }
-                        Ok(())
-                    })?;
-                } else {
-                    f.source_bad = true;
-                    c.skip()?;
-                }
-            } else if k("content") {
+            if f.read(c, src, &key)? {
+                return Ok(());
+            }
+            if key.is(src, "content") {
                 // An Anthropic tool_result (or anything shaped like one):
                 // its content is a tool result of its own.
                 let p = format!("{path}.content");
@@ -369,6 +386,7 @@ impl Walker<'_> {
             }
             Ok(())
         })?;
+        let tool_result = f.ty.as_ref().is_some_and(|t| t.is(src, "tool_result"));
         let Some(ty) = f.ty.as_ref() else {
             return Ok(None);
         };
@@ -687,45 +705,8 @@ fn json_images(
             let mut f = PartFields::default();
             let before = out.len();
             let range = c.object(|c, key| {
-                let k = |n: &str| key.is(src, n);
-                match c.kind()? {
-                    Kind::String if k("type") => f.ty = Some(c.string()?),
-                    Kind::String if k("data") => f.data = Some(c.string()?),
-                    Kind::String if k("mimeType") || k("mime_type") || k("media_type") => {
-                        f.media_type = Some(c.string()?)
-                    }
-                    Kind::String if k("image_url") => f.image_url = Some(c.string()?),
-                    Kind::String if k("file_id") => f.file_id = Some(c.string()?),
-                    Kind::Object if k("image_url") => {
-                        c.object(|c, key| {
-                            if key.is(src, "url") && c.kind()? == Kind::String {
-                                f.image_url = Some(c.string()?);
-                            } else {
-                                c.skip()?;
-                            }
-                            Ok(())
-                        })?;
-                    }
-                    Kind::Object if k("source") => {
-                        c.object(|c, key| {
-                            let sk = |n: &str| key.is(src, n);
-                            if c.kind()? != Kind::String {
-                                c.skip()?;
-                            } else if sk("type") {
-                                f.source_type = Some(c.string()?);
-                            } else if sk("media_type") {
-                                f.source_media_type = Some(c.string()?);
-                            } else if sk("data") {
-                                f.source_data = Some(c.string()?);
-                            } else if sk("url") {
-                                f.source_url = Some(c.string()?);
-                            } else {
-                                c.skip()?;
-                            }
-                            Ok(())
-                        })?;
-                    }
-                    _ => json_images(c, out, depth + 1)?,
+                if !f.read(c, src, &key)? {
+                    json_images(c, out, depth + 1)?;
                 }
                 Ok(())
             })?;

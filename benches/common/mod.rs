@@ -1,0 +1,28 @@
+//! Shared bench setup.
+
+use std::path::PathBuf;
+
+/// `large-image-4mb.json` (one ~3 MB PNG of noise, base64, for a text-only
+/// model), made on first use by `../shared/fixtures/make_fixtures.py
+/// --large` into `target/load/` (python3).
+pub fn large_fixture() -> Vec<u8> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let dir = root.join("target/load");
+    let path = dir.join("large-image-4mb.json");
+    if !path.exists() {
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            root.join("../shared/fixtures/make_fixtures.py"),
+            dir.join("make_fixtures.py"),
+        )
+        .unwrap();
+        let ok = std::process::Command::new("python3")
+            .arg(dir.join("make_fixtures.py"))
+            .arg("--large")
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "make_fixtures.py --large failed");
+    }
+    std::fs::read(path).unwrap()
+}
