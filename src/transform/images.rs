@@ -751,7 +751,8 @@ pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> St
             Some((w, h)) => format!("image sha256:{short}, {media_type} {w}x{h}"),
             None => format!("image sha256:{short}, {media_type}"),
         },
-        Source::Url(url) => format!("image {url} (sha256:{short})"),
+        Source::Url(url) if keepable(url) => format!("image {url} (sha256:{short})"),
+        Source::Url(url) => format!("image sha256:{short}, a {}-character URL", url.len()),
         Source::File(id) => format!("image file {id} (sha256:{short})"),
         Source::Broken(why) => {
             return format!("[image sha256:{short} removed: {why}]");
@@ -761,6 +762,13 @@ pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> St
         Some(d) => format!("[{what}, described: {d}]"),
         None => format!("[{what}: not shown, {}]", reason.words()),
     }
+}
+
+/// Whether a URL is kept in the text that replaces its image: not when it
+/// is long or carries inline data (the text would then hold the image it
+/// replaces, or be found again as one).
+fn keepable(url: &str) -> bool {
+    url.len() <= 2048 && !url.contains("data:") && !url.contains("base64,")
 }
 
 impl Scan {

@@ -296,6 +296,7 @@ fn bad_images_get_a_placeholder_that_says_what_was_wrong() {
         {"type": "image", "source": {"type": "weird"}},
         {"type": "image_url", "image_url": {"url": "data:image/svg+xml;utf8,<svg/>"}},
         {"type": "input_image", "file_id": "file-123"},
+        {"type": "input_image", "image_url": format!("(data:image/png;base64,{png_head}")},
         "a bare string part",
         {"no": "type"}
     ]}, {"role": "user", "content": 7}, "not an object"]});
@@ -303,7 +304,7 @@ fn bad_images_get_a_placeholder_that_says_what_was_wrong() {
     let out = strip(&body, Shape::Chat);
     let new = parse(out.body.as_deref().unwrap());
     let parts = new["messages"][0]["content"].as_array().unwrap();
-    assert_eq!(parts.len(), 10);
+    assert_eq!(parts.len(), 11);
     let text = |i: usize| parts[i]["text"].as_str().unwrap().to_owned();
     assert!(text(0).contains("invalid"), "{}", text(0));
     assert!(text(1).contains("empty"), "{}", text(1));
@@ -313,12 +314,22 @@ fn bad_images_get_a_placeholder_that_says_what_was_wrong() {
     assert!(text(5).contains("unknown type"), "{}", text(5));
     assert!(text(6).contains("not base64"), "{}", text(6));
     assert!(text(7).contains("file-123"), "{}", text(7));
-    assert_eq!(parts[8], "a bare string part");
-    assert_eq!(parts[9], json!({"no": "type"}));
+    assert!(
+        text(8).contains("-character URL") && !text(8).contains("base64"),
+        "{}",
+        text(8)
+    );
+    assert_eq!(parts[9], "a bare string part");
+    assert_eq!(parts[10], json!({"no": "type"}));
     assert_eq!(new["messages"][1]["content"], 7);
-    for i in 0..8 {
+    for i in 0..9 {
         assert!(text(i).contains("sha256:"), "{}", text(i));
     }
+    assert!(
+        strip(out.body.as_deref().unwrap(), Shape::Chat)
+            .body
+            .is_none()
+    );
 }
 
 #[test]
