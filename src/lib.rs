@@ -4,7 +4,9 @@
 //! trace span, proxy keys, router). The router answers visor's own endpoints
 //! or forwards: it reads the body only where it must (the transformed
 //! endpoints, or to find `model` when routing depends on it), picks the
-//! upstream by the `model` glob tables in [`config`], sends the request
+//! upstream by the `model` glob tables in [`config`], rewrites the body when
+//! the model-spec table ([`models`]) says its images cannot be seen (the pure
+//! [`transform`]s; originals kept by [`artifacts`]), sends the request
 //! through the pooled client in [`upstream`], and passes the response back
 //! chunk by chunk through one observing body that records [`metrics`].
 //! Every error visor makes itself is one [`error::VisorError`], answered in

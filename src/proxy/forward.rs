@@ -2,18 +2,28 @@
 //! hand back the upstream's response through an [`ObservedBody`].
 //!
 //! Phases of one request:
-//! 1. limit   — `Content-Length` over `max_body_bytes` → 413 before reading.
-//! 2. body    — transformed endpoints (`POST` chat/completions, responses,
-//!    messages) are read whole, bounded, and probed (400 on invalid
-//!    JSON); any other body is streamed, with its first chunks
-//!    scanned for `model` only when routing depends on it.
-//! 3. route   — first upstream whose globs match the model; no model → the
+//! 1. limit     — `Content-Length` over `max_body_bytes` → 413 before reading.
+//! 2. body      — transformed endpoints (`POST` chat/completions, responses,
+//!    messages) are read whole, bounded, into one buffer and
+//!    validated (400 on invalid JSON); any other body is streamed,
+//!    with its first chunks scanned for `model` only when routing
+//!    depends on it.
+//! 3. route     — first upstream whose globs match the model; no model → the
 //!    first upstream; a model nobody matches → 404.
-//! 4. send    — headers rewritten, the body byte for byte; wait for the
-//!    response head under the first-byte and total deadlines
-//!    (peek, then commit: failures here still become 502/504).
-//! 5. respond — status and headers passed through; the body streams through
-//!    `ObservedBody` (idle-gap and total deadlines, usage, metrics).
+//! 4. transform — the model-spec table decides; images are replaced for a
+//!    model that cannot see ([`super::transform`]); the replaced
+//!    originals are written in the background.
+//! 5. send      — headers rewritten, the body as held (byte for byte when
+//!    nothing changed); wait for the response head under the
+//!    first-byte and total deadlines (peek, then commit: failures
+//!    here still become 502/504).
+//! 6. learn     — a model of unknown vision whose upstream answers with an
+//!    "images not supported" 4xx: retried once with the images
+//!    replaced, and remembered.
+//! 7. respond   — status and headers passed through (plus the `x-visor-*`
+//!    counts); once the originals are on disk the body streams
+//!    through `ObservedBody` (idle-gap and total deadlines, usage,
+//!    metrics).
 
 use std::collections::VecDeque;
 use std::sync::Arc;

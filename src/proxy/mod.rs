@@ -140,8 +140,10 @@ type BoxFut = Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible
 /// 4. the router ([`router::handle`]) — visor's own endpoints, or the proxy:
 ///    refuse bad targets (400/404), read or stream the body (413 over the
 ///    limit, 400 for invalid JSON on transformed endpoints), pick the upstream
-///    by `model` (404 if none), forward, and answer with the upstream's
-///    response passed through an observing body (metrics, usage, deadlines).
+///    by `model` (404 if none), replace images for a model that cannot see
+///    (the model-spec table in [`AppState::models`]), forward, and answer
+///    with the upstream's response passed through an observing body
+///    (metrics, usage, deadlines). It also serves `/visor/artifacts/<sha256>`.
 pub fn stack(
     state: Arc<AppState>,
 ) -> impl Service<Request<Incoming>, Response = Response<ProxyBody>, Error = Infallible, Future = BoxFut>
