@@ -335,6 +335,7 @@ async fn learns_from_a_refusal_retries_once_and_remembers_across_a_restart() {
     assert_eq!(mock.count(), 6, "no second refusal after the restart");
     let file = std::fs::read_to_string(data_dir.join("learned-models.json")).unwrap();
     assert!(file.contains("mystery-9b"), "{file}");
+    let _ = std::fs::remove_dir_all(data_dir);
 }
 
 #[tokio::test]

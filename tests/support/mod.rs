@@ -334,6 +334,16 @@ pub struct Visor {
     pub state: Arc<visor::proxy::AppState>,
     stop: Option<oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    /// The data dir made for this visor, removed when it is dropped.
+    own_dir: Option<PathBuf>,
+}
+
+impl Drop for Visor {
+    fn drop(&mut self) {
+        if let Some(dir) = self.own_dir.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 impl Visor {
@@ -343,8 +353,10 @@ impl Visor {
             .unwrap_or_else(|e| panic!("test config: {e}"));
         // Each visor gets its own data dir under target/, unless the test
         // chose one (to restart on the same one).
+        let mut own_dir = None;
         if cfg.server.data_dir == Path::new("var") {
             cfg.server.data_dir = temp_dir("data");
+            own_dir = Some(cfg.server.data_dir.clone());
         }
         let server = visor::server::Server::bind(cfg, Some("127.0.0.1:0".parse().unwrap()))
             .await
@@ -360,6 +372,7 @@ impl Visor {
             state,
             stop: Some(tx),
             task: Some(task),
+            own_dir,
         }
     }
 
