@@ -197,6 +197,10 @@ impl Learned {
     /// a failed write is logged and the model stays learned in memory.
     pub fn learn(&self, model: &str) -> bool {
         let name = normalise(model);
+        if name.is_empty() {
+            // A request without a model: nothing to remember it by.
+            return false;
+        }
         let snapshot = {
             let Ok(mut names) = self.names.write() else {
                 return false;
@@ -572,6 +576,8 @@ mod tests {
         // Learned rows come after every stated row.
         assert!(t.learned.learn("acme/my-text-model-2025-01-01"));
         assert!(!t.learned.learn("my-text-model"));
+        assert!(!t.learned.learn(""), "no model, nothing learned");
+        assert!(t.resolve("", None).vision);
         let r = t.resolve("other/my-text-model", None);
         assert!(!r.vision);
         assert_eq!(r.vision_from, Source::Learned("my-text-model".into()));

@@ -229,10 +229,15 @@ async fn tool_images_and_headers_that_steer() {
     let req = with_header(post_json(&url, body.clone()), "x-visor-vision", "true");
     send(req).await;
     assert_eq!(mock.recorded().pop().unwrap().body, body);
-    let req = with_header(post_json(&url, body.clone()), "x-visor-vision", "maybe");
-    let (status, _, err) = send(req).await;
-    assert_eq!(status, 400);
-    assert_eq!(error_code(&err), "invalid_request");
+    for (name, value) in [
+        ("x-visor-vision", "maybe"),
+        ("x-visor-transform", "sometimes"),
+    ] {
+        let req = with_header(post_json(&url, body.clone()), name, value);
+        let (status, _, err) = send(req).await;
+        assert_eq!(status, 400, "{name}: {value}");
+        assert_eq!(error_code(&err), "invalid_request");
+    }
 
     // A user row decides for a name no built-in row knows.
     let mut v = json(&fixture("chat-image-vision-stream.json"));
@@ -254,6 +259,12 @@ fn refusing(req: &Recorded) -> Reply {
         return Reply::json(
             400,
             r#"{"error":{"message":"Invalid content type. image_url is only supported by certain models.","type":"invalid_request_error","param":"messages.[1].content.[1].type","code":null}}"#,
+        );
+    }
+    if body.contains("\"denied-") {
+        return Reply::json(
+            403,
+            r#"{"error":{"message":"this key does not support image input for this project"}}"#,
         );
     }
     if body.contains("\"other-") {
@@ -311,6 +322,13 @@ async fn learns_from_a_refusal_retries_once_and_remembers_across_a_restart() {
     assert_eq!(headers["x-visor-images-replaced"], "0");
     assert_eq!(mock.count(), 4);
 
+    // An auth answer is never taken for a refusal, whatever it says.
+    let denied = with_model("denied-1b", "chat-image-nonvision.json");
+    let (status, _, _) = send(post_json(&url, denied)).await;
+    assert_eq!(status, 403);
+    let before_known = mock.count();
+    assert_eq!(before_known, 5);
+
     // A model whose vision is stated (here by the header) is never
     // retried: the refusal passes through.
     let header_known = with_header(
@@ -323,7 +341,7 @@ async fn learns_from_a_refusal_retries_once_and_remembers_across_a_restart() {
     );
     let (status, _, _) = send(header_known).await;
     assert_eq!(status, 400);
-    assert_eq!(mock.count(), 5);
+    assert_eq!(mock.count(), 6);
 
     // The learned row survives a restart on the same data dir.
     visor.shutdown();
@@ -332,7 +350,7 @@ async fn learns_from_a_refusal_retries_once_and_remembers_across_a_restart() {
     let (status, headers, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
     assert_eq!(status, 200);
     assert_eq!(headers["x-visor-images-replaced"], "2");
-    assert_eq!(mock.count(), 6, "no second refusal after the restart");
+    assert_eq!(mock.count(), 7, "no second refusal after the restart");
     let file = std::fs::read_to_string(data_dir.join("learned-models.json")).unwrap();
     assert!(file.contains("mystery-9b"), "{file}");
     let _ = std::fs::remove_dir_all(data_dir);
@@ -471,4 +489,22 @@ async fn bad_input_through_the_proxy() {
     let saved = visor.data_dir().join("artifacts").join(sha_hex(&big));
     assert_eq!(std::fs::metadata(saved).unwrap().len(), big.len() as u64);
     // (Bodies over the limit: tests/bad_input.rs, over raw sockets.)
+}
+
+#[tokio::test]
+async fn an_error_after_the_transform_still_says_what_was_replaced() {
+    // Nothing listens on the upstream's port: 502, with the counts.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = listener.local_addr().unwrap();
+    drop(listener);
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname = \"dead\"\nbase_url = \"http://{dead}/v1\"\nmodels = [\"*\"]\n"
+    ))
+    .await;
+    let body = fixture("chat-image-nonvision.json");
+    let (status, headers, resp) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    assert_eq!(status, 502);
+    assert_eq!(error_code(&resp), "upstream_unreachable");
+    assert_eq!(headers["x-visor-images-replaced"], "2");
+    assert_ne!(headers["x-visor-bytes-saved"], "0");
 }

@@ -44,7 +44,7 @@ use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
 use super::probe::{JsonScanner, WholeBody};
 use super::router::refuse;
-use super::transform::{self, Options};
+use super::transform::{self, Options, Prepared};
 use super::usage::UsageObserver;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
@@ -192,7 +192,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let (mut resp, mut timer) = match exchange.run(up_req, &exceeded, sent).await {
         Ok(r) => r,
         Err(Refused::Limit(r)) => return r,
-        Err(Refused::Failed(e, kind)) => return fail(e, kind),
+        Err(Refused::Failed(e, kind)) => return counted(fail(e, kind), prepared.as_ref()),
     };
 
     // 6. learn: a model of unknown vision whose upstream refuses images is
@@ -205,7 +205,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         let (head, incoming) = resp.into_parts();
         let error_body = match read_error_body(incoming, head_deadline, &upstream_name).await {
             Ok(b) => b,
-            Err((e, kind)) => return fail(e, kind),
+            Err((e, kind)) => return counted(fail(e, kind), Some(p)),
         };
         let retry =
             transform::after_refusal(&state, &learn, model.as_deref().unwrap_or(""), &error_body)
@@ -237,7 +237,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         (resp, timer) = match exchange.run(req, &exceeded, Instant::now()).await {
             Ok(r) => r,
             Err(Refused::Limit(r)) => return r,
-            Err(Refused::Failed(e, kind)) => return fail(e, kind),
+            Err(Refused::Failed(e, kind)) => return counted(fail(e, kind), Some(p)),
         };
     }
 
@@ -364,6 +364,15 @@ impl Exchange<'_> {
             }
         }
     }
+}
+
+/// An error visor answers after the transform ran: it still carries the
+/// `x-visor-*` counts of what was done to the request.
+fn counted(mut resp: Response<ProxyBody>, prepared: Option<&Prepared>) -> Response<ProxyBody> {
+    if let Some(p) = prepared {
+        visor_counts(resp.headers_mut(), &p.report);
+    }
+    resp
 }
 
 /// The three `x-visor-*` counts of a transformed endpoint.
