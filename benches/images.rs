@@ -33,6 +33,7 @@ fn bench(c: &mut Criterion) {
     let plan = Plan {
         shape: Shape::Chat,
         vision: false,
+        describe: false,
     };
     let once = rewrite(&body, &plan);
     assert_eq!(once.report.images_replaced, 1);
@@ -66,6 +67,7 @@ fn bench(c: &mut Criterion) {
     let vision = Plan {
         shape: Shape::Chat,
         vision: true,
+        describe: false,
     };
     g.bench_function("vision-4mb-passthrough", |b| {
         b.iter(|| {
@@ -81,7 +83,7 @@ fn bench(c: &mut Criterion) {
     });
     g.finish();
 
-    let table = ModelTable::new(&[], Learned::open(None)).unwrap();
+    let table = ModelTable::new(&[], Learned::default()).unwrap();
     c.bench_function("models/resolve", |b| {
         b.iter(|| {
             table.resolve(

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Artifact {
     pub sha256: String,
-    pub bytes: Vec<u8>,
+    pub bytes: bytes::Bytes,
 }
 
 #[derive(Debug, Clone)]
@@ -148,7 +148,7 @@ mod tests {
         .unwrap();
         let a = Artifact {
             sha256: "0".repeat(64),
-            bytes: png.clone(),
+            bytes: png.clone().into(),
         };
         assert_eq!(store.save_all(&[a.clone(), a.clone()]).unwrap(), 1);
         assert_eq!(store.save_all(&[a]).unwrap(), 0);

@@ -470,7 +470,8 @@ impl Config {
         }
     }
 
-    /// The file that keeps learned model capabilities across restarts.
+    /// Where visor kept learned model capabilities before the store (read
+    /// once at start and moved into the store).
     pub fn learned_path(&self) -> PathBuf {
         self.server.data_dir.join("learned-models.json")
     }
@@ -896,7 +897,7 @@ mod tests {
             let text = std::fs::read_to_string(&path).unwrap();
             if path.file_name() == Some("models.toml".as_ref()) {
                 // The built-in model table, checked by models::tests.
-                let table = crate::models::ModelTable::new(&[], crate::models::Learned::open(None));
+                let table = crate::models::ModelTable::new(&[], crate::models::Learned::default());
                 assert!(table.is_ok_and(|t| t.builtin_len() > 200));
                 seen += 1;
                 continue;

@@ -14,10 +14,12 @@
 
 pub mod artifacts;
 pub mod config;
+pub mod describe;
 pub mod error;
 pub mod metrics;
 pub mod models;
 pub mod proxy;
 pub mod server;
+pub mod store;
 pub mod transform;
 pub mod upstream;

@@ -5,9 +5,14 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use std::sync::Arc;
 use visor::config::Config;
-use visor::models::{Caps, Learned, ModelTable};
+
+use visor::describe::{PROMPT_VERSION, description_key};
+use visor::metrics::Metrics;
+use visor::models::{Caps, Learned, ModelTable, legacy_learned};
 use visor::server::{Server, shutdown_signal};
+use visor::store::Store;
 use visor::transform::{self, Plan, Shape};
 
 #[derive(Parser)]
@@ -102,13 +107,65 @@ fn load(path: &std::path::Path) -> Option<Config> {
     }
 }
 
-fn table(cfg: &Config) -> Option<ModelTable> {
-    match ModelTable::new(&cfg.models, Learned::open(Some(cfg.learned_path()))) {
-        Ok(t) => Some(t),
-        Err(e) => {
-            eprintln!("error: {e}");
-            None
+/// The store as the CLI sees it, and the model table with its learned rows.
+struct Offline {
+    rt: tokio::runtime::Runtime,
+    table: ModelTable,
+    store: Option<Store>,
+    /// Why the store was not read, when it was not.
+    note: Option<String>,
+}
+
+/// Opens the store (Redis only when `network`) and the model table.
+fn offline(cfg: &Config, network: bool) -> Option<Offline> {
+    let fail = |e: String| -> Option<Offline> {
+        eprintln!("error: {e}");
+        None
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(format!("cannot start the runtime: {e}")),
+    };
+    let mut names = legacy_learned(&cfg.learned_path());
+    let mut note = None;
+    let store = if cfg.store.backend.starts_with("redis") && !network {
+        note = Some("not read: the store is Redis, and explain makes no network call".to_owned());
+        None
+    } else {
+        let metrics = match Metrics::new() {
+            Ok(m) => Arc::new(m),
+            Err(e) => return fail(e.to_string()),
+        };
+        let opened = rt.block_on(async {
+            Store::open(
+                &cfg.store.backend,
+                &cfg.store.prefix,
+                &cfg.server.data_dir,
+                metrics,
+            )
+        });
+        match opened {
+            Ok(store) => {
+                match rt.block_on(store.learned()) {
+                    Ok(n) => names.extend(n),
+                    Err(e) => note = Some(format!("unavailable: {e}")),
+                }
+                Some(store)
+            }
+            Err(e) => return fail(e),
         }
+    };
+    match ModelTable::new(&cfg.models, Learned::new(names)) {
+        Ok(table) => Some(Offline {
+            rt,
+            table,
+            store,
+            note,
+        }),
+        Err(e) => fail(e.to_string()),
     }
 }
 
@@ -169,9 +226,14 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
             u.models.join(","),
         );
     }
-    let Some(table) = table(&cfg) else {
+    let Some(off) = offline(&cfg, true) else {
         return ExitCode::FAILURE;
     };
+    let table = &off.table;
+    match &off.note {
+        None => println!("store: {}", cfg.store.backend),
+        Some(n) => println!("store: {} — {n}", cfg.store.backend),
+    }
     println!(
         "model table: {} user rows, {} built-in rows, {} learned rows (first match wins, in that order)",
         cfg.models.len(),
@@ -188,6 +250,16 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
         "images: non_vision={} artifacts in {}",
         cfg.images.non_vision,
         cfg.artifacts_dir().display()
+    );
+    let d = &cfg.describer;
+    let describer_upstream = d
+        .upstream
+        .clone()
+        .or_else(|| cfg.upstreams.first().map(|u| u.name.clone()))
+        .unwrap_or_default();
+    println!(
+        "describer: model {} on upstream {describer_upstream}, prompt v{PROMPT_VERSION}, timeout {}s, concurrency {}, on_miss={}",
+        d.model, d.timeout_secs, d.concurrency, d.on_miss
     );
     if let Some(m) = model {
         let r = table.resolve(m, None);
@@ -214,7 +286,7 @@ fn explain(
     let Some(cfg) = load(path) else {
         return ExitCode::FAILURE;
     };
-    let Some(table) = table(&cfg) else {
+    let Some(off) = offline(&cfg, false) else {
         return ExitCode::FAILURE;
     };
     let body = match file.as_deref() {
@@ -244,12 +316,29 @@ fn explain(
         Endpoint::Responses => Shape::Responses,
         Endpoint::Messages => Shape::Messages,
     };
-    let resolved = table.resolve(model, None);
+    let resolved = off.table.resolve(model, None);
     let plan = Plan {
         shape,
         vision: resolved.vision,
+        describe: cfg.images.non_vision == "describe",
     };
-    let rewrite = transform::rewrite(&body, &plan);
+    // Descriptions come from the store only: explain never calls the
+    // describer; an image without a cached one shows its placeholder.
+    let rewrite = match transform::scan(&body, &plan) {
+        Err(done) => done,
+        Ok(scanned) => {
+            let mut descriptions = Vec::new();
+            if let Some(store) = &off.store {
+                for (_, s) in scanned.subjects() {
+                    let key = description_key(&s.sha256, &cfg.describer.model);
+                    if let Ok(Some(text)) = off.rt.block_on(store.description(&key)) {
+                        descriptions.push((s.sha256, Arc::from(text)));
+                    }
+                }
+            }
+            scanned.finish(&body, &descriptions)
+        }
+    };
     let sent = rewrite.body.as_deref().unwrap_or(&body);
     let request: serde_json::Value = match serde_json::from_slice(sent) {
         Ok(v) => v,
@@ -268,6 +357,11 @@ fn explain(
             "changed": rewrite.body.is_some(),
             "images_found": rewrite.report.images_found,
             "images_replaced": rewrite.report.images_replaced,
+            "images_described": rewrite.report.images_described,
+            "store": match &off.note {
+                None => cfg.store.backend.clone(),
+                Some(n) => format!("{} ({n})", cfg.store.backend),
+            },
             "bytes_saved": rewrite.report.bytes_saved,
             "images": rewrite.report.images,
             "skipped": rewrite.report.skipped,

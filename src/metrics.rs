@@ -36,6 +36,12 @@ pub struct Metrics {
     pub capability_learned: IntCounter,
     pub transform_duration: Histogram,
     pub artifact_errors: IntCounter,
+    pub describe: IntCounterVec,
+    pub describe_duration: Histogram,
+    pub describe_cache_entries: IntGauge,
+    pub describe_background: IntGauge,
+    pub store_errors: IntCounterVec,
+    pub store_up: IntGauge,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -114,6 +120,51 @@ impl Metrics {
             "visor_artifact_write_errors_total",
             "Replaced images that could not be saved under artifacts_dir (the request still went on)",
         )?;
+        let describe = IntCounterVec::new(
+            Opts::new(
+                "visor_describe_total",
+                "Image descriptions looked up, by result: hit (cached), miss (made by a describer call), error (describer failed or timed out; the placeholder was used)",
+            ),
+            &["result"],
+        )?;
+        let describe_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "visor_describe_duration_seconds",
+                "Time of one describer call, from sending it to the whole answer (failed calls too)",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+        )?;
+        let describe_cache_entries = IntGauge::new(
+            "visor_describe_cache_entries",
+            "Descriptions held in the in-memory cache",
+        )?;
+        let describe_background = IntGauge::new(
+            "visor_describe_background",
+            "Descriptions being made in the background (describer.on_miss = \"placeholder\")",
+        )?;
+        let store_errors = IntCounterVec::new(
+            Opts::new(
+                "visor_store_errors_total",
+                "Store operations that failed or timed out, by operation (get, put, list, ping)",
+            ),
+            &["op"],
+        )?;
+        let store_up = IntGauge::new(
+            "visor_store_up",
+            "1 while the store answers, 0 while visor runs on memory only",
+        )?;
+        registry.register(Box::new(describe.clone()))?;
+        registry.register(Box::new(describe_duration.clone()))?;
+        registry.register(Box::new(describe_cache_entries.clone()))?;
+        registry.register(Box::new(describe_background.clone()))?;
+        registry.register(Box::new(store_errors.clone()))?;
+        registry.register(Box::new(store_up.clone()))?;
+        for result in ["hit", "miss", "error"] {
+            describe.with_label_values(&[result]);
+        }
+        for op in ["get", "put", "list", "ping"] {
+            store_errors.with_label_values(&[op]);
+        }
         registry.register(Box::new(images.clone()))?;
         registry.register(Box::new(bytes_saved.clone()))?;
         registry.register(Box::new(capability_learned.clone()))?;
@@ -151,6 +202,12 @@ impl Metrics {
             capability_learned,
             transform_duration,
             artifact_errors,
+            describe,
+            describe_duration,
+            describe_cache_entries,
+            describe_background,
+            store_errors,
+            store_up,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

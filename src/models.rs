@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::RwLock;
 
 use globset::{Glob, GlobBuilder, GlobSet, GlobSetBuilder};
@@ -140,36 +140,23 @@ fn glob(pattern: &str) -> Result<Glob, globset::Error> {
         .build()
 }
 
-/// Models learned to refuse images, kept in a file under the data dir so a
-/// restart remembers them. (The store of a later stage takes this over.)
+/// Models learned to refuse images, held in memory for the table lookup.
+/// They are kept in the store (`[store]`): loaded at start, written when
+/// learned, and re-read every [`LEARNED_REFRESH`] so replicas sharing a
+/// Redis store learn together.
+#[derive(Default)]
 pub struct Learned {
-    path: Option<PathBuf>,
     names: RwLock<BTreeSet<String>>,
 }
 
+/// How often the learned rows are re-read from the store.
+pub const LEARNED_REFRESH: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl Learned {
-    /// Loads the file at `path` if there is one; a missing or unreadable
-    /// file starts empty (with a warning for an unreadable one).
-    pub fn open(path: Option<PathBuf>) -> Self {
-        let mut names = BTreeSet::new();
-        if let Some(p) = &path {
-            match std::fs::read_to_string(p) {
-                Ok(text) => match serde_json::from_str::<LearnedFile>(&text) {
-                    Ok(f) => names.extend(f.non_vision),
-                    Err(e) => {
-                        tracing::warn!(path = %p.display(), error = %e, "ignoring unreadable learned-models file")
-                    }
-                },
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    tracing::warn!(path = %p.display(), error = %e, "cannot read learned-models file")
-                }
-            }
-        }
-        Self {
-            path,
-            names: RwLock::new(names),
-        }
+    pub fn new(names: impl IntoIterator<Item = String>) -> Self {
+        let l = Self::default();
+        l.merge(names);
+        l
     }
 
     pub fn len(&self) -> usize {
@@ -192,44 +179,52 @@ impl Learned {
         forms.iter().find(|f| names.contains(f.as_str())).cloned()
     }
 
-    /// Records `model` as unable to take images. Returns false when it was
-    /// already known. The file is rewritten atomically (temp file, rename);
-    /// a failed write is logged and the model stays learned in memory.
-    pub fn learn(&self, model: &str) -> bool {
+    /// Records `model` as unable to take images. Returns the name it is
+    /// kept under (normalised) when it was not known yet; the caller
+    /// writes it to the store.
+    pub fn learn(&self, model: &str) -> Option<String> {
         let name = normalise(model);
         if name.is_empty() {
             // A request without a model: nothing to remember it by.
-            return false;
+            return None;
         }
-        let snapshot = {
-            let Ok(mut names) = self.names.write() else {
-                return false;
-            };
-            if !names.insert(name) {
-                return false;
-            }
-            names.iter().cloned().collect::<Vec<_>>()
+        let mut names = self.names.write().ok()?;
+        names.insert(name.clone()).then_some(name)
+    }
+
+    /// Adds names learned elsewhere (read from the store); returns how many
+    /// were new.
+    pub fn merge(&self, names: impl IntoIterator<Item = String>) -> usize {
+        let Ok(mut known) = self.names.write() else {
+            return 0;
         };
-        if let Some(path) = &self.path
-            && let Err(e) = write_learned(path, snapshot)
-        {
-            tracing::warn!(path = %path.display(), error = %e, "cannot save learned-models file");
-        }
-        true
+        names
+            .into_iter()
+            .filter(|n| !n.is_empty())
+            .map(|n| usize::from(known.insert(n)))
+            .sum()
     }
 }
 
-#[derive(Deserialize, serde::Serialize)]
+/// The names in `<data_dir>/learned-models.json`, where visor kept learned
+/// models before the store existed; empty when there is no such file. The
+/// caller moves them into the store.
+pub fn legacy_learned(path: &Path) -> Vec<String> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => match serde_json::from_str::<LearnedFile>(&text) {
+            Ok(f) => f.non_vision,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "ignoring unreadable learned-models file");
+                Vec::new()
+            }
+        },
+        Err(_) => Vec::new(),
+    }
+}
+
+#[derive(Deserialize)]
 struct LearnedFile {
     non_vision: Vec<String>,
-}
-
-fn write_learned(path: &Path, names: Vec<String>) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let text = serde_json::to_vec_pretty(&LearnedFile { non_vision: names })?;
-    crate::artifacts::write_atomic(path, &text)
 }
 
 pub struct ModelTable {
@@ -452,7 +447,7 @@ mod tests {
     use super::*;
 
     fn table() -> ModelTable {
-        ModelTable::new(&[], Learned::open(None)).unwrap()
+        ModelTable::new(&[], Learned::default()).unwrap()
     }
 
     #[test]
@@ -561,7 +556,7 @@ mod tests {
                 context_window: None,
             },
         ];
-        let t = ModelTable::new(&user, Learned::open(None)).unwrap();
+        let t = ModelTable::new(&user, Learned::default()).unwrap();
         let r = t.resolve("openrouter/openai/gpt-4o-2024-08-06", None);
         assert!(!r.vision);
         assert_eq!(r.vision_from, Source::User(0, "gpt-4o*".into()));
@@ -574,9 +569,12 @@ mod tests {
         assert_eq!(r.caps.max_images, Some(3));
         assert!(matches!(r.vision_from, Source::BuiltIn(_, _)));
         // Learned rows come after every stated row.
-        assert!(t.learned.learn("acme/my-text-model-2025-01-01"));
-        assert!(!t.learned.learn("my-text-model"));
-        assert!(!t.learned.learn(""), "no model, nothing learned");
+        assert_eq!(
+            t.learned.learn("acme/my-text-model-2025-01-01").as_deref(),
+            Some("my-text-model")
+        );
+        assert_eq!(t.learned.learn("my-text-model"), None);
+        assert_eq!(t.learned.learn(""), None, "no model, nothing learned");
         assert!(t.resolve("", None).vision);
         let r = t.resolve("other/my-text-model", None);
         assert!(!r.vision);
@@ -584,16 +582,24 @@ mod tests {
     }
 
     #[test]
-    fn learned_rows_survive_a_restart() {
+    fn learned_rows_merge_and_legacy_files_are_read() {
+        let l = Learned::new(["house-model".to_owned()]);
+        assert_eq!(
+            l.merge(["house-model".to_owned(), "other".to_owned(), String::new()]),
+            1
+        );
+        assert_eq!(
+            l.names(),
+            vec!["house-model".to_owned(), "other".to_owned()]
+        );
         let dir = std::env::temp_dir().join(format!("visor-learned-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("learned-models.json");
-        let _ = std::fs::remove_file(&path);
-        let l = Learned::open(Some(path.clone()));
-        assert!(l.learn("house-model-v2"));
-        let again = Learned::open(Some(path.clone()));
-        assert_eq!(again.names(), vec!["house-model".to_owned()]);
+        std::fs::write(&path, r#"{"non_vision":["a","b"]}"#).unwrap();
+        assert_eq!(legacy_learned(&path), vec!["a".to_owned(), "b".to_owned()]);
         std::fs::write(&path, "not json").unwrap();
-        assert!(Learned::open(Some(path)).is_empty());
+        assert!(legacy_learned(&path).is_empty());
+        assert!(legacy_learned(&dir.join("missing.json")).is_empty());
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -56,6 +56,11 @@ impl Server {
         let upstreams = upstream::Upstreams::new(config.server.connect_timeout, &config.upstreams)
             .map_err(io::Error::other)?;
         let state = Arc::new(AppState::new(config, metrics, upstreams).map_err(io::Error::other)?);
+        let learned = state.sync_learned().await;
+        match state.store.problem() {
+            None => tracing::info!(store = %state.store.label(), learned, "store ready"),
+            Some(p) => tracing::warn!(problem = %p, "starting with memory only"),
+        }
         let first = reuseport_listener(addr, workers > 1)?;
         let addr = first.local_addr()?;
         let mut listeners = vec![first.into_std()?];
@@ -124,6 +129,7 @@ impl Server {
         let signal = async {
             shutdown.await;
             state.draining.store(true, Ordering::Relaxed);
+            state.describer.shutdown();
             let drain = state.config.server.drain_timeout;
             tracing::info!(
                 drain_secs = drain.as_secs_f64(),
@@ -131,8 +137,9 @@ impl Server {
             );
             let _ = stop_tx.send(true);
         };
+        let refresh = refresh_learned(state.clone(), stop_rx.clone());
         let local = serve_then_wait(state.clone(), first, stop_rx, all_drained);
-        let (local, ()) = tokio::join!(local, signal);
+        let (local, (), ()) = tokio::join!(local, signal, refresh);
         let mut result = local;
         for w in workers {
             match w.await {
@@ -224,6 +231,22 @@ async fn serve(
         () = tokio::time::sleep(drain) => tracing::warn!("drain timeout reached; closing the rest"),
     }
     Ok(())
+}
+
+/// Re-reads the learned models from the store every
+/// [`crate::models::LEARNED_REFRESH`] (other replicas' lessons) until stop.
+async fn refresh_learned(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(crate::models::LEARNED_REFRESH) => {
+                let new = state.sync_learned().await;
+                if new > 0 {
+                    tracing::info!(new, "learned models read from the store");
+                }
+            }
+            () = stopped(&mut stop) => return,
+        }
+    }
 }
 
 /// Resolves once the stop flag is set (or its sender is gone).

@@ -15,6 +15,10 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use support::*;
 
+/// These tests are about placeholders: `describe` mode has its own
+/// (tests/describe.rs).
+const STRIP: &str = "[images]\nnon_vision = \"strip\"\n";
+
 fn ok() -> Reply {
     Reply::json(
         200,
@@ -51,7 +55,7 @@ fn with_header(
 #[tokio::test]
 async fn chat_images_replaced_saved_and_served_back() {
     let mock = MockUpstream::start(|_| ok()).await;
-    let visor = Visor::for_mock(&mock, "").await;
+    let visor = Visor::for_mock(&mock, STRIP).await;
     let body = fixture("chat-image-nonvision.json");
     let (status, headers, _) =
         send(post_json(&visor.url("/v1/chat/completions"), body.clone())).await;
@@ -110,7 +114,7 @@ async fn chat_images_replaced_saved_and_served_back() {
 #[tokio::test]
 async fn artifact_ids_are_checked() {
     let mock = MockUpstream::start(|_| ok()).await;
-    let visor = Visor::for_mock(&mock, "").await;
+    let visor = Visor::for_mock(&mock, STRIP).await;
     let get = |p: String| {
         Request::get(visor.url(&p))
             .body(Full::new(Bytes::new()))
@@ -135,7 +139,7 @@ async fn artifact_ids_are_checked() {
 #[tokio::test]
 async fn artifacts_need_the_proxy_key_when_keys_are_set() {
     let mock = MockUpstream::start(|_| ok()).await;
-    let visor = Visor::for_mock(&mock, "[server]\napi_keys = [\"vk-1\"]\n").await;
+    let visor = Visor::for_mock(&mock, &format!("{STRIP}[server]\napi_keys = [\"vk-1\"]\n")).await;
     let url = visor.url(&format!("/visor/artifacts/{}", "0".repeat(64)));
     let (status, _, _) = send(Request::get(&url).body(Full::new(Bytes::new())).unwrap()).await;
     assert_eq!(status, 401);
@@ -150,7 +154,7 @@ async fn artifacts_need_the_proxy_key_when_keys_are_set() {
 async fn responses_and_anthropic_shapes() {
     let mock = MockUpstream::start(|_| ok()).await;
     let visor = Visor::start(&format!(
-        "[[upstream]]\nname = \"anthropic\"\nbase_url = \"{0}/v1\"\nmodels = [\"glm-*\", \"claude-*\"]\napi_key = \"sk-ant\"\nauth = \"x-api-key\"\n\
+        "{STRIP}[[upstream]]\nname = \"anthropic\"\nbase_url = \"{0}/v1\"\nmodels = [\"glm-*\", \"claude-*\"]\napi_key = \"sk-ant\"\nauth = \"x-api-key\"\n\
          [[upstream]]\nname = \"rest\"\nbase_url = \"{0}/v1\"\nmodels = [\"*\"]\n",
         mock.url()
     ))
@@ -193,7 +197,11 @@ async fn responses_and_anthropic_shapes() {
 #[tokio::test]
 async fn tool_images_and_headers_that_steer() {
     let mock = MockUpstream::start(|_| ok()).await;
-    let visor = Visor::for_mock(&mock, "[[model]]\nmatch = \"house-*\"\nvision = false\n").await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("{STRIP}[[model]]\nmatch = \"house-*\"\nvision = false\n"),
+    )
+    .await;
     let url = visor.url("/v1/chat/completions");
 
     // MCP and image_url parts in tool results: pairing kept, strings out.
@@ -286,7 +294,7 @@ fn with_model(name: &str, fixture_name: &str) -> Bytes {
 async fn learns_from_a_refusal_retries_once_and_remembers_across_a_restart() {
     let mock = MockUpstream::start(refusing).await;
     let data_dir = temp_dir("learn");
-    let extra = format!("[server]\ndata_dir = \"{}\"\n", data_dir.display());
+    let extra = format!("{STRIP}[server]\ndata_dir = \"{}\"\n", data_dir.display());
     let mut visor = Visor::for_mock(&mock, &extra).await;
     let url = visor.url("/v1/chat/completions");
     let body = with_model("mystery-9b", "chat-image-nonvision.json");
@@ -343,16 +351,26 @@ async fn learns_from_a_refusal_retries_once_and_remembers_across_a_restart() {
     assert_eq!(status, 400);
     assert_eq!(mock.count(), 6);
 
-    // The learned row survives a restart on the same data dir.
+    // The learned row survives a restart on the same data dir (it is in
+    // the disk store, which the first visor must let go of).
     visor.shutdown();
     let _ = visor.task.take().unwrap().await;
+    drop(visor);
     let visor = Visor::for_mock(&mock, &extra).await;
+    assert_eq!(visor.state.store.problem(), None);
+    assert!(
+        visor
+            .state
+            .models
+            .learned
+            .names()
+            .contains(&"mystery-9b".to_owned())
+    );
     let (status, headers, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
     assert_eq!(status, 200);
     assert_eq!(headers["x-visor-images-replaced"], "2");
     assert_eq!(mock.count(), 7, "no second refusal after the restart");
-    let file = std::fs::read_to_string(data_dir.join("learned-models.json")).unwrap();
-    assert!(file.contains("mystery-9b"), "{file}");
+    assert!(data_dir.join("store.redb").is_file());
     let _ = std::fs::remove_dir_all(data_dir);
 }
 
@@ -371,7 +389,7 @@ async fn refusal_phrases_are_configurable() {
     .await;
     let visor = Visor::for_mock(
         &mock,
-        "[images]\nrefusal_phrases = [\"images ne sont pas prises\"]\n",
+        "[images]\nnon_vision = \"strip\"\nrefusal_phrases = [\"images ne sont pas prises\"]\n",
     )
     .await;
     let body = with_model("modele-maison", "chat-image-nonvision.json");
@@ -385,7 +403,7 @@ async fn a_large_image_is_replaced_while_others_are_served() {
     // A 6 MB base64 image goes to the blocking pool; a small request on the
     // same visor is answered meanwhile and the big one completes.
     let mock = MockUpstream::start(|_| ok()).await;
-    let visor = Visor::for_mock(&mock, "").await;
+    let visor = Visor::for_mock(&mock, STRIP).await;
     let png = std::fs::read(fixtures().join("chart.png")).unwrap();
     let mut big = png.clone();
     while big.len() < 4_500_000 {
@@ -429,7 +447,11 @@ async fn a_large_image_is_replaced_while_others_are_served() {
 #[tokio::test]
 async fn bad_input_through_the_proxy() {
     let mock = MockUpstream::start(|_| ok()).await;
-    let visor = Visor::for_mock(&mock, "[server]\nmax_body_bytes = 50000000\n").await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("{STRIP}[server]\nmax_body_bytes = 50000000\n"),
+    )
+    .await;
     let url = visor.url("/v1/chat/completions");
     let chat = |content: String| {
         format!(r#"{{"model":"deepseek-chat","messages":[{{"role":"user","content":{content}}}]}}"#)
@@ -498,7 +520,7 @@ async fn an_error_after_the_transform_still_says_what_was_replaced() {
     let dead = listener.local_addr().unwrap();
     drop(listener);
     let visor = Visor::start(&format!(
-        "[[upstream]]\nname = \"dead\"\nbase_url = \"http://{dead}/v1\"\nmodels = [\"*\"]\n"
+        "{STRIP}[[upstream]]\nname = \"dead\"\nbase_url = \"http://{dead}/v1\"\nmodels = [\"*\"]\n"
     ))
     .await;
     let body = fixture("chat-image-nonvision.json");

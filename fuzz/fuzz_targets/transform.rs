@@ -12,7 +12,11 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     for shape in [Shape::Chat, Shape::Responses, Shape::Messages] {
-        let plan = Plan { shape, vision: false };
+        let plan = Plan {
+            shape,
+            vision: false,
+            describe: false,
+        };
         let out = rewrite(data, &plan);
         if let Some(body) = &out.body {
             assert!(

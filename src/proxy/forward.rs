@@ -124,7 +124,11 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     // 4. transform: the pure rewrite of the body visor holds whole.
     let mut prepared = match (shape, whole) {
         (Some(shape), Some(bytes)) => {
-            Some(transform::prepare(&state, shape, model.as_deref(), bytes, opts).await)
+            let asker = transform::Asker {
+                headers: &parts.headers,
+                upstream: index,
+            };
+            Some(transform::prepare(&state, shape, model.as_deref(), bytes, opts, asker).await)
         }
         _ => None,
     };

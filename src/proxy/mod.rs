@@ -22,9 +22,11 @@ use tracing::Instrument;
 
 use crate::artifacts::Artifacts;
 use crate::config::Config;
+use crate::describe::Describer;
 use crate::error::VisorError;
 use crate::metrics::{Metrics, NO_UPSTREAM};
 use crate::models::{Learned, ModelTable};
+use crate::store::Store;
 use crate::upstream::{Route, Upstreams};
 use body::ProxyBody;
 use headers::{ProxyKeys, X_REQUEST_ID};
@@ -52,6 +54,10 @@ pub struct AppState {
     pub artifacts: Artifacts,
     /// `images.refusal_phrases`, lower case.
     pub refusal_phrases: Vec<String>,
+    /// Descriptions and learned models beyond one request (`[store]`).
+    pub store: Store,
+    /// The vision model that describes images, and its cache.
+    pub describer: Describer,
 }
 
 impl AppState {
@@ -95,8 +101,15 @@ impl AppState {
         if config.upstreams.is_empty() {
             return Err("no upstream configured".to_owned());
         }
-        let models = ModelTable::new(&config.models, Learned::open(Some(config.learned_path())))
-            .map_err(|e| e.to_string())?;
+        let models =
+            ModelTable::new(&config.models, Learned::default()).map_err(|e| e.to_string())?;
+        let store = Store::open(
+            &config.store.backend,
+            &config.store.prefix,
+            &config.server.data_dir,
+            metrics.clone(),
+        )?;
+        let describer = Describer::new(&config);
         let artifacts = Artifacts::new(config.artifacts_dir());
         let refusal_phrases = config
             .images
@@ -106,6 +119,8 @@ impl AppState {
             .collect();
         Ok(Self {
             models,
+            store,
+            describer,
             artifacts,
             refusal_phrases,
             config,
@@ -118,6 +133,22 @@ impl AppState {
             routes,
             route_by_model,
         })
+    }
+
+    /// Loads the learned models from the store (moving in those of the file
+    /// older versions kept); returns how many were new.
+    pub async fn sync_learned(&self) -> usize {
+        let legacy = crate::models::legacy_learned(&self.config.learned_path());
+        for name in &legacy {
+            if self.store.learn(name).await.is_err() {
+                break;
+            }
+        }
+        let mut new = self.models.learned.merge(legacy);
+        if let Ok(names) = self.store.learned().await {
+            new += self.models.learned.merge(names);
+        }
+        new
     }
 }
 

@@ -23,11 +23,18 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
         (&Method::GET, "/readyz") => {
             if state.draining.load(Ordering::Relaxed) {
                 json(StatusCode::SERVICE_UNAVAILABLE, r#"{"status":"draining"}"#)
+            } else if let Some(problem) = state.store.check().await {
+                let body = serde_json::json!({"status": "degraded", "reasons": [problem]});
+                json_owned(StatusCode::OK, body.to_string())
             } else {
                 json(StatusCode::OK, r#"{"status":"ready"}"#)
             }
         }
         (&Method::GET, "/metrics") => {
+            state
+                .metrics
+                .describe_cache_entries
+                .set(i64::try_from(state.describer.cache_entries()).unwrap_or(i64::MAX));
             let mut resp = Response::new(ProxyBody::from(Bytes::from(state.metrics.render())));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -96,7 +103,11 @@ pub fn refuse(state: &AppState, e: VisorError) -> Response<ProxyBody> {
 }
 
 fn json(status: StatusCode, body: &'static str) -> Response<ProxyBody> {
-    let mut resp = Response::new(ProxyBody::from(Bytes::from_static(body.as_bytes())));
+    json_owned(status, body)
+}
+
+fn json_owned(status: StatusCode, body: impl Into<Bytes>) -> Response<ProxyBody> {
+    let mut resp = Response::new(ProxyBody::from(body.into()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -13,6 +13,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::AppState;
+use crate::describe::{Credential, describe};
 use crate::error::VisorError;
 use crate::transform::{self, Plan, Report, Rewrite, Shape};
 use crate::upstream::UpstreamBody;
@@ -74,6 +75,15 @@ pub struct Prepared {
 pub struct Learnable {
     pub shape: Shape,
     pub original: Bytes,
+    /// For the describer, should the retry describe images.
+    pub credential: Credential,
+}
+
+/// Who is asking: the client's headers and the upstream the request goes
+/// to (the describer may carry the client's credential there).
+pub struct Asker<'a> {
+    pub headers: &'a HeaderMap,
+    pub upstream: usize,
 }
 
 impl Prepared {
@@ -91,6 +101,7 @@ pub async fn prepare(
     model: Option<&str>,
     body: Bytes,
     opts: Options,
+    asker: Asker<'_>,
 ) -> Prepared {
     let unchanged = |body: Bytes, learn| Prepared {
         body,
@@ -105,15 +116,26 @@ pub async fn prepare(
     let plan = Plan {
         shape,
         vision: resolved.vision,
+        describe: describes(state),
+    };
+    let credential = || match plan.describe {
+        true => Credential::for_request(state, asker.headers, asker.upstream),
+        false => Credential::default(),
     };
     if !transform::needed(&plan) {
         let learn = (!resolved.known() && might_hold_images(&body)).then(|| Learnable {
             shape,
             original: body.clone(),
+            credential: credential(),
         });
         return unchanged(body, learn);
     }
-    run(state, body, plan).await
+    run(state, body, plan, &credential()).await
+}
+
+/// `images.non_vision = "describe"`
+fn describes(state: &AppState) -> bool {
+    state.config.images.non_vision == "describe"
 }
 
 /// After an upstream refused images for a model of unknown vision: when its
@@ -132,40 +154,59 @@ pub async fn after_refusal(
     let plan = Plan {
         shape: learn.shape,
         vision: false,
+        describe: describes(state),
     };
-    let prepared = run(state, learn.original.clone(), plan).await;
+    let prepared = run(state, learn.original.clone(), plan, &learn.credential).await;
     if prepared.report.images_replaced == 0 {
         return None;
     }
-    if state.models.learned.learn(model) {
+    if let Some(name) = state.models.learned.learn(model) {
         state.metrics.capability_learned.inc();
+        // A store that is down logged and counted it; the model stays
+        // learned in memory.
+        let _ = state.store.learn(&name).await;
     }
     tracing::info!(phrase = %phrase, "upstream refused images: retrying once with them replaced; model learned as non-vision");
     Some(prepared)
 }
 
-async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan) -> Prepared {
+async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Credential) -> Prepared {
+    let large = body.len() > INLINE_LIMIT;
     let started = Instant::now();
-    let rewrite = if body.len() > INLINE_LIMIT {
-        let b = body.clone();
-        tokio::task::spawn_blocking(move || transform::rewrite(&b, &plan))
-            .await
-            .unwrap_or_default()
-    } else {
-        transform::rewrite(&body, &plan)
+    let b = body.clone();
+    let scanned = off_thread(large, move || transform::scan(&b, &plan))
+        .await
+        .unwrap_or_else(|| Err(Rewrite::default()));
+    let mut spent = started.elapsed();
+    let rewrite = match scanned {
+        Err(done) => done,
+        Ok(scanned) => {
+            let subjects: Vec<_> = scanned.subjects().into_iter().map(|(_, s)| s).collect();
+            let descriptions = describe(state, subjects, credential).await;
+            let finishing = Instant::now();
+            let b = body.clone();
+            let rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))
+                .await
+                .unwrap_or_default();
+            spent += finishing.elapsed();
+            rewrite
+        }
     };
     let m = &state.metrics;
-    m.transform_duration
-        .observe(started.elapsed().as_secs_f64());
+    m.transform_duration.observe(spent.as_secs_f64());
     let Rewrite {
         body: new,
         report,
         artifacts,
     } = rewrite;
     if report.images_replaced > 0 {
+        let stripped = report.images_replaced - report.images_described;
         m.images
             .with_label_values(&["stripped"])
-            .inc_by(report.images_replaced as u64);
+            .inc_by(stripped as u64);
+        m.images
+            .with_label_values(&["described"])
+            .inc_by(report.images_described as u64);
         m.bytes_saved
             .with_label_values(&["images"])
             .inc_by(report.bytes_saved.max(0) as u64);
@@ -188,6 +229,20 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan) -> Prepared {
         report,
         saving,
         learn: None,
+    }
+}
+
+/// Runs `f` on the blocking pool when `large` (a multi-megabyte body must
+/// not hold up the worker's other connections), else here. `None` if the
+/// blocking task failed.
+async fn off_thread<T: Send + 'static>(
+    large: bool,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    if large {
+        tokio::task::spawn_blocking(f).await.ok()
+    } else {
+        Some(f())
     }
 }
 

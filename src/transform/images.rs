@@ -13,11 +13,12 @@
 
 use std::ops::Range;
 
+use bytes::Bytes;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::Shape;
 use super::json::{Cursor, Kind, Malformed, Result, Str, quote, splice};
+use super::{Shape, Subject, SubjectImage};
 use crate::artifacts::{Artifact, sniff_media_type};
 
 /// Descent into nested tool results stops here (deeper ones are left as
@@ -73,7 +74,29 @@ pub struct Found {
     /// A readable location, e.g. `messages[3].content[1]`.
     pub path: String,
     site: Site,
-    bytes: Option<Vec<u8>>,
+    bytes: Option<Bytes>,
+}
+
+impl Found {
+    /// What a describer can be sent for this image: its decoded bytes, or
+    /// its http(s) URL (visor never fetches it). `None` for file ids, other
+    /// URLs and broken data.
+    pub fn subject(&self) -> Option<Subject> {
+        let image = match (&self.source, &self.bytes) {
+            (Source::Inline { media_type, .. }, Some(bytes)) => SubjectImage::Inline {
+                media_type: media_type.clone(),
+                bytes: bytes.clone(),
+            },
+            (Source::Url(url), _) if url.starts_with("https://") || url.starts_with("http://") => {
+                SubjectImage::Url(url.clone())
+            }
+            _ => return None,
+        };
+        Some(Subject {
+            sha256: self.sha256.clone(),
+            image,
+        })
+    }
 }
 
 /// A string in the request whose text may hold images or be rewritten.
@@ -403,7 +426,7 @@ impl Walker<'_> {
                 in_tool_result: in_tool,
                 path: path.to_owned(),
                 site: Site::Part(range),
-                bytes,
+                bytes: bytes.map(Bytes::from),
             });
             return Ok(Some(PartRef::Image(self.out.images.len() - 1)));
         }
@@ -444,7 +467,7 @@ impl Walker<'_> {
                     range,
                     object,
                 },
-                bytes,
+                bytes: bytes.map(Bytes::from),
             });
         }
         self.out.spots[spot].text = Some(text);
@@ -861,12 +884,12 @@ impl Scan {
 
     /// The decoded bytes of images to save as artifacts, once per image.
     /// Takes the decoded bytes out of the scan (no copy).
-    pub fn artifacts(&mut self, chosen: impl Fn(usize) -> bool) -> Vec<Artifact> {
+    pub fn artifacts(&self, chosen: impl Fn(usize) -> bool) -> Vec<Artifact> {
         let mut out: Vec<Artifact> = Vec::new();
-        for (i, img) in self.images.iter_mut().enumerate() {
+        for (i, img) in self.images.iter().enumerate() {
             if chosen(i)
                 && !out.iter().any(|a| a.sha256 == img.sha256)
-                && let Some(bytes) = img.bytes.take()
+                && let Some(bytes) = img.bytes.clone()
             {
                 out.push(Artifact {
                     sha256: img.sha256.clone(),

@@ -10,6 +10,8 @@
 pub mod images;
 pub mod json;
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use crate::artifacts::Artifact;
@@ -45,6 +47,28 @@ pub struct Plan {
     pub shape: Shape,
     /// False: every image is replaced.
     pub vision: bool,
+    /// True: replaced images that can be described are given their
+    /// description when one is supplied (`images.non_vision = "describe"`).
+    pub describe: bool,
+}
+
+/// An image a describer can be sent: the full SHA-256 hex it is known by
+/// (of its bytes, or of its URL) and the image itself.
+#[derive(Debug, Clone)]
+pub struct Subject {
+    pub sha256: String,
+    pub image: SubjectImage,
+}
+
+#[derive(Debug, Clone)]
+pub enum SubjectImage {
+    /// Decoded bytes and their media type.
+    Inline {
+        media_type: String,
+        bytes: bytes::Bytes,
+    },
+    /// An http(s) URL, passed on as it is.
+    Url(String),
 }
 
 /// One image, as reported.
@@ -65,7 +89,7 @@ pub struct ImageNote {
     pub url: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<&'static str>,
-    /// `kept` or `stripped` (later: described, aged_out, capped, deduped).
+    /// `kept`, `described` or `stripped` (later: aged_out, capped, deduped).
     pub action: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<Reason>,
@@ -77,6 +101,8 @@ pub struct ImageNote {
 pub struct Report {
     pub images_found: usize,
     pub images_replaced: usize,
+    /// Of the replaced images, those replaced by their description.
+    pub images_described: usize,
     /// Request bytes removed (negative when the rewrite grew the body).
     pub bytes_saved: i64,
     pub images: Vec<ImageNote>,
@@ -99,56 +125,122 @@ pub fn needed(plan: &Plan) -> bool {
     !plan.vision
 }
 
-/// Applies the plan to a body that is valid JSON.
+/// Applies the plan to a body that is valid JSON, with placeholders only.
 pub fn rewrite(body: &[u8], plan: &Plan) -> Rewrite {
-    if !needed(plan) {
-        return Rewrite::default();
+    match scan(body, plan) {
+        Ok(scanned) => scanned.finish(body, &[]),
+        Err(nothing) => nothing,
     }
-    let mut scan = match images::scan(body, plan.shape) {
+}
+
+/// The first half of a rewrite: every image found, and which are replaced.
+/// Between [`scan`] and [`Scanned::finish`] the caller may look up
+/// descriptions for [`Scanned::subjects`].
+#[derive(Debug)]
+pub struct Scanned {
+    scan: images::Scan,
+    plan: Plan,
+    replace: Vec<bool>,
+}
+
+/// Finds the images in `body`. `Err` holds the finished rewrite when
+/// nothing is to be done (or the body cannot be walked).
+pub fn scan(body: &[u8], plan: &Plan) -> Result<Scanned, Rewrite> {
+    if !needed(plan) {
+        return Err(Rewrite::default());
+    }
+    let scan = match images::scan(body, plan.shape) {
         Ok(s) => s,
         Err(_) => {
-            return Rewrite {
+            return Err(Rewrite {
                 report: Report {
                     skipped: Some("the body is not an object of the expected shape"),
                     ..Report::default()
                 },
                 ..Rewrite::default()
-            };
+            });
         }
     };
-    let replace = |_: usize, _: &Found| !plan.vision;
-    let new = scan.apply(body, plan.shape, |i, f| {
-        replace(i, f).then(|| placeholder(f, None, Reason::NonVision))
-    });
-    let chosen: Vec<bool> = scan
-        .images
-        .iter()
-        .enumerate()
-        .map(|(i, f)| replace(i, f))
-        .collect();
-    let artifacts = scan.artifacts(|i| chosen[i]);
-    let mut report = Report {
-        images_found: scan.images.len(),
-        ..Report::default()
-    };
-    for (i, f) in scan.images.iter().enumerate() {
-        let replaced = replace(i, f);
-        report.images_replaced += usize::from(replaced);
-        report
-            .images
-            .push(note(f, replaced.then_some(Reason::NonVision)));
+    let replace = scan.images.iter().map(|_| !plan.vision).collect();
+    Ok(Scanned {
+        scan,
+        plan: *plan,
+        replace,
+    })
+}
+
+impl Scanned {
+    /// The replaced images a describer could describe, with their index:
+    /// each distinct image once (in describe mode; none otherwise).
+    pub fn subjects(&self) -> Vec<(usize, Subject)> {
+        if !self.plan.describe {
+            return Vec::new();
+        }
+        let mut out: Vec<(usize, Subject)> = Vec::new();
+        for (i, f) in self.scan.images.iter().enumerate() {
+            if self.replace[i]
+                && !out.iter().any(|(_, s)| s.sha256 == f.sha256)
+                && let Some(s) = f.subject()
+            {
+                out.push((i, s));
+            }
+        }
+        out
     }
-    if let Some(b) = &new {
-        report.bytes_saved = body.len() as i64 - b.len() as i64;
-    }
-    Rewrite {
-        body: new,
-        report,
-        artifacts,
+
+    /// Rewrites `body`: each replaced image becomes its description when
+    /// `descriptions` has one for its SHA-256 (pairs of full hex and
+    /// text), else the placeholder.
+    pub fn finish(self, body: &[u8], descriptions: &[(String, Arc<str>)]) -> Rewrite {
+        let Scanned {
+            scan,
+            plan,
+            replace,
+        } = self;
+        let described = |f: &Found| {
+            descriptions
+                .iter()
+                .find(|(sha, _)| *sha == f.sha256)
+                .map(|(_, d)| &**d)
+        };
+        let new = scan.apply(body, plan.shape, |i, f| {
+            replace[i].then(|| placeholder(f, described(f), Reason::NonVision))
+        });
+        let artifacts = scan.artifacts(|i| replace[i]);
+        let mut report = Report {
+            images_found: scan.images.len(),
+            ..Report::default()
+        };
+        for (i, f) in scan.images.iter().enumerate() {
+            let action = match (replace[i], described(f)) {
+                (false, _) => Action::Kept,
+                (true, Some(_)) => Action::Described,
+                (true, None) => Action::Stripped,
+            };
+            report.images_replaced += usize::from(replace[i]);
+            report.images_described += usize::from(action == Action::Described);
+            report.images.push(note(f, action));
+        }
+        if let Some(b) = &new {
+            report.bytes_saved = body.len() as i64 - b.len() as i64;
+        }
+        Rewrite {
+            body: new,
+            report,
+            artifacts,
+        }
     }
 }
 
-fn note(f: &Found, reason: Option<Reason>) -> ImageNote {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Kept,
+    Described,
+    Stripped,
+}
+
+fn note(f: &Found, action: Action) -> ImageNote {
+    let reason = (action != Action::Kept).then_some(Reason::NonVision);
     let mut n = ImageNote {
         path: f.path.clone(),
         sha256: f.sha256.clone(),
@@ -159,7 +251,11 @@ fn note(f: &Found, reason: Option<Reason>) -> ImageNote {
         height: None,
         url: None,
         problem: None,
-        action: if reason.is_some() { "stripped" } else { "kept" },
+        action: match action {
+            Action::Kept => "kept",
+            Action::Described => "described",
+            Action::Stripped => "stripped",
+        },
         reason,
         in_tool_result: f.in_tool_result,
     };

@@ -17,6 +17,7 @@ fn strip(body: &[u8], shape: Shape) -> Rewrite {
         &Plan {
             shape,
             vision: false,
+            describe: false,
         },
     )
 }
@@ -256,6 +257,7 @@ fn vision_models_and_imageless_requests_are_untouched() {
         &Plan {
             shape: Shape::Chat,
             vision: true,
+            describe: false,
         },
     );
     assert!(out.body.is_none() && out.report.images_found == 0);

@@ -1,0 +1,678 @@
+//! Descriptions of images for models that cannot see them
+//! (`images.non_vision = "describe"`).
+//!
+//! The describer is the `[describer]` model on its upstream, called through
+//! `POST /chat/completions` with one image per call and [`PROMPT`]. Each
+//! description is known by SHA-256(image bytes, or URL), describer model
+//! and [`PROMPT_VERSION`], and looked up in a bounded in-memory cache
+//! (moka), then in the store (`[store]`), before the describer is asked.
+//!
+//! - Single-flight: concurrent requests that need the same image wait for
+//!   one call (moka's `try_get_with`); at most `describer.concurrency`
+//!   calls run at once in the process.
+//! - Never fails the user's request: a timeout, an error answer, an empty
+//!   description or a dead describer gives the placeholder, counts
+//!   `visor_describe_total{result="error"}`, and caches nothing. After a
+//!   failure that says the describer is unwell (unreachable, timed out,
+//!   5xx, 429), calls pause for a back-off (1 s, doubling to 60 s, reset by
+//!   a success), so a dead describer is not hammered.
+//! - `on_miss = "wait"`: the request waits up to `timeout_secs` for its
+//!   images' descriptions (described concurrently). `"placeholder"`: it goes
+//!   on at once with the placeholder while the description is made in the
+//!   background (at most [`MAX_BACKGROUND`] at a time, cancelled at
+//!   shutdown) for the next request.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, header};
+use http_body_util::BodyExt;
+use moka::future::Cache;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{AuthMode, Config};
+use crate::proxy::AppState;
+use crate::proxy::headers::X_API_KEY;
+use crate::transform::{Subject, SubjectImage};
+use crate::upstream::UpstreamBody;
+
+/// The prompt's version: part of every description's key, so a new prompt
+/// makes new descriptions instead of mixing with the old ones.
+pub const PROMPT_VERSION: u32 = 1;
+
+/// The one prompt the describer is given (as the system message).
+pub const PROMPT: &str = "You describe images for a reader who cannot see them: a language model that \
+will answer questions about the image from your words alone. Write down what that reader needs:\n\
+- all visible text, verbatim and in reading order (code, commands, error messages, labels, UI text, \
+captions);\n\
+- for a chart or graph: its kind, title, axes with units, each series, and the numbers shown;\n\
+- for a table: its columns and its rows with their values;\n\
+- the layout (what is where), and the people, objects, colours and states that matter.\n\
+Be concise and factual: no preamble, no guessing beyond what is shown, no opinions. Plain text.";
+
+/// Descriptions held in memory, in bytes (key + text).
+const CACHE_BYTES: u64 = 64 << 20;
+
+/// Background descriptions (`on_miss = "placeholder"`) in flight at most;
+/// an image beyond that is left for a later request.
+pub const MAX_BACKGROUND: usize = 64;
+
+/// A describer answer larger than this is refused (an error).
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// A description longer than this (in characters) is cut, ending in `…`.
+const MAX_DESCRIPTION_CHARS: usize = 8_000;
+
+const BACKOFF_START: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(60);
+
+pub struct Describer {
+    /// Index of the describer's upstream in `[[upstream]]`.
+    upstream: usize,
+    model: String,
+    timeout: Duration,
+    /// `on_miss = "placeholder"`
+    in_background: bool,
+    calls: Semaphore,
+    cache: Cache<String, Arc<str>>,
+    backoff: Mutex<Backoff>,
+    background: TaskTracker,
+    cancel: CancellationToken,
+    /// Keys being described in the background.
+    pending: Mutex<HashSet<String>>,
+}
+
+/// The client's credential, carried to the describer when the describer's
+/// upstream has no `api_key` of its own, visor has no proxy keys, and the
+/// request is going to that same upstream (a key is never sent to a
+/// provider other than the one the client sent it for).
+#[derive(Clone, Default)]
+pub struct Credential(Vec<(HeaderName, HeaderValue)>);
+
+impl Credential {
+    pub fn for_request(state: &AppState, headers: &HeaderMap, request_upstream: usize) -> Self {
+        let d = &state.describer;
+        let own_key = state
+            .config
+            .upstreams
+            .get(d.upstream)
+            .is_some_and(|u| u.api_key.is_some());
+        if own_key || state.keys.is_set() || request_upstream != d.upstream {
+            return Credential::default();
+        }
+        let mut out = Vec::new();
+        for name in [header::AUTHORIZATION, X_API_KEY.clone()] {
+            if let Some(v) = headers.get(&name) {
+                let mut v = v.clone();
+                v.set_sensitive(true);
+                out.push((name, v));
+            }
+        }
+        Credential(out)
+    }
+}
+
+/// Why a description could not be had.
+#[derive(Debug)]
+struct Failure {
+    reason: String,
+    /// The describer looks unwell: pause calls for a while.
+    back_off: bool,
+}
+
+impl Failure {
+    fn new(reason: impl Into<String>, back_off: bool) -> Self {
+        Self {
+            reason: reason.into(),
+            back_off,
+        }
+    }
+}
+
+/// Where a description came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// The memory cache, the store, or another request's call.
+    Cached,
+    /// A describer call made for this lookup.
+    Described,
+}
+
+#[derive(Default)]
+struct Backoff {
+    failures: u32,
+    until: Option<Instant>,
+}
+
+impl Backoff {
+    fn active(&self) -> bool {
+        self.until.is_some_and(|u| Instant::now() < u)
+    }
+
+    /// Records a failure; returns the pause it starts.
+    fn fail(&mut self) -> Duration {
+        self.failures = self.failures.saturating_add(1);
+        let pause = BACKOFF_START
+            .saturating_mul(1u32 << self.failures.saturating_sub(1).min(6))
+            .min(BACKOFF_MAX);
+        self.until = Some(Instant::now() + pause);
+        pause
+    }
+
+    fn reset(&mut self) {
+        self.failures = 0;
+        self.until = None;
+    }
+}
+
+impl Describer {
+    pub fn new(config: &Config) -> Self {
+        let d = &config.describer;
+        let upstream = d
+            .upstream
+            .as_ref()
+            .and_then(|name| config.upstreams.iter().position(|u| &u.name == name))
+            .unwrap_or(0);
+        let cache = Cache::builder()
+            .max_capacity(CACHE_BYTES)
+            .weigher(|k: &String, v: &Arc<str>| {
+                u32::try_from(k.len() + v.len()).unwrap_or(u32::MAX)
+            })
+            .build();
+        Self {
+            upstream,
+            model: d.model.clone(),
+            timeout: Duration::from_secs_f64(d.timeout_secs),
+            in_background: d.on_miss == "placeholder",
+            calls: Semaphore::new(d.concurrency.max(1) as usize),
+            cache,
+            backoff: Mutex::new(Backoff::default()),
+            background: TaskTracker::new(),
+            cancel: CancellationToken::new(),
+            pending: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// The key a description is known by: image SHA-256 hex, describer
+    /// model, prompt version.
+    pub fn key(&self, sha256: &str) -> String {
+        description_key(sha256, &self.model)
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    pub fn upstream(&self) -> usize {
+        self.upstream
+    }
+
+    /// Descriptions held in memory (approximate, as moka counts).
+    pub fn cache_entries(&self) -> u64 {
+        self.cache.entry_count()
+    }
+
+    /// Stops background descriptions and takes no new ones (shutdown).
+    pub fn shutdown(&self) {
+        self.cancel.cancel();
+        self.background.close();
+    }
+
+    /// The memory cache, then the store; the store's answer is kept in
+    /// memory. A store that fails counts as a miss.
+    async fn lookup(&self, state: &AppState, key: &str) -> Option<Arc<str>> {
+        if let Some(d) = self.cache.get(key).await {
+            return Some(d);
+        }
+        let text = state.store.description(key).await.ok().flatten()?;
+        let text: Arc<str> = Arc::from(text);
+        self.cache.insert(key.to_owned(), text.clone()).await;
+        Some(text)
+    }
+
+    /// The description of `subject`: cached, or made by one describer call
+    /// shared by every concurrent lookup of the same key.
+    async fn get_or_make(
+        &self,
+        state: &AppState,
+        key: &str,
+        subject: &Subject,
+        cred: &Credential,
+    ) -> Result<(Arc<str>, Origin), Arc<Failure>> {
+        if let Some(d) = self.cache.get(key).await {
+            return Ok((d, Origin::Cached));
+        }
+        let called = AtomicBool::new(false);
+        let made = self
+            .cache
+            .try_get_with(key.to_owned(), async {
+                if let Ok(Some(text)) = state.store.description(key).await {
+                    return Ok(Arc::from(text));
+                }
+                called.store(true, Ordering::Relaxed);
+                let text = self.call(state, subject, cred).await?;
+                // A store that is down was logged and counted by the store;
+                // the description still serves from memory.
+                let _ = state.store.put_description(key, &text).await;
+                Ok::<_, Failure>(text)
+            })
+            .await?;
+        let origin = if called.load(Ordering::Relaxed) {
+            Origin::Described
+        } else {
+            Origin::Cached
+        };
+        Ok((made, origin))
+    }
+
+    /// One describer call, within the concurrency bound and the back-off.
+    async fn call(
+        &self,
+        state: &AppState,
+        subject: &Subject,
+        cred: &Credential,
+    ) -> Result<Arc<str>, Failure> {
+        if self.backing_off() {
+            return Err(Failure::new(
+                "describer paused after failures (back-off)",
+                false,
+            ));
+        }
+        let _permit = self
+            .calls
+            .acquire()
+            .await
+            .map_err(|_| Failure::new("describer closed", false))?;
+        // A call that failed while this one queued started a back-off.
+        if self.backing_off() {
+            return Err(Failure::new(
+                "describer paused after failures (back-off)",
+                false,
+            ));
+        }
+        let started = Instant::now();
+        let result = tokio::time::timeout(self.timeout, self.request(state, subject, cred)).await;
+        state
+            .metrics
+            .describe_duration
+            .observe(started.elapsed().as_secs_f64());
+        let result = result.unwrap_or_else(|_| {
+            Err(Failure::new(
+                format!("no answer within {:.1} s", self.timeout.as_secs_f64()),
+                true,
+            ))
+        });
+        match &result {
+            Ok(_) => {
+                if let Ok(mut b) = self.backoff.lock() {
+                    b.reset();
+                }
+            }
+            Err(f) => {
+                let pause = f.back_off.then(|| self.fail());
+                tracing::warn!(
+                    describer = %self.model,
+                    image = %short(&subject.sha256),
+                    error = %f.reason,
+                    pause_secs = pause.map(|p| p.as_secs_f64()),
+                    "describer failed: the placeholder is used"
+                );
+            }
+        }
+        result
+    }
+
+    fn backing_off(&self) -> bool {
+        self.backoff.lock().map(|b| b.active()).unwrap_or(false)
+    }
+
+    fn fail(&self) -> Duration {
+        self.backoff
+            .lock()
+            .map(|mut b| b.fail())
+            .unwrap_or(BACKOFF_START)
+    }
+
+    /// Sends the describer request and reads its answer.
+    async fn request(
+        &self,
+        state: &AppState,
+        subject: &Subject,
+        cred: &Credential,
+    ) -> Result<Arc<str>, Failure> {
+        let i = self.upstream;
+        let upstream = &state.config.upstreams[i];
+        let uri = state.targets[i]
+            .uri("/chat/completions", None)
+            .ok_or_else(|| {
+                Failure::new(
+                    "the describer upstream's base_url has no usable path",
+                    false,
+                )
+            })?;
+        let body = request_body(&self.model, subject);
+        let mut req = Request::new(UpstreamBody {
+            prefix: VecDeque::from([body.clone()]),
+            rest: None,
+        });
+        *req.method_mut() = Method::POST;
+        *req.uri_mut() = uri;
+        let h = req.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        h.insert(
+            header::USER_AGENT,
+            HeaderValue::from_static(concat!("visor/", env!("CARGO_PKG_VERSION"), " (describer)")),
+        );
+        match &upstream.api_key {
+            Some(key) => {
+                let (name, value) = match upstream.auth {
+                    AuthMode::Bearer => (header::AUTHORIZATION, format!("Bearer {}", key.expose())),
+                    AuthMode::XApiKey => (X_API_KEY.clone(), key.expose().to_owned()),
+                };
+                if let Ok(mut v) = HeaderValue::from_str(&value) {
+                    v.set_sensitive(true);
+                    h.insert(name, v);
+                }
+            }
+            None => {
+                for (name, value) in &cred.0 {
+                    h.insert(name.clone(), value.clone());
+                }
+            }
+        }
+        let no_limit = AtomicBool::new(false);
+        let resp = state
+            .upstreams
+            .send(i, &state.routes[i], req, &no_limit)
+            .await
+            .map_err(|f| Failure::new(format!("describer unreachable: {}", f.cause), true))?;
+        let status = resp.status();
+        let mut body = resp.into_body();
+        let mut answer = BytesMut::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|_| Failure::new("describer answer cut off", true))?;
+            if let Ok(data) = frame.into_data() {
+                answer.extend_from_slice(&data);
+                if answer.len() > MAX_ANSWER_BYTES {
+                    return Err(Failure::new("describer answer larger than 1 MiB", false));
+                }
+            }
+        }
+        if !status.is_success() {
+            let unwell = status.is_server_error() || status.as_u16() == 429;
+            return Err(Failure::new(
+                format!("describer answered {status}: {}", error_message(&answer)),
+                unwell,
+            ));
+        }
+        let text = description_of(&answer)
+            .ok_or_else(|| Failure::new("describer answer has no message content", false))?;
+        let text = text.trim();
+        if text.is_empty() {
+            return Err(Failure::new("describer gave an empty description", false));
+        }
+        Ok(Arc::from(cut(text, MAX_DESCRIPTION_CHARS)))
+    }
+}
+
+/// The key a description is known by in the cache and the store.
+pub fn description_key(sha256: &str, describer_model: &str) -> String {
+    format!("{sha256}/{describer_model}/v{PROMPT_VERSION}")
+}
+
+/// Descriptions for `subjects` (each a distinct image), as pairs of full
+/// SHA-256 hex and text; images without one get the placeholder.
+pub async fn describe(
+    state: &Arc<AppState>,
+    subjects: Vec<Subject>,
+    cred: &Credential,
+) -> Vec<(String, Arc<str>)> {
+    let d = &state.describer;
+    let m = &state.metrics;
+    if subjects.is_empty() {
+        return Vec::new();
+    }
+    if d.in_background {
+        let found = futures_util::future::join_all(subjects.into_iter().map(|s| async move {
+            let key = d.key(&s.sha256);
+            match d.lookup(state, &key).await {
+                Some(text) => {
+                    m.describe.with_label_values(&["hit"]).inc();
+                    Some((s.sha256, text))
+                }
+                None => {
+                    spawn_background(state, key, s, cred.clone());
+                    None
+                }
+            }
+        }))
+        .await;
+        return found.into_iter().flatten().collect();
+    }
+    let deadline = Instant::now() + d.timeout;
+    let results = futures_util::future::join_all(subjects.iter().map(|s| async move {
+        let key = d.key(&s.sha256);
+        tokio::time::timeout_at(deadline, d.get_or_make(state, &key, s, cred)).await
+    }))
+    .await;
+    let mut out = Vec::new();
+    let mut timed_out = 0;
+    for (s, r) in subjects.into_iter().zip(results) {
+        match r {
+            Ok(Ok((text, origin))) => {
+                let result = match origin {
+                    Origin::Cached => "hit",
+                    Origin::Described => "miss",
+                };
+                m.describe.with_label_values(&[result]).inc();
+                out.push((s.sha256, text));
+            }
+            Ok(Err(_)) => m.describe.with_label_values(&["error"]).inc(),
+            Err(_) => {
+                m.describe.with_label_values(&["error"]).inc();
+                timed_out += 1;
+            }
+        }
+    }
+    if timed_out > 0 {
+        let pause = d.fail();
+        tracing::warn!(
+            describer = %d.model,
+            images = timed_out,
+            timeout_secs = d.timeout.as_secs_f64(),
+            pause_secs = pause.as_secs_f64(),
+            "describer timed out: the placeholder is used"
+        );
+    }
+    out
+}
+
+/// Makes a description in the background for a later request.
+fn spawn_background(state: &Arc<AppState>, key: String, subject: Subject, cred: Credential) {
+    let d = &state.describer;
+    if d.cancel.is_cancelled() {
+        return;
+    }
+    {
+        let Ok(mut pending) = d.pending.lock() else {
+            return;
+        };
+        if pending.len() >= MAX_BACKGROUND || !pending.insert(key.clone()) {
+            return;
+        }
+    }
+    state.metrics.describe_background.inc();
+    let state = state.clone();
+    let cancel = d.cancel.clone();
+    d.background.spawn(async move {
+        let d = &state.describer;
+        let m = &state.metrics;
+        tokio::select! {
+            () = cancel.cancelled() => {}
+            r = tokio::time::timeout(d.timeout, d.get_or_make(&state, &key, &subject, &cred)) => {
+                let result = match r {
+                    Ok(Ok((_, Origin::Described))) => "miss",
+                    Ok(Ok((_, Origin::Cached))) => "hit",
+                    Ok(Err(_)) => "error",
+                    Err(_) => {
+                        d.fail();
+                        tracing::warn!(describer = %d.model, "describer timed out (background)");
+                        "error"
+                    }
+                };
+                m.describe.with_label_values(&[result]).inc();
+            }
+        }
+        if let Ok(mut pending) = d.pending.lock() {
+            pending.remove(&key);
+        }
+        m.describe_background.dec();
+    });
+}
+
+/// The describer request: the prompt, one image, nothing else.
+fn request_body(model: &str, subject: &Subject) -> Bytes {
+    let url = match &subject.image {
+        SubjectImage::Inline { media_type, bytes } => {
+            let mut s = String::with_capacity(bytes.len() * 4 / 3 + 64);
+            s.push_str("data:");
+            s.push_str(media_type);
+            s.push_str(";base64,");
+            s.push_str(&base64_simd::STANDARD.encode_to_string(bytes));
+            s
+        }
+        SubjectImage::Url(u) => u.clone(),
+    };
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [
+            {"role": "system", "content": PROMPT},
+            {"role": "user", "content": [
+                {"type": "text", "text": "Describe this image."},
+                {"type": "image_url", "image_url": {"url": url}},
+            ]},
+        ],
+        "stream": false,
+    });
+    Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+}
+
+/// `choices[0].message.content`: a string, or text parts joined.
+fn description_of(answer: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(answer).ok()?;
+    let content = v.get("choices")?.get(0)?.get("message")?.get("content")?;
+    match content {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(parts) => Some(
+            parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
+        _ => None,
+    }
+}
+
+/// The `error.message` of an error answer, cut short, for the log.
+fn error_message(answer: &[u8]) -> String {
+    let v: Option<serde_json::Value> = serde_json::from_slice(answer).ok();
+    let msg = v
+        .as_ref()
+        .and_then(|v| v.get("error"))
+        .and_then(|e| e.get("message").or(Some(e)))
+        .and_then(|m| m.as_str())
+        .unwrap_or("(no error message)");
+    cut(msg, 200)
+}
+
+fn cut(text: &str, max_chars: usize) -> String {
+    match text.char_indices().nth(max_chars) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_owned(),
+    }
+}
+
+fn short(sha256: &str) -> &str {
+    sha256.get(..12).unwrap_or(sha256)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn reads_string_and_part_contents() {
+        let a = br#"{"choices":[{"message":{"role":"assistant","content":"A bar chart."}}]}"#;
+        assert_eq!(description_of(a).as_deref(), Some("A bar chart."));
+        let b = br#"{"choices":[{"message":{"content":[{"type":"text","text":"one"},{"type":"text","text":"two"}]}}]}"#;
+        assert_eq!(description_of(b).as_deref(), Some("one\ntwo"));
+        assert_eq!(description_of(br#"{"choices":[]}"#), None);
+        assert_eq!(
+            description_of(br#"{"choices":[{"message":{"content":null}}]}"#),
+            None
+        );
+        assert_eq!(description_of(b"not json"), None);
+    }
+
+    #[test]
+    fn long_descriptions_are_cut_on_a_character() {
+        assert_eq!(cut("ééé", 2), "éé…");
+        assert_eq!(cut("abc", 3), "abc");
+    }
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let mut b = Backoff::default();
+        assert!(!b.active());
+        assert_eq!(b.fail(), Duration::from_secs(1));
+        assert!(b.active());
+        assert_eq!(b.fail(), Duration::from_secs(2));
+        for _ in 0..10 {
+            b.fail();
+        }
+        assert_eq!(b.fail(), BACKOFF_MAX);
+        b.reset();
+        assert!(!b.active());
+    }
+
+    #[test]
+    fn the_request_carries_one_image_and_the_prompt() {
+        let s = Subject {
+            sha256: "ab".repeat(32),
+            image: SubjectImage::Inline {
+                media_type: "image/png".into(),
+                bytes: Bytes::from_static(b"\x89PNG"),
+            },
+        };
+        let v: serde_json::Value =
+            serde_json::from_slice(&request_body("vision-mini", &s)).unwrap();
+        assert_eq!(v["model"], "vision-mini");
+        assert_eq!(v["messages"][0]["content"], PROMPT);
+        assert_eq!(
+            v["messages"][1]["content"][1]["image_url"]["url"],
+            "data:image/png;base64,iVBORw=="
+        );
+        let u = Subject {
+            sha256: "cd".repeat(32),
+            image: SubjectImage::Url("https://example.com/a.png".into()),
+        };
+        let v: serde_json::Value = serde_json::from_slice(&request_body("m", &u)).unwrap();
+        assert_eq!(
+            v["messages"][1]["content"][1]["image_url"]["url"],
+            "https://example.com/a.png"
+        );
+    }
+}

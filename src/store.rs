@@ -1,0 +1,487 @@
+//! The store: what visor keeps beyond one request — image descriptions and
+//! the models learned to refuse images (sessions come later) — behind one
+//! small interface with three backends (`[store] backend`):
+//!
+//! - `"disk"` (the default): one [redb] file, `<data_dir>/store.redb`.
+//!   Every write is a committed, fsynced transaction, so a crash mid-write
+//!   leaves the file as it was before that write. One process at a time.
+//! - `"redis://host:port/db"` (or `rediss://`): shared by several visor
+//!   replicas. Keys start with `[store] prefix`.
+//! - `"memory"`: a map in this process, gone at exit (tests, throwaway runs).
+//!
+//! The store never fails a user's request. Every operation is bounded by
+//! [`OP_TIMEOUT`]; one that fails or times out marks the store *down*: a
+//! warning is logged once, `visor_store_errors_total{op}` counts it,
+//! `visor_store_up` drops to 0 and `/readyz` reports `degraded` with the
+//! reason. While down, operations are not attempted (callers carry on with
+//! memory only) until [`RETRY_AFTER`] has passed; then the next operation,
+//! or a `/readyz` probe, tries again, and the first success brings it back.
+
+// redb's one error type is large; it lives only on the cold failure path.
+#![allow(clippy::result_large_err)]
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use redb::{ReadableTable as _, TableDefinition};
+use tokio::time::Instant;
+
+use crate::metrics::Metrics;
+
+/// How long one store operation may take before the store counts as down.
+pub const OP_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// While the store is down, how long visor goes without asking it again.
+pub const RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// Descriptions expire from Redis this long after they were written (so a
+/// shared Redis does not grow without bound; an expired one is made again).
+const REDIS_DESCRIPTION_TTL_SECS: u64 = 30 * 24 * 3600;
+
+/// The disk store's file name under `server.data_dir`.
+pub const DISK_FILE: &str = "store.redb";
+
+const DESCRIPTIONS: TableDefinition<&str, &str> = TableDefinition::new("descriptions");
+const LEARNED: TableDefinition<&str, &str> = TableDefinition::new("learned_non_vision");
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Not attempted: the store is down and not due for another try.
+    #[error("the store is down: {0}")]
+    Down(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// A down store: why, and when to try again.
+struct Down {
+    reason: String,
+    retry_at: Instant,
+}
+
+pub struct Store {
+    backend: Backend,
+    /// What the store is, for logs and `/readyz` (never a password).
+    label: String,
+    down: Mutex<Option<Down>>,
+    metrics: Arc<Metrics>,
+}
+
+enum Backend {
+    Memory(Memory),
+    Disk(Arc<Disk>),
+    Redis(Redis),
+}
+
+impl Store {
+    /// Opens the configured backend. Never fails: a backend that cannot be
+    /// reached yet starts down (and is retried), so visor still serves.
+    /// Must be called inside a Tokio runtime (the Redis client needs one).
+    pub fn open(
+        backend: &str,
+        prefix: &str,
+        data_dir: &Path,
+        metrics: Arc<Metrics>,
+    ) -> Result<Store, String> {
+        let (backend, label) = match backend {
+            "memory" => (Backend::Memory(Memory::default()), "memory".to_owned()),
+            "disk" => {
+                let path = data_dir.join(DISK_FILE);
+                let label = format!("disk {}", path.display());
+                (
+                    Backend::Disk(Arc::new(Disk {
+                        path,
+                        db: Mutex::new(None),
+                    })),
+                    label,
+                )
+            }
+            url => {
+                let redis = Redis::new(url, prefix)?;
+                (Backend::Redis(redis), redacted(url))
+            }
+        };
+        metrics.store_up.set(1);
+        Ok(Store {
+            backend,
+            label,
+            down: Mutex::new(None),
+            metrics,
+        })
+    }
+
+    /// A memory store (tests, benches, the CLI).
+    pub fn memory(metrics: Arc<Metrics>) -> Store {
+        Store {
+            backend: Backend::Memory(Memory::default()),
+            label: "memory".to_owned(),
+            down: Mutex::new(None),
+            metrics,
+        }
+    }
+
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Why the store is down, while it is.
+    pub fn problem(&self) -> Option<String> {
+        let down = self.down.lock().ok()?;
+        down.as_ref()
+            .map(|d| format!("store {}: {}", self.label, d.reason))
+    }
+
+    /// Checks the store now (the first operation, or a `/readyz` probe
+    /// while down and due for a retry). Returns the problem, if any.
+    pub async fn check(&self) -> Option<String> {
+        let _ = self.guarded("ping", self.ping()).await;
+        self.problem()
+    }
+
+    /// The description stored under `key`.
+    pub async fn description(&self, key: &str) -> Result<Option<String>, StoreError> {
+        let op = async {
+            match &self.backend {
+                Backend::Memory(m) => {
+                    Ok(m.descriptions.lock().ok().and_then(|d| d.get(key).cloned()))
+                }
+                Backend::Disk(d) => {
+                    let key = key.to_owned();
+                    d.run(move |db| {
+                        let txn = db.begin_read()?;
+                        let table = txn.open_table(DESCRIPTIONS)?;
+                        Ok(table.get(key.as_str())?.map(|v| v.value().to_owned()))
+                    })
+                    .await
+                }
+                Backend::Redis(r) => r.query(redis::cmd("GET").arg(r.key("desc:", key))).await,
+            }
+        };
+        self.guarded("get", op).await
+    }
+
+    pub async fn put_description(&self, key: &str, text: &str) -> Result<(), StoreError> {
+        let op = async {
+            match &self.backend {
+                Backend::Memory(m) => {
+                    if let Ok(mut d) = m.descriptions.lock() {
+                        d.insert(key.to_owned(), text.to_owned());
+                    }
+                    Ok(())
+                }
+                Backend::Disk(d) => {
+                    let (key, text) = (key.to_owned(), text.to_owned());
+                    d.run(move |db| {
+                        let txn = db.begin_write()?;
+                        txn.open_table(DESCRIPTIONS)?
+                            .insert(key.as_str(), text.as_str())?;
+                        txn.commit()?;
+                        Ok(())
+                    })
+                    .await
+                }
+                Backend::Redis(r) => {
+                    r.query(
+                        redis::cmd("SET")
+                            .arg(r.key("desc:", key))
+                            .arg(text)
+                            .arg("EX")
+                            .arg(REDIS_DESCRIPTION_TTL_SECS),
+                    )
+                    .await
+                }
+            }
+        };
+        self.guarded("put", op).await
+    }
+
+    /// Every model name learned as non-vision.
+    pub async fn learned(&self) -> Result<Vec<String>, StoreError> {
+        let op = async {
+            match &self.backend {
+                Backend::Memory(m) => Ok(m
+                    .learned
+                    .lock()
+                    .map(|l| l.iter().cloned().collect())
+                    .unwrap_or_default()),
+                Backend::Disk(d) => {
+                    d.run(|db| {
+                        let txn = db.begin_read()?;
+                        let table = txn.open_table(LEARNED)?;
+                        let mut names = Vec::new();
+                        for row in table.iter()? {
+                            names.push(row?.0.value().to_owned());
+                        }
+                        Ok(names)
+                    })
+                    .await
+                }
+                Backend::Redis(r) => {
+                    r.query(redis::cmd("SMEMBERS").arg(r.key("learned", "")))
+                        .await
+                }
+            }
+        };
+        self.guarded("list", op).await
+    }
+
+    /// Records `name` (normalised) as a model that refuses images.
+    pub async fn learn(&self, name: &str) -> Result<(), StoreError> {
+        let op = async {
+            match &self.backend {
+                Backend::Memory(m) => {
+                    if let Ok(mut l) = m.learned.lock() {
+                        l.insert(name.to_owned());
+                    }
+                    Ok(())
+                }
+                Backend::Disk(d) => {
+                    let name = name.to_owned();
+                    d.run(move |db| {
+                        let txn = db.begin_write()?;
+                        txn.open_table(LEARNED)?
+                            .insert(name.as_str(), "vision=false")?;
+                        txn.commit()?;
+                        Ok(())
+                    })
+                    .await
+                }
+                Backend::Redis(r) => r
+                    .query::<i64>(redis::cmd("SADD").arg(r.key("learned", "")).arg(name))
+                    .await
+                    .map(drop),
+            }
+        };
+        self.guarded("put", op).await
+    }
+
+    async fn ping(&self) -> Result<(), String> {
+        match &self.backend {
+            Backend::Memory(_) => Ok(()),
+            Backend::Disk(d) => d.run(|_| Ok(())).await,
+            Backend::Redis(r) => r.query::<String>(&mut redis::cmd("PING")).await.map(drop),
+        }
+    }
+
+    /// Runs one operation under the timeout and the down/up bookkeeping.
+    async fn guarded<T>(
+        &self,
+        op: &'static str,
+        f: impl Future<Output = Result<T, String>>,
+    ) -> Result<T, StoreError> {
+        if let Ok(down) = self.down.lock()
+            && let Some(d) = down.as_ref()
+            && Instant::now() < d.retry_at
+        {
+            return Err(StoreError::Down(d.reason.clone()));
+        }
+        let result = match tokio::time::timeout(OP_TIMEOUT, f).await {
+            Ok(r) => r,
+            Err(_) => Err(format!("no answer within {} ms", OP_TIMEOUT.as_millis())),
+        };
+        match result {
+            Ok(v) => {
+                self.mark_up();
+                Ok(v)
+            }
+            Err(reason) => {
+                self.mark_down(op, &reason);
+                Err(StoreError::Failed(reason))
+            }
+        }
+    }
+
+    fn mark_up(&self) {
+        let Ok(mut down) = self.down.lock() else {
+            return;
+        };
+        if down.take().is_some() {
+            self.metrics.store_up.set(1);
+            tracing::warn!(store = %self.label, "store is back: descriptions and learned models are stored again");
+        }
+    }
+
+    fn mark_down(&self, op: &'static str, reason: &str) {
+        self.metrics.store_errors.with_label_values(&[op]).inc();
+        let Ok(mut down) = self.down.lock() else {
+            return;
+        };
+        let was_up = down.is_none();
+        *down = Some(Down {
+            reason: reason.to_owned(),
+            retry_at: Instant::now() + RETRY_AFTER,
+        });
+        self.metrics.store_up.set(0);
+        if was_up {
+            tracing::warn!(store = %self.label, op, error = %reason,
+                "store unavailable: going on with memory only (requests are not failed); retrying every {} s",
+                RETRY_AFTER.as_secs());
+        } else {
+            tracing::debug!(store = %self.label, op, error = %reason, "store still unavailable");
+        }
+    }
+}
+
+#[derive(Default)]
+struct Memory {
+    descriptions: Mutex<HashMap<String, String>>,
+    learned: Mutex<BTreeSet<String>>,
+}
+
+struct Disk {
+    path: PathBuf,
+    /// Opened on first use, and again after a failed open.
+    db: Mutex<Option<Arc<redb::Database>>>,
+}
+
+impl Disk {
+    /// Runs `f` on the blocking pool (redb is synchronous; a commit waits
+    /// for fsync).
+    async fn run<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&redb::Database) -> Result<T, redb::Error> + Send + 'static,
+    ) -> Result<T, String> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let db = me.database()?;
+            f(&db).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|_| "the store task failed".to_owned())?
+    }
+
+    fn database(&self) -> Result<Arc<redb::Database>, String> {
+        let mut slot = self
+            .db
+            .lock()
+            .map_err(|_| "store lock poisoned".to_owned())?;
+        if let Some(db) = slot.as_ref() {
+            return Ok(db.clone());
+        }
+        let db = self.create().map_err(|e| match e {
+            redb::Error::DatabaseAlreadyOpen => format!(
+                "{} is in use by another process (another visor on the same data_dir?)",
+                self.path.display()
+            ),
+            e => format!("cannot open {}: {e}", self.path.display()),
+        })?;
+        let db = Arc::new(db);
+        *slot = Some(db.clone());
+        Ok(db)
+    }
+
+    fn create(&self) -> Result<redb::Database, redb::Error> {
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir).map_err(redb::Error::Io)?;
+        }
+        let db = redb::Database::create(&self.path)?;
+        // The tables exist from the start, so a read never meets a missing one.
+        let txn = db.begin_write()?;
+        txn.open_table(DESCRIPTIONS)?;
+        txn.open_table(LEARNED)?;
+        txn.commit()?;
+        Ok(db)
+    }
+}
+
+struct Redis {
+    conn: redis::aio::ConnectionManager,
+    prefix: String,
+}
+
+impl Redis {
+    fn new(url: &str, prefix: &str) -> Result<Redis, String> {
+        let client = redis::Client::open(url)
+            .map_err(|e| format!("store.backend: not a usable Redis URL: {e}"))?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(OP_TIMEOUT))
+            .set_response_timeout(Some(OP_TIMEOUT))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        let conn = redis::aio::ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|e| format!("store.backend: cannot set up the Redis client: {e}"))?;
+        Ok(Redis {
+            conn,
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    fn key(&self, kind: &str, key: &str) -> String {
+        format!("{}{kind}{key}", self.prefix)
+    }
+
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> Result<T, String> {
+        let mut conn = self.conn.clone();
+        cmd.query_async(&mut conn).await.map_err(|e| e.to_string())
+    }
+}
+
+/// A Redis URL without its password, for logs and `/readyz`.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://…@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn redis_urls_lose_their_password_in_labels() {
+        assert_eq!(
+            redacted("redis://:s3cret@cache:6379/0"),
+            "redis://…@cache:6379/0"
+        );
+        assert_eq!(redacted("redis://cache:6379/2"), "redis://cache:6379/2");
+    }
+
+    #[tokio::test]
+    async fn disk_store_keeps_what_it_was_given_across_reopen() {
+        let dir = std::env::temp_dir().join(format!("visor-store-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let metrics = Arc::new(Metrics::new().unwrap());
+        {
+            let s = Store::open("disk", "visor:", &dir, metrics.clone()).unwrap();
+            assert_eq!(s.description("k").await.unwrap(), None);
+            s.put_description("k", "a chart").await.unwrap();
+            s.learn("gpt-oss").await.unwrap();
+        }
+        let s = Store::open("disk", "visor:", &dir, metrics).unwrap();
+        assert_eq!(
+            s.description("k").await.unwrap().as_deref(),
+            Some("a chart")
+        );
+        assert_eq!(s.learned().await.unwrap(), vec!["gpt-oss".to_owned()]);
+        assert!(s.problem().is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_disk_store_in_use_is_down_not_fatal() {
+        let dir = std::env::temp_dir().join(format!("visor-store-busy-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let first = Store::open("disk", "visor:", &dir, metrics.clone()).unwrap();
+        first.put_description("k", "v").await.unwrap();
+        let second = Store::open("disk", "visor:", &dir, metrics.clone()).unwrap();
+        assert!(matches!(
+            second.description("k").await,
+            Err(StoreError::Failed(_))
+        ));
+        let problem = second.problem().unwrap();
+        assert!(problem.contains("in use by another process"), "{problem}");
+        assert_eq!(metrics.store_up.get(), 0);
+        // While down, nothing is attempted until the retry is due.
+        assert!(matches!(
+            second.description("k").await,
+            Err(StoreError::Down(_))
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
