@@ -213,8 +213,10 @@ impl Describer {
         self.upstream
     }
 
-    /// Descriptions held in memory (approximate, as moka counts).
-    pub fn cache_entries(&self) -> u64 {
+    /// Descriptions held in memory (moka's pending bookkeeping done first,
+    /// so the count is current).
+    pub async fn cache_entries(&self) -> u64 {
+        self.cache.run_pending_tasks().await;
         self.cache.entry_count()
     }
 

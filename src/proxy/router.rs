@@ -34,7 +34,7 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
             state
                 .metrics
                 .describe_cache_entries
-                .set(i64::try_from(state.describer.cache_entries()).unwrap_or(i64::MAX));
+                .set(i64::try_from(state.describer.cache_entries().await).unwrap_or(i64::MAX));
             let mut resp = Response::new(ProxyBody::from(Bytes::from(state.metrics.render())));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,

@@ -3,13 +3,15 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::convert::Infallible;
+use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
@@ -552,4 +554,332 @@ pub fn fixtures() -> PathBuf {
 
 pub fn fixture(name: &str) -> Bytes {
     Bytes::from(std::fs::read(fixtures().join(name)).unwrap_or_else(|e| panic!("{name}: {e}")))
+}
+
+// ------------------------------------------------------------ processes
+
+pub fn visor() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_visor"));
+    c.current_dir(env!("CARGO_MANIFEST_DIR"));
+    c.env_remove("VISOR_CONFIG");
+    c
+}
+
+pub fn temp_config(name: &str, text: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let path = dir.join(format!("{name}-{}.toml", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A `visor serve` child process, its log lines, and its address.
+pub struct Serving {
+    pub child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// Lines read so far.
+    pub log: Vec<String>,
+    pub addr: String,
+}
+
+impl Serving {
+    /// Starts `visor serve --listen 127.0.0.1:0 ARGS` and waits (bounded)
+    /// for its "listening" line.
+    pub fn start(args: &[&str], env: &[(&str, &str)]) -> Serving {
+        let mut cmd = visor();
+        cmd.args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut log = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut addr = None;
+        while addr.is_none() {
+            let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            else {
+                let _ = child.kill();
+                panic!("visor did not report listening:\n{}", log.join("\n"));
+            };
+            if line.contains("visor listening") {
+                addr = line
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("addr="))
+                    .map(str::to_owned);
+            }
+            log.push(line);
+        }
+        Serving {
+            child,
+            lines,
+            log,
+            addr: addr.unwrap_or_default(),
+        }
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the exit; returns its code and
+    /// every log line.
+    pub fn terminate(mut self) -> (Option<i32>, String) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // The reader thread ends when the process closes stderr.
+        while let Ok(line) = self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            self.log.push(line);
+        }
+        let code = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s.code();
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        (code, self.log.join("\n"))
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ------------------------------------------------------------------ redis
+
+/// A `redis-server` of this test's own on 127.0.0.1, stopped on drop.
+pub struct RedisServer {
+    child: std::process::Child,
+    pub port: u16,
+}
+
+impl RedisServer {
+    /// Starts one and waits (bounded) until it answers PING. Without
+    /// `redis-server` installed: `None` and a printed reason, except under
+    /// CI (`CI=true`), where `.ci/run` installed it and a skip would hide
+    /// untested code — then it panics.
+    pub fn start() -> Option<RedisServer> {
+        let found = Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("redis-server is not installed, and under CI=true Redis tests may not skip");
+            }
+            eprintln!(
+                "SKIPPED: redis-server is not installed (apt-get install redis-server); the Redis tests did not run"
+            );
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Self::spawn(port);
+        let server = RedisServer { child, port };
+        server.wait_ready();
+        Some(server)
+    }
+
+    fn spawn(port: u16) -> std::process::Child {
+        Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.answers() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not answer PING within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills it (its data goes with it).
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same port and waits until it answers.
+    pub fn restart(&mut self) {
+        self.child = Self::spawn(self.port);
+        self.wait_ready();
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    fn answers(&self) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+        let mut buf = [0u8; 7];
+        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// -------------------------------------------------------------- describer
+
+/// The describer model the describe tests configure.
+pub const DESCRIBER: &str = "vision-mini";
+
+/// `describe` mode with the mock as describer (its first upstream); more
+/// `[describer]` keys may follow.
+pub const DESCRIBE: &str =
+    "[images]\nnon_vision = \"describe\"\n[describer]\nmodel = \"vision-mini\"\n";
+
+/// A chat completion answer.
+pub fn chat_ok() -> Reply {
+    Reply::json(
+        200,
+        r#"{"id":"c1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}"#,
+    )
+}
+
+/// True when `req` is a describer call (its model is [`DESCRIBER`]).
+pub fn is_describer_call(req: &Recorded) -> bool {
+    serde_json::from_slice::<serde_json::Value>(&req.body).is_ok_and(|v| v["model"] == DESCRIBER)
+}
+
+/// The one image URL a describer call carries.
+pub fn described_url(req: &Recorded) -> String {
+    let v: serde_json::Value = serde_json::from_slice(&req.body).unwrap();
+    let parts = v["messages"][1]["content"].as_array().unwrap();
+    let images: Vec<_> = parts.iter().filter(|p| p["type"] == "image_url").collect();
+    assert_eq!(images.len(), 1, "one image per describer call");
+    images[0]["image_url"]["url"].as_str().unwrap().to_owned()
+}
+
+/// What the mock describer says about an image: derived from the bytes it
+/// was sent (decoded from the data URL), or from the URL.
+pub fn description_for(url: &str) -> String {
+    match url
+        .strip_prefix("data:")
+        .and_then(|r| r.split_once(";base64,"))
+    {
+        Some((media_type, b64)) => {
+            let bytes = base64_simd::STANDARD.decode_to_vec(b64).unwrap();
+            let sha = sha256_hex(&bytes);
+            format!(
+                "A test image ({media_type}, {} bytes, {}): the chart says \"42%\".",
+                bytes.len(),
+                &sha[..16]
+            )
+        }
+        None => format!("The picture at {url}."),
+    }
+}
+
+/// The mock describer's answer to a describer call.
+pub fn describer_answer(req: &Recorded) -> Reply {
+    let text = description_for(&described_url(req));
+    let body = serde_json::json!({
+        "id": "d1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+    });
+    Reply::json(200, body.to_string())
+}
+
+pub fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(b)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A Chat request for `model` whose user message holds these image URLs.
+pub fn chat_with_images(model: &str, urls: &[String]) -> Bytes {
+    let mut content = vec![serde_json::json!({"type": "text", "text": "What is in these?"})];
+    for u in urls {
+        content.push(serde_json::json!({"type": "image_url", "image_url": {"url": u}}));
+    }
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+    });
+    Bytes::from(serde_json::to_vec(&body).unwrap())
+}
+
+/// A PNG data URL: the fixture chart with `salt` appended (a new image,
+/// same header, so the same size is read from it).
+pub fn png_data_url(salt: &str) -> (String, Vec<u8>) {
+    let mut png = std::fs::read(fixtures().join("chart.png")).unwrap();
+    png.extend_from_slice(salt.as_bytes());
+    let url = format!(
+        "data:image/png;base64,{}",
+        base64_simd::STANDARD.encode_to_string(&png)
+    );
+    (url, png)
+}
+
+/// The texts of the user message's parts in a forwarded Chat body.
+pub fn user_texts(body: &[u8]) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    let msgs = v["messages"].as_array().unwrap();
+    let user = msgs.iter().rev().find(|m| m["role"] == "user").unwrap();
+    match &user["content"] {
+        serde_json::Value::String(s) => vec![s.clone()],
+        serde_json::Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str().map(str::to_owned))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Waits (bounded) until `cond` holds on visor's metrics text.
+pub async fn wait_metrics(visor: &Visor, bound: Duration, cond: impl Fn(&str) -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + bound;
+    loop {
+        let m = visor.metrics().await;
+        if cond(&m) {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
