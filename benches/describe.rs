@@ -1,0 +1,188 @@
+//! Description lookups, measured with criterion (no describer is called:
+//! every description is cached before the timing starts).
+//!
+//! - `describe/hit-memory`: one image whose description is in the memory
+//!   cache (key built, moka lookup, metric counted).
+//! - `describe/hit-disk-store`: reading one description from the disk
+//!   store (redb, on the blocking pool), what a lookup costs when the
+//!   memory cache does not hold it (after a restart, or evicted).
+//! - `request/10-cached-images` vs `request/no-images`: the whole rewrite
+//!   of a Chat request (find, decode and hash each image, look up its
+//!   description, splice the text in) with 10 distinct images, all
+//!   described already, against the same request without the images.
+//!   `request/10-images-strip` is the same 10 images with placeholders (no
+//!   lookups), to separate the lookups from the image work.
+//!
+//! `cargo bench --bench describe`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
+
+use std::hint::black_box;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use visor::config::Config;
+use visor::describe::{Credential, describe};
+use visor::metrics::Metrics;
+use visor::proxy::AppState;
+use visor::transform::{self, Plan, Shape, Subject, SubjectImage};
+use visor::upstream::Upstreams;
+
+fn state(rt: &tokio::runtime::Runtime, backend: &str, data_dir: &Path) -> Arc<AppState> {
+    let toml = format!(
+        "[server]\ndata_dir = \"{}\"\n[images]\nnon_vision = \"describe\"\n[store]\nbackend = \"{backend}\"\n\
+         [[upstream]]\nname = \"none\"\nbase_url = \"http://127.0.0.1:9/v1\"\nmodels = [\"*\"]\n",
+        data_dir.display()
+    );
+    let config = Config::from_toml(&toml, Path::new("bench.toml"), &|_| None).unwrap();
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let upstreams = Upstreams::new(Duration::from_secs(1), &config.upstreams).unwrap();
+    rt.block_on(async { Arc::new(AppState::new(config, metrics, upstreams).unwrap()) })
+}
+
+fn png(salt: usize) -> Vec<u8> {
+    let mut png = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shared/fixtures/chart.png"
+    ))
+    .unwrap();
+    png.extend_from_slice(format!("salt-{salt}").as_bytes());
+    png
+}
+
+fn subject(bytes: &[u8]) -> Subject {
+    Subject {
+        sha256: visor::transform::images::sha256_hex(bytes),
+        image: SubjectImage::Inline {
+            media_type: "image/png".into(),
+            bytes: bytes.to_vec().into(),
+        },
+    }
+}
+
+/// A Chat request with these images (or none) and the same text.
+fn request(images: &[Vec<u8>]) -> Vec<u8> {
+    let mut content =
+        vec![serde_json::json!({"type": "text", "text": "Compare these screenshots."})];
+    for png in images {
+        let url = format!(
+            "data:image/png;base64,{}",
+            base64_simd::STANDARD.encode_to_string(png)
+        );
+        content.push(serde_json::json!({"type": "image_url", "image_url": {"url": url}}));
+    }
+    serde_json::to_vec(&serde_json::json!({
+        "model": "gpt-oss-120b",
+        "messages": [
+            {"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": content},
+        ],
+    }))
+    .unwrap()
+}
+
+/// What the proxy does to a body: scan, describe, finish.
+async fn rewrite(state: &Arc<AppState>, body: &[u8], plan: &Plan) -> usize {
+    match transform::scan(body, plan) {
+        Err(done) => done.report.images_replaced,
+        Ok(scanned) => {
+            let subjects = scanned.subjects().into_iter().map(|(_, s)| s).collect();
+            let descriptions = describe(state, subjects, &Credential::default()).await;
+            scanned.finish(body, &descriptions).report.images_described
+        }
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-describe");
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // Memory: one description cached.
+    let mem = state(&rt, "memory", &dir.join("mem"));
+    let one = subject(&png(0));
+    let key = mem.describer.key(&one.sha256);
+    rt.block_on(mem.store.put_description(&key, "A bar chart: 42% / 58%."))
+        .unwrap();
+    let warm = rt.block_on(describe(&mem, vec![one.clone()], &Credential::default()));
+    assert_eq!(warm.len(), 1);
+    c.bench_function("describe/hit-memory", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let started = Instant::now();
+                for _ in 0..iters {
+                    let d = describe(&mem, vec![one.clone()], &Credential::default()).await;
+                    black_box(d);
+                }
+                started.elapsed()
+            })
+        })
+    });
+
+    // Disk store: one description on disk, read back each time.
+    let disk = state(&rt, "disk", &dir.join("disk"));
+    rt.block_on(disk.store.put_description(&key, "A bar chart: 42% / 58%."))
+        .unwrap();
+    c.bench_function("describe/hit-disk-store", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let started = Instant::now();
+                for _ in 0..iters {
+                    let d = disk.store.description(&key).await.unwrap();
+                    assert!(d.is_some());
+                }
+                started.elapsed()
+            })
+        })
+    });
+
+    // A request with 10 cached images, against the same without images.
+    let pngs: Vec<Vec<u8>> = (1..=10).map(png).collect();
+    for p in &pngs {
+        let k = mem.describer.key(&subject(p).sha256);
+        rt.block_on(mem.store.put_description(
+            &k,
+            "A screenshot of a terminal: `cargo test` passed, 105 tests.",
+        ))
+        .unwrap();
+    }
+    let with_images = request(&pngs);
+    let without = request(&[]);
+    let describe_plan = Plan {
+        shape: Shape::Chat,
+        vision: false,
+        describe: true,
+    };
+    let strip_plan = Plan {
+        describe: false,
+        ..describe_plan
+    };
+    assert_eq!(rt.block_on(rewrite(&mem, &with_images, &describe_plan)), 10);
+    let mut g = c.benchmark_group("request");
+    for (name, body, plan) in [
+        ("10-cached-images", &with_images, &describe_plan),
+        ("10-images-strip", &with_images, &strip_plan),
+        ("no-images", &without, &describe_plan),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let started = Instant::now();
+                    for _ in 0..iters {
+                        black_box(rewrite(&mem, body, plan).await);
+                    }
+                    started.elapsed()
+                })
+            })
+        });
+    }
+    g.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
