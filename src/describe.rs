@@ -155,8 +155,14 @@ impl Backoff {
         self.until.is_some_and(|u| Instant::now() < u)
     }
 
-    /// Records a failure; returns the pause it starts.
+    /// Records a failure; returns the pause. Failures while a pause is on
+    /// (concurrent calls failing together) do not lengthen it.
     fn fail(&mut self) -> Duration {
+        if let Some(until) = self.until
+            && self.active()
+        {
+            return until.saturating_duration_since(Instant::now());
+        }
         self.failures = self.failures.saturating_add(1);
         let pause = BACKOFF_START
             .saturating_mul(1u32 << self.failures.saturating_sub(1).min(6))
@@ -641,11 +647,16 @@ mod tests {
         assert!(!b.active());
         assert_eq!(b.fail(), Duration::from_secs(1));
         assert!(b.active());
-        assert_eq!(b.fail(), Duration::from_secs(2));
+        // A second failure inside the pause does not lengthen it.
+        assert!(b.fail() <= Duration::from_secs(1));
+        assert_eq!(b.failures, 1);
+        // Failures after each pause double it, up to the cap.
+        let mut pauses = Vec::new();
         for _ in 0..10 {
-            b.fail();
+            b.until = None;
+            pauses.push(b.fail().as_secs());
         }
-        assert_eq!(b.fail(), BACKOFF_MAX);
+        assert_eq!(pauses, vec![2, 4, 8, 16, 32, 60, 60, 60, 60, 60]);
         b.reset();
         assert!(!b.active());
     }

@@ -176,11 +176,12 @@ impl Scanned {
         if !self.plan.describe {
             return Vec::new();
         }
+        let mut seen = std::collections::HashSet::new();
         let mut out: Vec<(usize, Subject)> = Vec::new();
         for (i, f) in self.scan.images.iter().enumerate() {
             if self.replace[i]
-                && !out.iter().any(|(_, s)| s.sha256 == f.sha256)
                 && let Some(s) = f.subject()
+                && seen.insert(f.sha256.as_str())
             {
                 out.push((i, s));
             }
@@ -197,12 +198,11 @@ impl Scanned {
             plan,
             replace,
         } = self;
-        let described = |f: &Found| {
-            descriptions
-                .iter()
-                .find(|(sha, _)| *sha == f.sha256)
-                .map(|(_, d)| &**d)
-        };
+        let by_sha: std::collections::HashMap<&str, &str> = descriptions
+            .iter()
+            .map(|(sha, d)| (sha.as_str(), &**d))
+            .collect();
+        let described = |f: &Found| by_sha.get(f.sha256.as_str()).copied();
         let new = scan.apply(body, plan.shape, |i, f| {
             replace[i].then(|| placeholder(f, described(f), Reason::NonVision))
         });

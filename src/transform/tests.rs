@@ -368,6 +368,75 @@ fn ten_thousand_images_and_deep_nesting() {
 }
 
 #[test]
+fn describe_mode_puts_each_description_in_place() {
+    let png = fixture("chart.png");
+    let data = format!(
+        "data:image/png;base64,{}",
+        base64_simd::STANDARD.encode_to_string(&png)
+    );
+    let body = serde_json::to_vec(&json!({
+        "model": "gpt-oss-120b",
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data}},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            ]},
+            {"role": "assistant", "content": "seen"},
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data}},
+                {"type": "input_image", "file_id": "file-1"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}},
+            ]},
+        ],
+    }))
+    .unwrap();
+    let plan = Plan {
+        shape: Shape::Chat,
+        vision: false,
+        describe: true,
+    };
+    let scanned = scan(&body, &plan).unwrap();
+    // The repeated image once; the file id and the broken one cannot be
+    // described.
+    let subjects = scanned.subjects();
+    let shas: Vec<&str> = subjects.iter().map(|(_, s)| s.sha256.as_str()).collect();
+    let png_sha = sha256_hex(&png);
+    let url_sha = sha256_hex(b"https://example.com/a.png");
+    assert_eq!(shas, vec![png_sha.as_str(), url_sha.as_str()]);
+    assert!(matches!(
+        &subjects[0].1.image,
+        SubjectImage::Inline { media_type, bytes } if media_type == "image/png" && bytes[..] == png[..]
+    ));
+    // Only the chart has a description (the URL's lookup failed).
+    let out = scanned.finish(&body, &[(png_sha.clone(), Arc::from("A chart: 42%."))]);
+    let v = parse(out.body.as_ref().unwrap());
+    let size = imagesize::blob_size(&png).unwrap();
+    let described = format!(
+        "[image sha256:{}, image/png {}x{}, described: A chart: 42%.]",
+        &png_sha[..12],
+        size.width,
+        size.height
+    );
+    assert_eq!(v["messages"][0]["content"][0]["text"], described.as_str());
+    assert_eq!(v["messages"][2]["content"][0]["text"], described.as_str());
+    let url_text = v["messages"][0]["content"][1]["text"].as_str().unwrap();
+    assert!(
+        url_text.ends_with("not shown, this model cannot see images]"),
+        "{url_text}"
+    );
+    assert_eq!(out.report.images_replaced, 5);
+    assert_eq!(out.report.images_described, 2);
+    let actions: Vec<&str> = out.report.images.iter().map(|n| n.action).collect();
+    assert_eq!(
+        actions,
+        vec!["described", "stripped", "described", "stripped", "stripped"]
+    );
+    // Without descriptions, the same as strip mode.
+    let again = scan(&body, &plan).unwrap().finish(&body, &[]);
+    assert_eq!(again.body, strip(&body, Shape::Chat).body);
+}
+
+#[test]
 fn not_an_object_is_skipped() {
     for body in [
         &b"[1,2]"[..],
