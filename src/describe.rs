@@ -36,9 +36,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{AuthMode, Config};
+use crate::config::Config;
 use crate::proxy::AppState;
-use crate::proxy::headers::X_API_KEY;
+use crate::proxy::headers::{X_API_KEY, own_credential};
 use crate::transform::{Subject, SubjectImage};
 use crate::upstream::UpstreamBody;
 
@@ -382,16 +382,9 @@ impl Describer {
             header::USER_AGENT,
             HeaderValue::from_static(concat!("visor/", env!("CARGO_PKG_VERSION"), " (describer)")),
         );
-        match &upstream.api_key {
-            Some(key) => {
-                let (name, value) = match upstream.auth {
-                    AuthMode::Bearer => (header::AUTHORIZATION, format!("Bearer {}", key.expose())),
-                    AuthMode::XApiKey => (X_API_KEY.clone(), key.expose().to_owned()),
-                };
-                if let Ok(mut v) = HeaderValue::from_str(&value) {
-                    v.set_sensitive(true);
-                    h.insert(name, v);
-                }
+        match own_credential(upstream) {
+            Some((name, value)) => {
+                h.insert(name, value);
             }
             None => {
                 for (name, value) in &cred.0 {

@@ -180,13 +180,15 @@ async fn a_restart_on_the_disk_store_makes_no_describer_call() {
     let _ = std::fs::remove_dir_all(data_dir);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn twenty_concurrent_requests_for_one_new_image_make_one_call() {
-    // The describer's answer is held until all 20 requests are inside
-    // visor, so they surely overlap.
-    let release: Arc<Mutex<Vec<mpsc::Sender<Chunk>>>> = Arc::default();
+/// The senders of held describer answers.
+type Held = Arc<Mutex<Vec<mpsc::Sender<Chunk>>>>;
+
+/// Answers chat requests at once; holds each describer answer (its whole
+/// body ready) until the returned senders are dropped.
+fn held_describer() -> (impl Fn(&Recorded) -> Reply + Send + Sync + 'static, Held) {
+    let release: Held = Arc::default();
     let held = release.clone();
-    let mock = MockUpstream::start(move |r| {
+    let handler = move |r: &Recorded| {
         if !is_describer_call(r) {
             return chat_ok();
         }
@@ -201,8 +203,16 @@ async fn twenty_concurrent_requests_for_one_new_image_make_one_call() {
             headers: vec![("content-type", "application/json".to_owned())],
             rx,
         }
-    })
-    .await;
+    };
+    (handler, release)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_requests_for_one_new_image_make_one_call() {
+    // The describer's answer is held until all 20 requests are inside
+    // visor, so they surely overlap.
+    let (handler, release) = held_describer();
+    let mock = MockUpstream::start(handler).await;
     let visor = Visor::for_mock(&mock, DESCRIBE).await;
     let (image, png) = png_data_url("twenty");
     let body = chat_with_images("gpt-oss-120b", std::slice::from_ref(&image));
@@ -387,25 +397,8 @@ async fn empty_and_shapeless_answers_are_errors_not_descriptions() {
 async fn on_miss_placeholder_answers_at_once_and_describes_for_next_time() {
     // The describer's answer is held until the first response is back: the
     // request did not wait for it.
-    let release: Arc<Mutex<Vec<mpsc::Sender<Chunk>>>> = Arc::default();
-    let held = release.clone();
-    let mock = MockUpstream::start(move |r| {
-        if !is_describer_call(r) {
-            return chat_ok();
-        }
-        let Reply::Full { body, .. } = describer_answer(r) else {
-            unreachable!()
-        };
-        let (tx, rx) = mpsc::channel(2);
-        tx.try_send(Chunk::Data(body)).unwrap();
-        held.lock().unwrap().push(tx);
-        Reply::Channel {
-            status: 200,
-            headers: vec![("content-type", "application/json".to_owned())],
-            rx,
-        }
-    })
-    .await;
+    let (handler, release) = held_describer();
+    let mock = MockUpstream::start(handler).await;
     let visor = Visor::for_mock(&mock, &format!("{DESCRIBE}on_miss = \"placeholder\"\n")).await;
     let (image, png) = png_data_url("background");
     let body = chat_with_images("gpt-oss-120b", std::slice::from_ref(&image));

@@ -68,15 +68,8 @@ pub fn upstream_request_headers(
         headers.remove(header::AUTHORIZATION);
         headers.remove(&X_API_KEY);
     }
-    if let Some(key) = &upstream.api_key {
-        let (name, value) = match upstream.auth {
-            AuthMode::Bearer => (header::AUTHORIZATION, format!("Bearer {}", key.expose())),
-            AuthMode::XApiKey => (X_API_KEY.clone(), key.expose().to_owned()),
-        };
-        if let Ok(mut v) = HeaderValue::from_str(&value) {
-            v.set_sensitive(true);
-            headers.insert(name, v);
-        }
+    if let Some((name, value)) = own_credential(upstream) {
+        headers.insert(name, value);
     }
     // Forwarded client credentials are marked sensitive too, so no HTTP/2
     // frame log or HPACK table ever holds them in the clear.
@@ -86,6 +79,19 @@ pub fn upstream_request_headers(
         }
     }
     headers.insert(X_REQUEST_ID.clone(), request_id.clone());
+}
+
+/// The upstream's own `api_key` as the header its `auth` mode names
+/// (marked sensitive), when it has one.
+pub fn own_credential(upstream: &Upstream) -> Option<(HeaderName, HeaderValue)> {
+    let key = upstream.api_key.as_ref()?;
+    let (name, value) = match upstream.auth {
+        AuthMode::Bearer => (header::AUTHORIZATION, format!("Bearer {}", key.expose())),
+        AuthMode::XApiKey => (X_API_KEY.clone(), key.expose().to_owned()),
+    };
+    let mut v = HeaderValue::from_str(&value).ok()?;
+    v.set_sensitive(true);
+    Some((name, v))
 }
 
 /// The proxy's own keys, held as SHA-256 digests and compared in constant
