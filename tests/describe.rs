@@ -574,3 +574,116 @@ async fn strip_mode_never_calls_the_describer() {
     assert_eq!(headers["x-visor-images-replaced"], "2");
     assert!(describer_calls(&mock).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn describer_calls_stay_within_concurrency_and_run_in_parallel() {
+    let (handler, release) = held_describer();
+    let mock = MockUpstream::start(handler).await;
+    let visor = Visor::for_mock(&mock, &format!("{DESCRIBE}concurrency = 2\n")).await;
+    let images: Vec<String> = (0..5)
+        .map(|i| png_data_url(&format!("bound-{i}")).0)
+        .collect();
+    let body = chat_with_images("gpt-oss-120b", &images);
+    let request = tokio::spawn(send(post_json(&visor.url("/v1/chat/completions"), body)));
+
+    // The one request's images are described two at a time: two calls
+    // arrive together (not one by one), and a third only once one of them
+    // is answered.
+    for released in 0..5 {
+        let expected = (released + 2).min(5);
+        assert!(
+            mock.wait_requests(expected, Duration::from_secs(10)).await,
+            "calls run concurrently up to the bound"
+        );
+        if expected < 5 {
+            assert!(
+                !mock
+                    .wait_requests(expected + 1, Duration::from_millis(300))
+                    .await,
+                "more than 2 describer calls at once"
+            );
+        }
+        drop(release.lock().unwrap().remove(0));
+    }
+    let (status, headers, _) = request.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-visor-images-replaced"], "5");
+    let texts = user_texts(&chat_calls(&mock)[0].body);
+    assert_eq!(
+        texts.iter().filter(|t| t.contains("described: ")).count(),
+        5
+    );
+}
+
+#[tokio::test]
+async fn a_dead_describer_never_fails_the_request() {
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mock = MockUpstream::start(answers_and_describes()).await;
+    let visor = Visor::start(&format!(
+        "{DESCRIBE}upstream = \"dead\"\n\
+         [[upstream]]\nname = \"chat\"\nbase_url = \"{}/v1\"\nmodels = [\"gpt-oss-*\"]\n\
+         [[upstream]]\nname = \"dead\"\nbase_url = \"http://{dead}/v1\"\nmodels = [\"*\"]\n",
+        mock.url()
+    ))
+    .await;
+    let (image, _) = png_data_url("dead");
+    let body = chat_with_images("gpt-oss-120b", &[image]);
+    let (status, headers, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-visor-images-replaced"], "1");
+    assert!(user_texts(&chat_calls(&mock)[0].body)[1].contains("not shown"));
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(&m, "visor_describe_total", &[("result", "error")]),
+        Some(1.0)
+    );
+    // The describer's failure is not counted against the chat upstream.
+    assert_eq!(
+        metric(&m, "visor_upstream_errors_total", &[("upstream", "chat")]),
+        None
+    );
+}
+
+#[tokio::test]
+async fn a_store_that_does_not_answer_times_out_into_memory_only() {
+    // Accepts connections and never answers: a hung Redis.
+    let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = hung.local_addr().unwrap();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let keep = held.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = hung.accept().await {
+            keep.lock().unwrap().push(s);
+        }
+    });
+    let mock = MockUpstream::start(answers_and_describes()).await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("{DESCRIBE}[store]\nbackend = \"redis://{addr}/0\"\n"),
+    )
+    .await;
+    let (image, _) = png_data_url("hung-store");
+    let body = chat_with_images("gpt-oss-120b", &[image]);
+    let (status, _, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    assert_eq!(status, 200);
+    assert!(user_texts(&chat_calls(&mock)[0].body)[1].contains("described: "));
+    let (_, _, ready) = send(
+        Request::get(visor.url("/readyz"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    let ready: serde_json::Value = serde_json::from_slice(&ready).unwrap();
+    assert_eq!(ready["status"], "degraded", "{ready}");
+    assert!(
+        ready["reasons"][0]
+            .as_str()
+            .unwrap()
+            .contains(&addr.to_string()),
+        "{ready}"
+    );
+    assert!(!held.lock().unwrap().is_empty(), "visor did try the store");
+}
