@@ -131,8 +131,16 @@ fn offline(cfg: &Config, network: bool) -> Option<Offline> {
     };
     let mut names = legacy_learned(&cfg.learned_path());
     let mut note = None;
+    let disk_file = cfg.server.data_dir.join(visor::store::DISK_FILE);
     let store = if cfg.store.backend.starts_with("redis") && !network {
         note = Some("not read: the store is Redis, and explain makes no network call".to_owned());
+        None
+    } else if cfg.store.backend == "disk" && !disk_file.exists() {
+        // Nothing stored yet; the CLI does not create the file.
+        note = Some(format!(
+            "empty ({} does not exist yet)",
+            disk_file.display()
+        ));
         None
     } else {
         let metrics = match Metrics::new() {

@@ -21,6 +21,11 @@ fn check_accepts_the_shipped_config_and_prints_routes() {
     assert!(stdout.contains("openai"), "{stdout}");
     assert!(stdout.contains("https://api.openai.com/v1"), "{stdout}");
     assert!(stdout.contains("client's key forwarded"), "{stdout}");
+    assert!(stdout.contains("store: disk"), "{stdout}");
+    assert!(
+        stdout.contains("describer: model gpt-4o-mini on upstream openai, prompt v1"),
+        "{stdout}"
+    );
 }
 
 #[test]

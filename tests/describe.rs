@@ -687,3 +687,59 @@ async fn a_store_that_does_not_answer_times_out_into_memory_only() {
     );
     assert!(!held.lock().unwrap().is_empty(), "visor did try the store");
 }
+
+#[tokio::test]
+async fn explain_uses_stored_descriptions_and_never_calls_the_describer() {
+    let mock = MockUpstream::start(answers_and_describes()).await;
+    let data_dir = temp_dir("describe-explain");
+    let toml = format!(
+        "{DESCRIBE}[server]\ndata_dir = \"{}\"\n[[upstream]]\nname = \"mock\"\nbase_url = \"{}/v1\"\nmodels = [\"*\"]\n",
+        data_dir.display(),
+        mock.url()
+    );
+    let (seen, png) = png_data_url("explain-seen");
+    let (unseen, _) = png_data_url("explain-unseen");
+    let mut served = Visor::start(&toml).await;
+    let body = chat_with_images("gpt-oss-120b", std::slice::from_ref(&seen));
+    let (status, _, _) = send(post_json(&served.url("/v1/chat/completions"), body)).await;
+    assert_eq!(status, 200);
+    served.shutdown();
+    let _ = served.task.take().unwrap().await;
+    drop(served);
+    let calls = mock.count();
+
+    let config = temp_config("describe-explain", &toml);
+    let request = temp_config("describe-explain-body", "");
+    std::fs::write(
+        &request,
+        chat_with_images("gpt-oss-120b", &[seen.clone(), unseen]),
+    )
+    .unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        visor()
+            .args(["explain", "--model", "gpt-oss-120b", "--config"])
+            .arg(&config)
+            .arg(&request)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let parts = v["request"]["messages"][0]["content"].as_array().unwrap();
+    assert_eq!(
+        parts[1]["text"],
+        described_png(&png, &description_for(&seen))
+    );
+    assert!(parts[2]["text"].as_str().unwrap().contains("not shown"));
+    assert_eq!(v["report"]["images_described"], 1);
+    assert_eq!(v["report"]["images_replaced"], 2);
+    assert_eq!(mock.count(), calls, "explain made no call");
+    let _ = std::fs::remove_dir_all(data_dir);
+}

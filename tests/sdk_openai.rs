@@ -1,6 +1,7 @@
 //! End to end with the official `openai` Python SDK, as users drive visor:
-//! non-stream, stream with usage, the request id header, and visor's own
-//! errors decoded by the SDK's error types.
+//! non-stream, stream with usage, the request id header, visor's own
+//! errors decoded by the SDK's error types, and an image for a text-only
+//! model described on the way.
 //!
 //! The SDK lives in a venv under `target/tmp/py-venv`, made on first use
 //! (`.ci/run` makes it up front). Without Python or network the test skips
@@ -112,6 +113,16 @@ except APIConnectionError:
     out["cut"] = "APIConnectionError"
 out["cut_text"] = "".join(got)
 
+# An image for a text-only model: described by the describer (the mock
+# here), the SDK sees an ordinary answer and visor's count header.
+img = "data:image/png;base64," + os.environ["VISOR_PNG_B64"]
+content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": img}}]
+raw = client.chat.completions.with_raw_response.create(
+    model="gpt-oss-120b", messages=[{"role": "user", "content": content}]
+)
+out["image_replaced"] = raw.headers.get("x-visor-images-replaced")
+out["image_answer"] = raw.parse().choices[0].message.content
+
 print(json.dumps(out))
 "#;
 
@@ -184,12 +195,15 @@ async fn openai_python_sdk_through_visor() {
     ))
     .await;
     let base = visor.url("/v1");
+    let png = std::fs::read(fixtures().join("chart.png")).unwrap();
+    let png_b64 = base64_simd::STANDARD.encode_to_string(&png);
     let out = tokio::time::timeout(
         Duration::from_secs(60),
         tokio::task::spawn_blocking(move || {
             Command::new(python)
                 .args(["-c", SCRIPT])
                 .env("VISOR_BASE", base)
+                .env("VISOR_PNG_B64", png_b64)
                 .env_remove("OPENAI_API_KEY")
                 .env_remove("OPENAI_BASE_URL")
                 .output()
@@ -228,12 +242,29 @@ async fn openai_python_sdk_through_visor() {
         "events before the break are delivered"
     );
 
-    // What reached the upstream: the SDK's own body, no proxy key.
+    assert_eq!(v["image_replaced"], "1", "{v}");
+    assert_eq!(v["image_answer"], "pong to ?");
+
+    // What reached the upstream: the SDK's own body, no proxy key; for the
+    // image, a describer call (visor's) and the chat with the description.
     let recs = mock.recorded();
+    let (described, recs): (Vec<_>, Vec<_>) = recs.into_iter().partition(|r| {
+        serde_json::from_slice::<serde_json::Value>(&r.body)
+            .is_ok_and(|v| v["messages"][0]["content"] == visor::describe::PROMPT)
+    });
+    assert_eq!(described.len(), 1, "one describer call");
+    assert!(described[0].headers.get("authorization").is_none());
+    let image_chat = recs.last().unwrap();
+    let sent = String::from_utf8_lossy(&image_chat.body);
+    assert!(
+        sent.contains("described: pong to You describe images"),
+        "{sent}"
+    );
+    assert!(!sent.contains("base64"), "{sent}");
     assert_eq!(
         recs.len(),
-        4,
-        "three chats and a model list; refused ones never arrive"
+        5,
+        "four chats and a model list; refused ones never arrive"
     );
     for r in &recs {
         assert!(r.headers.get("authorization").is_none());
@@ -247,6 +278,10 @@ async fn openai_python_sdk_through_visor() {
     let text = visor.metrics().await;
     assert_eq!(
         metric(&text, "visor_tokens_total", &[("kind", "prompt")]),
-        Some(16.0)
+        Some(24.0)
+    );
+    assert_eq!(
+        metric(&text, "visor_images_total", &[("action", "described")]),
+        Some(1.0)
     );
 }
