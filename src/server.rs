@@ -56,6 +56,7 @@ impl Server {
         let upstreams = upstream::Upstreams::new(config.server.connect_timeout, &config.upstreams)
             .map_err(io::Error::other)?;
         let state = Arc::new(AppState::new(config, metrics, upstreams).map_err(io::Error::other)?);
+        state.import_legacy_learned().await;
         let learned = state.sync_learned().await;
         match state.store.problem() {
             None => tracing::info!(store = %state.store.label(), learned, "store ready"),

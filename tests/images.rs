@@ -530,3 +530,34 @@ async fn an_error_after_the_transform_still_says_what_was_replaced() {
     assert_eq!(headers["x-visor-images-replaced"], "2");
     assert_ne!(headers["x-visor-bytes-saved"], "0");
 }
+
+#[tokio::test]
+async fn learned_models_of_the_previous_version_move_into_the_store() {
+    let mock = MockUpstream::start(|_| ok()).await;
+    let data_dir = temp_dir("legacy-learned");
+    std::fs::write(
+        data_dir.join("learned-models.json"),
+        r#"{"non_vision":["house-model"]}"#,
+    )
+    .unwrap();
+    let extra = format!("{STRIP}[server]\ndata_dir = \"{}\"\n", data_dir.display());
+    let mut visor = Visor::for_mock(&mock, &extra).await;
+    assert_eq!(
+        visor.state.models.learned.names(),
+        vec!["house-model".to_owned()]
+    );
+    assert_eq!(
+        visor.state.store.learned().await.unwrap(),
+        vec!["house-model".to_owned()]
+    );
+    assert!(!data_dir.join("learned-models.json").exists());
+    assert!(data_dir.join("learned-models.json.imported").exists());
+    let body = with_model("house-model", "chat-image-nonvision.json");
+    let (status, headers, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-visor-images-replaced"], "2");
+    visor.shutdown();
+    let _ = visor.task.take().unwrap().await;
+    drop(visor);
+    let _ = std::fs::remove_dir_all(data_dir);
+}

@@ -135,20 +135,40 @@ impl AppState {
         })
     }
 
-    /// Loads the learned models from the store (moving in those of the file
-    /// older versions kept); returns how many were new.
+    /// Loads the learned models from the store; returns how many were new.
     pub async fn sync_learned(&self) -> usize {
-        let legacy = crate::models::legacy_learned(&self.config.learned_path());
+        match self.store.learned().await {
+            Ok(names) => self.models.learned.merge(names),
+            Err(_) => 0,
+        }
+    }
+
+    /// Moves the models in `learned-models.json` (where the version before
+    /// the store kept them) into the store, then renames the file to
+    /// `learned-models.json.imported`. While the store is down they are
+    /// learned in memory and the file stays for the next start.
+    pub async fn import_legacy_learned(&self) {
+        let path = self.config.learned_path();
+        let legacy = crate::models::legacy_learned(&path);
+        if legacy.is_empty() {
+            return;
+        }
+        let mut stored = true;
         for name in &legacy {
-            if self.store.learn(name).await.is_err() {
-                break;
+            stored &= self.store.learn(name).await.is_ok();
+        }
+        self.models.learned.merge(legacy);
+        if stored {
+            let done = path.with_extension("json.imported");
+            match std::fs::rename(&path, &done) {
+                Ok(()) => {
+                    tracing::info!(from = %path.display(), "learned models moved into the store")
+                }
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot rename the imported learned-models file")
+                }
             }
         }
-        let mut new = self.models.learned.merge(legacy);
-        if let Ok(names) = self.store.learned().await {
-            new += self.models.learned.merge(names);
-        }
-        new
     }
 }
 
