@@ -71,6 +71,8 @@ cat > "$WORK/visor.toml" <<TOML
 [server]
 listen = "127.0.0.1:$VISOR_PORT"
 data_dir = "$WORK/var"
+[images]
+non_vision = "strip"   # the large-strip row measures the transform, not a describer
 [[upstream]]
 name = "paced"
 base_url = "http://127.0.0.1:$PACED_PORT/v1"

@@ -173,15 +173,23 @@ pub async fn after_refusal(
 async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Credential) -> Prepared {
     let large = body.len() > INLINE_LIMIT;
     let started = Instant::now();
+    // Scanned, and finished at once when there is nothing to describe
+    // (one trip to the blocking pool for a large body, not two).
     let b = body.clone();
-    let scanned = off_thread(large, move || transform::scan(&b, &plan))
-        .await
-        .unwrap_or_else(|| Err(Rewrite::default()));
+    let scanned = off_thread(large, move || {
+        let scanned = transform::scan(&b, &plan)?;
+        let subjects: Vec<_> = scanned.subjects().into_iter().map(|(_, s)| s).collect();
+        match subjects.is_empty() {
+            true => Err(scanned.finish(&b, &[])),
+            false => Ok((scanned, subjects)),
+        }
+    })
+    .await
+    .unwrap_or_else(|| Err(Rewrite::default()));
     let mut spent = started.elapsed();
     let rewrite = match scanned {
         Err(done) => done,
-        Ok(scanned) => {
-            let subjects: Vec<_> = scanned.subjects().into_iter().map(|(_, s)| s).collect();
+        Ok((scanned, subjects)) => {
             let descriptions = describe(state, subjects, credential).await;
             let finishing = Instant::now();
             let b = body.clone();
