@@ -196,18 +196,15 @@ fn check_prints_the_model_table_and_resolves_a_model() {
         "[[upstream]]\nname = \"local\"\nbase_url = \"http://127.0.0.1:9/v1\"\nmodels = [\"*\"]\n\
          [[model]]\nmatch = \"house-*\"\nvision = false\nmax_images = 2\n",
     );
-    let out = visor()
-        .args([
-            "check",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--model",
-            "openrouter/acme/house-7b",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
+    let check_model = |model: &str| {
+        let out = visor()
+            .args(["check", "--config", cfg.to_str().unwrap(), "--model", model])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = check_model("openrouter/acme/house-7b");
     assert!(text.contains("model table: 1 user rows, "), "{text}");
     assert!(
         text.contains("  user     \"house-*\"  vision=false"),
@@ -220,32 +217,12 @@ fn check_prints_the_model_table_and_resolves_a_model() {
     assert!(text.contains("max_images=2"), "{text}");
     assert!(text.contains("decided by user row model[0]"), "{text}");
 
-    let out = visor()
-        .args([
-            "check",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--model",
-            "deepseek-chat",
-        ])
-        .output()
-        .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = check_model("deepseek-chat");
     assert!(
         text.contains("images replaced — decided by built-in row"),
         "{text}"
     );
-    let out = visor()
-        .args([
-            "check",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--model",
-            "my-unknown-model",
-        ])
-        .output()
-        .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = check_model("my-unknown-model");
     assert!(
         text.contains("images sent as they are — decided by no row (unknown"),
         "{text}"
