@@ -58,6 +58,7 @@ fn subject(bytes: &[u8]) -> Subject {
             media_type: "image/png".into(),
             bytes: bytes.to_vec().into(),
         },
+        lookup_only: false,
     }
 }
 
@@ -152,11 +153,7 @@ fn bench(c: &mut Criterion) {
     }
     let with_images = request(&pngs);
     let without = request(&[]);
-    let describe_plan = Plan {
-        shape: Shape::Chat,
-        vision: false,
-        describe: true,
-    };
+    let describe_plan = Plan::images_only(Shape::Chat, false, true);
     let strip_plan = Plan {
         describe: false,
         ..describe_plan

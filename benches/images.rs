@@ -30,11 +30,7 @@ use visor::transform::{Plan, Shape, rewrite};
 
 fn bench(c: &mut Criterion) {
     let body = common::large_fixture();
-    let plan = Plan {
-        shape: Shape::Chat,
-        vision: false,
-        describe: false,
-    };
+    let plan = Plan::images_only(Shape::Chat, false, false);
     let once = rewrite(&body, &plan);
     assert_eq!(once.report.images_replaced, 1);
     assert!(once.body.as_ref().unwrap().len() < 10_000);
@@ -64,11 +60,7 @@ fn bench(c: &mut Criterion) {
         )
     });
     let chunks: Vec<Bytes> = body.chunks(64 * 1024).map(Bytes::copy_from_slice).collect();
-    let vision = Plan {
-        shape: Shape::Chat,
-        vision: true,
-        describe: false,
-    };
+    let vision = Plan::images_only(Shape::Chat, true, false);
     g.bench_function("vision-4mb-passthrough", |b| {
         b.iter(|| {
             let mut w = WholeBody::new(body.len() as u64);

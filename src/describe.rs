@@ -439,6 +439,35 @@ pub async fn describe(
     subjects: Vec<Subject>,
     cred: &Credential,
 ) -> Vec<(String, Arc<str>)> {
+    let (lookups, calls): (Vec<Subject>, Vec<Subject>) =
+        subjects.into_iter().partition(|s| s.lookup_only);
+    let (mut found, made) =
+        futures_util::future::join(cached_only(state, lookups), make(state, calls, cred)).await;
+    found.extend(made);
+    found
+}
+
+/// Cached descriptions only (aged-out and capped images): the describer is
+/// never called for these.
+async fn cached_only(state: &Arc<AppState>, subjects: Vec<Subject>) -> Vec<(String, Arc<str>)> {
+    let d = &state.describer;
+    let found = futures_util::future::join_all(subjects.into_iter().map(|s| async move {
+        let text = d.lookup(state, &d.key(&s.sha256)).await?;
+        state.metrics.describe.with_label_values(&["hit"]).inc();
+        Some((s.sha256, text))
+    }))
+    .await;
+    found.into_iter().flatten().collect()
+}
+
+/// Descriptions for images a model cannot see: cached, or made by the
+/// describer (waited for, or in the background with `on_miss =
+/// "placeholder"`).
+async fn make(
+    state: &Arc<AppState>,
+    subjects: Vec<Subject>,
+    cred: &Credential,
+) -> Vec<(String, Arc<str>)> {
     let d = &state.describer;
     let m = &state.metrics;
     if subjects.is_empty() {
@@ -662,6 +691,7 @@ mod tests {
                 media_type: "image/png".into(),
                 bytes: Bytes::from_static(b"\x89PNG"),
             },
+            lookup_only: false,
         };
         let v: serde_json::Value =
             serde_json::from_slice(&request_body("vision-mini", &s)).unwrap();
@@ -674,6 +704,7 @@ mod tests {
         let u = Subject {
             sha256: "cd".repeat(32),
             image: SubjectImage::Url("https://example.com/a.png".into()),
+            lookup_only: false,
         };
         let v: serde_json::Value = serde_json::from_slice(&request_body("m", &u)).unwrap();
         assert_eq!(

@@ -329,11 +329,12 @@ fn explain(
         shape,
         vision: resolved.vision,
         describe: cfg.images.non_vision == "describe",
+        rules: visor::transform::Rules::from_config(&cfg, resolved.caps.max_images),
     };
     // Descriptions come from the store only: explain never calls the
     // describer; an image without a cached one shows its placeholder.
     let rewrite = match transform::scan(&body, &plan) {
-        Err(done) => done,
+        Err(done) => *done,
         Ok(scanned) => {
             let mut descriptions = Vec::new();
             if let Some(store) = &off.store {
@@ -371,6 +372,9 @@ fn explain(
                 Some(n) => format!("{} ({n})", cfg.store.backend),
             },
             "bytes_saved": rewrite.report.bytes_saved,
+            "bytes_saved_dedup": rewrite.report.bytes_saved_dedup,
+            "lines_omitted": rewrite.report.lines_omitted,
+            "items_omitted": rewrite.report.items_omitted,
             "images": rewrite.report.images,
             "skipped": rewrite.report.skipped,
         }

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use super::AppState;
 use crate::describe::{Credential, describe};
 use crate::error::VisorError;
-use crate::transform::{self, Plan, Report, Rewrite, Shape};
+use crate::transform::{self, Plan, Report, Rewrite, Rules, Shape};
 use crate::upstream::UpstreamBody;
 
 /// Bodies larger than this are transformed on the blocking pool, so a
@@ -74,6 +74,7 @@ pub struct Prepared {
 
 pub struct Learnable {
     pub shape: Shape,
+    pub rules: Rules,
     pub original: Bytes,
     /// For the describer, should the retry describe images.
     pub credential: Credential,
@@ -117,20 +118,26 @@ pub async fn prepare(
         shape,
         vision: resolved.vision,
         describe: describes(state),
+        rules: Rules::from_config(&state.config, resolved.caps.max_images),
     };
-    let credential = || match plan.describe {
+    let credential = match plan.describe {
         true => Credential::for_request(state, asker.headers, asker.upstream),
         false => Credential::default(),
     };
+    // A model of unknown vision: an upstream refusal of its images can be
+    // learned from, once, by sending the original again without them.
+    let learn = (!resolved.known() && might_hold_images(&body)).then(|| Learnable {
+        shape,
+        rules: plan.rules,
+        original: body.clone(),
+        credential: credential.clone(),
+    });
     if !transform::needed(&plan) {
-        let learn = (!resolved.known() && might_hold_images(&body)).then(|| Learnable {
-            shape,
-            original: body.clone(),
-            credential: credential(),
-        });
         return unchanged(body, learn);
     }
-    run(state, body, plan, &credential()).await
+    let mut prepared = run(state, body, plan, &credential).await;
+    prepared.learn = learn;
+    prepared
 }
 
 /// `images.non_vision = "describe"`
@@ -155,9 +162,15 @@ pub async fn after_refusal(
         shape: learn.shape,
         vision: false,
         describe: describes(state),
+        rules: learn.rules,
     };
     let prepared = run(state, learn.original.clone(), plan, &learn.credential).await;
-    if prepared.report.images_replaced == 0 {
+    if !prepared
+        .report
+        .images
+        .iter()
+        .any(|n| n.reason == Some(transform::images::Reason::NonVision))
+    {
         return None;
     }
     if let Some(name) = state.models.learned.learn(model) {
@@ -180,15 +193,15 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
         let scanned = transform::scan(&b, &plan)?;
         let subjects: Vec<_> = scanned.subjects().into_iter().map(|(_, s)| s).collect();
         match subjects.is_empty() {
-            true => Err(scanned.finish(&b, &[])),
+            true => Err(Box::new(scanned.finish(&b, &[]))),
             false => Ok((scanned, subjects)),
         }
     })
     .await
-    .unwrap_or_else(|| Err(Rewrite::default()));
+    .unwrap_or_else(|| Err(Box::default()));
     let mut spent = started.elapsed();
     let rewrite = match scanned {
-        Err(done) => done,
+        Err(done) => *done,
         Ok((scanned, subjects)) => {
             let descriptions = describe(state, subjects, credential).await;
             let finishing = Instant::now();
@@ -207,17 +220,26 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
         report,
         artifacts,
     } = rewrite;
+    let mut actions: Vec<(&str, u64)> = Vec::new();
+    for n in &report.images {
+        match actions.iter_mut().find(|(a, _)| *a == n.action) {
+            Some((_, count)) => *count += 1,
+            None => actions.push((n.action, 1)),
+        }
+    }
+    for (action, count) in actions {
+        m.images.with_label_values(&[action]).inc_by(count);
+    }
     if report.images_replaced > 0 {
-        let stripped = report.images_replaced - report.images_described;
-        m.images
-            .with_label_values(&["stripped"])
-            .inc_by(stripped as u64);
-        m.images
-            .with_label_values(&["described"])
-            .inc_by(report.images_described as u64);
+        let images = report.bytes_saved - report.bytes_saved_dedup;
         m.bytes_saved
             .with_label_values(&["images"])
-            .inc_by(report.bytes_saved.max(0) as u64);
+            .inc_by(images.max(0) as u64);
+    }
+    if report.lines_omitted + report.items_omitted > 0 {
+        m.bytes_saved
+            .with_label_values(&["dedup"])
+            .inc_by(report.bytes_saved_dedup.max(0) as u64);
     }
     if let Some(why) = report.skipped {
         tracing::debug!(why, "request body left unchanged");

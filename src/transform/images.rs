@@ -7,10 +7,17 @@
 //! user or tool message (a `data:image/…;base64,` URL, or JSON-stringified
 //! MCP output). Base64 images are decoded and hashed here, once.
 //!
+//! Base64 images are not decoded by the walk: [`Scan::resolve`] decodes and
+//! hashes the ones a caller is going to replace, so an image that passes
+//! through (a vision model's) costs the walk over its string and nothing more.
+//! The walk also records every message's role and text strings, for the
+//! image rules and line dedup.
+//!
 //! [`Scan::apply`] then replaces the images a caller chose with one text
 //! part each, splicing only those byte ranges: no message is added or
 //! removed, every other byte (unknown fields included) stays as it was.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use bytes::Bytes;
@@ -30,6 +37,9 @@ const MAX_TEXT_JSON_DEPTH: usize = 32;
 /// What an image is, once read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
+    /// Base64 data not decoded yet (see [`Scan::resolve`]), with its
+    /// declared media type.
+    Encoded { media_type: String },
     /// Base64 bytes that decoded to a non-empty image.
     Inline {
         media_type: String,
@@ -58,11 +68,20 @@ enum Site {
     },
 }
 
+/// Where the base64 text of an image not decoded yet is.
+#[derive(Debug, Clone)]
+struct Pending {
+    /// In a text spot's decoded text (`Some(spot)`), else in the body.
+    spot: Option<usize>,
+    range: Range<usize>,
+}
+
 /// One image found in the request.
 #[derive(Debug, Clone)]
 pub struct Found {
     /// Full SHA-256 hex of the decoded bytes (of the URL or file id for
-    /// references, of the undecodable text for broken data).
+    /// references, of the undecodable text for broken data). Empty until
+    /// the image is resolved ([`Scan::resolve`]).
     pub sha256: String,
     pub source: Source,
     /// Index of the message (or Responses input item) it is in.
@@ -75,6 +94,7 @@ pub struct Found {
     pub path: String,
     site: Site,
     bytes: Option<Bytes>,
+    pending: Option<Pending>,
 }
 
 impl Found {
@@ -95,6 +115,7 @@ impl Found {
         Some(Subject {
             sha256: self.sha256.clone(),
             image,
+            lookup_only: false,
         })
     }
 }
@@ -126,10 +147,56 @@ enum PartRef {
     Image(usize),
 }
 
+/// What a message (or Responses input item) is, for the image rules and
+/// line dedup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Role {
+    /// `system` or `developer`
+    System,
+    /// `user` (the default for a Responses item without a role)
+    #[default]
+    User,
+    /// `assistant`, and Responses items the model produced
+    /// (`function_call`, `reasoning`, …)
+    Assistant,
+    /// `tool`/`function` messages and Responses `*_output` items
+    Tool,
+    /// Anything else (not an object, an unknown role)
+    Other,
+}
+
+/// One message of the request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Item {
+    pub role: Role,
+    /// A user message with content of the user's own (text or images
+    /// outside tool results; an Anthropic message holding only
+    /// `tool_result` blocks is not).
+    pub authored: bool,
+}
+
+/// A text string of a message (its content string, a text part, the text
+/// of a tool result part).
+#[derive(Debug, Clone, Copy)]
+pub struct TextAt {
+    pub spot: usize,
+    /// Index of the message.
+    pub item: usize,
+    /// 0 for the message's own content; each Anthropic `tool_result`
+    /// block (any part with a `content` of its own) is a unit of its own.
+    pub unit: u32,
+    /// Inside a tool or function result.
+    pub tool: bool,
+}
+
 /// Every image of one request.
 #[derive(Debug, Default)]
 pub struct Scan {
     pub images: Vec<Found>,
+    /// One per element of the message array.
+    pub items: Vec<Item>,
+    /// Every text string of every message, in request order.
+    pub texts: Vec<TextAt>,
     spots: Vec<Spot>,
     collapsible: Vec<Collapsible>,
 }
@@ -171,9 +238,12 @@ struct Walker<'a> {
 struct Msg {
     index: usize,
     /// Images and spots found in this message, finished at its end when the
-    /// role is known.
+    /// role is known: (spot, in a tool result, unit).
     first_image: usize,
-    spots: Vec<(usize, bool)>,
+    spots: Vec<(usize, bool, u32)>,
+    /// The unit being walked, and the last one given out.
+    unit: u32,
+    units: u32,
 }
 
 /// The fields of a content part the classifier needs.
@@ -272,6 +342,10 @@ impl PartFields {
 
 impl Walker<'_> {
     fn message(&mut self, c: &mut Cursor<'_>, index: usize, items_key: &str) -> Result<()> {
+        self.out.items.push(Item {
+            role: Role::Other,
+            authored: false,
+        });
         if c.kind()? != Kind::Object {
             c.skip()?;
             return Ok(());
@@ -283,6 +357,8 @@ impl Walker<'_> {
             index,
             first_image: self.out.images.len(),
             spots: Vec::new(),
+            unit: 0,
+            units: 0,
         };
         let mut content: Option<ContentArray> = None;
         c.object(|c, key| {
@@ -308,6 +384,11 @@ impl Walker<'_> {
         let is_output = ty.as_ref().is_some_and(|t| {
             t.is(src, "function_call_output") || t.is(src, "custom_tool_call_output")
         });
+        let kind = role_of(
+            role.as_deref(),
+            ty.as_ref().and_then(|t| t.decode(src)).as_deref(),
+            is_output,
+        );
         let role = match (role, is_output) {
             (_, true) => "tool".to_owned(),
             (Some(r), false) => r,
@@ -318,10 +399,27 @@ impl Walker<'_> {
             img.role.clone_from(&role);
             img.in_tool_result |= tool_message;
         }
+        let own = |in_tool: bool| !in_tool && !tool_message;
+        self.out.items[index] = Item {
+            role: kind,
+            authored: kind == Role::User
+                && (msg.spots.iter().any(|&(_, t, _)| own(t))
+                    || self.out.images[msg.first_image..]
+                        .iter()
+                        .any(|f| own(f.in_tool_result))),
+        };
+        for &(spot, in_tool, unit) in &msg.spots {
+            self.out.texts.push(TextAt {
+                spot,
+                item: index,
+                unit,
+                tool: in_tool || tool_message,
+            });
+        }
         // Text of user and tool messages may hide images; system, developer
         // and assistant text is never looked into.
         if !matches!(role.as_str(), "system" | "developer" | "assistant") {
-            for (spot, in_tool) in std::mem::take(&mut msg.spots) {
+            for (spot, in_tool, _) in std::mem::take(&mut msg.spots) {
                 self.look_in_text(spot, &msg, &role, in_tool || tool_message);
             }
         }
@@ -349,7 +447,7 @@ impl Walker<'_> {
             Kind::String => {
                 let lit = c.string()?;
                 let spot = self.spot(lit);
-                msg.spots.push((spot, in_tool));
+                msg.spots.push((spot, in_tool, msg.unit));
                 Ok(None)
             }
             Kind::Array if depth < MAX_NESTING => {
@@ -403,7 +501,11 @@ impl Walker<'_> {
                 // An Anthropic tool_result (or anything shaped like one):
                 // its content is a tool result of its own.
                 let p = format!("{path}.content");
+                let outer = msg.unit;
+                msg.units += 1;
+                msg.unit = msg.units;
                 self.content(c, msg, &p, true, depth + 1)?;
+                msg.unit = outer;
             } else {
                 c.skip()?;
             }
@@ -417,7 +519,7 @@ impl Walker<'_> {
             // The whole part is replaced: anything found inside it goes.
             self.out.images.truncate(images_before);
             msg.spots.truncate(spots_before);
-            let (sha256, source, bytes) = read_image(src, source);
+            let (sha256, source, bytes, pending) = read_lazily(src, source, None);
             self.out.images.push(Found {
                 sha256,
                 source,
@@ -427,17 +529,18 @@ impl Walker<'_> {
                 path: path.to_owned(),
                 site: Site::Part(range),
                 bytes: bytes.map(Bytes::from),
+                pending,
             });
             return Ok(Some(PartRef::Image(self.out.images.len() - 1)));
         }
         if tool_result {
             return Ok(None);
         }
-        if (ty.is(src, "text") || ty.is(src, "input_text"))
+        if (ty.is(src, "text") || ty.is(src, "input_text") || ty.is(src, "output_text"))
             && let Some(text) = f.text
         {
             let spot = self.spot(text);
-            msg.spots.push((spot, in_tool));
+            msg.spots.push((spot, in_tool, msg.unit));
             return Ok(Some(PartRef::Text(spot)));
         }
         Ok(None)
@@ -454,7 +557,8 @@ impl Walker<'_> {
         }
         let text = text.into_owned();
         for (range, object, source) in found {
-            let (sha256, source, bytes) = read_image(text.as_bytes(), source);
+            let (sha256, source, bytes, pending) =
+                read_lazily(text.as_bytes(), source, Some(spot));
             self.out.images.push(Found {
                 sha256,
                 source,
@@ -468,6 +572,7 @@ impl Walker<'_> {
                     object,
                 },
                 bytes: bytes.map(Bytes::from),
+                pending,
             });
         }
         self.out.spots[spot].text = Some(text);
@@ -543,6 +648,26 @@ fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
     None
 }
 
+/// What a message is, from its `role` and its `type` (Responses items).
+fn role_of(role: Option<&str>, ty: Option<&str>, is_output: bool) -> Role {
+    if is_output {
+        return Role::Tool;
+    }
+    match (role, ty) {
+        (Some("system" | "developer"), _) => Role::System,
+        (Some("user"), _) => Role::User,
+        (Some("assistant"), _) => Role::Assistant,
+        (Some("tool" | "function"), _) => Role::Tool,
+        (Some(_), _) => Role::Other,
+        (None, None | Some("message")) => Role::User,
+        (None, Some(t)) if t.ends_with("_output") => Role::Tool,
+        (None, Some("item_reference")) => Role::Other,
+        // function_call, reasoning, custom_tool_call, web_search_call, …:
+        // what the model produced.
+        (None, Some(_)) => Role::Assistant,
+    }
+}
+
 fn hex(digest: &[u8]) -> String {
     use std::fmt::Write;
     let mut s = String::with_capacity(digest.len() * 2);
@@ -554,6 +679,55 @@ fn hex(digest: &[u8]) -> String {
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes))
+}
+
+/// What the walk knows of one image: base64 text without escapes is left
+/// to decode later ([`Scan::resolve`]); everything else is read now.
+type Read = (String, Source, Option<Vec<u8>>, Option<Pending>);
+
+fn read_lazily(src: &[u8], raw: Raw, spot: Option<usize>) -> Read {
+    let text = |s: &Str| s.decode(src).map(|c| c.into_owned()).unwrap_or_default();
+    let encoded = |media_type: String, range: Range<usize>| {
+        (
+            String::new(),
+            Source::Encoded {
+                media_type: media_type.to_ascii_lowercase(),
+            },
+            None,
+            Some(Pending { spot, range }),
+        )
+    };
+    match raw {
+        Raw::Base64(d, mt) if !d.escaped => {
+            let mt = mt.map(|m| text(&m)).unwrap_or_default();
+            encoded(mt, d.range.start + 1..d.range.end - 1)
+        }
+        Raw::DataUrl(s) if !s.escaped => {
+            let start = s.range.start + 1;
+            match data_url_payload(s.raw(src)) {
+                Some((mt, at)) => encoded(mt, start + at..s.range.end - 1),
+                None => eager(src, Raw::DataUrl(s)),
+            }
+        }
+        Raw::DataUrlInText(range) => match src.get(range.clone()).and_then(data_url_payload) {
+            Some((mt, at)) => encoded(mt, range.start + at..range.end),
+            None => eager(src, Raw::DataUrlInText(range)),
+        },
+        raw => eager(src, raw),
+    }
+}
+
+fn eager(src: &[u8], raw: Raw) -> Read {
+    let (sha, source, bytes) = read_image(src, raw);
+    (sha, source, bytes, None)
+}
+
+/// A base64 data URL's media type and where its payload starts.
+fn data_url_payload(url: &[u8]) -> Option<(String, usize)> {
+    let comma = memchr::memchr(b',', url)?;
+    let head = std::str::from_utf8(url.get(..comma + 1)?).ok()?;
+    let (mt, _) = split_data_url(head)?;
+    Some((mt.to_owned(), comma + 1))
 }
 
 /// Decodes and hashes one image.
@@ -663,7 +837,7 @@ fn find_in_text(text: &str) -> Vec<(Range<usize>, bool, Raw)> {
     let t = text.trim_start();
     if (t.starts_with('{') || t.starts_with('['))
         && memchr::memmem::find(text.as_bytes(), b"image").is_some()
-        && crate::proxy::probe::probe(text.as_bytes()).is_ok()
+        && super::json::is_json(text.as_bytes())
     {
         let mut c = Cursor::new(text.as_bytes());
         let _ = json_images(&mut c, &mut out, 0);
@@ -751,12 +925,22 @@ fn json_images(
 pub enum Reason {
     /// The model cannot see images.
     NonVision,
+    /// In a tool result more than `keep_turns` assistant turns old.
+    AgedOut,
+    /// Beyond the newest `max_per_request` images (or the model's
+    /// `max_images`).
+    Capped,
+    /// A later copy of an image that appears earlier in the request.
+    Deduped,
 }
 
 impl Reason {
     fn words(self) -> &'static str {
         match self {
             Reason::NonVision => "this model cannot see images",
+            Reason::AgedOut => "an older tool result",
+            Reason::Capped => "over this request's image limit",
+            Reason::Deduped => "the same image as earlier in this conversation",
         }
     }
 }
@@ -767,7 +951,11 @@ impl Reason {
 /// hitting).
 pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> String {
     let short = img.sha256.get(..12).unwrap_or(&img.sha256);
+    if reason == Reason::Deduped {
+        return format!("[image sha256:{short}: {}]", reason.words());
+    }
     let what = match &img.source {
+        Source::Encoded { media_type } => format!("image sha256:{short}, {media_type}"),
         Source::Inline {
             media_type, dims, ..
         } => match dims {
@@ -795,24 +983,73 @@ fn keepable(url: &str) -> bool {
 }
 
 impl Scan {
-    /// Rewrites `body` with each image for which `choose` returns a text
-    /// replaced by that text. `None` when nothing was chosen.
-    pub fn apply(
-        &self,
-        body: &[u8],
-        shape: Shape,
-        choose: impl Fn(usize, &Found) -> Option<String>,
-    ) -> Option<Vec<u8>> {
-        let texts: Vec<Option<String>> = self
-            .images
-            .iter()
-            .enumerate()
-            .map(|(i, f)| choose(i, f))
-            .collect();
-        if texts.iter().all(Option::is_none) {
+    /// Decodes and hashes image `i` when the walk left it encoded (its
+    /// SHA-256, media type, size and dimensions are then known).
+    pub fn resolve(&mut self, i: usize, body: &[u8]) {
+        let Some(img) = self.images.get(i) else {
+            return;
+        };
+        let Some(p) = &img.pending else { return };
+        let declared = match &img.source {
+            Source::Encoded { media_type } => media_type.as_str(),
+            _ => "",
+        };
+        let src = match p.spot {
+            None => body,
+            Some(s) => self
+                .spots
+                .get(s)
+                .and_then(|s| s.text.as_deref())
+                .unwrap_or_default()
+                .as_bytes(),
+        };
+        let (sha256, source, bytes) =
+            decode_image(src.get(p.range.clone()).unwrap_or_default(), declared);
+        if let Some(img) = self.images.get_mut(i) {
+            img.sha256 = sha256;
+            img.source = source;
+            img.bytes = bytes.map(Bytes::from);
+            img.pending = None;
+        }
+    }
+
+    /// What tells image `i` apart from others without decoding it: its
+    /// base64 text while encoded, else its SHA-256 hex. `None` for broken
+    /// data (never the same image as another).
+    pub fn identity<'a>(&'a self, i: usize, body: &'a [u8]) -> Option<&'a [u8]> {
+        let img = self.images.get(i)?;
+        if let Source::Broken(_) = img.source {
             return None;
         }
-        // New text of each spot that holds a replaced image.
+        match &img.pending {
+            None => Some(img.sha256.as_bytes()),
+            Some(p) => {
+                let src = match p.spot {
+                    None => body,
+                    Some(s) => self.spots.get(s)?.text.as_deref()?.as_bytes(),
+                };
+                src.get(p.range.clone())
+            }
+        }
+    }
+
+    /// The text of spot `s` as the request has it.
+    pub fn spot_decoded<'a>(&'a self, s: usize, body: &'a [u8]) -> Option<Cow<'a, str>> {
+        let spot = self.spots.get(s)?;
+        match &spot.text {
+            Some(t) => Some(Cow::Borrowed(t.as_str())),
+            None => spot.lit.decode(body),
+        }
+    }
+
+    /// The length of spot `s`'s string literal in the body, quotes included.
+    pub fn spot_literal_len(&self, s: usize) -> usize {
+        self.spots.get(s).map_or(0, |spot| spot.lit.range.len())
+    }
+
+    /// The new text of each spot that holds a replaced image (`texts[i]`:
+    /// the text that replaces image `i`, `None` to keep it).
+    pub fn spot_texts(&self, texts: &[Option<String>]) -> Vec<Option<String>> {
         let mut spot_text: Vec<Option<String>> = vec![None; self.spots.len()];
         for (s, spot) in self.spots.iter().enumerate() {
             let Some(text) = &spot.text else { continue };
@@ -840,6 +1077,21 @@ impl Scan {
                 let out = splice(text.as_bytes(), &edits);
                 spot_text[s] = Some(String::from_utf8_lossy(&out).into_owned());
             }
+        }
+        spot_text
+    }
+
+    /// Rewrites `body`: image `i` replaced by `texts[i]` when set, spot `s`
+    /// by `spot_text[s]` when set. `None` when nothing is to change.
+    pub fn assemble(
+        &self,
+        body: &[u8],
+        shape: Shape,
+        texts: &[Option<String>],
+        spot_text: &[Option<String>],
+    ) -> Option<Vec<u8>> {
+        if texts.iter().all(Option::is_none) && spot_text.iter().all(Option::is_none) {
+            return None;
         }
         let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::new();
         for (i, img) in self.images.iter().enumerate() {

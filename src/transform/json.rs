@@ -39,8 +39,7 @@ impl Str {
     /// The decoded string, borrowed when it has no escapes.
     pub fn decode<'a>(&self, src: &'a [u8]) -> Option<Cow<'a, str>> {
         if self.escaped {
-            let lit = src.get(self.range.clone())?;
-            serde_json::from_slice::<String>(lit).ok().map(Cow::Owned)
+            unescape(self.raw(src)).map(Cow::Owned)
         } else {
             std::str::from_utf8(self.raw(src)).ok().map(Cow::Borrowed)
         }
@@ -258,6 +257,68 @@ pub fn splice(src: &[u8], edits: &[(Range<usize>, Vec<u8>)]) -> Vec<u8> {
     out
 }
 
+/// The text of a string literal's contents (between the quotes) that holds
+/// escapes. Runs without escapes are copied whole (found with `memchr`);
+/// `None` for an invalid escape or invalid UTF-8.
+pub fn unescape(raw: &[u8]) -> Option<String> {
+    let mut out: Vec<u8> = Vec::with_capacity(raw.len());
+    let mut at = 0;
+    while let Some(k) = memchr::memchr(b'\\', &raw[at..]) {
+        out.extend_from_slice(&raw[at..at + k]);
+        let i = at + k + 1;
+        let (byte, next) = match *raw.get(i)? {
+            b'n' => (b'\n', i + 1),
+            b't' => (b'\t', i + 1),
+            b'r' => (b'\r', i + 1),
+            b'"' => (b'"', i + 1),
+            b'\\' => (b'\\', i + 1),
+            b'/' => (b'/', i + 1),
+            b'b' => (0x08, i + 1),
+            b'f' => (0x0c, i + 1),
+            b'u' => {
+                let (c, next) = code_point(raw, i + 1)?;
+                let mut buf = [0u8; 4];
+                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                at = next;
+                continue;
+            }
+            _ => return None,
+        };
+        out.push(byte);
+        at = next;
+    }
+    out.extend_from_slice(&raw[at..]);
+    String::from_utf8(out).ok()
+}
+
+/// The character of a `\uXXXX` escape whose hex digits start at `i` (a
+/// surrogate pair takes the `\uXXXX` after it), and where it ends.
+fn code_point(raw: &[u8], i: usize) -> Option<(char, usize)> {
+    let hex4 = |i: usize| -> Option<u32> {
+        let digits = std::str::from_utf8(raw.get(i..i + 4)?).ok()?;
+        u32::from_str_radix(digits, 16).ok()
+    };
+    let hi = hex4(i)?;
+    if (0xD800..0xDC00).contains(&hi) {
+        if raw.get(i + 4..i + 6)? != b"\\u" {
+            return None;
+        }
+        let lo = hex4(i + 6)?;
+        if !(0xDC00..0xE000).contains(&lo) {
+            return None;
+        }
+        let c = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+        return Some((char::from_u32(c)?, i + 10));
+    }
+    Some((char::from_u32(hi)?, i + 4))
+}
+
+/// True when `text` is one JSON value (any kind; the proxy's own
+/// validator takes objects only).
+pub fn is_json(text: &[u8]) -> bool {
+    serde_json::from_slice::<serde::de::IgnoredAny>(text).is_ok()
+}
+
 /// `s` as a JSON string literal.
 pub fn quote(s: &str) -> Vec<u8> {
     serde_json::to_vec(s).unwrap_or_else(|_| b"\"\"".to_vec())
@@ -317,6 +378,23 @@ mod tests {
             let mut c = Cursor::new(src);
             let r = c.object(|c, _| c.skip().map(drop));
             assert_eq!(r, Err(Malformed), "{:?}", String::from_utf8_lossy(src));
+        }
+    }
+
+    #[test]
+    fn unescape_agrees_with_serde_json() {
+        for lit in [
+            r#""a\nb\t\"c\"\\ \/ \b\f\r""#,
+            r#""\u00e9t\u00E9 \ud83d\ude00 end""#,
+            r#""no escapes at all""#,
+            r#""\\""#,
+        ] {
+            let want: String = serde_json::from_str(lit).unwrap();
+            let raw = &lit.as_bytes()[1..lit.len() - 1];
+            assert_eq!(unescape(raw).as_deref(), Some(want.as_str()), "{lit}");
+        }
+        for bad in [&br"\x"[..], br"\u12", br"\ud83d", br"\ud83d\u0041", b"\\"] {
+            assert_eq!(unescape(bad), None, "{:?}", String::from_utf8_lossy(bad));
         }
     }
 

@@ -3,19 +3,26 @@
 //! [`Report`]. No I/O here.
 //!
 //! - [`images`]: finds every image and replaces the chosen ones in place.
+//! - the image rules for every model ([`decide`]): tool-result images older
+//!   than `keep_turns` aged out, later copies of an image turned into a
+//!   reference, only the newest `max_per_request` kept.
+//! - [`dedup`]: repeated lines and JSON array elements removed.
 //!
 //! A body nothing applies to is left alone: the caller forwards the
 //! original bytes.
 
+pub mod dedup;
 pub mod images;
 pub mod json;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde::Serialize;
 
 use crate::artifacts::Artifact;
-use images::{Found, Reason, Source, placeholder};
+use crate::config::Config;
+use images::{Found, Reason, Role, Source, placeholder};
 
 /// The API shape of a transformed endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -50,6 +57,70 @@ pub struct Plan {
     /// True: replaced images that can be described are given their
     /// description when one is supplied (`images.non_vision = "describe"`).
     pub describe: bool,
+    pub rules: Rules,
+}
+
+/// The rules for every model: `[images]` and `[dedup]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rules {
+    /// A tool-result image with more than this many assistant turns after
+    /// it is replaced.
+    pub keep_turns: usize,
+    /// Only the newest this many images stay.
+    pub max_images: usize,
+    /// A later copy of an image becomes a reference to the first.
+    pub dedupe: bool,
+    /// Line dedup's threshold; `None`: no line dedup.
+    pub min_line_chars: Option<usize>,
+}
+
+impl Rules {
+    /// No rule applies: only a non-vision model's images are replaced.
+    pub const NONE: Rules = Rules {
+        keep_turns: usize::MAX,
+        max_images: usize::MAX,
+        dedupe: false,
+        min_line_chars: None,
+    };
+
+    /// The configured rules, for a model whose table row says `max_images`
+    /// (the smaller cap wins).
+    pub fn from_config(cfg: &Config, model_max_images: Option<u32>) -> Rules {
+        let cap = cfg.images.max_per_request as usize;
+        Rules {
+            keep_turns: cfg.images.keep_turns as usize,
+            max_images: model_max_images.map_or(cap, |m| cap.min(m as usize)),
+            dedupe: cfg.images.dedupe,
+            min_line_chars: cfg
+                .dedup
+                .enabled
+                .then_some(cfg.dedup.min_line_chars as usize),
+        }
+    }
+
+    fn any(&self) -> bool {
+        *self != Rules::NONE
+    }
+}
+
+impl Plan {
+    /// A plan with no rule for every model (the image replacement of a
+    /// non-vision model only).
+    pub fn images_only(shape: Shape, vision: bool, describe: bool) -> Plan {
+        Plan {
+            shape,
+            vision,
+            describe,
+            rules: Rules::NONE,
+        }
+    }
+}
+
+/// What becomes of one image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    Kept,
+    Replaced(Reason),
 }
 
 /// An image a describer can be sent: the full SHA-256 hex it is known by
@@ -58,6 +129,9 @@ pub struct Plan {
 pub struct Subject {
     pub sha256: String,
     pub image: SubjectImage,
+    /// Only a cached description may be used (an aged-out or capped
+    /// image): the describer is not called for it.
+    pub lookup_only: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -75,6 +149,8 @@ pub enum SubjectImage {
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct ImageNote {
     pub path: String,
+    /// Empty for an image that was kept without being decoded.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub sha256: String,
     pub kind: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -89,7 +165,8 @@ pub struct ImageNote {
     pub url: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<&'static str>,
-    /// `kept`, `described` or `stripped` (later: aged_out, capped, deduped).
+    /// `kept`, `described` or `stripped` (a model that cannot see), or
+    /// `aged_out`, `capped`, `deduped` (the rules for every model).
     pub action: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<Reason>,
@@ -105,6 +182,11 @@ pub struct Report {
     pub images_described: usize,
     /// Request bytes removed (negative when the rewrite grew the body).
     pub bytes_saved: i64,
+    /// Of those, removed by line and item dedup.
+    pub bytes_saved_dedup: i64,
+    /// Repeated lines and JSON array elements removed.
+    pub lines_omitted: usize,
+    pub items_omitted: usize,
     pub images: Vec<ImageNote>,
     /// Set when the body could not be walked and was left unchanged.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -122,14 +204,14 @@ pub struct Rewrite {
 
 /// True when the plan may change something, so the body must be walked.
 pub fn needed(plan: &Plan) -> bool {
-    !plan.vision
+    !plan.vision || plan.rules.any()
 }
 
 /// Applies the plan to a body that is valid JSON, with placeholders only.
 pub fn rewrite(body: &[u8], plan: &Plan) -> Rewrite {
     match scan(body, plan) {
         Ok(scanned) => scanned.finish(body, &[]),
-        Err(nothing) => nothing,
+        Err(nothing) => *nothing,
     }
 }
 
@@ -140,86 +222,200 @@ pub fn rewrite(body: &[u8], plan: &Plan) -> Rewrite {
 pub struct Scanned {
     scan: images::Scan,
     plan: Plan,
-    replace: Vec<bool>,
+    fates: Vec<Fate>,
 }
 
 /// Finds the images in `body`. `Err` holds the finished rewrite when
 /// nothing is to be done (or the body cannot be walked).
-pub fn scan(body: &[u8], plan: &Plan) -> Result<Scanned, Rewrite> {
+pub fn scan(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
     if !needed(plan) {
-        return Err(Rewrite::default());
+        return Err(Box::default());
     }
-    let scan = match images::scan(body, plan.shape) {
+    let mut scan = match images::scan(body, plan.shape) {
         Ok(s) => s,
         Err(_) => {
-            return Err(Rewrite {
+            return Err(Box::new(Rewrite {
                 report: Report {
                     skipped: Some("the body is not an object of the expected shape"),
                     ..Report::default()
                 },
                 ..Rewrite::default()
-            });
+            }));
         }
     };
-    let replace = scan.images.iter().map(|_| !plan.vision).collect();
+    let fates = decide(&scan, body, plan);
+    for (i, fate) in fates.iter().enumerate() {
+        if *fate != Fate::Kept {
+            scan.resolve(i, body);
+        }
+    }
     Ok(Scanned {
         scan,
         plan: *plan,
-        replace,
+        fates,
     })
 }
 
+/// What becomes of each image, in the SPEC's order: (1) a tool-result image
+/// with more than `keep_turns` assistant turns after it is aged out; (2) a
+/// later copy of a kept image becomes a reference to it; (3) only the
+/// newest `max_images` kept images stay (older tool images go first, then
+/// older user images); then, for a model that cannot see, every image
+/// still kept is replaced.
+pub fn decide(scan: &images::Scan, body: &[u8], plan: &Plan) -> Vec<Fate> {
+    let rules = &plan.rules;
+    let after = turns_after(&scan.items, plan.shape);
+    let mut fates: Vec<Fate> = scan
+        .images
+        .iter()
+        .map(|f| {
+            let turns = after.get(f.message).copied().unwrap_or(0);
+            match f.in_tool_result && turns > rules.keep_turns {
+                true => Fate::Replaced(Reason::AgedOut),
+                false => Fate::Kept,
+            }
+        })
+        .collect();
+    if rules.dedupe {
+        // Grouped by length first: a 4 MB image is compared with another
+        // only when both have the same length.
+        let mut by_len: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (i, fate) in fates.iter_mut().enumerate() {
+            if *fate != Fate::Kept {
+                continue;
+            }
+            let Some(id) = scan.identity(i, body) else {
+                continue;
+            };
+            let same = by_len.entry(id.len()).or_default();
+            if same.iter().any(|&j| scan.identity(j, body) == Some(id)) {
+                *fate = Fate::Replaced(Reason::Deduped);
+            } else {
+                same.push(i);
+            }
+        }
+    }
+    let kept: Vec<usize> = (0..fates.len())
+        .filter(|&i| fates[i] == Fate::Kept)
+        .collect();
+    let mut excess = kept.len().saturating_sub(rules.max_images);
+    for tool in [true, false] {
+        for &i in &kept {
+            if excess > 0 && scan.images[i].in_tool_result == tool {
+                fates[i] = Fate::Replaced(Reason::Capped);
+                excess -= 1;
+            }
+        }
+    }
+    if !plan.vision {
+        for fate in &mut fates {
+            if *fate == Fate::Kept {
+                *fate = Fate::Replaced(Reason::NonVision);
+            }
+        }
+    }
+    fates
+}
+
+/// For each message, how many assistant turns come after it: assistant
+/// messages (Chat, Anthropic); for Responses, runs of consecutive items the
+/// model produced (a message, its function calls, its reasoning: one turn).
+fn turns_after(items: &[images::Item], shape: Shape) -> Vec<usize> {
+    let mut after = vec![0; items.len()];
+    let mut count = 0;
+    for i in (0..items.len()).rev() {
+        after[i] = count;
+        let assistant = |k: usize| items.get(k).is_some_and(|it| it.role == Role::Assistant);
+        if assistant(i) && (shape != Shape::Responses || i == 0 || !assistant(i - 1)) {
+            count += 1;
+        }
+    }
+    after
+}
+
 impl Scanned {
-    /// The replaced images a describer could describe, with their index:
-    /// each distinct image once (in describe mode; none otherwise).
+    /// The replaced images a description could be given to, with their
+    /// index: each distinct image once (in describe mode; none otherwise).
+    /// Images a model cannot see may be sent to the describer; aged-out and
+    /// capped ones only take a cached description; references none.
     pub fn subjects(&self) -> Vec<(usize, Subject)> {
         if !self.plan.describe {
             return Vec::new();
         }
-        let mut seen = std::collections::HashSet::new();
+        let mut at: HashMap<&str, usize> = HashMap::new();
         let mut out: Vec<(usize, Subject)> = Vec::new();
         for (i, f) in self.scan.images.iter().enumerate() {
-            if self.replace[i]
-                && let Some(s) = f.subject()
-                && seen.insert(f.sha256.as_str())
-            {
-                out.push((i, s));
+            let lookup_only = match self.fates[i] {
+                Fate::Replaced(Reason::NonVision) => false,
+                Fate::Replaced(Reason::AgedOut | Reason::Capped) => true,
+                Fate::Kept | Fate::Replaced(Reason::Deduped) => continue,
+            };
+            let Some(mut s) = f.subject() else { continue };
+            s.lookup_only = lookup_only;
+            match at.get(f.sha256.as_str()) {
+                Some(&k) => out[k].1.lookup_only &= lookup_only,
+                None => {
+                    at.insert(f.sha256.as_str(), out.len());
+                    out.push((i, s));
+                }
             }
         }
         out
+    }
+
+    /// What becomes of each image.
+    pub fn fates(&self) -> &[Fate] {
+        &self.fates
     }
 
     /// Rewrites `body`: each replaced image becomes its description when
     /// `descriptions` has one for its SHA-256 (pairs of full hex and
     /// text), else the placeholder.
     pub fn finish(self, body: &[u8], descriptions: &[(String, Arc<str>)]) -> Rewrite {
-        let Scanned {
-            scan,
-            plan,
-            replace,
-        } = self;
-        let by_sha: std::collections::HashMap<&str, &str> = descriptions
+        let Scanned { scan, plan, fates } = self;
+        let by_sha: HashMap<&str, &str> = descriptions
             .iter()
             .map(|(sha, d)| (sha.as_str(), &**d))
             .collect();
-        let described = |f: &Found| by_sha.get(f.sha256.as_str()).copied();
-        let new = scan.apply(body, plan.shape, |i, f| {
-            replace[i].then(|| placeholder(f, described(f), Reason::NonVision))
-        });
-        let artifacts = scan.artifacts(|i| replace[i]);
+        let described = |f: &Found, fate: Fate| match fate {
+            Fate::Replaced(Reason::Deduped) | Fate::Kept => None,
+            Fate::Replaced(_) => by_sha.get(f.sha256.as_str()).copied(),
+        };
+        let texts: Vec<Option<String>> = scan
+            .images
+            .iter()
+            .zip(&fates)
+            .map(|(f, &fate)| match fate {
+                Fate::Kept => None,
+                Fate::Replaced(reason) => Some(placeholder(f, described(f, fate), reason)),
+            })
+            .collect();
+        let mut spot_text = scan.spot_texts(&texts);
+        let omitted = match plan.rules.min_line_chars {
+            Some(min) => dedup::run(&scan, body, &mut spot_text, min),
+            None => dedup::Omitted::default(),
+        };
+        let new = scan.assemble(body, plan.shape, &texts, &spot_text);
+        let artifacts = scan.artifacts(|i| fates[i] != Fate::Kept);
         let mut report = Report {
             images_found: scan.images.len(),
+            lines_omitted: omitted.lines,
+            items_omitted: omitted.items,
+            bytes_saved_dedup: omitted.bytes,
             ..Report::default()
         };
-        for (i, f) in scan.images.iter().enumerate() {
-            let action = match (replace[i], described(f)) {
-                (false, _) => Action::Kept,
-                (true, Some(_)) => Action::Described,
-                (true, None) => Action::Stripped,
+        for (f, &fate) in scan.images.iter().zip(&fates) {
+            let action = match (fate, described(f, fate)) {
+                (Fate::Kept, _) => Action::Kept,
+                (Fate::Replaced(Reason::NonVision), Some(_)) => Action::Described,
+                (Fate::Replaced(Reason::NonVision), None) => Action::Stripped,
+                (Fate::Replaced(Reason::AgedOut), _) => Action::AgedOut,
+                (Fate::Replaced(Reason::Capped), _) => Action::Capped,
+                (Fate::Replaced(Reason::Deduped), _) => Action::Deduped,
             };
-            report.images_replaced += usize::from(replace[i]);
-            report.images_described += usize::from(action == Action::Described);
-            report.images.push(note(f, action));
+            report.images_replaced += usize::from(fate != Fate::Kept);
+            report.images_described += usize::from(described(f, fate).is_some());
+            report.images.push(note(f, fate, action));
         }
         if let Some(b) = &new {
             report.bytes_saved = body.len() as i64 - b.len() as i64;
@@ -237,10 +433,30 @@ enum Action {
     Kept,
     Described,
     Stripped,
+    AgedOut,
+    Capped,
+    Deduped,
 }
 
-fn note(f: &Found, action: Action) -> ImageNote {
-    let reason = (action != Action::Kept).then_some(Reason::NonVision);
+impl Action {
+    /// The `action` label of `visor_images_total`.
+    fn label(self) -> &'static str {
+        match self {
+            Action::Kept => "kept",
+            Action::Described => "described",
+            Action::Stripped => "stripped",
+            Action::AgedOut => "aged_out",
+            Action::Capped => "capped",
+            Action::Deduped => "deduped",
+        }
+    }
+}
+
+fn note(f: &Found, fate: Fate, action: Action) -> ImageNote {
+    let reason = match fate {
+        Fate::Kept => None,
+        Fate::Replaced(r) => Some(r),
+    };
     let mut n = ImageNote {
         path: f.path.clone(),
         sha256: f.sha256.clone(),
@@ -251,15 +467,15 @@ fn note(f: &Found, action: Action) -> ImageNote {
         height: None,
         url: None,
         problem: None,
-        action: match action {
-            Action::Kept => "kept",
-            Action::Described => "described",
-            Action::Stripped => "stripped",
-        },
+        action: action.label(),
         reason,
         in_tool_result: f.in_tool_result,
     };
     match &f.source {
+        Source::Encoded { media_type } => {
+            n.kind = "base64";
+            n.media_type = (!media_type.is_empty()).then(|| media_type.clone());
+        }
         Source::Inline {
             media_type,
             size,

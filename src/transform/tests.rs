@@ -14,11 +14,7 @@ fn fixture(name: &str) -> Vec<u8> {
 fn strip(body: &[u8], shape: Shape) -> Rewrite {
     rewrite(
         body,
-        &Plan {
-            shape,
-            vision: false,
-            describe: false,
-        },
+        &Plan::images_only(shape, false, false),
     )
 }
 
@@ -254,11 +250,7 @@ fn vision_models_and_imageless_requests_are_untouched() {
     let body = fixture("chat-image-vision-stream.json");
     let out = rewrite(
         &body,
-        &Plan {
-            shape: Shape::Chat,
-            vision: true,
-            describe: false,
-        },
+        &Plan::images_only(Shape::Chat, true, false),
     );
     assert!(out.body.is_none() && out.report.images_found == 0);
     let plain = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
@@ -390,11 +382,7 @@ fn describe_mode_puts_each_description_in_place() {
         ],
     }))
     .unwrap();
-    let plan = Plan {
-        shape: Shape::Chat,
-        vision: false,
-        describe: true,
-    };
+    let plan = Plan::images_only(Shape::Chat, false, true);
     let scanned = scan(&body, &plan).unwrap();
     // The repeated image once; the file id and the broken one cannot be
     // described.
