@@ -557,8 +557,7 @@ impl Walker<'_> {
         }
         let text = text.into_owned();
         for (range, object, source) in found {
-            let (sha256, source, bytes, pending) =
-                read_lazily(text.as_bytes(), source, Some(spot));
+            let (sha256, source, bytes, pending) = read_lazily(text.as_bytes(), source, Some(spot));
             self.out.images.push(Found {
                 sha256,
                 source,

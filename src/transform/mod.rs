@@ -505,3 +505,5 @@ fn note(f: &Found, fate: Fate, action: Action) -> ImageNote {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_context;

@@ -12,10 +12,7 @@ fn fixture(name: &str) -> Vec<u8> {
 }
 
 fn strip(body: &[u8], shape: Shape) -> Rewrite {
-    rewrite(
-        body,
-        &Plan::images_only(shape, false, false),
-    )
+    rewrite(body, &Plan::images_only(shape, false, false))
 }
 
 fn parse(b: &[u8]) -> Value {
@@ -248,10 +245,7 @@ fn base64_hidden_in_tool_text_is_found() {
 #[test]
 fn vision_models_and_imageless_requests_are_untouched() {
     let body = fixture("chat-image-vision-stream.json");
-    let out = rewrite(
-        &body,
-        &Plan::images_only(Shape::Chat, true, false),
-    );
+    let out = rewrite(&body, &Plan::images_only(Shape::Chat, true, false));
     assert!(out.body.is_none() && out.report.images_found == 0);
     let plain = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
     let out = strip(plain, Shape::Chat);
