@@ -1,0 +1,335 @@
+//! Context that does not repeat itself, through the real proxy: repeated
+//! lines and JSON items removed before the upstream sees them, the image
+//! rules for every model (aged out, deduped, capped) in every API shape, and
+//! the headers and metrics that report them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use serde_json::{Value, json};
+use support::*;
+
+fn json(b: &[u8]) -> Value {
+    serde_json::from_slice(b).unwrap()
+}
+
+fn header_num(h: &http::HeaderMap, name: &str) -> i64 {
+    h[name].to_str().unwrap().parse().unwrap()
+}
+
+fn counter(text: &str, name: &str, label: (&str, &str)) -> f64 {
+    metric(text, name, &[label]).unwrap_or(0.0)
+}
+
+/// Image parts of every kind in a request, anywhere.
+fn image_parts(v: &Value) -> usize {
+    match v {
+        Value::Object(m) => {
+            let own = matches!(
+                m.get("type").and_then(Value::as_str),
+                Some("image_url" | "image" | "input_image")
+            );
+            usize::from(own) + m.values().map(image_parts).sum::<usize>()
+        }
+        Value::Array(a) => a.iter().map(image_parts).sum(),
+        _ => 0,
+    }
+}
+
+#[tokio::test]
+async fn a_refetched_history_reaches_the_upstream_once() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    for name in [
+        "agent-history-refetch.json",
+        "agent-history-refetch-jsonarray.json",
+    ] {
+        let body = fixture(name);
+        let before = visor.metrics().await;
+        let (status, headers, _) =
+            send(post_json(&visor.url("/v1/chat/completions"), body.clone())).await;
+        assert_eq!(status, 200, "{name}");
+        let sent = mock.recorded().pop().unwrap().body;
+        let saved = header_num(&headers, "x-visor-bytes-saved");
+        assert_eq!(saved, body.len() as i64 - sent.len() as i64, "{name}");
+        assert!(
+            sent.len() * 3 < body.len(),
+            "{name}: {} of {}",
+            sent.len(),
+            body.len()
+        );
+        assert_eq!(header_num(&headers, "x-visor-images-replaced"), 0);
+        assert_eq!(header_num(&headers, "x-visor-history-used"), 0);
+        let (orig, out) = (json(&body), json(&sent));
+        let (om, sm) = (
+            orig["messages"].as_array().unwrap(),
+            out["messages"].as_array().unwrap(),
+        );
+        assert_eq!(om.len(), sm.len(), "no message added or removed");
+        for (o, s) in om.iter().zip(sm) {
+            assert_eq!(o["role"], s["role"]);
+            assert_eq!(o["tool_call_id"], s["tool_call_id"]);
+            assert_eq!(o["tool_calls"], s["tool_calls"]);
+            if o["role"] != "tool" {
+                assert_eq!(o, s, "only tool results repeat here");
+            }
+        }
+        let last_tool = sm.iter().rev().find(|m| m["role"] == "tool").unwrap();
+        let text = last_tool["content"].as_str().unwrap();
+        assert!(text.contains("24 repeated"), "{text}");
+        assert!(text.contains("omitted"), "{text}");
+        if name.contains("jsonarray") {
+            let (array, _) = text.rsplit_once('\n').unwrap();
+            assert_eq!(json(array.as_bytes()).as_array().unwrap().len(), 1);
+        }
+        let after = visor.metrics().await;
+        let dedup = ("reason", "dedup");
+        let grew = counter(&after, "visor_bytes_saved_total", dedup)
+            - counter(&before, "visor_bytes_saved_total", dedup);
+        assert_eq!(grew, saved as f64, "{name}");
+    }
+}
+
+#[tokio::test]
+async fn dedup_in_the_anthropic_and_responses_shapes() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let line = "[10:00] alice: the retention policy needs a tax branch first";
+    let messages = json!({"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": format!("{line}\nwhat changed?")}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "fetch", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": format!("{line}\na new line from the tool")}]},
+    ]});
+    let responses = json!({"model": "gpt-5", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": format!("{line}\nwhat changed?")}]},
+        {"type": "function_call", "call_id": "f1", "name": "fetch", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "f1", "output": format!("{line}\na new line from the tool")},
+    ]});
+    for (path, body) in [("/v1/messages", messages), ("/v1/responses", responses)] {
+        let (status, headers, _) = send(post_json(
+            &visor.url(path),
+            serde_json::to_vec(&body).unwrap(),
+        ))
+        .await;
+        assert_eq!(status, 200, "{path}");
+        assert!(header_num(&headers, "x-visor-bytes-saved") > 0, "{path}");
+        let sent = json(&mock.recorded().pop().unwrap().body);
+        let text = match path {
+            "/v1/messages" => sent["messages"][2]["content"][0]["content"].clone(),
+            _ => sent["input"][2]["output"].clone(),
+        };
+        assert_eq!(
+            text, "[visor: 1 repeated line omitted, already shown above]\na new line from the tool",
+            "{path}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn transform_off_forwards_the_history_byte_for_byte() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let body = fixture("agent-history-refetch.json");
+    let mut req = post_json(&visor.url("/v1/chat/completions"), body.clone());
+    req.headers_mut()
+        .insert("x-visor-transform", http::HeaderValue::from_static("off"));
+    let (status, _, _) = send(req).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.recorded().pop().unwrap().body, body);
+    // And with dedup disabled in the config.
+    let off = Visor::for_mock(&mock, "[dedup]\nenabled = false\n").await;
+    let (status, headers, _) =
+        send(post_json(&off.url("/v1/chat/completions"), body.clone())).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.recorded().pop().unwrap().body, body);
+    assert_eq!(header_num(&headers, "x-visor-bytes-saved"), 0);
+}
+
+#[tokio::test]
+async fn old_screenshots_age_out_and_are_saved() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let body = fixture("agent-tool-images-6turns.json");
+    let (status, headers, _) =
+        send(post_json(&visor.url("/v1/chat/completions"), body.clone())).await;
+    assert_eq!(status, 200);
+    assert_eq!(header_num(&headers, "x-visor-images-replaced"), 3);
+    let sent = json(&mock.recorded().pop().unwrap().body);
+    assert_eq!(
+        image_parts(&sent),
+        4,
+        "the mockup and the last three screenshots"
+    );
+    let orig = json(&body);
+    assert_eq!(sent["messages"][0], orig["messages"][0]);
+    assert_eq!(sent["messages"][12], orig["messages"][12]);
+    let aged = sent["messages"][2]["content"].as_str().unwrap();
+    assert!(aged.contains("an older tool result"), "{aged}");
+    // The original of an aged-out screenshot is served back by its hash.
+    let url = orig["messages"][2]["content"][1]["image_url"]["url"]
+        .as_str()
+        .unwrap();
+    let png = base64_simd::STANDARD
+        .decode_to_vec(url.split_once(',').unwrap().1)
+        .unwrap();
+    let sha = sha256_hex(&png);
+    assert!(aged.contains(&format!("sha256:{}", &sha[..12])), "{aged}");
+    let (status, _, served) = send(
+        Request::get(visor.url(&format!("/visor/artifacts/{sha}")))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(served, png);
+    let m = visor.metrics().await;
+    assert_eq!(
+        counter(&m, "visor_images_total", ("action", "aged_out")),
+        3.0
+    );
+    assert_eq!(counter(&m, "visor_images_total", ("action", "kept")), 4.0);
+    assert!(counter(&m, "visor_bytes_saved_total", ("reason", "images")) > 0.0);
+}
+
+#[tokio::test]
+async fn copies_become_references_and_the_cap_keeps_the_newest() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "[images]\nmax_per_request = 2\n").await;
+    let urls: Vec<String> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|s| png_data_url(s).0)
+        .collect();
+    let mut all = urls.clone();
+    all.push(urls[0].clone());
+    let body = chat_with_images("gpt-4o", &all);
+    let (status, headers, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    assert_eq!(status, 200);
+    assert_eq!(header_num(&headers, "x-visor-images-replaced"), 3);
+    let sent = json(&mock.recorded().pop().unwrap().body);
+    let parts = sent["messages"][0]["content"].as_array().unwrap().clone();
+    let images: Vec<&str> = parts
+        .iter()
+        .filter_map(|p| p["image_url"]["url"].as_str())
+        .collect();
+    assert_eq!(
+        images,
+        [urls[2].as_str(), urls[3].as_str()],
+        "the newest two stay"
+    );
+    let texts: Vec<&str> = parts.iter().filter_map(|p| p["text"].as_str()).collect();
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.contains("the same image as earlier")),
+        "{texts:?}"
+    );
+    assert_eq!(
+        texts
+            .iter()
+            .filter(|t| t.contains("over this request's image limit"))
+            .count(),
+        2
+    );
+    let m = visor.metrics().await;
+    assert_eq!(
+        counter(&m, "visor_images_total", ("action", "deduped")),
+        1.0
+    );
+    assert_eq!(counter(&m, "visor_images_total", ("action", "capped")), 2.0);
+    assert_eq!(counter(&m, "visor_images_total", ("action", "kept")), 2.0);
+}
+
+#[tokio::test]
+async fn a_models_max_images_caps_below_the_config() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(
+        &mock,
+        "[[model]]\nmatch = \"tiny-vlm*\"\nvision = true\nmax_images = 1\n",
+    )
+    .await;
+    let urls: Vec<String> = ["x", "y", "z"].iter().map(|s| png_data_url(s).0).collect();
+    let (status, headers, _) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        chat_with_images("tiny-vlm-2b", &urls),
+    ))
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(header_num(&headers, "x-visor-images-replaced"), 2);
+    let sent = json(&mock.recorded().pop().unwrap().body);
+    assert_eq!(image_parts(&sent), 1);
+    assert!(String::from_utf8_lossy(&serde_json::to_vec(&sent).unwrap()).contains(&urls[2]));
+}
+
+#[tokio::test]
+async fn a_text_only_model_describes_recent_images_and_reuses_them_when_they_age() {
+    let mock = MockUpstream::start(|req| match is_describer_call(req) {
+        true => describer_answer(req),
+        false => chat_ok(),
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, DESCRIBE).await;
+    let mut body = json(&fixture("agent-tool-images-6turns.json"));
+    body["model"] = json!("gpt-oss-120b");
+    let msgs = body["messages"].as_array().unwrap().clone();
+    // Turn 5 without its last screenshot, then the full transcript.
+    let mut earlier = body.clone();
+    earlier["messages"] = Value::Array(msgs[..11].to_vec());
+    let mut sent = Vec::new();
+    for req in [&earlier, &body] {
+        let calls_before = mock
+            .recorded()
+            .iter()
+            .filter(|r| is_describer_call(r))
+            .count();
+        let (status, headers, _) = send(post_json(
+            &visor.url("/v1/chat/completions"),
+            serde_json::to_vec(req).unwrap(),
+        ))
+        .await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            header_num(&headers, "x-visor-images-replaced") as usize,
+            req["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(image_parts)
+                .sum::<usize>()
+        );
+        let recorded = mock.recorded();
+        let calls = recorded.iter().filter(|r| is_describer_call(r)).count() - calls_before;
+        let forwarded = recorded
+            .iter()
+            .rev()
+            .find(|r| !is_describer_call(r))
+            .unwrap();
+        sent.push((calls, json(&forwarded.body)));
+    }
+    // First request: the mockup and the three recent screenshots are
+    // described (4 calls); the two aged-out ones get placeholders.
+    assert_eq!(sent[0].0, 4);
+    let first = sent[0].1["messages"].as_array().unwrap();
+    assert!(
+        first[2]["content"]
+            .as_str()
+            .unwrap()
+            .contains("an older tool result")
+    );
+    assert!(
+        first[6]["content"]
+            .as_str()
+            .unwrap()
+            .contains("described: A test image")
+    );
+    // Second request: one new screenshot described; screenshot 2 has aged
+    // out meanwhile and keeps its cached description, so every earlier
+    // message is sent exactly as before (the provider's prefix holds).
+    assert_eq!(sent[1].0, 1);
+    let second = sent[1].1["messages"].as_array().unwrap();
+    assert_eq!(&second[..first.len()], &first[..]);
+    let m = visor.metrics().await;
+    assert_eq!(counter(&m, "visor_describe_total", ("result", "miss")), 5.0);
+}
