@@ -1,21 +1,38 @@
 //! Fuzzes the transform entry point: any bytes that pass visor's JSON
-//! validation, in each API shape, must give a rewrite that is valid JSON, is
-//! idempotent, and never panics.
+//! validation, in each API shape, for a model that can see and one that
+//! cannot, with every image rule and line dedup on, must give a rewrite that
+//! is valid JSON, is idempotent, and never panics.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use visor::proxy::probe::probe;
-use visor::transform::{Plan, Shape, rewrite};
+use visor::transform::{Plan, Rules, Shape, rewrite};
 
 fuzz_target!(|data: &[u8]| {
     if probe(data).is_err() {
         return;
     }
-    for shape in [Shape::Chat, Shape::Responses, Shape::Messages] {
+    // The SPEC's defaults, with a small cap and line threshold so short
+    // inputs reach every rule.
+    let rules = Rules {
+        keep_turns: 1,
+        max_images: 2,
+        dedupe: true,
+        min_line_chars: Some(4),
+    };
+    for (shape, vision) in [
+        (Shape::Chat, false),
+        (Shape::Chat, true),
+        (Shape::Responses, false),
+        (Shape::Responses, true),
+        (Shape::Messages, false),
+        (Shape::Messages, true),
+    ] {
         let plan = Plan {
             shape,
-            vision: false,
+            vision,
             describe: false,
+            rules,
         };
         let out = rewrite(data, &plan);
         if let Some(body) = &out.body {

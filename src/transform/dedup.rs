@@ -25,12 +25,15 @@ use serde_json::Value;
 use super::images::{Role, Scan, TextAt};
 use super::json::{Cursor, is_json, quote};
 
-const NOTE_HEAD: &str = "[visor: ";
-const NOTE_TAIL: &str = " omitted, already shown above]";
+/// Notes are `[24 omitted]` (lines), `[3 items omitted]`, `[24 omitted, 3
+/// items]`: short, because an agent that re-fetches its history gets one
+/// in every tool result, every turn.
+const NOTE_HEAD: &str = "[";
+const NOTE_TAIL: &str = "]";
 /// What a further text part of a message holds when every line of it was
 /// removed (the message's note is in an earlier part): no provider is sent
 /// an empty text block.
-const EMPTIED: &str = "[visor: repeated text omitted, already shown above]";
+const EMPTIED: &str = "[omitted]";
 
 /// What dedup removed from one request.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -188,22 +191,52 @@ fn removed_items(o: &Outcome<'_>) -> usize {
 
 /// The note that takes the removed lines' place.
 fn note(lines: usize, items: usize) -> String {
-    let plural = |n: usize, what: &str| match n {
-        1 => format!("1 repeated {what}"),
-        n => format!("{n} repeated {what}s"),
+    let items_text = match items {
+        1 => "1 item".to_owned(),
+        n => format!("{n} items"),
     };
-    let what = match (lines, items) {
-        (l, 0) => plural(l, "line"),
-        (0, i) => plural(i, "item"),
-        (l, i) => format!("{} and {}", plural(l, "line"), plural(i, "item")),
-    };
-    format!("{NOTE_HEAD}{what}{NOTE_TAIL}")
+    match (lines, items) {
+        (l, 0) => format!("{NOTE_HEAD}{l} omitted{NOTE_TAIL}"),
+        (0, _) => format!("{NOTE_HEAD}{items_text} omitted{NOTE_TAIL}"),
+        (l, _) => format!("{NOTE_HEAD}{l} omitted, {items_text}{NOTE_TAIL}"),
+    }
 }
 
-/// A line that is one of visor's notes: never removed, never counted as
-/// seen (so dedup of its own output changes nothing).
+/// A line visor wrote: a note, or the text that replaced an image (two
+/// copies of one image give the same text; they are the images' business,
+/// see `images.dedupe`). Never removed, never counted as seen, so dedup of
+/// visor's own output changes nothing.
+fn is_own(line: &str) -> bool {
+    line.starts_with("[image ") || is_note(line)
+}
+
+/// One of the notes [`note`] writes.
 fn is_note(line: &str) -> bool {
-    line.starts_with(NOTE_HEAD) && line.ends_with(NOTE_TAIL)
+    let Some(inner) = line
+        .strip_prefix(NOTE_HEAD)
+        .and_then(|l| l.strip_suffix(NOTE_TAIL))
+    else {
+        return false;
+    };
+    if inner == "omitted" {
+        return true;
+    }
+    let Some(rest) = count(inner) else {
+        return false;
+    };
+    match rest {
+        " omitted" | " item omitted" | " items omitted" => true,
+        _ => rest
+            .strip_prefix(" omitted, ")
+            .and_then(count)
+            .is_some_and(|r| r == " item" || r == " items"),
+    }
+}
+
+/// `s` after its leading decimal number; `None` without one.
+fn count(s: &str) -> Option<&str> {
+    let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+    (digits > 0).then(|| &s[digits..])
 }
 
 /// A fence line of a Markdown code block (up to three spaces, then three
@@ -243,7 +276,7 @@ impl<'a> Seen<'a> {
     fn record_lines(&mut self, text: &'a str) {
         for line in text.split('\n') {
             let key = line.trim_end();
-            if self.long(key) && !is_note(key) {
+            if self.long(key) && !is_own(key) {
                 self.lines.insert(key);
             }
         }
@@ -258,7 +291,7 @@ impl<'a> Seen<'a> {
             let key = line.trim_end();
             if is_fence(key) {
                 fenced = !fenced;
-            } else if self.long(key) && !is_note(key) {
+            } else if self.long(key) && !is_own(key) {
                 if eligible && !fenced && self.lines.contains(key) {
                     if removed == 0 {
                         first = pieces.len();

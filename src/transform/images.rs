@@ -24,7 +24,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::json::{Cursor, Kind, Malformed, Result, Str, quote, splice};
+use super::json::{Cursor, Kind, Malformed, Result, Str, quote, splice, splice_compact};
 use super::{Shape, Subject, SubjectImage};
 use crate::artifacts::{Artifact, sniff_media_type};
 
@@ -1130,7 +1130,7 @@ impl Scan {
             edits.push((col.range.clone(), quote(&joined.join("\n"))));
         }
         edits.sort_by_key(|(r, _)| r.start);
-        Some(splice(body, &edits))
+        Some(splice_compact(body, &edits))
     }
 
     /// The decoded bytes of images to save as artifacts, once per image.

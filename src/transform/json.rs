@@ -257,6 +257,60 @@ pub fn splice(src: &[u8], edits: &[(Range<usize>, Vec<u8>)]) -> Vec<u8> {
     out
 }
 
+/// Like [`splice`], but the copied ranges lose the whitespace between their
+/// JSON tokens (string literals are copied whole): a body visor rewrites
+/// goes out compact. Each copied range must begin and end outside a string
+/// (edits replace whole values), and the replacements must be compact.
+pub fn splice_compact(src: &[u8], edits: &[(Range<usize>, Vec<u8>)]) -> Vec<u8> {
+    let removed: usize = edits.iter().map(|(r, _)| r.len()).sum();
+    let added: usize = edits.iter().map(|(_, b)| b.len()).sum();
+    let mut out = Vec::with_capacity((src.len() + added).saturating_sub(removed));
+    let mut at = 0;
+    for (r, b) in edits {
+        copy_compact(&mut out, src.get(at..r.start).unwrap_or_default());
+        out.extend_from_slice(b);
+        at = r.end;
+    }
+    copy_compact(&mut out, src.get(at..).unwrap_or_default());
+    out
+}
+
+fn copy_compact(out: &mut Vec<u8>, s: &[u8]) {
+    let ws = |b: u8| matches!(b, b' ' | b'\n' | b'\r' | b'\t');
+    let mut i = 0;
+    while i < s.len() {
+        if ws(s[i]) {
+            i += 1;
+        } else if s[i] == b'"' {
+            let end = literal_end(s, i);
+            out.extend_from_slice(&s[i..end]);
+            i = end;
+        } else {
+            let start = i;
+            while i < s.len() && !ws(s[i]) && s[i] != b'"' {
+                i += 1;
+            }
+            out.extend_from_slice(&s[start..i]);
+        }
+    }
+}
+
+/// The end of the string literal that opens at `start` (or the end of
+/// `s` when it is not closed).
+fn literal_end(s: &[u8], start: usize) -> usize {
+    let mut i = start + 1;
+    while let Some(k) = s
+        .get(i..)
+        .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))
+    {
+        if s[i + k] == b'"' {
+            return i + k + 1;
+        }
+        i += k + 2;
+    }
+    s.len()
+}
+
 /// The text of a string literal's contents (between the quotes) that holds
 /// escapes. Runs without escapes are copied whole (found with `memchr`);
 /// `None` for an invalid escape or invalid UTF-8.
@@ -396,6 +450,18 @@ mod tests {
         for bad in [&br"\x"[..], br"\u12", br"\ud83d", br"\ud83d\u0041", b"\\"] {
             assert_eq!(unescape(bad), None, "{:?}", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn splice_compact_drops_whitespace_between_tokens_only() {
+        let src = br#"{ "a" : [1, 2.50,  "x  \" y" ],
+  "b": "gone", "c":	true }"#;
+        let b = memchr::memmem::find(src, br#""gone""#).unwrap();
+        let out = splice_compact(src, &[(b..b + 6, br#""new""#.to_vec())]);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            r#"{"a":[1,2.50,"x  \" y"],"b":"new","c":true}"#
+        );
     }
 
     #[test]

@@ -419,6 +419,11 @@ impl Scanned {
         }
         if let Some(b) = &new {
             report.bytes_saved = body.len() as i64 - b.len() as i64;
+            // A rewritten body also goes out compact: that saving counts
+            // with dedup when no image was replaced, else with images.
+            if report.images_replaced == 0 {
+                report.bytes_saved_dedup = report.bytes_saved;
+            }
         }
         Rewrite {
             body: new,

@@ -67,7 +67,7 @@ fn repeated_lines_go_with_one_note_in_their_place() {
     let (out, report) = chat(&body);
     assert_eq!(
         content(&out, 5),
-        "[visor: 4 repeated lines omitted, already shown above]\nshort\nnew line that nobody said before",
+        "[4 omitted]\nshort\nnew line that nobody said before",
         "L1, L2 (trailing space ignored), L4 (seen in the system message) and \
          L3 (seen in an assistant message) are repeats"
     );
@@ -98,7 +98,7 @@ fn the_newest_user_message_keeps_its_lines_until_a_newer_one_arrives() {
     let (out, _) = chat(&body);
     assert_eq!(
         content(&out, 2),
-        format!("[visor: 1 repeated line omitted, already shown above]\n{L2}\nsecond question")
+        format!("[1 omitted]\n{L2}\nsecond question")
     );
     assert_eq!(out["messages"][0], body["messages"][0]);
 }
@@ -115,12 +115,12 @@ fn short_lines_and_fenced_code_stay() {
     assert_eq!(report.lines_omitted, 2, "{out}");
     assert_eq!(
         content(&out, 0),
-        format!("{code}\n[visor: 1 repeated line omitted, already shown above]"),
+        format!("{code}\n[1 omitted]"),
         "a line outside the fence repeating one inside it goes"
     );
     assert_eq!(
         content(&out, 1),
-        format!("{code}\nok\nok\n[visor: 1 repeated line omitted, already shown above]"),
+        format!("{code}\nok\nok\n[1 omitted]"),
         "inside fences nothing goes; short lines stay"
     );
 }
@@ -143,10 +143,7 @@ fn json_array_tool_results_lose_repeated_elements_and_stay_json() {
     ]});
     let (out, report) = chat(&body);
     let (json_text, note) = content(&out, 2).rsplit_once('\n').unwrap();
-    assert_eq!(
-        note,
-        "[visor: 1 repeated item omitted, already shown above]"
-    );
+    assert_eq!(note, "[1 item omitted]");
     let kept: Value = serde_json::from_str(json_text).unwrap();
     assert_eq!(kept, json!([c, 1, 1]), "short elements stay");
     assert!(json_text.starts_with("[\n  {"), "layout kept: {json_text}");
@@ -157,10 +154,7 @@ fn json_array_tool_results_lose_repeated_elements_and_stay_json() {
     );
     let (json_text, note) = content(&out, 4).rsplit_once('\n').unwrap();
     assert_eq!(serde_json::from_str::<Value>(json_text).unwrap(), json!([]));
-    assert_eq!(
-        note,
-        "[visor: 2 repeated items omitted, already shown above]"
-    );
+    assert_eq!(note, "[2 items omitted]");
     assert_eq!(report.items_omitted, 3);
 }
 
@@ -177,16 +171,13 @@ fn no_part_is_left_empty_and_each_message_has_one_note() {
     let (out, report) = chat(&body);
     let parts = out["messages"][1]["content"].as_array().unwrap();
     assert_eq!(parts.len(), 2);
-    assert_eq!(
-        parts[0]["text"],
-        "[visor: 3 repeated lines omitted, already shown above]\nfresh line number one here"
-    );
+    assert_eq!(parts[0]["text"], "[3 omitted]\nfresh line number one here");
     assert_eq!(parts[1]["text"], dedup_emptied());
     assert_eq!(report.lines_omitted, 3);
 }
 
 fn dedup_emptied() -> &'static str {
-    "[visor: repeated text omitted, already shown above]"
+    "[omitted]"
 }
 
 #[test]
@@ -202,13 +193,12 @@ fn anthropic_tool_results_are_tool_results_with_a_note_each() {
     let (out, report) = run(&body, &plan(Shape::Messages, true, DEFAULTS));
     let blocks = out["messages"][2]["content"].as_array().unwrap();
     assert_eq!(
-        blocks[0]["content"],
-        "[visor: 1 repeated line omitted, already shown above]\nresult one is new",
+        blocks[0]["content"], "[1 omitted]\nresult one is new",
         "the newest user message holds only tool results: they are deduped"
     );
     assert_eq!(
         blocks[1]["content"][0]["text"],
-        "[visor: 1 repeated line omitted, already shown above]\nresult two is new"
+        "[1 omitted]\nresult two is new"
     );
     assert_eq!(blocks[1]["tool_use_id"], "t2");
     assert_eq!(report.lines_omitted, 2);
@@ -228,14 +218,8 @@ fn responses_function_outputs_are_deduped() {
         {"type": "function_call_output", "call_id": "f2", "output": format!("{L2}\n{L3}")},
     ]});
     let (out, report) = run(&body, &plan(Shape::Responses, true, DEFAULTS));
-    assert_eq!(
-        out["input"][2]["output"],
-        format!("[visor: 1 repeated line omitted, already shown above]\n{L2}")
-    );
-    assert_eq!(
-        out["input"][4]["output"],
-        format!("[visor: 1 repeated line omitted, already shown above]\n{L3}")
-    );
+    assert_eq!(out["input"][2]["output"], format!("[1 omitted]\n{L2}"));
+    assert_eq!(out["input"][4]["output"], format!("[1 omitted]\n{L3}"));
     assert_eq!(out["input"][4]["call_id"], "f2");
     assert_eq!(report.lines_omitted, 2);
 }
@@ -612,7 +596,7 @@ fn conversation() -> impl Strategy<Value = Value> {
         "  indented repeated line of text",
         "```",
         "{\"a\": 1}",
-        "[visor: 3 repeated lines omitted, already shown above]",
+        "[3 omitted]",
         "ünïcödé line, long enough",
     ]);
     let text = prop::collection::vec(line, 0..6).prop_map(|ls| ls.join("\n"));
@@ -675,7 +659,7 @@ proptest! {
                 Value::Array(a) => a.iter().filter_map(|p| p["text"].as_str()).collect(),
                 _ => vec![],
             };
-            texts.iter().flat_map(|t| t.lines()).filter(|l| l.ends_with(" omitted, already shown above]") && !l.contains("repeated text")).count()
+            texts.iter().flat_map(|t| t.lines()).filter(|l| l.starts_with('[') && l.ends_with(" omitted]")).count()
         };
         let msgs = body["messages"].as_array().unwrap();
         for (m, o) in msgs.iter().zip(out["messages"].as_array().unwrap()) {
@@ -684,11 +668,13 @@ proptest! {
     }
 
     #[test]
-    fn deterministic_and_idempotent(body in conversation()) {
-        let (once, _) = chat(&body);
-        let (again, _) = chat(&body);
+    fn deterministic_and_idempotent(body in conversation(), min in prop::sample::select(vec![4usize, 16])) {
+        // At 4 characters visor's own notes are long enough to repeat.
+        let p = plan(Shape::Chat, true, Rules { min_line_chars: Some(min), ..DEFAULTS });
+        let (once, _) = run(&body, &p);
+        let (again, _) = run(&body, &p);
         prop_assert_eq!(&once, &again);
-        let (twice, report) = chat(&once);
+        let (twice, report) = run(&once, &p);
         prop_assert_eq!(&twice, &once);
         prop_assert_eq!(report.lines_omitted, 0);
     }
