@@ -266,6 +266,22 @@ fn explain_prints_the_rewritten_request_and_the_report() {
         serde_json::from_slice::<serde_json::Value>(&body).unwrap()
     );
 
+    // An agent's re-fetched history: the repeated lines are reported.
+    let out = visor()
+        .args(["explain", "--model", "gpt-oss-120b"])
+        .arg(support::fixtures().join("agent-history-refetch.json"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["report"]["lines_omitted"], 696);
+    assert!(v["report"]["bytes_saved_dedup"].as_i64().unwrap() > 80_000);
+    let last_tool = &v["request"]["messages"][119]["content"];
+    assert!(
+        last_tool.as_str().unwrap().starts_with("[24 omitted]\n"),
+        "{last_tool}"
+    );
+
     // Not JSON: a clear error, exit 1.
     let bad = temp_config("bad-body", "{\"model\": ");
     let out = visor()

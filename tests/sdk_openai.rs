@@ -123,6 +123,22 @@ raw = client.chat.completions.with_raw_response.create(
 out["image_replaced"] = raw.headers.get("x-visor-images-replaced")
 out["image_answer"] = raw.parse().choices[0].message.content
 
+# An agent that re-fetches the same chat lines every turn: the second tool
+# result reaches the upstream without the lines it repeats.
+lines = "\n".join(f"[10:0{i}] bob: line number {i} of the shared chat history" for i in range(5))
+def call(i):
+    return {"id": f"c{i}", "type": "function", "function": {"name": "fetch", "arguments": "{}"}}
+history = [
+    {"role": "user", "content": "summarize"},
+    {"role": "assistant", "content": None, "tool_calls": [call(1)]},
+    {"role": "tool", "tool_call_id": "c1", "content": lines},
+    {"role": "assistant", "content": None, "tool_calls": [call(2)]},
+    {"role": "tool", "tool_call_id": "c2", "content": lines + "\n[10:05] carol: one new line"},
+]
+raw = client.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=history)
+out["dedup_saved"] = int(raw.headers.get("x-visor-bytes-saved"))
+out["dedup_answer"] = raw.parse().choices[0].message.content
+
 print(json.dumps(out))
 "#;
 
@@ -254,17 +270,29 @@ async fn openai_python_sdk_through_visor() {
     });
     assert_eq!(described.len(), 1, "one describer call");
     assert!(described[0].headers.get("authorization").is_none());
-    let image_chat = recs.last().unwrap();
+    let image_chat = &recs[recs.len() - 2];
     let sent = String::from_utf8_lossy(&image_chat.body);
     assert!(
         sent.contains("described: pong to You describe images"),
         "{sent}"
     );
     assert!(!sent.contains("base64"), "{sent}");
+    let history: serde_json::Value = serde_json::from_slice(&recs.last().unwrap().body).unwrap();
+    assert_eq!(
+        history["messages"][4]["content"],
+        "[5 omitted]\n[10:05] carol: one new line"
+    );
+    assert_eq!(history["messages"][4]["tool_call_id"], "c2");
+    assert_eq!(
+        history["messages"][2],
+        serde_json::json!({"role": "tool", "tool_call_id": "c1", "content": (0..5).map(|i| format!("[10:0{i}] bob: line number {i} of the shared chat history")).collect::<Vec<_>>().join("\n")})
+    );
+    assert!(v["dedup_saved"].as_i64().unwrap() > 200, "{v}");
+    assert_eq!(v["dedup_answer"], "pong to summarize");
     assert_eq!(
         recs.len(),
-        5,
-        "four chats and a model list; refused ones never arrive"
+        6,
+        "five chats and a model list; refused ones never arrive"
     );
     for r in &recs {
         assert!(r.headers.get("authorization").is_none());
@@ -276,9 +304,11 @@ async fn openai_python_sdk_through_visor() {
         );
     }
     let text = visor.metrics().await;
+    // 8 prompt tokens in the usage of each of the four answers that report
+    // it (the history chat is the fourth).
     assert_eq!(
         metric(&text, "visor_tokens_total", &[("kind", "prompt")]),
-        Some(24.0)
+        Some(32.0)
     );
     assert_eq!(
         metric(&text, "visor_images_total", &[("action", "described")]),
