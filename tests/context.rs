@@ -334,3 +334,43 @@ async fn a_text_only_model_describes_recent_images_and_reuses_them_when_they_age
     let m = visor.metrics().await;
     assert_eq!(counter(&m, "visor_describe_total", ("result", "miss")), 5.0);
 }
+
+/// A Chat transcript for `model`: one tool screenshot per turn, each
+/// `pad` bytes larger than the chart (so the body can be made large).
+fn screenshots(model: &str, turns: usize, pad: usize) -> (Value, Vec<Vec<u8>>) {
+    let mut messages = vec![json!({"role": "user", "content": "iterate until it matches"})];
+    let mut pngs = Vec::new();
+    for t in 0..turns {
+        let (url, png) = png_data_url(&format!("{t}{}", "x".repeat(pad)));
+        let id = format!("call_{t}");
+        messages.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "shot", "arguments": "{}"}}]}));
+        messages.push(json!({"role": "tool", "tool_call_id": id, "content": [{"type": "image_url", "image_url": {"url": url}}]}));
+        pngs.push(png);
+    }
+    (json!({"model": model, "messages": messages}), pngs)
+}
+
+#[tokio::test]
+async fn large_bodies_for_a_model_that_can_see_age_out_the_same_way() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    // 4 turns: one screenshot ages out (decoded on the worker); 7 turns:
+    // four of 150 KB age out (decoded on the blocking pool).
+    for (turns, aged) in [(4, 1), (7, 4)] {
+        let (body, pngs) = screenshots("gpt-4o", turns, 150_000);
+        let bytes = serde_json::to_vec(&body).unwrap();
+        assert!(bytes.len() > 256 * 1024);
+        let (status, headers, _) = send(post_json(&visor.url("/v1/chat/completions"), bytes)).await;
+        assert_eq!(status, 200);
+        assert_eq!(header_num(&headers, "x-visor-images-replaced"), aged as i64);
+        let sent = json(&mock.recorded().pop().unwrap().body);
+        assert_eq!(image_parts(&sent), turns - aged);
+        for (t, png) in pngs.iter().enumerate().take(aged) {
+            let text = sent["messages"][2 + 2 * t]["content"].as_str().unwrap();
+            assert!(text.contains(&sha256_hex(png)[..12]), "{text}");
+        }
+        for t in aged..turns {
+            assert_eq!(sent["messages"][2 + 2 * t], body["messages"][2 + 2 * t]);
+        }
+    }
+}

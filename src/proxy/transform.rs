@@ -186,18 +186,29 @@ pub async fn after_refusal(
 async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Credential) -> Prepared {
     let large = body.len() > INLINE_LIMIT;
     let started = Instant::now();
-    // Scanned, and finished at once when there is nothing to describe
+    // Resolved, and finished at once when there is nothing to describe
     // (one trip to the blocking pool for a large body, not two).
     let b = body.clone();
-    let scanned = off_thread(large, move || {
-        let scanned = transform::scan(&b, &plan)?;
+    let resolve = move |mut scanned: transform::Scanned| {
+        scanned.resolve(&b);
         let subjects: Vec<_> = scanned.subjects().into_iter().map(|(_, s)| s).collect();
         match subjects.is_empty() {
             true => Err(Box::new(scanned.finish(&b, &[]))),
             false => Ok((scanned, subjects)),
         }
-    })
-    .await
+    };
+    // The walk skips strings it does not need (a kept image's base64) at
+    // memory speed, so a large body for a model that can see is walked here
+    // and goes to the blocking pool only when there is real work: images to
+    // decode, or much text to dedup.
+    let scanned = match (large && plan.vision).then(|| transform::walk(&body, &plan)) {
+        Some(Err(done)) => Some(Err(done)),
+        Some(Ok(walked)) => off_thread(walked.work() > INLINE_LIMIT, move || resolve(walked)).await,
+        None => {
+            let b = body.clone();
+            off_thread(large, move || transform::walk(&b, &plan).and_then(resolve)).await
+        }
+    }
     .unwrap_or_else(|| Err(Box::default()));
     let mut spent = started.elapsed();
     let rewrite = match scanned {

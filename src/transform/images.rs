@@ -1041,6 +1041,11 @@ impl Scan {
         }
     }
 
+    /// The length of the base64 text of image `i` when it is not decoded yet.
+    pub fn pending_len(&self, i: usize) -> Option<usize> {
+        self.images.get(i)?.pending.as_ref().map(|p| p.range.len())
+    }
+
     /// The length of spot `s`'s string literal in the body, quotes included.
     pub fn spot_literal_len(&self, s: usize) -> usize {
         self.spots.get(s).map_or(0, |spot| spot.lit.range.len())

@@ -228,10 +228,18 @@ pub struct Scanned {
 /// Finds the images in `body`. `Err` holds the finished rewrite when
 /// nothing is to be done (or the body cannot be walked).
 pub fn scan(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
+    let mut scanned = walk(body, plan)?;
+    scanned.resolve(body);
+    Ok(scanned)
+}
+
+/// The cheap half of [`scan`]: the walk and the decisions, no image
+/// decoded yet (see [`Scanned::resolve`] and [`Scanned::work`]).
+pub fn walk(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
     if !needed(plan) {
         return Err(Box::default());
     }
-    let mut scan = match images::scan(body, plan.shape) {
+    let scan = match images::scan(body, plan.shape) {
         Ok(s) => s,
         Err(_) => {
             return Err(Box::new(Rewrite {
@@ -244,11 +252,6 @@ pub fn scan(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
         }
     };
     let fates = decide(&scan, body, plan);
-    for (i, fate) in fates.iter().enumerate() {
-        if *fate != Fate::Kept {
-            scan.resolve(i, body);
-        }
-    }
     Ok(Scanned {
         scan,
         plan: *plan,
@@ -366,6 +369,35 @@ impl Scanned {
     /// What becomes of each image.
     pub fn fates(&self) -> &[Fate] {
         &self.fates
+    }
+
+    /// Decodes and hashes the images to be replaced (after [`walk`]).
+    pub fn resolve(&mut self, body: &[u8]) {
+        for (i, fate) in self.fates.iter().enumerate() {
+            if *fate != Fate::Kept {
+                self.scan.resolve(i, body);
+            }
+        }
+    }
+
+    /// About how many bytes [`Scanned::resolve`] and [`Scanned::finish`]
+    /// will go through: the base64 of the images to decode, and the text
+    /// dedup reads. A caller runs them off its thread when this is large.
+    pub fn work(&self) -> usize {
+        let images: usize = (0..self.fates.len())
+            .filter(|&i| self.fates[i] != Fate::Kept)
+            .filter_map(|i| self.scan.pending_len(i))
+            .sum();
+        let texts: usize = match self.plan.rules.min_line_chars {
+            Some(_) => self
+                .scan
+                .texts
+                .iter()
+                .map(|t| self.scan.spot_literal_len(t.spot))
+                .sum(),
+            None => 0,
+        };
+        images + texts
     }
 
     /// Rewrites `body`: each replaced image becomes its description when
