@@ -7,6 +7,9 @@
 //!   committed 30-turn fixtures (lines, and JSON array items).
 //! - `context/rules-6turns`: the 6-turn screenshot fixture for a vision
 //!   model: age out three screenshots (decode, hash, replace).
+//! - `context/rules-small-request`: a one-line chat request (the load
+//!   script's) with every rule on: what the rules cost a request they leave
+//!   alone.
 //! - `context/rules-vision-4mb`: the 4 MB image request for a vision model
 //!   with every rule on and nothing to change: the walk over the body (the
 //!   image is kept, so never decoded).
@@ -105,6 +108,15 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             let r = rewrite(black_box(&shots), &plan(true));
             assert_eq!(r.report.images_replaced, 3);
+            r
+        })
+    });
+    let tiny = br#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello."}]}"#;
+    g.throughput(Throughput::Bytes(tiny.len() as u64));
+    g.bench_function("rules-small-request", |b| {
+        b.iter(|| {
+            let r = rewrite(black_box(tiny), &plan(true));
+            assert!(r.body.is_none());
             r
         })
     });
