@@ -409,23 +409,13 @@ fn tool_images_older_than_keep_turns_age_out() {
 fn the_cap_takes_older_tool_images_first_then_user_images() {
     let (body, _) = screenshots();
     let bytes = serde_json::to_vec(&body).unwrap();
-    let no_aging = Rules {
-        keep_turns: usize::MAX,
-        ..DEFAULTS
-    };
+    let with = |rules: Rules| actions(&rewrite(&bytes, &plan(Shape::Chat, true, rules)).report);
     let capped = |max| {
-        let r = rewrite(
-            &bytes,
-            &plan(
-                Shape::Chat,
-                true,
-                Rules {
-                    max_images: max,
-                    ..no_aging
-                },
-            ),
-        );
-        actions(&r.report)
+        with(Rules {
+            keep_turns: usize::MAX,
+            max_images: max,
+            ..DEFAULTS
+        })
     };
     assert_eq!(capped(10), ["kept"; 7]);
     assert_eq!(
@@ -442,19 +432,11 @@ fn the_cap_takes_older_tool_images_first_then_user_images() {
         "tool images go before the user's own, however new"
     );
     // Aging first, then the cap over what is left.
-    let r = rewrite(
-        &bytes,
-        &plan(
-            Shape::Chat,
-            true,
-            Rules {
-                max_images: 2,
-                ..DEFAULTS
-            },
-        ),
-    );
     assert_eq!(
-        actions(&r.report),
+        with(Rules {
+            max_images: 2,
+            ..DEFAULTS
+        }),
         [
             "kept", "aged_out", "aged_out", "aged_out", "capped", "capped", "kept"
         ]
