@@ -1,5 +1,5 @@
-//! The store: what visor keeps beyond one request — image descriptions and
-//! the models learned to refuse images (sessions come later) — behind one
+//! The store: what visor keeps beyond one request — image descriptions,
+//! the models learned to refuse images, and sessions' histories — behind one
 //! small interface with three backends (`[store] backend`):
 //!
 //! - `"disk"` (the default): one [redb] file, `<data_dir>/store.redb`.
@@ -9,7 +9,9 @@
 //!   replicas. Keys start with `[store] prefix`.
 //! - `"memory"`: a map in this process, gone at exit (tests, throwaway runs).
 //!
-//! The store never fails a user's request. Every operation is bounded by
+//! Descriptions and learned models never fail a user's request (session
+//! operations return their error: the caller answers 503 rather than lose
+//! a history). Every operation is bounded by
 //! [`OP_TIMEOUT`]; one that fails or times out marks the store *down*: a
 //! warning is logged once, `visor_store_errors_total{op}` counts it,
 //! `visor_store_up` drops to 0 and `/readyz` reports `degraded` with the
@@ -26,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
 use redb::{ReadableTable as _, TableDefinition};
 use tokio::time::Instant;
 
@@ -46,6 +49,19 @@ pub const DISK_FILE: &str = "store.redb";
 
 const DESCRIPTIONS: TableDefinition<&str, &str> = TableDefinition::new("descriptions");
 const LEARNED: TableDefinition<&str, &str> = TableDefinition::new("learned_non_vision");
+/// A session's messages by (session key, sequence number).
+const SESSION_MESSAGES: TableDefinition<(&str, u64), &[u8]> =
+    TableDefinition::new("session_messages");
+/// A session's next sequence number and when it was last written (Unix
+/// seconds).
+const SESSION_META: TableDefinition<&str, (u64, u64)> = TableDefinition::new("session_meta");
+
+/// The seconds since the Unix epoch.
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -258,6 +274,211 @@ impl Store {
         self.guarded("put", op).await
     }
 
+    /// The newest `newest` messages of session `key`, oldest first; `None`
+    /// when the session is unknown (never written, deleted, or idle longer
+    /// than `ttl`).
+    pub async fn session(
+        &self,
+        key: &str,
+        newest: usize,
+        ttl: Duration,
+    ) -> Result<Option<Vec<Bytes>>, StoreError> {
+        let op = async {
+            match &self.backend {
+                Backend::Memory(m) => {
+                    let Ok(mut sessions) = m.sessions.lock() else {
+                        return Err("store lock poisoned".to_owned());
+                    };
+                    match sessions.get(key) {
+                        Some(s) if s.touched.elapsed() > ttl => {
+                            sessions.remove(key);
+                            Ok(None)
+                        }
+                        Some(s) => {
+                            let skip = s.messages.len().saturating_sub(newest);
+                            Ok(Some(s.messages.iter().skip(skip).cloned().collect()))
+                        }
+                        None => Ok(None),
+                    }
+                }
+                Backend::Disk(d) => {
+                    let key = key.to_owned();
+                    d.run(move |db| {
+                        let txn = db.begin_read()?;
+                        let Some((next, touched)) = txn
+                            .open_table(SESSION_META)?
+                            .get(key.as_str())?
+                            .map(|v| v.value())
+                        else {
+                            return Ok(None);
+                        };
+                        if unix_now().saturating_sub(touched) > ttl.as_secs() {
+                            return Ok(None);
+                        }
+                        let table = txn.open_table(SESSION_MESSAGES)?;
+                        let from = next.saturating_sub(newest as u64);
+                        let mut out = Vec::new();
+                        for row in table.range((key.as_str(), from)..(key.as_str(), next))? {
+                            out.push(Bytes::copy_from_slice(row?.1.value()));
+                        }
+                        Ok(Some(out))
+                    })
+                    .await
+                }
+                Backend::Redis(r) => {
+                    let k = r.key("session:", key);
+                    let newest = i64::try_from(newest).unwrap_or(i64::MAX);
+                    let (exists, items): (bool, Vec<Vec<u8>>) = r
+                        .pipe(
+                            redis::pipe()
+                                .cmd("EXISTS")
+                                .arg(&k)
+                                .cmd("LRANGE")
+                                .arg(&k)
+                                .arg(-newest)
+                                .arg(-1),
+                        )
+                        .await?;
+                    Ok(exists.then(|| items.into_iter().map(Bytes::from).collect()))
+                }
+            }
+        };
+        self.guarded("get", op).await
+    }
+
+    /// Appends `messages` to session `key` in one atomic step (no other
+    /// append lands between them), keeps its newest `keep`, and restarts
+    /// its idle clock (`ttl`).
+    pub async fn append_session(
+        &self,
+        key: &str,
+        messages: Vec<Bytes>,
+        keep: usize,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let op = async {
+            match &self.backend {
+                Backend::Memory(m) => {
+                    let Ok(mut sessions) = m.sessions.lock() else {
+                        return Err("store lock poisoned".to_owned());
+                    };
+                    let s = sessions
+                        .entry(key.to_owned())
+                        .or_insert_with(|| MemSession {
+                            messages: std::collections::VecDeque::new(),
+                            touched: std::time::Instant::now(),
+                        });
+                    if s.touched.elapsed() > ttl {
+                        s.messages.clear();
+                    }
+                    s.messages.extend(messages);
+                    while s.messages.len() > keep {
+                        s.messages.pop_front();
+                    }
+                    s.touched = std::time::Instant::now();
+                    Ok(())
+                }
+                Backend::Disk(d) => {
+                    let key = key.to_owned();
+                    d.run(move |db| {
+                        let now = unix_now();
+                        let txn = db.begin_write()?;
+                        {
+                            let mut meta = txn.open_table(SESSION_META)?;
+                            let mut table = txn.open_table(SESSION_MESSAGES)?;
+                            let (mut next, touched) = meta
+                                .get(key.as_str())?
+                                .map(|v| v.value())
+                                .unwrap_or((0, now));
+                            // An expired session starts again, empty.
+                            let mut first = if now.saturating_sub(touched) > ttl.as_secs() {
+                                next
+                            } else {
+                                0
+                            };
+                            for m in &messages {
+                                table.insert((key.as_str(), next), m.as_ref())?;
+                                next += 1;
+                            }
+                            first = first.max(next.saturating_sub(keep as u64));
+                            table.retain_in((key.as_str(), 0)..(key.as_str(), first), |_, _| {
+                                false
+                            })?;
+                            meta.insert(key.as_str(), (next, now))?;
+                        }
+                        txn.commit()?;
+                        Ok(())
+                    })
+                    .await
+                }
+                Backend::Redis(r) => {
+                    let k = r.key("session:", key);
+                    let keep = i64::try_from(keep).unwrap_or(i64::MAX);
+                    let mut pipe = redis::pipe();
+                    pipe.atomic().cmd("RPUSH").arg(&k);
+                    for m in &messages {
+                        pipe.arg(m.as_ref());
+                    }
+                    pipe.ignore()
+                        .cmd("LTRIM")
+                        .arg(&k)
+                        .arg(-keep)
+                        .arg(-1)
+                        .ignore()
+                        .cmd("EXPIRE")
+                        .arg(&k)
+                        .arg(ttl.as_secs().max(1))
+                        .ignore();
+                    r.pipe::<()>(&pipe).await
+                }
+            }
+        };
+        self.guarded("put", op).await
+    }
+
+    /// Forgets session `key`; true when there was one.
+    pub async fn delete_session(&self, key: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let op = async {
+            match &self.backend {
+                Backend::Memory(m) => {
+                    let Ok(mut sessions) = m.sessions.lock() else {
+                        return Err("store lock poisoned".to_owned());
+                    };
+                    Ok(sessions
+                        .remove(key)
+                        .is_some_and(|s| s.touched.elapsed() <= ttl))
+                }
+                Backend::Disk(d) => {
+                    let key = key.to_owned();
+                    d.run(move |db| {
+                        let txn = db.begin_write()?;
+                        let existed;
+                        {
+                            let mut meta = txn.open_table(SESSION_META)?;
+                            let mut table = txn.open_table(SESSION_MESSAGES)?;
+                            let was = meta.remove(key.as_str())?.map(|v| v.value());
+                            existed = was.is_some_and(|(_, touched)| {
+                                unix_now().saturating_sub(touched) <= ttl.as_secs()
+                            });
+                            table.retain_in(
+                                (key.as_str(), 0)..=(key.as_str(), u64::MAX),
+                                |_, _| false,
+                            )?;
+                        }
+                        txn.commit()?;
+                        Ok(existed)
+                    })
+                    .await
+                }
+                Backend::Redis(r) => r
+                    .query::<i64>(redis::cmd("DEL").arg(r.key("session:", key)))
+                    .await
+                    .map(|n| n > 0),
+            }
+        };
+        self.guarded("put", op).await
+    }
+
     async fn ping(&self) -> Result<(), String> {
         match &self.backend {
             Backend::Memory(_) => Ok(()),
@@ -329,6 +550,12 @@ impl Store {
 struct Memory {
     descriptions: Mutex<HashMap<String, String>>,
     learned: Mutex<BTreeSet<String>>,
+    sessions: Mutex<HashMap<String, MemSession>>,
+}
+
+struct MemSession {
+    messages: std::collections::VecDeque<Bytes>,
+    touched: std::time::Instant,
 }
 
 struct Disk {
@@ -382,6 +609,8 @@ impl Disk {
         let txn = db.begin_write()?;
         txn.open_table(DESCRIPTIONS)?;
         txn.open_table(LEARNED)?;
+        txn.open_table(SESSION_MESSAGES)?;
+        txn.open_table(SESSION_META)?;
         txn.commit()?;
         Ok(db)
     }
@@ -416,6 +645,11 @@ impl Redis {
     async fn query<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> Result<T, String> {
         let mut conn = self.conn.clone();
         cmd.query_async(&mut conn).await.map_err(|e| e.to_string())
+    }
+
+    async fn pipe<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> Result<T, String> {
+        let mut conn = self.conn.clone();
+        pipe.query_async(&mut conn).await.map_err(|e| e.to_string())
     }
 }
 
