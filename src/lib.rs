@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod models;
 pub mod proxy;
 pub mod server;
+pub mod sessions;
 pub mod store;
 pub mod transform;
 pub mod upstream;
