@@ -24,6 +24,12 @@ pub enum VisorError {
     NotFound(String),
     #[error("no saved image has the id `{0}`")]
     ArtifactNotFound(String),
+    #[error("no session has the id `{0}`")]
+    SessionNotFound(String),
+    #[error(
+        "the session store cannot be reached ({0}); the request was not sent, so no history is lost"
+    )]
+    StoreUnavailable(String),
     #[error("request body is larger than the limit of {limit} bytes (server.max_body_bytes)")]
     BodyTooLarge { limit: u64 },
     #[error("the request body did not arrive within server.request_timeout_secs")]
@@ -73,6 +79,16 @@ impl VisorError {
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 "artifact_not_found",
+            ),
+            VisorError::SessionNotFound(_) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "session_not_found",
+            ),
+            VisorError::StoreUnavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "store_unavailable",
             ),
             VisorError::BodyTooLarge { .. } => (
                 StatusCode::PAYLOAD_TOO_LARGE,

@@ -7,7 +7,6 @@
 //! Chat Completions shape.
 
 use serde_json::{Map, Value};
-use sha2::{Digest, Sha256};
 
 /// The longest session id accepted.
 pub const MAX_ID_LEN: usize = 128;
@@ -46,17 +45,10 @@ pub fn depth(
 }
 
 /// The store key of a session: the id, in the namespace of the proxy key
-/// that asked (`-` when visor has no proxy keys), so one key cannot read
-/// another's sessions.
-pub fn store_key(proxy_key: Option<&str>, id: &str) -> String {
-    match proxy_key {
-        None => format!("-/{id}"),
-        Some(k) => {
-            let digest = Sha256::digest(k.as_bytes());
-            let ns: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-            format!("{ns}/{id}")
-        }
-    }
+/// that asked (its id, see `KeySet::key_id`; `-` when visor has no proxy
+/// keys), so one key cannot read another's sessions.
+pub fn store_key(namespace: Option<&str>, id: &str) -> String {
+    format!("{}/{id}", namespace.unwrap_or("-"))
 }
 
 /// A request's messages merged with its session's history.
@@ -290,7 +282,7 @@ mod tests {
         assert_eq!(depth(Some("5000"), 25, 200), Ok(200));
         assert!(depth(Some("-1"), 25, 200).is_err());
         assert!(depth(Some("ten"), 25, 200).is_err());
-        assert_ne!(store_key(Some("sk-a"), "s"), store_key(Some("sk-b"), "s"));
+        assert_ne!(store_key(Some("0a1b"), "s"), store_key(Some("2c3d"), "s"));
         assert_eq!(store_key(None, "s"), "-/s");
     }
 

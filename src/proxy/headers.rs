@@ -114,14 +114,8 @@ impl ProxyKeys {
     /// True when the request carries one of the keys, as
     /// `Authorization: Bearer KEY` or `x-api-key: KEY`.
     pub fn accepts(&self, headers: &HeaderMap) -> bool {
-        let bearer = headers.get(header::AUTHORIZATION).and_then(|v| {
-            v.as_bytes()
-                .strip_prefix(b"Bearer ")
-                .map(<[u8]>::trim_ascii)
-        });
-        let x_api_key = headers.get(&X_API_KEY).map(|v| v.as_bytes().trim_ascii());
         let mut ok = false;
-        for presented in [bearer, x_api_key].into_iter().flatten() {
+        for presented in presented(headers).into_iter().flatten() {
             let d = digest(presented);
             for k in &self.digests {
                 ok |= ct_eq(&d, k);
@@ -129,6 +123,35 @@ impl ProxyKeys {
         }
         ok
     }
+}
+
+impl ProxyKeys {
+    /// A short id of the proxy key `headers` carry (16 hex digits of its
+    /// SHA-256), when it is one of visor's keys: the namespace of its
+    /// sessions.
+    pub fn key_id(&self, headers: &HeaderMap) -> Option<String> {
+        presented(headers)
+            .into_iter()
+            .flatten()
+            .find_map(|presented| {
+                let d = digest(presented);
+                self.digests
+                    .iter()
+                    .any(|k| ct_eq(&d, k))
+                    .then(|| d[..8].iter().map(|b| format!("{b:02x}")).collect())
+            })
+    }
+}
+
+/// The keys a request presents: `Authorization: Bearer …` and `x-api-key`.
+fn presented(headers: &HeaderMap) -> [Option<&[u8]>; 2] {
+    let bearer = headers.get(header::AUTHORIZATION).and_then(|v| {
+        v.as_bytes()
+            .strip_prefix(b"Bearer ")
+            .map(<[u8]>::trim_ascii)
+    });
+    let x_api_key = headers.get(&X_API_KEY).map(|v| v.as_bytes().trim_ascii());
+    [bearer, x_api_key]
 }
 
 fn digest(b: &[u8]) -> [u8; 32] {
