@@ -19,6 +19,7 @@ use http_body_util::Full;
 use tokio::time::{Instant, Sleep};
 
 use crate::metrics::Metrics;
+use crate::proxy::session::{Recorder, Storing};
 use crate::proxy::usage::UsageObserver;
 use crate::upstream::{BoxError, ResponseBody};
 
@@ -129,6 +130,11 @@ pub struct ObservedBody {
     first_byte: bool,
     usage: UsageObserver,
     finish: Option<Finish>,
+    /// The session turn this response completes, if any.
+    session: Option<Recorder>,
+    /// The turn being stored, and the frame held until it is (`None`: the
+    /// end of the body).
+    storing: Option<(Storing, Option<Frame<Bytes>>)>,
 }
 
 impl ObservedBody {
@@ -158,7 +164,16 @@ impl ObservedBody {
             first_byte: false,
             usage,
             finish: Some(finish),
+            session: None,
+            storing: None,
         }
+    }
+
+    /// Records the reply into its session; the response's last bytes are
+    /// held until the turn is stored.
+    pub fn with_session(mut self, recorder: Recorder) -> Self {
+        self.session = Some(recorder);
+        self
     }
 
     fn stamp_first_byte(&mut self) {
@@ -225,6 +240,22 @@ impl Body for ObservedBody {
             // Already ended (an error was returned); stay ended.
             return Poll::Ready(None);
         }
+        if let Some((storing, held)) = &mut this.storing {
+            // A session turn is being stored (bounded by the store's own
+            // timeout): the last bytes wait for it.
+            if storing.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let held = held.take();
+            this.storing = None;
+            return match held {
+                Some(frame) => Poll::Ready(Some(Ok(frame))),
+                None => {
+                    this.report(Outcome::Complete);
+                    Poll::Ready(None)
+                }
+            };
+        }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 this.stamp_first_byte();
@@ -232,6 +263,16 @@ impl Body for ObservedBody {
                     this.usage.observe(data);
                 }
                 this.last_data = Instant::now();
+                if let Some(rec) = &mut this.session {
+                    if let Some(data) = frame.data_ref() {
+                        rec.observe(data);
+                    }
+                    let last = rec.stream_complete() || this.inner.is_end_stream();
+                    if last && let Some(storing) = rec.finish(true) {
+                        this.storing = Some((storing, Some(frame)));
+                        return self.poll_frame(cx);
+                    }
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
@@ -240,6 +281,10 @@ impl Body for ObservedBody {
             }
             Poll::Ready(None) => {
                 this.stamp_first_byte();
+                if let Some(storing) = this.session.as_mut().and_then(|r| r.finish(true)) {
+                    this.storing = Some((storing, None));
+                    return self.poll_frame(cx);
+                }
                 this.report(Outcome::Complete);
                 Poll::Ready(None)
             }
@@ -265,16 +310,31 @@ impl Body for ObservedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        // A held frame is still to come.
+        self.storing.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        let mut hint = self.inner.size_hint();
+        if let Some((_, Some(frame))) = &self.storing {
+            let held = frame.data_ref().map_or(0, |d| d.len() as u64);
+            if let Some(upper) = hint.upper() {
+                hint.set_upper(upper + held);
+            }
+            hint.set_lower(hint.lower() + held);
+        }
+        hint
     }
 }
 
 impl Drop for ObservedBody {
     fn drop(&mut self) {
+        // A turn being stored is stored, whether or not the client waits.
+        if let Some((storing, _)) = self.storing.take()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            rt.spawn(storing);
+        }
         if self.finish.is_some() {
             // hyper stops polling a body whose length is known once it has
             // all of it; only a body with bytes still to come was cut short.

@@ -44,6 +44,7 @@ use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
 use super::probe::{JsonScanner, WholeBody};
 use super::router::refuse;
+use super::session;
 use super::transform::{self, Options, Prepared};
 use super::usage::UsageObserver;
 use super::{AppState, RequestIdExt};
@@ -121,14 +122,45 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let model_label = state.metrics.model_label(model.as_deref().unwrap_or(""));
     tracing::debug!(upstream = %upstream_name, model = %model_label, "routed");
 
-    // 4. transform: the pure rewrite of the body visor holds whole.
+    // 4. session: the stored history merged in (Chat Completions).
+    let mut recorder = None;
+    let mut history_used = 0;
+    if let (Some(shape), Some(bytes)) = (shape, whole.as_ref()) {
+        let id = match session::requested(&parts.headers) {
+            Ok(id) => id,
+            Err(e) => return refuse(&state, e),
+        };
+        if let Some(id) = id {
+            if shape != Shape::Chat {
+                return refuse(
+                    &state,
+                    VisorError::BadRequest(
+                        "x-visor-session is supported on /v1/chat/completions in this version",
+                    ),
+                );
+            }
+            match session::open(&state, &parts.headers, &id, bytes).await {
+                Ok(opened) => {
+                    whole = Some(opened.body);
+                    history_used = opened.history_used;
+                    recorder = Some(opened.recorder);
+                }
+                Err(e) => return refuse(&state, e),
+            }
+        }
+    }
+
+    // 5. transform: the pure rewrite of the body visor holds whole.
     let mut prepared = match (shape, whole) {
         (Some(shape), Some(bytes)) => {
             let asker = transform::Asker {
                 headers: &parts.headers,
                 upstream: index,
             };
-            Some(transform::prepare(&state, shape, model.as_deref(), bytes, opts, asker).await)
+            let mut p =
+                transform::prepare(&state, shape, model.as_deref(), bytes, opts, asker).await;
+            p.report.history_used = history_used;
+            Some(p)
         }
         _ => None,
     };
@@ -238,6 +270,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         *req.uri_mut() = uri;
         *req.headers_mut() = headers;
         *p = retry;
+        p.report.history_used = history_used;
         (resp, timer) = match exchange.run(req, &exceeded, Instant::now()).await {
             Ok(r) => r,
             Err(Refused::Limit(r)) => return r,
@@ -260,6 +293,9 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         }
     }
     let usage = UsageObserver::for_response(&head.headers);
+    if let Some(rec) = recorder.as_mut() {
+        rec.head(head.status, &head.headers);
+    }
     let finish = Finish {
         metrics: state.metrics.clone(),
         upstream: upstream_name,
@@ -270,7 +306,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         sent,
         inflight,
     };
-    let observed = ObservedBody::new(
+    let mut observed = ObservedBody::new(
         incoming,
         usage,
         server.idle_timeout,
@@ -278,6 +314,9 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         timer,
         finish,
     );
+    if let Some(rec) = recorder {
+        observed = observed.with_session(rec);
+    }
     Response::from_parts(head, ProxyBody::Upstream(Box::new(observed)))
 }
 
@@ -392,7 +431,7 @@ fn visor_counts(headers: &mut HeaderMap, report: &Report) {
     );
     headers.insert(
         header::HeaderName::from_static("x-visor-history-used"),
-        num(0),
+        num(report.history_used as i64),
     );
 }
 

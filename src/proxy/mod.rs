@@ -5,6 +5,7 @@ mod forward;
 pub mod headers;
 pub mod probe;
 mod router;
+pub mod session;
 mod transform;
 pub mod usage;
 

@@ -47,6 +47,10 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
             let id = path["/visor/artifacts/".len()..].to_owned();
             artifact(&state, id).await
         }
+        (&Method::GET | &Method::DELETE, _) if path.starts_with("/visor/sessions/") => {
+            let id = path["/visor/sessions/".len()..].to_owned();
+            session_endpoint(&state, req.method() == Method::DELETE, req.headers(), id).await
+        }
         _ => {
             let e = VisorError::NotFound(truncate(path, 200));
             refuse(&state, e)
@@ -88,6 +92,52 @@ async fn artifact(state: &AppState, id: String) -> Response<ProxyBody> {
             refuse(state, VisorError::ArtifactNotFound(id))
         }
         Err(_) => refuse(state, VisorError::ArtifactNotFound(id)),
+    }
+}
+
+/// `GET /visor/sessions/<id>`: `{"session": id, "messages": [...]}`, oldest
+/// first (404 when unknown); `DELETE`: forgets it (204, also when there was
+/// nothing to forget). Sessions are those of the proxy key that asks.
+async fn session_endpoint(
+    state: &AppState,
+    delete: bool,
+    headers: &http::HeaderMap,
+    id: String,
+) -> Response<ProxyBody> {
+    if let Err(e) = crate::sessions::valid_id(&id) {
+        return refuse(state, VisorError::BadRequest(e.0));
+    }
+    let key = super::session::key(state, headers, &id);
+    let ttl = std::time::Duration::from_secs(state.config.sessions.idle_ttl_secs);
+    if delete {
+        return match state.store.delete_session(&key, ttl).await {
+            Ok(_) => {
+                let mut resp = Response::new(ProxyBody::from(Bytes::new()));
+                *resp.status_mut() = StatusCode::NO_CONTENT;
+                resp
+            }
+            Err(e) => refuse(state, VisorError::StoreUnavailable(e.to_string())),
+        };
+    }
+    let keep = state.config.sessions.max_depth as usize;
+    match state.store.session(&key, keep, ttl).await {
+        Ok(Some(messages)) => {
+            // The stored messages are JSON already: joined, not re-parsed.
+            let mut body =
+                serde_json::to_vec(&serde_json::json!({ "session": id })).unwrap_or_default();
+            body.pop();
+            body.extend_from_slice(b",\"messages\":[");
+            for (i, m) in messages.iter().enumerate() {
+                if i > 0 {
+                    body.push(b',');
+                }
+                body.extend_from_slice(m);
+            }
+            body.extend_from_slice(b"]}");
+            json_owned(StatusCode::OK, body)
+        }
+        Ok(None) => refuse(state, VisorError::SessionNotFound(id)),
+        Err(e) => refuse(state, VisorError::StoreUnavailable(e.to_string())),
     }
 }
 

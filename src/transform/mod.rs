@@ -187,6 +187,9 @@ pub struct Report {
     /// Repeated lines and JSON array elements removed.
     pub lines_omitted: usize,
     pub items_omitted: usize,
+    /// Stored session messages prepended (set by the proxy).
+    #[serde(skip)]
+    pub history_used: usize,
     pub images: Vec<ImageNote>,
     /// Set when the body could not be walked and was left unchanged.
     #[serde(skip_serializing_if = "Option::is_none")]

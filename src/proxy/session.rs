@@ -1,0 +1,226 @@
+//! The async edge of sessions (`x-visor-session`, Chat Completions): reads
+//! the history before the request goes upstream and merges it in
+//! ([`open`]), then records the reply as the response passes
+//! ([`Recorder`]) and appends the request's new messages with it — before
+//! the response's last bytes are released, so the next request in the
+//! session sees it.
+//!
+//! What is stored: the client's new non-system messages and the assistant
+//! reply (text and tool calls; assembled from the stream when streaming).
+//! When the upstream answers with an error, the stream is cut, or the client
+//! goes away first, the new messages are stored without a reply (nothing the
+//! user sent is lost, and no partial reply passes for a whole one).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::HeaderMap;
+use serde_json::Value;
+
+use super::AppState;
+use crate::error::VisorError;
+use crate::sessions::{self, StreamedReply};
+
+/// Largest non-stream answer read for its reply.
+const MAX_JSON_REPLY: usize = 4 * 1024 * 1024;
+
+/// A request in a session, once merged: where its messages go.
+pub struct Opened {
+    /// The request body with the history in it.
+    pub body: Bytes,
+    pub history_used: usize,
+    pub recorder: Recorder,
+}
+
+/// The session header of a request, if any: `Ok(None)` without one.
+pub fn requested(headers: &HeaderMap) -> Result<Option<String>, VisorError> {
+    let Some(v) = headers.get("x-visor-session") else {
+        return Ok(None);
+    };
+    let id = v.to_str().map_err(|_| bad(sessions::BadHeader("")))?;
+    sessions::valid_id(id.trim()).map_err(bad)?;
+    Ok(Some(id.trim().to_owned()))
+}
+
+fn bad(e: sessions::BadHeader) -> VisorError {
+    VisorError::BadRequest(match e.0 {
+        "" => "x-visor-session must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+        why => why,
+    })
+}
+
+/// The store key of session `id` for the client of `headers`.
+pub fn key(state: &AppState, headers: &HeaderMap, id: &str) -> String {
+    sessions::store_key(state.keys.key_id(headers).as_deref(), id)
+}
+
+fn ttl(state: &AppState) -> Duration {
+    Duration::from_secs(state.config.sessions.idle_ttl_secs)
+}
+
+/// Reads session `id`'s history and merges the request's messages into it.
+pub async fn open(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    id: &str,
+    body: &Bytes,
+) -> Result<Opened, VisorError> {
+    let cfg = &state.config.sessions;
+    let depth = sessions::depth(
+        headers
+            .get("x-visor-history")
+            .map(|v| v.to_str().unwrap_or("?")),
+        cfg.default_depth as usize,
+        cfg.max_depth as usize,
+    )
+    .map_err(bad)?;
+    let mut request: Value =
+        serde_json::from_slice(body).map_err(|e| VisorError::InvalidJson(e.to_string()))?;
+    let Some(Value::Array(messages)) = request.get_mut("messages").map(Value::take) else {
+        return Err(VisorError::BadRequest(
+            "a request with x-visor-session needs a `messages` array",
+        ));
+    };
+    let key = key(state, headers, id);
+    // Enough of the stored tail to find what the client re-sent, and the
+    // history to prepend.
+    let want = depth.max(messages.len());
+    let stored = match state.store.session(&key, want, ttl(state)).await {
+        Ok(s) => s.unwrap_or_default(),
+        Err(e) => return Err(VisorError::StoreUnavailable(e.to_string())),
+    };
+    let stored: Vec<Value> = stored
+        .iter()
+        .filter_map(|b| serde_json::from_slice(b).ok())
+        .collect();
+    let merged = sessions::merge(messages, &stored, depth);
+    request["messages"] = Value::Array(merged.messages);
+    let body = serde_json::to_vec(&request)
+        .map(Bytes::from)
+        .map_err(|e| VisorError::InvalidJson(e.to_string()))?;
+    let new = merged
+        .new
+        .iter()
+        .filter(|m| !matches!(m["role"].as_str(), Some("system" | "developer")))
+        .filter_map(|m| serde_json::to_vec(m).ok().map(Bytes::from))
+        .collect();
+    Ok(Opened {
+        body,
+        history_used: merged.history_used,
+        recorder: Recorder {
+            state: state.clone(),
+            key,
+            new,
+            reply: Reply::Waiting,
+            done: false,
+        },
+    })
+}
+
+enum Reply {
+    /// The response head has not been seen.
+    Waiting,
+    /// A JSON answer, kept by reference until it ends.
+    Json(Vec<Bytes>, usize),
+    /// An event stream, assembled as it passes.
+    Stream(Box<StreamedReply>),
+    /// An error answer, or a body that cannot be read: no reply.
+    None,
+}
+
+/// Records one request's turn in its session.
+pub struct Recorder {
+    state: Arc<AppState>,
+    key: String,
+    new: Vec<Bytes>,
+    reply: Reply,
+    done: bool,
+}
+
+/// The append of a finished turn, to be awaited before the response's last
+/// bytes go out.
+pub type Storing = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl Recorder {
+    /// The response head: what kind of body carries the reply.
+    pub fn head(&mut self, status: http::StatusCode, headers: &HeaderMap) {
+        let sse = headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|t| t.starts_with("text/event-stream"));
+        self.reply = match (status.is_success(), sse) {
+            (false, _) => Reply::None,
+            (true, true) => Reply::Stream(Box::default()),
+            (true, false) => Reply::Json(Vec::new(), 0),
+        };
+    }
+
+    pub fn observe(&mut self, data: &Bytes) {
+        match &mut self.reply {
+            Reply::Json(chunks, len) => {
+                *len += data.len();
+                if *len > MAX_JSON_REPLY {
+                    self.reply = Reply::None;
+                } else {
+                    chunks.push(data.clone());
+                }
+            }
+            Reply::Stream(s) => s.observe(data),
+            Reply::Waiting | Reply::None => {}
+        }
+    }
+
+    /// True once a stream's reply is whole (its last event passed): the
+    /// chunk that completed it is held until the turn is stored.
+    pub fn stream_complete(&self) -> bool {
+        matches!(&self.reply, Reply::Stream(s) if s.complete)
+    }
+
+    /// The turn to store (once): the new messages, and the reply when the
+    /// response ended whole (`whole`).
+    pub fn finish(&mut self, whole: bool) -> Option<Storing> {
+        if self.done {
+            return None;
+        }
+        self.done = true;
+        let reply = match (&self.reply, whole) {
+            (Reply::Json(chunks, _), true) => sessions::reply_from_json(&chunks.concat()),
+            (Reply::Stream(s), _) => s.message(),
+            _ => None,
+        };
+        let mut turn = std::mem::take(&mut self.new);
+        if let Some(r) = reply.and_then(|r| serde_json::to_vec(&r).ok()) {
+            turn.push(Bytes::from(r));
+        }
+        if turn.is_empty() {
+            return None;
+        }
+        let state = self.state.clone();
+        let key = std::mem::take(&mut self.key);
+        Some(Box::pin(async move {
+            let keep = state.config.sessions.max_depth as usize;
+            if let Err(e) = state
+                .store
+                .append_session(&key, turn, keep, ttl(&state))
+                .await
+            {
+                tracing::warn!(error = %e, "session turn could not be stored");
+            }
+        }))
+    }
+}
+
+impl Drop for Recorder {
+    /// The client went away (or the response failed) before the turn was
+    /// stored: its new messages are stored without a reply.
+    fn drop(&mut self) {
+        if let Some(storing) = self.finish(false)
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            rt.spawn(storing);
+        }
+    }
+}

@@ -1,0 +1,391 @@
+//! Server-side sessions through the real proxy (Chat Completions): history
+//! prepended at the chosen depth, re-sent messages not doubled, streamed
+//! replies stored whole, 50 concurrent requests losing nothing, restart
+//! (disk store), two replicas sharing one Redis, GET/DELETE, bad ids, per-key
+//! isolation and 503 when the store cannot be reached.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use serde_json::{Value, json};
+use support::*;
+
+/// Answers each chat with `re: <the last user message>`, as JSON or as a
+/// stream of three pieces.
+fn echo(req: &Recorded) -> Reply {
+    let v: Value = serde_json::from_slice(&req.body).unwrap_or_default();
+    let said = v["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or("?")
+        .to_owned();
+    if v["stream"] == true {
+        let piece = |t: &str, fin: Option<&str>| {
+            Bytes::from(format!(
+                "data: {}\n\n",
+                json!({"choices": [{"index": 0, "delta": {"content": t}, "finish_reason": fin}]})
+            ))
+        };
+        return Reply::sse_chunks(vec![
+            Chunk::Data(piece("re: ", None)),
+            Chunk::Data(piece(&said, None)),
+            Chunk::Data(piece("", Some("stop"))),
+            Chunk::Data(Bytes::from_static(b"data: [DONE]\n\n")),
+        ]);
+    }
+    Reply::json(
+        200,
+        json!({"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("re: {said}")}, "finish_reason": "stop"}]})
+            .to_string(),
+    )
+}
+
+fn user(t: &str) -> Value {
+    json!({"role": "user", "content": t})
+}
+
+fn assistant(t: &str) -> Value {
+    json!({"role": "assistant", "content": t})
+}
+
+fn chat(
+    visor: &Visor,
+    session: &str,
+    messages: Value,
+    extra: &[(&str, &str)],
+) -> Request<Full<Bytes>> {
+    let body = json!({"model": "gpt-4o-mini", "messages": messages});
+    let mut req = post_json(
+        &visor.url("/v1/chat/completions"),
+        serde_json::to_vec(&body).unwrap(),
+    );
+    req.headers_mut()
+        .insert("x-visor-session", session.parse().unwrap());
+    for (k, v) in extra {
+        req.headers_mut().insert(
+            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            v.parse().unwrap(),
+        );
+    }
+    req
+}
+
+fn sent_messages(mock: &MockUpstream) -> Value {
+    let v: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
+    v["messages"].clone()
+}
+
+async fn stored(visor: &Visor, session: &str, extra: &[(&str, &str)]) -> (u16, Value) {
+    let mut req = Request::get(visor.url(&format!("/visor/sessions/{session}")))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    for (k, v) in extra {
+        req.headers_mut().insert(
+            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            v.parse().unwrap(),
+        );
+    }
+    let (status, _, body) = send(req).await;
+    (
+        status.as_u16(),
+        serde_json::from_slice(&body).unwrap_or_default(),
+    )
+}
+
+#[tokio::test]
+async fn history_is_prepended_at_the_chosen_depth_and_never_doubled() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let sys = json!({"role": "system", "content": "be brief"});
+    let (status, headers, _) = send(chat(&visor, "s1", json!([sys, user("hello")]), &[])).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-visor-history-used"], "0");
+    assert_eq!(sent_messages(&mock), json!([sys, user("hello")]));
+
+    let (_, headers, _) = send(chat(&visor, "s1", json!([sys, user("again")]), &[])).await;
+    assert_eq!(headers["x-visor-history-used"], "2");
+    assert_eq!(
+        sent_messages(&mock),
+        json!([sys, user("hello"), assistant("re: hello"), user("again")]),
+        "system first, then the history, then the new message"
+    );
+
+    // Depth 1: only the newest stored message.
+    let (_, headers, _) = send(chat(
+        &visor,
+        "s1",
+        json!([user("third")]),
+        &[("x-visor-history", "1")],
+    ))
+    .await;
+    assert_eq!(headers["x-visor-history-used"], "1");
+    assert_eq!(
+        sent_messages(&mock),
+        json!([assistant("re: again"), user("third")])
+    );
+
+    // A client that re-sends what is stored (the SDK adds fields of its own
+    // to the replies it got) does not get it twice.
+    let echoed = json!({"role": "assistant", "content": "re: third", "refusal": null});
+    let (_, headers, _) = send(chat(
+        &visor,
+        "s1",
+        json!([
+            user("again"),
+            assistant("re: again"),
+            user("third"),
+            echoed,
+            user("fourth")
+        ]),
+        &[("x-visor-history", "4")],
+    ))
+    .await;
+    assert_eq!(headers["x-visor-history-used"], "4");
+    assert_eq!(
+        sent_messages(&mock),
+        json!([
+            user("again"),
+            assistant("re: again"),
+            user("third"),
+            assistant("re: third"),
+            user("fourth")
+        ])
+    );
+    let (status, v) = stored(&visor, "s1", &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(v["session"], "s1");
+    assert_eq!(
+        v["messages"],
+        json!([
+            user("hello"),
+            assistant("re: hello"),
+            user("again"),
+            assistant("re: again"),
+            user("third"),
+            assistant("re: third"),
+            user("fourth"),
+            assistant("re: fourth")
+        ]),
+        "every turn once, system messages not stored"
+    );
+}
+
+#[tokio::test]
+async fn a_streamed_reply_is_stored_whole_before_the_stream_ends() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let body = json!({"model": "gpt-4o-mini", "stream": true, "messages": [user("stream me")]});
+    let mut req = post_json(
+        &visor.url("/v1/chat/completions"),
+        serde_json::to_vec(&body).unwrap(),
+    );
+    req.headers_mut()
+        .insert("x-visor-session", "st".parse().unwrap());
+    let (status, _, text) = send(req).await;
+    assert_eq!(status, 200);
+    assert!(String::from_utf8_lossy(&text).contains("[DONE]"));
+    // The stream has ended for the client: the turn is already there.
+    let (_, v) = stored(&visor, "st", &[]).await;
+    assert_eq!(
+        v["messages"],
+        json!([user("stream me"), assistant("re: stream me")])
+    );
+}
+
+#[tokio::test]
+async fn fifty_requests_at_once_in_one_session_lose_nothing() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    concurrent_turns(&visor, &visor, "many").await;
+}
+
+/// 50 requests at once in one session (through `a`), then the history read
+/// back (through `b`): 100 messages, each reply right after its own
+/// question, none lost or doubled.
+async fn concurrent_turns(a: &Visor, b: &Visor, session: &str) {
+    let client = client();
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let req = chat(
+            a,
+            session,
+            json!([user(&format!("q{i}"))]),
+            &[("x-visor-history", "0")],
+        );
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move { send_on(&client, req).await.0 }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let (_, v) = stored(b, session, &[]).await;
+    let msgs = v["messages"].as_array().unwrap();
+    assert_eq!(msgs.len(), 100);
+    let mut seen = std::collections::HashSet::new();
+    for pair in msgs.chunks(2) {
+        let q = pair[0]["content"].as_str().unwrap();
+        assert_eq!(pair[1]["content"], format!("re: {q}"));
+        assert!(seen.insert(q.to_owned()));
+    }
+}
+
+#[tokio::test]
+async fn get_delete_bad_ids_and_other_keys() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "[server]\napi_keys = [\"key-one\", \"key-two\"]\n").await;
+    let one = [("authorization", "Bearer key-one")];
+    let two = [("authorization", "Bearer key-two")];
+    let (status, _, _) = send(chat(&visor, "mine", json!([user("secret")]), &one)).await;
+    assert_eq!(status, 200);
+    assert_eq!(stored(&visor, "mine", &one).await.0, 200);
+    assert_eq!(
+        stored(&visor, "mine", &two).await.0,
+        404,
+        "another key's session"
+    );
+    assert_eq!(
+        stored(&visor, "mine", &[]).await.0,
+        401,
+        "behind the proxy key"
+    );
+    // The other key starts its own session under the same id.
+    send(chat(&visor, "mine", json!([user("other")]), &two)).await;
+    assert_eq!(sent_messages(&mock), json!([user("other")]));
+
+    let mut del = Request::delete(visor.url("/visor/sessions/mine"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    del.headers_mut()
+        .insert("authorization", "Bearer key-one".parse().unwrap());
+    assert_eq!(send(del).await.0, 204);
+    let (status, v) = stored(&visor, "mine", &one).await;
+    assert_eq!(status, 404);
+    assert_eq!(v["error"]["code"], "session_not_found");
+
+    for bad in ["a b", "x/y", &"z".repeat(129)] {
+        let req = Request::get(visor.url(&format!("/visor/sessions/{}", bad.replace(' ', "%20"))))
+            .header("authorization", "Bearer key-one")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let (status, _, body) = send(req).await;
+        assert!(status == 400 || status == 404, "{bad}: {status}");
+        if status == 400 {
+            assert_eq!(error_code(&body), "invalid_request");
+        }
+    }
+    let mut req = chat(&visor, "ok-id", json!([user("x")]), &one);
+    req.headers_mut()
+        .insert("x-visor-session", "not ok!".parse().unwrap());
+    let (status, _, body) = send(req).await;
+    assert_eq!(status, 400);
+    assert!(String::from_utf8_lossy(&body).contains("x-visor-session"));
+    let (status, _, _) = send(chat(
+        &visor,
+        "ok-id",
+        json!([user("x")]),
+        &[one[0], ("x-visor-history", "lots")],
+    ))
+    .await;
+    assert_eq!(status, 400);
+    let mut req = post_json(
+        &visor.url("/v1/responses"),
+        r#"{"model":"gpt-4o","input":"hi"}"#,
+    );
+    req.headers_mut()
+        .insert("x-visor-session", "ok-id".parse().unwrap());
+    req.headers_mut()
+        .insert("authorization", "Bearer key-one".parse().unwrap());
+    assert_eq!(
+        send(req).await.0,
+        400,
+        "sessions are Chat Completions only in this version"
+    );
+}
+
+#[tokio::test]
+async fn sessions_survive_a_restart_on_the_disk_store() {
+    let mock = MockUpstream::start(echo).await;
+    let dir = temp_dir("sessions-restart");
+    let cfg = format!(
+        "[server]\ndata_dir = \"{}\"\n[[upstream]]\nname = \"mock\"\nbase_url = \"{}/v1\"\n",
+        dir.display(),
+        mock.url()
+    );
+    {
+        let mut first = Visor::start(&cfg).await;
+        send(chat(&first, "kept", json!([user("before")]), &[])).await;
+        first.shutdown();
+        let task = first.task.take().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+    let second = Visor::start(&cfg).await;
+    let (_, headers, _) = send(chat(&second, "kept", json!([user("after")]), &[])).await;
+    assert_eq!(headers["x-visor-history-used"], "2");
+    assert_eq!(
+        sent_messages(&mock),
+        json!([user("before"), assistant("re: before"), user("after")])
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_session_request_gets_503_when_the_store_is_unreachable() {
+    let mock = MockUpstream::start(echo).await;
+    let dir = temp_dir("sessions-busy");
+    let cfg = format!(
+        "[server]\ndata_dir = \"{}\"\n[[upstream]]\nname = \"mock\"\nbase_url = \"{}/v1\"\n",
+        dir.display(),
+        mock.url()
+    );
+    let first = Visor::start(&cfg).await;
+    send(chat(&first, "s", json!([user("x")]), &[])).await;
+    // A second visor on the same data_dir finds the file in use.
+    let second = Visor::start(&cfg).await;
+    let before = mock.count();
+    let (status, _, body) = send(chat(&second, "s", json!([user("y")]), &[])).await;
+    assert_eq!(status, 503);
+    assert_eq!(error_code(&body), "store_unavailable");
+    assert_eq!(mock.count(), before, "nothing sent upstream");
+    // Without a session the same visor still serves.
+    let plain = post_json(
+        &second.url("/v1/chat/completions"),
+        r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    assert_eq!(send(plain).await.0, 200);
+    drop(first);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn two_replicas_share_sessions_through_redis() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let mock = MockUpstream::start(echo).await;
+    let cfg = format!(
+        "[store]\nbackend = \"{}\"\nprefix = \"visor-sess-{}:\"\n[[upstream]]\nname = \"mock\"\nbase_url = \"{}/v1\"\n",
+        redis.url(),
+        std::process::id(),
+        mock.url()
+    );
+    let a = Visor::start(&cfg).await;
+    let b = Visor::start(&cfg).await;
+    send(chat(&a, "shared", json!([user("on a")]), &[])).await;
+    let (_, headers, _) = send(chat(&b, "shared", json!([user("on b")]), &[])).await;
+    assert_eq!(headers["x-visor-history-used"], "2");
+    assert_eq!(
+        sent_messages(&mock),
+        json!([user("on a"), assistant("re: on a"), user("on b")])
+    );
+    concurrent_turns(&a, &b, "busy").await;
+}
