@@ -10,20 +10,24 @@
 //!    depends on it.
 //! 3. route     — first upstream whose globs match the model; no model → the
 //!    first upstream; a model nobody matches → 404.
-//! 4. transform — the model-spec table decides; images are replaced for a
-//!    model that cannot see ([`super::transform`]); the replaced
-//!    originals are written in the background.
-//! 5. send      — headers rewritten, the body as held (byte for byte when
+//! 4. session   — with `x-visor-session` (Chat Completions), the stored
+//!    history is read and merged in ([`super::session`]); a store
+//!    that cannot be read → 503.
+//! 5. transform — the model-spec table decides; images are replaced for a
+//!    model that cannot see, the rules for every model and line
+//!    dedup applied ([`super::transform`]); the replaced originals
+//!    are written in the background.
+//! 6. send      — headers rewritten, the body as held (byte for byte when
 //!    nothing changed); wait for the response head under the
 //!    first-byte and total deadlines (peek, then commit: failures
 //!    here still become 502/504).
-//! 6. learn     — a model of unknown vision whose upstream answers with an
+//! 7. learn     — a model of unknown vision whose upstream answers with an
 //!    "images not supported" 4xx: retried once with the images
 //!    replaced, and remembered.
-//! 7. respond   — status and headers passed through (plus the `x-visor-*`
+//! 8. respond   — status and headers passed through (plus the `x-visor-*`
 //!    counts); once the originals are on disk the body streams
 //!    through `ObservedBody` (idle-gap and total deadlines, usage,
-//!    metrics).
+//!    metrics, the session's reply stored before the last bytes).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -165,7 +169,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         _ => None,
     };
 
-    // 5. send
+    // 6. send
     let uri = match target.uri(&rest, parts.uri.query()) {
         Some(u) => u,
         None => {
@@ -231,7 +235,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         Err(Refused::Failed(e, kind)) => return counted(fail(e, kind), prepared.as_ref()),
     };
 
-    // 6. learn: a model of unknown vision whose upstream refuses images is
+    // 7. learn: a model of unknown vision whose upstream refuses images is
     // retried once with them replaced, and remembered as non-vision.
     if let Some(p) = prepared.as_mut()
         && let Some(learn) = p.learn.take()
@@ -278,7 +282,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         };
     }
 
-    // 7. respond
+    // 8. respond
     let (mut head, incoming) = resp.into_parts();
     if head.status.is_server_error() {
         state.metrics.upstream_error(&upstream_name, "status_5xx");
