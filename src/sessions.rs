@@ -4,9 +4,11 @@
 //! or a stream assembled event by event). The store keeps the messages
 //! ([`crate::store::Store::append_session`]); the proxy wires them up.
 //!
-//! Chat Completions shape.
+//! Chat Completions, Responses (`input` items) and Anthropic Messages.
 
 use serde_json::{Map, Value};
+
+use crate::transform::Shape;
 
 /// The longest session id accepted.
 pub const MAX_ID_LEN: usize = 128;
@@ -86,7 +88,7 @@ pub fn merge(messages: Vec<Value>, stored: &[Value], depth: usize) -> Merged {
         .unwrap_or(0);
     let new: Vec<Value> = rest.into_iter().skip(overlap).collect();
     let mut from = stored.len().saturating_sub(depth);
-    while from < stored.len() && role(&stored[from]) == "tool" {
+    while from < stored.len() && tool_result(&stored[from]) {
         from += 1;
     }
     let history = &stored[from..];
@@ -104,25 +106,46 @@ fn role(m: &Value) -> &str {
     m.get("role").and_then(Value::as_str).unwrap_or("")
 }
 
-/// What makes two messages the same for the overlap: role, content (text
-/// parts joined; null, empty and absent alike), tool calls (id, name,
-/// arguments), tool_call_id and name. Fields an SDK adds when it sends a
-/// reply back (`refusal: null`, `annotations: []`, a call's `index`) do
-/// not count.
+/// A tool's answer, which must not open a history without its call: a Chat
+/// `tool` message, a Responses `*_output` item, an Anthropic user message
+/// holding `tool_result` blocks.
+fn tool_result(m: &Value) -> bool {
+    let ty = m.get("type").and_then(Value::as_str).unwrap_or("");
+    role(m) == "tool"
+        || role(m) == "function"
+        || ty.ends_with("_output")
+        || m.get("content")
+            .and_then(Value::as_array)
+            .is_some_and(|parts| parts.iter().any(|p| p["type"] == "tool_result"))
+}
+
+/// What makes two messages the same for the overlap: role and type, text
+/// (text parts of any shape joined; null, empty and absent alike), tool
+/// calls (id, name, arguments), call ids and tool outputs, other content
+/// parts without their null fields. Fields an SDK adds when it sends a reply
+/// back (`refusal: null`, `annotations: []`, a call's `index`, an item's
+/// `id` and `status`) do not count.
 pub fn fingerprint(m: &Value) -> String {
     let mut f = Map::new();
-    for key in ["role", "tool_call_id", "name"] {
+    for key in [
+        "role",
+        "type",
+        "tool_call_id",
+        "name",
+        "call_id",
+        "arguments",
+        "output",
+    ] {
         if let Some(v) = m.get(key).filter(|v| !v.is_null()) {
             f.insert(key.to_owned(), v.clone());
         }
     }
+    if f.get("type").and_then(Value::as_str) == Some("message") {
+        f.remove("type");
+    }
     let content = match m.get("content") {
         Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts))
-            if parts.iter().all(|p| p.get("type") == Some(&"text".into())) =>
-        {
-            parts.iter().filter_map(|p| p["text"].as_str()).collect()
-        }
+        Some(Value::Array(parts)) => parts.iter().map(part_text).collect(),
         Some(other) if !other.is_null() => other.to_string(),
         _ => String::new(),
     };
@@ -143,10 +166,84 @@ pub fn fingerprint(m: &Value) -> String {
     Value::Object(f).to_string()
 }
 
+/// A content part as the overlap compares it: its text for text parts, else
+/// the part without null fields.
+fn part_text(p: &Value) -> String {
+    match p.get("type").and_then(Value::as_str) {
+        Some("text" | "input_text" | "output_text") => p
+            .get("text")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned(),
+        _ => match p {
+            Value::Object(o) => {
+                let kept: Map<String, Value> = o
+                    .iter()
+                    .filter(|(k, v)| !v.is_null() && k.as_str() != "cache_control")
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                Value::Object(kept).to_string()
+            }
+            other => other.to_string(),
+        },
+    }
+}
+
+/// Where a request's messages are: `messages`, or Responses `input` (a
+/// string there is one user message).
+pub fn items_key(shape: Shape) -> &'static str {
+    match shape {
+        Shape::Chat | Shape::Messages => "messages",
+        Shape::Responses => "input",
+    }
+}
+
+/// The reply of a JSON answer in `shape`, as stored (one message; several
+/// output items for Responses).
+pub fn reply_from_json(shape: Shape, body: &[u8]) -> Vec<Value> {
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return Vec::new();
+    };
+    match shape {
+        Shape::Chat => chat_reply(&v).into_iter().collect(),
+        Shape::Responses => response_items(&v),
+        Shape::Messages => anthropic_reply(&v).into_iter().collect(),
+    }
+}
+
+/// A Responses answer's output items, without the ids and statuses the
+/// provider keeps (an item sent back with an `id` must exist there), and
+/// without reasoning items.
+fn response_items(response: &Value) -> Vec<Value> {
+    let Some(items) = response.get("output").and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    items
+        .iter()
+        .filter(|i| i["type"] != "reasoning")
+        .map(|i| {
+            let mut i = i.clone();
+            if let Some(o) = i.as_object_mut() {
+                o.remove("id");
+                o.remove("status");
+            }
+            i
+        })
+        .collect()
+}
+
+/// An Anthropic answer's assistant message: role and content blocks.
+fn anthropic_reply(v: &Value) -> Option<Value> {
+    let content = v.get("content").and_then(Value::as_array)?;
+    if content.is_empty() {
+        return None;
+    }
+    Some(serde_json::json!({"role": "assistant", "content": content}))
+}
+
 /// The assistant message of a Chat Completions JSON answer, as stored:
 /// role, content and tool calls (nulls left out).
-pub fn reply_from_json(body: &[u8]) -> Option<Value> {
-    let v: Value = serde_json::from_slice(body).ok()?;
+fn chat_reply(v: &Value) -> Option<Value> {
     let m = v.get("choices")?.get(0)?.get("message")?;
     let mut out = Map::new();
     out.insert("role".to_owned(), "assistant".into());
@@ -164,18 +261,38 @@ pub fn reply_from_json(body: &[u8]) -> Option<Value> {
     Some(Value::Object(out))
 }
 
-/// A Chat Completions stream's reply, assembled from its `data:` events as
-/// they pass: text and tool calls (by index: id, name, arguments joined).
-#[derive(Debug, Default)]
+/// A stream's reply, assembled from its `data:` events as they pass: Chat
+/// text and tool calls (by index: id, name, arguments joined); Anthropic
+/// text and tool_use blocks (by index; `input` from its JSON pieces);
+/// Responses' output items from `response.completed`.
+#[derive(Debug)]
 pub struct StreamedReply {
+    shape: Shape,
     partial: Vec<u8>,
     content: String,
     calls: Vec<(String, String, String)>,
-    /// A `finish_reason` or `[DONE]` was seen: the reply is whole.
+    /// Anthropic: each block, and the JSON text of a tool_use's input.
+    blocks: Vec<(Value, String)>,
+    /// Responses: the finished response's output items.
+    items: Vec<Value>,
+    /// The stream's end was seen (`finish_reason`/`[DONE]`, `message_stop`,
+    /// `response.completed`): the reply is whole.
     pub complete: bool,
 }
 
 impl StreamedReply {
+    pub fn new(shape: Shape) -> Self {
+        StreamedReply {
+            shape,
+            partial: Vec::new(),
+            content: String::new(),
+            calls: Vec::new(),
+            blocks: Vec::new(),
+            items: Vec::new(),
+            complete: false,
+        }
+    }
+
     /// Reads the complete lines of `chunk` (the unfinished last one waits
     /// for the next chunk).
     pub fn observe(&mut self, chunk: &[u8]) {
@@ -201,6 +318,50 @@ impl StreamedReply {
     }
 
     fn event(&mut self, event: &Value) {
+        match self.shape {
+            Shape::Chat => self.chat_event(event),
+            Shape::Messages => self.anthropic_event(event),
+            Shape::Responses => {
+                if event["type"] == "response.completed" {
+                    self.items = response_items(&event["response"]);
+                    self.complete = true;
+                }
+            }
+        }
+    }
+
+    fn anthropic_event(&mut self, event: &Value) {
+        let index = event.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
+        match event["type"].as_str() {
+            Some("content_block_start") if index < 128 => {
+                while self.blocks.len() <= index {
+                    self.blocks.push((Value::Null, String::new()));
+                }
+                self.blocks[index].0 = event["content_block"].clone();
+            }
+            Some("content_block_delta") => {
+                let Some((block, json)) = self.blocks.get_mut(index) else {
+                    return;
+                };
+                let delta = &event["delta"];
+                match delta["type"].as_str() {
+                    Some("text_delta") => {
+                        let text = delta["text"].as_str().unwrap_or("");
+                        let old = block["text"].as_str().unwrap_or("").to_owned();
+                        block["text"] = Value::String(old + text);
+                    }
+                    Some("input_json_delta") => {
+                        json.push_str(delta["partial_json"].as_str().unwrap_or(""));
+                    }
+                    _ => {}
+                }
+            }
+            Some("message_stop") => self.complete = true,
+            _ => {}
+        }
+    }
+
+    fn chat_event(&mut self, event: &Value) {
         let Some(choice) = event.get("choices").and_then(|c| c.get(0)) else {
             return;
         };
@@ -240,9 +401,37 @@ impl StreamedReply {
         }
     }
 
-    /// The assembled assistant message, when the stream completed.
-    pub fn message(&self) -> Option<Value> {
-        if !self.complete || (self.content.is_empty() && self.calls.is_empty()) {
+    /// The assembled reply (several items for Responses), when the stream
+    /// completed.
+    pub fn reply(&self) -> Vec<Value> {
+        if !self.complete {
+            return Vec::new();
+        }
+        match self.shape {
+            Shape::Chat => self.chat_message().into_iter().collect(),
+            Shape::Responses => self.items.clone(),
+            Shape::Messages => {
+                let content: Vec<Value> = self
+                    .blocks
+                    .iter()
+                    .filter(|(b, _)| !b.is_null())
+                    .map(|(b, json)| {
+                        let mut b = b.clone();
+                        if b["type"] == "tool_use" && !json.is_empty() {
+                            b["input"] = serde_json::from_str(json).unwrap_or(Value::Null);
+                        }
+                        b
+                    })
+                    .collect();
+                anthropic_reply(&serde_json::json!({ "content": content }))
+                    .into_iter()
+                    .collect()
+            }
+        }
+    }
+
+    fn chat_message(&self) -> Option<Value> {
+        if self.content.is_empty() && self.calls.is_empty() {
             return None;
         }
         let mut out = Map::new();
@@ -352,8 +541,8 @@ mod tests {
     #[test]
     fn replies_from_json_and_from_a_stream() {
         let body = br#"{"choices":[{"index":0,"message":{"role":"assistant","content":"hi","refusal":null},"finish_reason":"stop"}]}"#;
-        assert_eq!(reply_from_json(body), Some(assistant("hi")));
-        let mut s = StreamedReply::default();
+        assert_eq!(reply_from_json(Shape::Chat, body), vec![assistant("hi")]);
+        let mut s = StreamedReply::new(Shape::Chat);
         let events = concat!(
             "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"Hel\"}}]}\n\n",
             "data: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n",
@@ -365,18 +554,61 @@ mod tests {
         let finish = events.find("finish_reason").unwrap();
         for (i, piece) in events.as_bytes().chunks(7).enumerate() {
             if i * 7 < finish {
-                assert_eq!(s.message(), None);
+                assert!(s.reply().is_empty());
             }
             s.observe(piece);
         }
         assert_eq!(
-            s.message(),
-            Some(
+            s.reply(),
+            vec![
                 json!({"role": "assistant", "content": "Hello", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}}]})
-            )
+            ]
         );
-        let mut cut = StreamedReply::default();
+        let mut cut = StreamedReply::new(Shape::Chat);
         cut.observe(b"data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n");
-        assert_eq!(cut.message(), None, "a stream cut short is not a reply");
+        assert!(cut.reply().is_empty(), "a stream cut short is not a reply");
+    }
+
+    #[test]
+    fn anthropic_and_responses_replies() {
+        let body = br#"{"type":"message","role":"assistant","content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn"}"#;
+        assert_eq!(
+            reply_from_json(Shape::Messages, body),
+            vec![json!({"role": "assistant", "content": [{"type": "text", "text": "hi"}]})]
+        );
+        let mut s = StreamedReply::new(Shape::Messages);
+        for e in [
+            json!({"type": "message_start", "message": {"role": "assistant"}}),
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Let me "}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "look."}}),
+            json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "t1", "name": "f", "input": {}}}),
+            json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"q\":"}}),
+            json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "1}"}}),
+            json!({"type": "message_stop"}),
+        ] {
+            s.observe(format!("event: x\ndata: {e}\n\n").as_bytes());
+        }
+        assert_eq!(
+            s.reply(),
+            vec![json!({"role": "assistant", "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "t1", "name": "f", "input": {"q": 1}}
+            ]})]
+        );
+        let done = json!({"type": "response.completed", "response": {"output": [
+            {"id": "rs_1", "type": "reasoning", "summary": []},
+            {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]}
+        ]}});
+        let mut r = StreamedReply::new(Shape::Responses);
+        r.observe(format!("data: {done}\n\n").as_bytes());
+        let want = vec![
+            json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]}),
+        ];
+        assert_eq!(r.reply(), want);
+        assert_eq!(
+            reply_from_json(Shape::Responses, done["response"].to_string().as_bytes()),
+            want
+        );
     }
 }

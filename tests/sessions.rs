@@ -19,12 +19,35 @@ use support::*;
 /// stream of three pieces.
 fn echo(req: &Recorded) -> Reply {
     let v: Value = serde_json::from_slice(&req.body).unwrap_or_default();
-    let said = v["messages"]
+    let responses = req.uri.path().ends_with("/responses");
+    let items = if responses {
+        &v["input"]
+    } else {
+        &v["messages"]
+    };
+    let said: String = items
         .as_array()
         .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
-        .and_then(|m| m["content"].as_str())
-        .unwrap_or("?")
-        .to_owned();
+        .map(|m| match &m["content"] {
+            Value::String(s) => s.clone(),
+            Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect(),
+            _ => "?".to_owned(),
+        })
+        .unwrap_or_default();
+    if responses {
+        return Reply::json(
+            200,
+            json!({"id": "resp_1", "object": "response", "output": [{"id": "msg_1", "type": "message", "status": "completed", "role": "assistant", "content": [{"type": "output_text", "text": format!("re: {said}")}]}]})
+                .to_string(),
+        );
+    }
+    if req.uri.path().ends_with("/messages") {
+        return Reply::json(
+            200,
+            json!({"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "text", "text": format!("re: {said}")}], "stop_reason": "end_turn"})
+                .to_string(),
+        );
+    }
     if v["stream"] == true {
         let piece = |t: &str, fin: Option<&str>| {
             Bytes::from(format!(
@@ -293,19 +316,56 @@ async fn get_delete_bad_ids_and_other_keys() {
     ))
     .await;
     assert_eq!(status, 400);
-    let mut req = post_json(
-        &visor.url("/v1/responses"),
-        r#"{"model":"gpt-4o","input":"hi"}"#,
-    );
-    req.headers_mut()
-        .insert("x-visor-session", "ok-id".parse().unwrap());
-    req.headers_mut()
-        .insert("authorization", "Bearer key-one".parse().unwrap());
+}
+
+#[tokio::test]
+async fn responses_and_anthropic_sessions() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    // Messages are stored in the shape they came in: one session per API.
+    let post = |path: &str, body: Value| {
+        let mut req = post_json(&visor.url(path), serde_json::to_vec(&body).unwrap());
+        let id = if path.ends_with("/responses") {
+            "resp"
+        } else {
+            "anth"
+        };
+        req.headers_mut()
+            .insert("x-visor-session", id.parse().unwrap());
+        req
+    };
+    // Responses: a string input is one user message; the reply's output
+    // items are stored without their ids.
+    let (status, _, _) = send(post(
+        "/v1/responses",
+        json!({"model": "gpt-5", "instructions": "be brief", "input": "first"}),
+    ))
+    .await;
+    assert_eq!(status, 200);
+    let (_, headers, _) = send(post(
+        "/v1/responses",
+        json!({"model": "gpt-5", "input": [user("second")]}),
+    ))
+    .await;
+    assert_eq!(headers["x-visor-history-used"], "2");
+    let sent: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
     assert_eq!(
-        send(req).await.0,
-        400,
-        "sessions are Chat Completions only in this version"
+        sent["input"],
+        json!([user("first"), {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "re: first"}]}, user("second")])
     );
+    // Anthropic: the system prompt stays top-level; blocks are kept.
+    let (status, _, _) = send(post("/v1/messages", json!({"model": "claude-sonnet-4-5", "max_tokens": 9, "system": "be brief", "messages": [user("a")]}))).await;
+    assert_eq!(status, 200);
+    let (_, headers, _) = send(post("/v1/messages", json!({"model": "claude-sonnet-4-5", "max_tokens": 9, "messages": [{"role": "user", "content": [{"type": "text", "text": "b"}]}]}))).await;
+    assert_eq!(headers["x-visor-history-used"], "2");
+    let sent: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
+    let msgs = sent["messages"].as_array().unwrap();
+    assert_eq!(msgs[msgs.len() - 3], user("a"));
+    assert_eq!(
+        msgs[msgs.len() - 2],
+        json!({"role": "assistant", "content": [{"type": "text", "text": "re: a"}]})
+    );
+    assert!(sent.get("system").is_none());
 }
 
 #[tokio::test]

@@ -10,9 +10,9 @@
 //!    depends on it.
 //! 3. route     — first upstream whose globs match the model; no model → the
 //!    first upstream; a model nobody matches → 404.
-//! 4. session   — with `x-visor-session` (Chat Completions), the stored
-//!    history is read and merged in ([`super::session`]); a store
-//!    that cannot be read → 503.
+//! 4. session   — with `x-visor-session`, the stored history is read and
+//!    merged in ([`super::session`]); a store that cannot be read
+//!    → 503.
 //! 5. transform — the model-spec table decides; images are replaced for a
 //!    model that cannot see, the rules for every model and line
 //!    dedup applied ([`super::transform`]); the replaced originals
@@ -126,7 +126,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let model_label = state.metrics.model_label(model.as_deref().unwrap_or(""));
     tracing::debug!(upstream = %upstream_name, model = %model_label, "routed");
 
-    // 4. session: the stored history merged in (Chat Completions).
+    // 4. session: the stored history merged in.
     let mut recorder = None;
     let mut history_used = 0;
     if let (Some(shape), Some(bytes)) = (shape, whole.as_ref()) {
@@ -135,15 +135,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
             Err(e) => return refuse(&state, e),
         };
         if let Some(id) = id {
-            if shape != Shape::Chat {
-                return refuse(
-                    &state,
-                    VisorError::BadRequest(
-                        "x-visor-session is supported on /v1/chat/completions in this version",
-                    ),
-                );
-            }
-            match session::open(&state, &parts.headers, &id, bytes).await {
+            match session::open(&state, shape, &parts.headers, &id, bytes).await {
                 Ok(opened) => {
                     whole = Some(opened.body);
                     history_used = opened.history_used;

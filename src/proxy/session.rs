@@ -1,4 +1,5 @@
-//! The async edge of sessions (`x-visor-session`, Chat Completions): reads
+//! The async edge of sessions (`x-visor-session`; Chat Completions,
+//! Responses and Anthropic Messages): reads
 //! the history before the request goes upstream and merges it in
 //! ([`open`]), then records the reply as the response passes
 //! ([`Recorder`]) and appends the request's new messages with it — before
@@ -23,6 +24,7 @@ use serde_json::Value;
 use super::AppState;
 use crate::error::VisorError;
 use crate::sessions::{self, StreamedReply};
+use crate::transform::Shape;
 
 /// Largest non-stream answer read for its reply.
 const MAX_JSON_REPLY: usize = 4 * 1024 * 1024;
@@ -64,6 +66,7 @@ fn ttl(state: &AppState) -> Duration {
 /// Reads session `id`'s history and merges the request's messages into it.
 pub async fn open(
     state: &Arc<AppState>,
+    shape: Shape,
     headers: &HeaderMap,
     id: &str,
     body: &Bytes,
@@ -79,10 +82,18 @@ pub async fn open(
     .map_err(bad)?;
     let mut request: Value =
         serde_json::from_slice(body).map_err(|e| VisorError::InvalidJson(e.to_string()))?;
-    let Some(Value::Array(messages)) = request.get_mut("messages").map(Value::take) else {
-        return Err(VisorError::BadRequest(
-            "a request with x-visor-session needs a `messages` array",
-        ));
+    let items = sessions::items_key(shape);
+    let messages = match request.get_mut(items).map(Value::take) {
+        Some(Value::Array(m)) => m,
+        // Responses: a string input is one user message.
+        Some(Value::String(text)) if shape == Shape::Responses => {
+            vec![serde_json::json!({"role": "user", "content": text})]
+        }
+        _ => {
+            return Err(VisorError::BadRequest(
+                "a request with x-visor-session needs its messages as an array (`messages`, or `input` for Responses)",
+            ));
+        }
     };
     let key = key(state, headers, id);
     // Enough of the stored tail to find what the client re-sent, and the
@@ -97,7 +108,7 @@ pub async fn open(
         .filter_map(|b| serde_json::from_slice(b).ok())
         .collect();
     let merged = sessions::merge(messages, &stored, depth);
-    request["messages"] = Value::Array(merged.messages);
+    request[items] = Value::Array(merged.messages);
     let body = serde_json::to_vec(&request)
         .map(Bytes::from)
         .map_err(|e| VisorError::InvalidJson(e.to_string()))?;
@@ -112,6 +123,7 @@ pub async fn open(
         history_used: merged.history_used,
         recorder: Recorder {
             state: state.clone(),
+            shape,
             key,
             new,
             reply: Reply::Waiting,
@@ -134,6 +146,7 @@ enum Reply {
 /// Records one request's turn in its session.
 pub struct Recorder {
     state: Arc<AppState>,
+    shape: Shape,
     key: String,
     new: Vec<Bytes>,
     reply: Reply,
@@ -153,7 +166,7 @@ impl Recorder {
             .is_some_and(|t| t.starts_with("text/event-stream"));
         self.reply = match (status.is_success(), sse) {
             (false, _) => Reply::None,
-            (true, true) => Reply::Stream(Box::default()),
+            (true, true) => Reply::Stream(Box::new(StreamedReply::new(self.shape))),
             (true, false) => Reply::Json(Vec::new(), 0),
         };
     }
@@ -187,14 +200,18 @@ impl Recorder {
         }
         self.done = true;
         let reply = match (&self.reply, whole) {
-            (Reply::Json(chunks, _), true) => sessions::reply_from_json(&chunks.concat()),
-            (Reply::Stream(s), _) => s.message(),
-            _ => None,
+            (Reply::Json(chunks, _), true) => {
+                sessions::reply_from_json(self.shape, &chunks.concat())
+            }
+            (Reply::Stream(s), _) => s.reply(),
+            _ => Vec::new(),
         };
         let mut turn = std::mem::take(&mut self.new);
-        if let Some(r) = reply.and_then(|r| serde_json::to_vec(&r).ok()) {
-            turn.push(Bytes::from(r));
-        }
+        turn.extend(
+            reply
+                .iter()
+                .filter_map(|r| serde_json::to_vec(r).ok().map(Bytes::from)),
+        );
         if turn.is_empty() {
             return None;
         }
