@@ -449,3 +449,33 @@ async fn two_replicas_share_sessions_through_redis() {
     );
     concurrent_turns(&a, &b, "busy").await;
 }
+
+#[tokio::test]
+async fn image_rules_apply_to_the_merged_request() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "[images]\nnon_vision = \"strip\"\n").await;
+    let (url, _) = png_data_url("in-history");
+    let first = serde_json::from_slice::<Value>(&chat_with_images("gpt-oss-120b", &[url])).unwrap();
+    let mut req = post_json(
+        &visor.url("/v1/chat/completions"),
+        serde_json::to_vec(&first).unwrap(),
+    );
+    req.headers_mut()
+        .insert("x-visor-session", "img".parse().unwrap());
+    assert_eq!(send(req).await.1["x-visor-images-replaced"], "1");
+    // The image is in the stored history (the original, for a model that
+    // can see it later); a text-only model still never receives it.
+    let body = json!({"model": "gpt-oss-120b", "messages": [user("and now?")]});
+    let mut req = post_json(
+        &visor.url("/v1/chat/completions"),
+        serde_json::to_vec(&body).unwrap(),
+    );
+    req.headers_mut()
+        .insert("x-visor-session", "img".parse().unwrap());
+    let (_, headers, _) = send(req).await;
+    assert_eq!(headers["x-visor-history-used"], "2");
+    assert_eq!(headers["x-visor-images-replaced"], "1");
+    let sent = String::from_utf8(mock.recorded().pop().unwrap().body.to_vec()).unwrap();
+    assert!(!sent.contains(";base64,"), "{sent}");
+    assert!(sent.contains("not shown, this model cannot see images"));
+}
