@@ -42,6 +42,8 @@ pub struct Metrics {
     pub describe_background: IntGauge,
     pub store_errors: IntCounterVec,
     pub store_up: IntGauge,
+    pub session_history: Histogram,
+    pub session_turns: IntCounterVec,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -153,6 +155,25 @@ impl Metrics {
             "visor_store_up",
             "1 while the store answers, 0 while visor runs on memory only",
         )?;
+        let session_history = Histogram::with_opts(
+            HistogramOpts::new(
+                "visor_session_history_messages",
+                "Stored messages prepended to a request with x-visor-session",
+            )
+            .buckets(vec![0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 500.0]),
+        )?;
+        let session_turns = IntCounterVec::new(
+            Opts::new(
+                "visor_session_turns_total",
+                "Session turns stored, by result (with_reply, without_reply: an error, a cut stream or a client that left; failed: the store refused it)",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(session_history.clone()))?;
+        registry.register(Box::new(session_turns.clone()))?;
+        for result in ["with_reply", "without_reply", "failed"] {
+            session_turns.with_label_values(&[result]);
+        }
         registry.register(Box::new(describe.clone()))?;
         registry.register(Box::new(describe_duration.clone()))?;
         registry.register(Box::new(describe_cache_entries.clone()))?;
@@ -208,6 +229,8 @@ impl Metrics {
             describe_background,
             store_errors,
             store_up,
+            session_history,
+            session_turns,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

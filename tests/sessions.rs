@@ -197,6 +197,19 @@ async fn history_is_prepended_at_the_chosen_depth_and_never_doubled() {
         ]),
         "every turn once, system messages not stored"
     );
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(&m, "visor_session_turns_total", &[("result", "with_reply")]),
+        Some(4.0)
+    );
+    assert_eq!(
+        metric(&m, "visor_session_history_messages_count", &[]),
+        Some(4.0)
+    );
+    assert_eq!(
+        metric(&m, "visor_session_history_messages_sum", &[]),
+        Some(7.0)
+    );
 }
 
 #[tokio::test]

@@ -108,6 +108,10 @@ pub async fn open(
         .filter_map(|b| serde_json::from_slice(b).ok())
         .collect();
     let merged = sessions::merge(messages, &stored, depth);
+    state
+        .metrics
+        .session_history
+        .observe(merged.history_used as f64);
     request[items] = Value::Array(merged.messages);
     let body = serde_json::to_vec(&request)
         .map(Bytes::from)
@@ -207,6 +211,10 @@ impl Recorder {
             _ => Vec::new(),
         };
         let mut turn = std::mem::take(&mut self.new);
+        let result = match reply.is_empty() {
+            true => "without_reply",
+            false => "with_reply",
+        };
         turn.extend(
             reply
                 .iter()
@@ -219,13 +227,22 @@ impl Recorder {
         let key = std::mem::take(&mut self.key);
         Some(Box::pin(async move {
             let keep = state.config.sessions.max_depth as usize;
-            if let Err(e) = state
+            let stored = state
                 .store
                 .append_session(&key, turn, keep, ttl(&state))
-                .await
-            {
-                tracing::warn!(error = %e, "session turn could not be stored");
-            }
+                .await;
+            let result = match stored {
+                Ok(()) => result,
+                Err(e) => {
+                    tracing::warn!(error = %e, "session turn could not be stored");
+                    "failed"
+                }
+            };
+            state
+                .metrics
+                .session_turns
+                .with_label_values(&[result])
+                .inc();
         }))
     }
 }
