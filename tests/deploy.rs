@@ -1,0 +1,318 @@
+//! `deploy/` kept true: every YAML and JSON file parses; every metric the
+//! alert rules and the Grafana dashboard use exists on a live `/metrics`
+//! after traffic that moves them; the Kubernetes manifests probe the right
+//! endpoints, run as non-root on a read-only root with a writable data
+//! volume, and outlast the drain; every visor config shipped in `deploy/`
+//! loads; `promtool check rules` passes (skipped with a printed reason where
+//! promtool is not installed, except under CI=true).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use support::*;
+use yaml_rust2::{Yaml, YamlLoader};
+
+fn deploy() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy")
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(deploy().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+fn yaml(rel: &str) -> Vec<Yaml> {
+    YamlLoader::load_from_str(&read(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            files(&p, out);
+        } else {
+            out.push(p);
+        }
+    }
+}
+
+#[test]
+fn every_yaml_and_json_file_parses() {
+    let mut all = Vec::new();
+    files(&deploy(), &mut all);
+    let mut checked = 0;
+    for p in all {
+        let text = std::fs::read_to_string(&p).unwrap();
+        match p.extension().and_then(|e| e.to_str()) {
+            Some("yml" | "yaml") => {
+                let docs = YamlLoader::load_from_str(&text)
+                    .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                assert!(!docs.is_empty(), "{}", p.display());
+            }
+            Some("json") => {
+                serde_json::from_str::<Value>(&text)
+                    .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            }
+            _ => continue,
+        }
+        checked += 1;
+    }
+    assert!(checked >= 14, "{checked} files");
+}
+
+/// Every `visor_*` name in a PromQL expression.
+fn metric_names(expr: &str, out: &mut BTreeSet<String>) {
+    let b = expr.as_bytes();
+    let mut i = 0;
+    while let Some(k) = expr[i..].find("visor_") {
+        let start = i + k;
+        let boundary =
+            start == 0 || !(b[start - 1].is_ascii_alphanumeric() || b[start - 1] == b'_');
+        let mut end = start;
+        while end < b.len() && (b[end].is_ascii_alphanumeric() || b[end] == b'_') {
+            end += 1;
+        }
+        if boundary {
+            out.insert(expr[start..end].to_owned());
+        }
+        i = end;
+    }
+}
+
+/// The expressions of the alert rules and of the dashboard.
+fn used_metrics() -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let rules = &yaml("prometheus/alerts.yml")[0];
+    let mut alerts = 0;
+    for group in rules["groups"].as_vec().unwrap() {
+        for rule in group["rules"].as_vec().unwrap() {
+            metric_names(rule["expr"].as_str().unwrap(), &mut names);
+            alerts += 1;
+        }
+    }
+    assert!(alerts >= 6);
+    let dash: Value = serde_json::from_str(&read("grafana/visor.json")).unwrap();
+    let mut exprs = 0;
+    for panel in dash["panels"].as_array().unwrap() {
+        for t in panel["targets"].as_array().unwrap() {
+            metric_names(t["expr"].as_str().unwrap(), &mut names);
+            exprs += 1;
+        }
+    }
+    for v in dash["templating"]["list"].as_array().unwrap() {
+        if let Some(q) = v["query"].as_str() {
+            metric_names(q, &mut names);
+        }
+    }
+    assert!(exprs >= 14);
+    names
+}
+
+/// Chat answers with usage; a 500 for `fail-*` models; the describer's
+/// answers for describer calls.
+fn upstream(req: &Recorded) -> Reply {
+    if is_describer_call(req) {
+        return describer_answer(req);
+    }
+    if String::from_utf8_lossy(&req.body).contains("\"fail-") {
+        return Reply::json(500, r#"{"error":{"message":"boom"}}"#);
+    }
+    Reply::json(
+        200,
+        r#"{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}"#,
+    )
+}
+
+#[tokio::test]
+async fn every_metric_in_the_alerts_and_the_dashboard_exists() {
+    let used = used_metrics();
+    let mock = MockUpstream::start(upstream).await;
+    let visor = Visor::for_mock(&mock, DESCRIBE).await;
+    // Traffic that moves them: an answered chat (tokens, latency, first
+    // byte), one in a session, an image for a text-only model (described,
+    // replaced, saved), an upstream 500 (errors).
+    let (url, _) = png_data_url("deploy");
+    let (status, _, _) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        chat_with_images("gpt-oss-120b", &[url]),
+    ))
+    .await;
+    assert_eq!(status, 200);
+    let mut req = post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    req.headers_mut()
+        .insert("x-visor-session", "deploy".parse().unwrap());
+    assert_eq!(send(req).await.0, 200);
+    let (status, _, _) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"fail-1","messages":[{"role":"user","content":"hi"}]}"#,
+    ))
+    .await;
+    assert_eq!(status, 500);
+    let text = visor.metrics().await;
+    let exposed: BTreeSet<String> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap().to_owned())
+        .collect();
+    let missing: Vec<&String> = used.iter().filter(|n| !exposed.contains(*n)).collect();
+    assert!(
+        missing.is_empty(),
+        "used by deploy/ but not on /metrics: {missing:?}"
+    );
+    // And the dashboard covers what an operator asks first.
+    for needed in [
+        "visor_requests_total",
+        "visor_request_duration_seconds_bucket",
+        "visor_upstream_first_byte_seconds_bucket",
+        "visor_upstream_errors_total",
+        "visor_images_total",
+        "visor_bytes_saved_total",
+        "visor_tokens_total",
+        "visor_describe_total",
+        "visor_store_up",
+        "visor_session_history_messages_bucket",
+    ] {
+        assert!(used.contains(needed), "{needed} not used in deploy/");
+    }
+}
+
+fn config_loads(what: &str, toml: &str) -> visor::config::Config {
+    visor::config::Config::from_toml(toml, Path::new(what), &|_| Some("set-in-test".to_owned()))
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+/// The `visor.toml` of the ConfigMap in `doc`.
+fn configmap_toml(doc: &Yaml) -> &str {
+    assert_eq!(doc["kind"].as_str(), Some("ConfigMap"));
+    doc["data"]["visor.toml"].as_str().unwrap()
+}
+
+#[test]
+fn kubernetes_manifests_probe_secure_and_drain() {
+    let cfg = config_loads(
+        "k8s configmap",
+        configmap_toml(&yaml("k8s/configmap.yaml")[0]),
+    );
+    assert!(
+        cfg.store.backend.starts_with("redis://"),
+        "replicas share the store through Redis"
+    );
+    let dep = &yaml("k8s/deployment.yaml")[0];
+    assert_eq!(dep["kind"].as_str(), Some("Deployment"));
+    let pod = &dep["spec"]["template"]["spec"];
+    let grace = pod["terminationGracePeriodSeconds"].as_i64().unwrap() as f64;
+    assert!(
+        grace > cfg.server.drain_timeout.as_secs_f64(),
+        "grace {grace} s must outlast the drain"
+    );
+    assert_eq!(pod["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
+    let c = &pod["containers"][0];
+    assert_eq!(
+        c["livenessProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
+    assert_eq!(
+        c["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/readyz")
+    );
+    assert_eq!(
+        c["securityContext"]["readOnlyRootFilesystem"].as_bool(),
+        Some(true)
+    );
+    assert!(!c["resources"]["requests"].is_badvalue());
+    assert!(!c["resources"]["limits"]["memory"].is_badvalue());
+    let mounts: Vec<&str> = c["volumeMounts"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|m| m["mountPath"].as_str().unwrap())
+        .collect();
+    assert!(
+        mounts.contains(&cfg.server.data_dir.to_str().unwrap()),
+        "data_dir {} is a writable volume: {mounts:?}",
+        cfg.server.data_dir.display()
+    );
+    let secrets: Vec<&str> = c["env"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["valueFrom"]["secretKeyRef"]["name"].as_str())
+        .collect();
+    assert!(secrets.contains(&"visor-upstream-keys"), "{secrets:?}");
+    for (file, kind) in [
+        ("k8s/service.yaml", "Service"),
+        ("k8s/hpa.yaml", "HorizontalPodAutoscaler"),
+        ("k8s/pdb.yaml", "PodDisruptionBudget"),
+        ("k8s/servicemonitor.yaml", "ServiceMonitor"),
+        ("k8s/secret.example.yaml", "Secret"),
+    ] {
+        assert_eq!(yaml(file)[0]["kind"].as_str(), Some(kind), "{file}");
+    }
+    // The sidecar: the app's base URL on localhost, visor listening there.
+    let sidecar = yaml("k8s/sidecar-example.yaml");
+    let containers = sidecar[0]["spec"]["template"]["spec"]["containers"]
+        .as_vec()
+        .unwrap();
+    let app_env = containers[0]["env"].as_vec().unwrap();
+    assert!(
+        app_env
+            .iter()
+            .any(|e| e["name"].as_str() == Some("OPENAI_BASE_URL")
+                && e["value"].as_str() == Some("http://127.0.0.1:8787/v1"))
+    );
+    let side = config_loads("sidecar configmap", configmap_toml(&sidecar[1]));
+    assert_eq!(side.server.listen.to_string(), "127.0.0.1:8787");
+}
+
+#[test]
+fn compose_and_dockerfile() {
+    let compose = &yaml("docker-compose.yml")[0];
+    for service in ["visor", "redis", "prometheus", "grafana"] {
+        assert!(!compose["services"][service].is_badvalue(), "{service}");
+    }
+    let cfg = config_loads("deploy/visor.compose.toml", &read("visor.compose.toml"));
+    assert!(cfg.store.backend.starts_with("redis://"));
+    let grace = compose["services"]["visor"]["stop_grace_period"]
+        .as_str()
+        .unwrap();
+    let grace: f64 = grace.trim_end_matches('s').parse().unwrap();
+    assert!(grace > cfg.server.drain_timeout.as_secs_f64());
+    let docker = read("Dockerfile");
+    for needed in [
+        "USER visor",
+        "EXPOSE 8787",
+        "HEALTHCHECK",
+        "/healthz",
+        "COPY config/visor.toml",
+    ] {
+        assert!(docker.contains(needed), "Dockerfile lacks {needed}");
+    }
+    assert!(docker.matches("FROM ").count() >= 2, "multi-stage");
+}
+
+#[test]
+fn promtool_accepts_the_rules() {
+    let rules = deploy().join("prometheus/alerts.yml");
+    match std::process::Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&rules)
+        .output()
+    {
+        Ok(out) => assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("promtool is required under CI (.ci/run installs it): {e}")
+        }
+        Err(e) => println!("SKIPPED: promtool not installed ({e}); apt-get install prometheus"),
+    }
+}
