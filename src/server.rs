@@ -237,6 +237,7 @@ async fn serve(
 /// Re-reads the learned models from the store every
 /// [`crate::models::LEARNED_REFRESH`] (other replicas' lessons) until stop.
 async fn refresh_learned(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
+    let mut ticks: u32 = 0;
     loop {
         tokio::select! {
             () = tokio::time::sleep(crate::models::LEARNED_REFRESH) => {
@@ -244,11 +245,24 @@ async fn refresh_learned(state: Arc<AppState>, mut stop: watch::Receiver<bool>) 
                 if new > 0 {
                     tracing::info!(new, "learned models read from the store");
                 }
+                // Every SWEEP_EVERY ticks: idle sessions leave the disk and
+                // memory stores (Redis expires its own).
+                ticks = ticks.wrapping_add(1);
+                if ticks.is_multiple_of(SWEEP_EVERY) {
+                    let ttl = Duration::from_secs(state.config.sessions.idle_ttl_secs);
+                    if let Ok(gone @ 1..) = state.store.sweep_sessions(ttl).await {
+                        tracing::info!(sessions = gone, "idle sessions forgotten");
+                    }
+                }
             }
             () = stopped(&mut stop) => return,
         }
     }
 }
+
+/// Idle sessions are swept every this many learned-model refreshes (30 s
+/// each: every 5 minutes).
+const SWEEP_EVERY: u32 = 10;
 
 /// Resolves once the stop flag is set (or its sender is gone).
 async fn stopped(stop: &mut watch::Receiver<bool>) {

@@ -479,6 +479,70 @@ impl Store {
         self.guarded("put", op).await
     }
 
+    /// Forgets every session idle longer than `ttl`; how many went. Redis
+    /// expires its own (a no-op there).
+    pub async fn sweep_sessions(&self, ttl: Duration) -> Result<usize, StoreError> {
+        let op = async {
+            match &self.backend {
+                Backend::Memory(m) => {
+                    let Ok(mut sessions) = m.sessions.lock() else {
+                        return Err("store lock poisoned".to_owned());
+                    };
+                    let before = sessions.len();
+                    sessions.retain(|_, s| s.touched.elapsed() <= ttl);
+                    Ok(before - sessions.len())
+                }
+                Backend::Disk(d) => {
+                    d.run(move |db| {
+                        let now = unix_now();
+                        let expired: Vec<String> = {
+                            let txn = db.begin_read()?;
+                            let meta = txn.open_table(SESSION_META)?;
+                            let mut out = Vec::new();
+                            for row in meta.iter()? {
+                                let (k, v) = row?;
+                                if now.saturating_sub(v.value().1) > ttl.as_secs() {
+                                    out.push(k.value().to_owned());
+                                }
+                            }
+                            out
+                        };
+                        if expired.is_empty() {
+                            return Ok(0);
+                        }
+                        let txn = db.begin_write()?;
+                        let mut gone = 0;
+                        {
+                            let mut meta = txn.open_table(SESSION_META)?;
+                            let mut table = txn.open_table(SESSION_MESSAGES)?;
+                            for key in &expired {
+                                // Touched again since the read: kept.
+                                let still = meta
+                                    .get(key.as_str())?
+                                    .map(|v| v.value())
+                                    .is_some_and(|(_, t)| now.saturating_sub(t) > ttl.as_secs());
+                                if !still {
+                                    continue;
+                                }
+                                meta.remove(key.as_str())?;
+                                table.retain_in(
+                                    (key.as_str(), 0)..=(key.as_str(), u64::MAX),
+                                    |_, _| false,
+                                )?;
+                                gone += 1;
+                            }
+                        }
+                        txn.commit()?;
+                        Ok(gone)
+                    })
+                    .await
+                }
+                Backend::Redis(_) => Ok(0),
+            }
+        };
+        self.guarded("put", op).await
+    }
+
     async fn ping(&self) -> Result<(), String> {
         match &self.backend {
             Backend::Memory(_) => Ok(()),

@@ -81,7 +81,16 @@ fn metrics() -> Arc<Metrics> {
 
 #[tokio::test]
 async fn sessions_in_memory() {
-    sessions_behave(Arc::new(Store::memory(metrics())), "m").await;
+    let s = Arc::new(Store::memory(metrics()));
+    sessions_behave(s.clone(), "m").await;
+    assert_eq!(s.sweep_sessions(DAY).await.unwrap(), 0);
+    assert!(s.session("m3", 1, DAY).await.unwrap().is_some());
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while s.sweep_sessions(Duration::ZERO).await.unwrap() == 0 {
+        assert!(std::time::Instant::now() < deadline, "never swept");
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(s.session("m3", 1, DAY).await.unwrap(), None);
 }
 
 #[tokio::test]
@@ -99,6 +108,15 @@ async fn sessions_on_disk_survive_a_reopen() {
         s.session("kept", 10, DAY).await.unwrap(),
         Some(vec![b("m")])
     );
+    // The sweep keeps what is not idle, and forgets what is (the disk store
+    // counts whole seconds: wait, bounded, until "kept" is a second old).
+    assert_eq!(s.sweep_sessions(DAY).await.unwrap(), 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while s.sweep_sessions(Duration::ZERO).await.unwrap() == 0 {
+        assert!(std::time::Instant::now() < deadline, "never swept");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(s.session("kept", 10, DAY).await.unwrap(), None);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
