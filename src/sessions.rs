@@ -24,10 +24,13 @@ pub fn valid_id(id: &str) -> Result<&str, BadHeader> {
         && id
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'));
-    ok.then_some(id).ok_or(BadHeader(
-        "x-visor-session must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
-    ))
+    ok.then_some(id).ok_or(BadHeader(BAD_ID))
 }
+
+/// Why a session id (the header, or the path of `/visor/sessions/`) was
+/// refused.
+pub const BAD_ID: &str =
+    "a session id (x-visor-session) must be 1 to 128 characters of A-Z a-z 0-9 . _ : -";
 
 /// The history depth for a request: `x-visor-history` (a whole number,
 /// capped by `max_depth`), else `default_depth`.

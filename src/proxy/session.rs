@@ -42,16 +42,16 @@ pub fn requested(headers: &HeaderMap) -> Result<Option<String>, VisorError> {
     let Some(v) = headers.get("x-visor-session") else {
         return Ok(None);
     };
-    let id = v.to_str().map_err(|_| bad(sessions::BadHeader("")))?;
-    sessions::valid_id(id.trim()).map_err(bad)?;
-    Ok(Some(id.trim().to_owned()))
+    let id = v
+        .to_str()
+        .map_err(|_| VisorError::BadRequest(sessions::BAD_ID))?
+        .trim();
+    sessions::valid_id(id).map_err(bad)?;
+    Ok(Some(id.to_owned()))
 }
 
 fn bad(e: sessions::BadHeader) -> VisorError {
-    VisorError::BadRequest(match e.0 {
-        "" => "x-visor-session must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
-        why => why,
-    })
+    VisorError::BadRequest(e.0)
 }
 
 /// The store key of session `id` for the client of `headers`.

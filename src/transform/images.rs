@@ -446,8 +446,7 @@ impl Walker<'_> {
         match c.kind()? {
             Kind::String => {
                 let lit = c.string()?;
-                let spot = self.spot(lit);
-                msg.spots.push((spot, in_tool, msg.unit));
+                self.text_spot(lit, msg, in_tool);
                 Ok(None)
             }
             Kind::Array if depth < MAX_NESTING => {
@@ -470,9 +469,12 @@ impl Walker<'_> {
         }
     }
 
-    fn spot(&mut self, lit: Str) -> usize {
+    /// Records a text string of the message being walked.
+    fn text_spot(&mut self, lit: Str, msg: &mut Msg, in_tool: bool) -> usize {
         self.out.spots.push(Spot { lit, text: None });
-        self.out.spots.len() - 1
+        let spot = self.out.spots.len() - 1;
+        msg.spots.push((spot, in_tool, msg.unit));
+        spot
     }
 
     /// Walks one content part. Returns what it is for a possible collapse:
@@ -539,8 +541,7 @@ impl Walker<'_> {
         if (ty.is(src, "text") || ty.is(src, "input_text") || ty.is(src, "output_text"))
             && let Some(text) = f.text
         {
-            let spot = self.spot(text);
-            msg.spots.push((spot, in_tool, msg.unit));
+            let spot = self.text_spot(text, msg, in_tool);
             return Ok(Some(PartRef::Text(spot)));
         }
         Ok(None)
