@@ -14,7 +14,8 @@
 //!   with every rule on and nothing to change: the walk over the body (the
 //!   image is kept, so never decoded).
 //!
-//! The savings are printed once before timing. `cargo bench --bench
+//! The savings, and the prompt-cache prefix kept turn by turn on the 6-turn
+//! fixture, are printed once before timing. `cargo bench --bench
 //! context`; the large fixtures are made on first use (python3).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
 
@@ -78,6 +79,45 @@ fn report_savings(name: &str, body: &[u8]) {
     );
 }
 
+/// The prompt-cache cost of the recency window on the 6-turn screenshot
+/// fixture (a vision model): for each request an agent sends (after each
+/// user message and tool result), how much of the previous request's
+/// rewrite it still starts with (its cacheable prefix, in bytes of compact
+/// JSON messages), and its own size against the original's.
+fn report_prefix(body: &[u8]) {
+    let v: Value = serde_json::from_slice(body).unwrap();
+    let msgs = v["messages"].as_array().unwrap();
+    let size = |ms: &[Value]| -> usize {
+        ms.iter()
+            .map(|m| serde_json::to_vec(m).unwrap().len())
+            .sum()
+    };
+    let mut previous: Option<Vec<Value>> = None;
+    for (i, m) in msgs.iter().enumerate() {
+        if !matches!(m["role"].as_str(), Some("user" | "tool")) {
+            continue;
+        }
+        let mut req = v.clone();
+        req["messages"] = Value::Array(msgs[..=i].to_vec());
+        let bytes = serde_json::to_vec(&req).unwrap();
+        let r = rewrite(&bytes, &plan(true));
+        let out: Value = serde_json::from_slice(r.body.as_deref().unwrap_or(&bytes)).unwrap();
+        let sent = out["messages"].as_array().unwrap().clone();
+        if let Some(prev) = &previous {
+            let kept = prev.iter().zip(&sent).take_while(|(a, b)| a == b).count();
+            eprintln!(
+                "6-turn request after message {i}: sent {} B (original {} B); cacheable prefix {} of the previous {} B ({:.0}%)",
+                size(&sent),
+                size(&msgs[..=i]),
+                size(&prev[..kept]),
+                size(prev),
+                100.0 * size(&prev[..kept]) as f64 / size(prev) as f64
+            );
+        }
+        previous = Some(sent);
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let big = common::large("agent-history-200turns.json");
     let refetch = small("agent-history-refetch.json");
@@ -87,6 +127,7 @@ fn bench(c: &mut Criterion) {
     report_savings("agent-history-200turns", &big);
     report_savings("agent-history-refetch", &refetch);
     report_savings("agent-history-refetch-jsonarray", &array);
+    report_prefix(&shots);
 
     let mut g = c.benchmark_group("context");
     for (name, body) in [
