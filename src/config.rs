@@ -315,21 +315,35 @@ fn default_on_miss() -> String {
 pub struct RawDedup {
     #[serde(default = "default_true")]
     pub enabled: bool,
-    #[serde(default = "default_min_line_chars")]
-    pub min_line_chars: u32,
+    /// A repeated run of lines is replaced by a note when it has at least
+    /// this many lines…
+    #[serde(default = "default_min_run_lines")]
+    pub min_run_lines: u32,
+    /// …and this many bytes (chosen on the real-traffic corpus: README).
+    #[serde(default = "default_min_run_bytes")]
+    pub min_run_bytes: u32,
+    /// The line dedup of earlier versions; accepted and ignored, with a
+    /// warning (see [`Config::warnings`]).
+    #[serde(default)]
+    pub min_line_chars: Option<u32>,
 }
 
 impl Default for RawDedup {
     fn default() -> Self {
         Self {
             enabled: true,
-            min_line_chars: default_min_line_chars(),
+            min_run_lines: default_min_run_lines(),
+            min_run_bytes: default_min_run_bytes(),
+            min_line_chars: None,
         }
     }
 }
 
-fn default_min_line_chars() -> u32 {
-    16
+fn default_min_run_lines() -> u32 {
+    2
+}
+fn default_min_run_bytes() -> u32 {
+    64
 }
 
 #[derive(Debug, Deserialize)]
@@ -402,6 +416,9 @@ pub struct Config {
     pub dedup: RawDedup,
     pub sessions: RawSessions,
     pub store: RawStore,
+    /// Keys that still load but no longer do anything: said once at start
+    /// (`visor serve` logs them, `visor check` prints them).
+    pub warnings: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -800,6 +817,19 @@ impl RawConfig {
             &self.describer.on_miss,
             &["wait", "placeholder"],
         );
+        if self.dedup.min_run_lines < 2 {
+            p.push(format!(
+                "dedup.min_run_lines: {} — must be at least 2 (a single repeated line always stays)",
+                self.dedup.min_run_lines
+            ));
+        }
+        let mut warnings = Vec::new();
+        if self.dedup.min_line_chars.is_some() {
+            warnings.push(
+                "dedup.min_line_chars: no longer used (dedup removes repeated runs of lines; see dedup.min_run_lines and dedup.min_run_bytes) — ignored"
+                    .to_owned(),
+            );
+        }
         if self.sessions.max_depth == 0 {
             p.push("sessions.max_depth: 0 — must be at least 1".to_owned());
         }
@@ -832,6 +862,7 @@ impl RawConfig {
             dedup: self.dedup,
             sessions: self.sessions,
             store: self.store,
+            warnings,
         })
     }
 }

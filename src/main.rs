@@ -196,6 +196,9 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
     };
     let s = &cfg.server;
     println!("{}: ok", path.display());
+    for w in &cfg.warnings {
+        println!("warning: {w}");
+    }
     println!("listen: {}", s.listen);
     println!(
         "limits: max_body_bytes={} connect={:?} first_byte={:?} idle={:?} request={:?} drain={:?}",
@@ -259,6 +262,13 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
         cfg.images.non_vision,
         cfg.artifacts_dir().display()
     );
+    match cfg.dedup.enabled {
+        true => println!(
+            "dedup: runs of at least {} lines and {} bytes",
+            cfg.dedup.min_run_lines, cfg.dedup.min_run_bytes
+        ),
+        false => println!("dedup: off"),
+    }
     let d = &cfg.describer;
     let describer_upstream = d
         .upstream
@@ -396,6 +406,9 @@ fn serve(path: &std::path::Path, listen: Option<SocketAddr>) -> ExitCode {
     let Some(cfg) = load(path) else {
         return ExitCode::FAILURE;
     };
+    for w in &cfg.warnings {
+        tracing::warn!(config = %path.display(), "{w}");
+    }
     // Worker 0 runs on this thread; Server::run starts the others.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -1,77 +1,115 @@
-//! Context dedup: a line of a user or tool message that already appeared
-//! earlier in the request is removed, and one short note per message says
-//! how many were omitted. A tool result whose text is a JSON array loses the
-//! elements that appeared earlier (compared as canonical JSON) and stays
-//! valid JSON, followed by the note.
+//! Context dedup by repeated blocks. Each user or tool message (each
+//! Anthropic `tool_result` block) is read once, in request order, against
+//! the messages before it as they are sent:
 //!
-//! What is never removed: lines of system, developer and assistant messages
-//! and of the newest user message (they still count as seen), lines shorter
-//! than `min_line_chars` (trailing whitespace ignored), lines inside fenced
-//! code blocks (in code a repeated line is usually a different statement:
-//! two functions that both `return Ok(());`), visor's own notes, and the
-//! text of a JSON document that is not an array (its lines are not
-//! independent; removing one would break it).
+//! - a whole tool result (or user message) identical to an earlier one
+//!   becomes a reference to it: `[omitted: same as message 7 (call_abc)]`;
+//! - a run of consecutive lines that appears, in the same order, in one
+//!   earlier message is replaced by a note naming where:
+//!   `[omitted: message 7 lines 5-16]` — when the run has at least
+//!   `min_lines` lines and `min_bytes` bytes. Lines inside a run may be of
+//!   any length (`}` and blank lines go with their block); a single
+//!   repeated line stays;
+//! - a text that is a JSON array loses the elements that appeared in an
+//!   earlier array and stays valid JSON, followed by
+//!   `[3 items omitted: message 7]`.
 //!
-//! The output is a pure function of the request: a message's text depends
-//! only on the messages before it and on whether it is the newest user
-//! message, so a conversation's rewritten prefix stays byte-identical from
-//! one turn to the next. Running it on its own output changes nothing.
+//! Never changed: system, developer and assistant messages (their lines
+//! count as seen), visor's own notes and image texts (never seen, never
+//! removed), and the head of a tool result: of its first [`HEAD_LINES`]
+//! lines, those shorter than [`HEAD_CHARS`] bytes (an exit code, a wall
+//! time, `Output:`) are never part of a run.
+//!
+//! A message's rewrite depends only on itself and the messages before it
+//! (as rewritten), never on what comes after, so the rewritten messages of
+//! one turn are a byte-identical prefix of the next turn's. Notes name the
+//! earlier message by its 1-based position in the request's message list
+//! and its lines as that message is sent (notes count as one line), so a
+//! model can find them. Running dedup on its own output changes nothing.
 
 use std::borrow::Cow;
-use std::collections::HashSet;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
 
 use serde_json::Value;
 
-use super::images::{Role, Scan, TextAt};
+use super::images::{Role, Scan};
 use super::json::{Cursor, is_json, quote};
 
-/// Notes are `[24 omitted]` (lines), `[3 items omitted]`, `[24 omitted, 3
-/// items]`: short, because an agent that re-fetches its history gets one
-/// in every tool result, every turn.
-const NOTE_HEAD: &str = "[";
-const NOTE_TAIL: &str = "]";
-/// What a further text part of a message holds when every line of it was
-/// removed (the message's note is in an earlier part): no provider is sent
-/// an empty text block.
-const EMPTIED: &str = "[omitted]";
+/// Of a tool result's first this many lines, the short ones stay (see
+/// [`HEAD_CHARS`]).
+pub const HEAD_LINES: usize = 5;
+/// A head line shorter than this many bytes is a status line: it stays.
+pub const HEAD_CHARS: usize = 48;
+/// JSON array elements shorter than this (canonical JSON) are never
+/// removed: `1`, `"ok"`, `null` repeat by nature.
+const ITEM_MIN_CHARS: usize = 16;
+/// Earlier places a line pair is looked up in, newest first: bounds the
+/// work on text made of one repeated pair.
+const CANDIDATES: usize = 32;
+/// Messages a JSON note names at most.
+const NOTE_MESSAGES: usize = 3;
+
+/// When a run of repeated lines is worth a note.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Blocks {
+    /// Lines a run holds at least (2 or more: a single repeated line stays).
+    pub min_lines: usize,
+    /// Bytes a run holds at least (its lines and their line breaks).
+    pub min_bytes: usize,
+}
 
 /// What dedup removed from one request.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Omitted {
+    /// Lines removed (in runs and whole repeated results).
     pub lines: usize,
+    /// JSON array elements removed.
     pub items: usize,
     /// Messages (or tool results) that carry a note.
     pub messages: usize,
+    /// Runs replaced by a note.
+    pub runs: usize,
+    /// Whole results replaced by a reference.
+    pub references: usize,
     /// Request bytes removed (JSON-encoded lengths).
     pub bytes: i64,
 }
 
-/// What happens to one text.
-enum Outcome<'a> {
-    Same,
-    Lines {
-        pieces: Vec<&'a str>,
-        removed: usize,
-        /// Where the first removed line was (an index into `pieces`).
-        first: usize,
-    },
-    Items {
-        json: String,
-        /// A note already following the JSON (kept).
-        tail: &'a str,
-        removed: usize,
-    },
+/// One message (one tool result), as it is sent after dedup.
+struct Sent<'a> {
+    /// 0-based position in the message list.
+    message: usize,
+    /// Which unit of it (see [`super::images::TextAt::unit`]).
+    unit: u32,
+    /// Its lines across its texts; `None` for visor's own lines.
+    lines: Vec<Option<&'a str>>,
+    hashes: Vec<u64>,
 }
 
-/// Removes repeated lines and JSON array elements from the request's text
-/// strings. `spot_text[s]` is the text of spot `s` when an earlier step
-/// changed it (images replaced in it); the new texts are written there.
-pub fn run(
-    scan: &Scan,
-    body: &[u8],
-    spot_text: &mut [Option<String>],
-    min_chars: usize,
-) -> Omitted {
+/// One line of a rewritten text.
+enum Piece<'a> {
+    Line(&'a str),
+    Note(String),
+}
+
+struct Dedup<'a> {
+    blocks: Blocks,
+    hasher: RandomState,
+    sent: Vec<Sent<'a>>,
+    /// Consecutive line pairs of what was sent: where they start.
+    pairs: HashMap<(u64, u64), Vec<(u32, u32)>>,
+    /// Whole texts of user and tool results: which `sent` first had them.
+    whole: HashMap<&'a str, usize>,
+    /// Canonical JSON array elements: the message that shows them.
+    items: HashMap<String, usize>,
+}
+
+/// Removes repeated blocks, whole repeated results and JSON array elements
+/// from the request's texts. `spot_text[s]` is the text of spot `s` when an
+/// earlier step changed it (images replaced in it); the new texts are
+/// written there.
+pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: Blocks) -> Omitted {
     let texts: Vec<Option<Cow<'_, str>>> = scan
         .texts
         .iter()
@@ -80,92 +118,61 @@ pub fn run(
             None => scan.spot_decoded(t.spot, body),
         })
         .collect();
-    let newest_user = scan
-        .items
-        .iter()
-        .rposition(|i| i.role == Role::User && i.authored);
-    let mut seen = Seen {
-        lines: HashSet::new(),
-        items: HashSet::new(),
-        min_chars,
+    let mut d = Dedup {
+        blocks,
+        hasher: RandomState::new(),
+        sent: Vec::new(),
+        pairs: HashMap::new(),
+        whole: HashMap::new(),
+        items: HashMap::new(),
     };
-    let mut outcomes: Vec<Outcome<'_>> = Vec::with_capacity(texts.len());
-    for (t, text) in scan.texts.iter().zip(&texts) {
-        let Some(text) = text.as_deref() else {
-            outcomes.push(Outcome::Same);
-            continue;
-        };
-        let role = scan.items.get(t.item).map_or(Role::Other, |i| i.role);
-        let tool = t.tool || role == Role::Tool;
-        let eligible = tool || (role == Role::User && Some(t.item) != newest_user);
-        let json_too = tool || role == Role::User;
-        outcomes.push(seen.text(text, eligible, json_too));
-    }
     let mut out = Omitted::default();
     let mut new_texts: Vec<(usize, String)> = Vec::new();
-    // One note per message (per tool result): texts are grouped by
-    // message and unit; the note goes into the first one that lost lines.
-    let mut k = 0;
-    while k < scan.texts.len() {
-        let item = scan.texts[k].item;
-        let end = k + scan.texts[k..]
-            .iter()
-            .take_while(|t| t.item == item)
-            .count();
-        let message = &scan.texts[k..end];
-        let mut units: Vec<u32> = message.iter().map(|t| t.unit).collect();
-        units.sort_unstable();
-        units.dedup();
-        for unit in units {
-            let group: Vec<usize> = (k..end).filter(|&j| scan.texts[j].unit == unit).collect();
-            let lines: usize = group.iter().map(|&j| removed_lines(&outcomes[j])).sum();
-            let items: usize = group.iter().map(|&j| removed_items(&outcomes[j])).sum();
-            if lines + items == 0 {
+    for group in units(scan) {
+        let Some(&first) = group.first() else {
+            continue;
+        };
+        let at = &scan.texts[first];
+        let role = scan.items.get(at.item).map_or(Role::Other, |i| i.role);
+        let tool = role == Role::Tool || group.iter().any(|&j| scan.texts[j].tool);
+        let eligible = tool || role == Role::User;
+        let me = d.sent.len();
+        d.sent.push(Sent {
+            message: at.item,
+            unit: at.unit,
+            lines: Vec::new(),
+            hashes: Vec::new(),
+        });
+        let mut changed = false;
+        for &j in &group {
+            let Some(text) = texts[j].as_deref() else {
                 continue;
-            }
-            out.lines += lines;
-            out.items += items;
-            out.messages += 1;
-            let note = note(lines, items);
-            let mut noted = false;
-            for &j in &group {
-                let t: &TextAt = &scan.texts[j];
-                let rendered = match &outcomes[j] {
-                    Outcome::Same => continue,
-                    Outcome::Lines { pieces, first, .. } => {
-                        let mut pieces = pieces.clone();
-                        if !noted {
-                            pieces.insert((*first).min(pieces.len()), &note);
-                            noted = true;
-                        }
-                        let s = pieces.join("\n");
-                        if s.trim().is_empty() {
-                            EMPTIED.to_owned()
-                        } else {
-                            s
-                        }
-                    }
-                    Outcome::Items { json, tail, .. } => {
-                        let mut s = format!("{json}{tail}");
-                        if !noted {
-                            s.push('\n');
-                            s.push_str(&note);
-                            noted = true;
-                        }
-                        s
-                    }
-                };
-                let before = match spot_text.get(t.spot).and_then(Option::as_ref) {
+            };
+            let rendered = if !eligible {
+                d.record(me, text);
+                None
+            } else if group.len() == 1
+                && let Some(r) = d.reference(scan, body, text, me, &mut out)
+            {
+                Some(r)
+            } else {
+                d.rewrite(text, me, tool, &mut out)
+            };
+            if let Some(r) = rendered {
+                let spot = scan.texts[j].spot;
+                let before = match spot_text.get(spot).and_then(Option::as_ref) {
                     Some(s) => literal_len(s),
-                    None => scan.spot_literal_len(t.spot),
+                    None => scan.spot_literal_len(spot),
                 };
-                out.bytes += before as i64 - literal_len(&rendered) as i64;
-                new_texts.push((t.spot, rendered));
+                out.bytes += before as i64 - literal_len(&r) as i64;
+                changed = true;
+                new_texts.push((spot, r));
             }
         }
-        k = end;
+        out.messages += usize::from(changed);
+        d.index(me);
     }
-    drop(outcomes);
+    drop(d);
     drop(texts);
     for (spot, text) in new_texts {
         if let Some(slot) = spot_text.get_mut(spot) {
@@ -175,192 +182,333 @@ pub fn run(
     out
 }
 
-fn removed_lines(o: &Outcome<'_>) -> usize {
-    match o {
-        Outcome::Lines { removed, .. } => *removed,
-        _ => 0,
+/// The texts of each message, unit by unit (an Anthropic message's own
+/// content, then each `tool_result` block), in request order.
+fn units(scan: &Scan) -> Vec<Vec<usize>> {
+    let mut out = Vec::new();
+    let mut k = 0;
+    while k < scan.texts.len() {
+        let item = scan.texts[k].item;
+        let end = k + scan.texts[k..]
+            .iter()
+            .take_while(|t| t.item == item)
+            .count();
+        let mut order: Vec<u32> = Vec::new();
+        for t in &scan.texts[k..end] {
+            if !order.contains(&t.unit) {
+                order.push(t.unit);
+            }
+        }
+        for unit in order {
+            out.push((k..end).filter(|&j| scan.texts[j].unit == unit).collect());
+        }
+        k = end;
+    }
+    out
+}
+
+impl<'a> Dedup<'a> {
+    /// A whole text identical to an earlier user or tool text: the
+    /// reference that replaces it (when shorter than the text).
+    fn reference(
+        &mut self,
+        scan: &Scan,
+        body: &[u8],
+        text: &'a str,
+        me: usize,
+        out: &mut Omitted,
+    ) -> Option<String> {
+        if is_own(text.trim_end()) {
+            return None;
+        }
+        let Some(&earlier) = self.whole.get(text) else {
+            self.whole.insert(text, me);
+            return None;
+        };
+        let first = self.sent.get(earlier)?;
+        let message = first.message + 1;
+        let note = match scan.call_id(first.message, first.unit, body) {
+            Some(id) if plain_id(&id) => format!("[omitted: same as message {message} ({id})]"),
+            _ => format!("[omitted: same as message {message}]"),
+        };
+        if note.len() >= text.len() {
+            return None;
+        }
+        out.lines += text.split('\n').count();
+        out.references += 1;
+        self.push_note(me);
+        Some(note)
+    }
+
+    /// Records a text that is sent as it is.
+    fn record(&mut self, me: usize, text: &'a str) {
+        for line in text.split('\n') {
+            self.push_line(me, line);
+        }
+    }
+
+    fn push_line(&mut self, me: usize, line: &'a str) {
+        let own = is_own(line);
+        let hash = match own {
+            true => 0,
+            false => self.hasher.hash_one(line),
+        };
+        let sent = &mut self.sent[me];
+        sent.lines.push((!own).then_some(line));
+        sent.hashes.push(hash);
+    }
+
+    fn push_note(&mut self, me: usize) {
+        self.sent[me].lines.push(None);
+        self.sent[me].hashes.push(0);
+    }
+
+    /// Rewrites one text of a user or tool message; `None` when nothing in
+    /// it repeats.
+    fn rewrite(&mut self, text: &'a str, me: usize, tool: bool, out: &mut Omitted) -> Option<String> {
+        let (head, tail) = split_trailing_note(text);
+        if let Some(JsonKind::Array) = json_kind(head) {
+            return self.array(head, tail, me, out);
+        }
+        self.lines(text, me, tool, out)
+    }
+
+    fn lines(&mut self, text: &'a str, me: usize, tool: bool, out: &mut Omitted) -> Option<String> {
+        let lines: Vec<&'a str> = text.split('\n').collect();
+        let hashes: Vec<u64> = lines.iter().map(|l| self.hasher.hash_one(*l)).collect();
+        let base = self.sent[me].lines.len();
+        // Lines that never join a run: visor's own, and a tool result's
+        // short head lines.
+        let barrier: Vec<bool> = lines
+            .iter()
+            .enumerate()
+            .map(|(q, l)| is_own(l) || (tool && base + q < HEAD_LINES && l.len() < HEAD_CHARS))
+            .collect();
+        let mut pieces: Vec<Piece<'a>> = Vec::with_capacity(lines.len());
+        let mut i = 0;
+        while i < lines.len() {
+            if let Some((len, src, at)) = self.longest(&lines, &hashes, &barrier, i)
+                && len >= self.blocks.min_lines
+                && lines[i..i + len].iter().map(|l| l.len() + 1).sum::<usize>()
+                    >= self.blocks.min_bytes
+            {
+                let message = self.sent[src].message + 1;
+                pieces.push(Piece::Note(format!(
+                    "[omitted: message {message} lines {}-{}]",
+                    at + 1,
+                    at + len
+                )));
+                out.lines += len;
+                out.runs += 1;
+                i += len;
+                continue;
+            }
+            pieces.push(Piece::Line(lines[i]));
+            i += 1;
+        }
+        let changed = pieces.iter().any(|p| matches!(p, Piece::Note(_)));
+        for p in &pieces {
+            match p {
+                Piece::Line(l) => self.push_line(me, l),
+                Piece::Note(_) => self.push_note(me),
+            }
+        }
+        if !changed {
+            return None;
+        }
+        let mut s = String::with_capacity(text.len());
+        for (k, p) in pieces.iter().enumerate() {
+            if k > 0 {
+                s.push('\n');
+            }
+            s.push_str(match p {
+                Piece::Line(l) => l,
+                Piece::Note(n) => n,
+            });
+        }
+        Some(s)
+    }
+
+    /// The longest run starting at line `i` that an earlier message sent in
+    /// the same order: (its length, which message, where in it). Ties go to
+    /// the newest.
+    fn longest(
+        &self,
+        lines: &[&str],
+        hashes: &[u64],
+        barrier: &[bool],
+        i: usize,
+    ) -> Option<(usize, usize, usize)> {
+        if i + 1 >= lines.len() || barrier[i] || barrier[i + 1] {
+            return None;
+        }
+        let starts = self.pairs.get(&(hashes[i], hashes[i + 1]))?;
+        let mut best: Option<(usize, usize, usize)> = None;
+        for &(src, at) in starts.iter().rev().take(CANDIDATES) {
+            let (src, at) = (src as usize, at as usize);
+            let sent = &self.sent[src];
+            let mut len = 0;
+            while i + len < lines.len()
+                && !barrier[i + len]
+                && sent.hashes.get(at + len) == Some(&hashes[i + len])
+                && sent.lines.get(at + len).copied().flatten() == Some(lines[i + len])
+            {
+                len += 1;
+            }
+            if len > best.map_or(0, |b| b.0) {
+                best = Some((len, src, at));
+            }
+        }
+        best
+    }
+
+    /// Adds message `me`'s line pairs to what later messages are compared
+    /// with.
+    fn index(&mut self, me: usize) {
+        let sent = &self.sent[me];
+        for j in 0..sent.lines.len().saturating_sub(1) {
+            if sent.lines[j].is_some() && sent.lines[j + 1].is_some() {
+                self.pairs
+                    .entry((sent.hashes[j], sent.hashes[j + 1]))
+                    .or_default()
+                    .push((me as u32, j as u32));
+            }
+        }
+    }
+
+    /// A JSON array: elements seen in an earlier array removed, the rest
+    /// kept in their layout, the note after. Arrays are compared by
+    /// element, never by line: their lines are not offered to later runs.
+    fn array(&mut self, json: &'a str, tail: &str, me: usize, out: &mut Omitted) -> Option<String> {
+        let rewritten = self.items(json, tail, me, out);
+        let lines = match &rewritten {
+            Some(s) => s.split('\n').count(),
+            None => json.split('\n').count() + tail.split('\n').count() - 1,
+        };
+        for _ in 0..lines {
+            self.push_note(me);
+        }
+        rewritten
+    }
+
+    /// The array without the elements an earlier array had, and its note;
+    /// `None` when nothing goes.
+    fn items(&mut self, json: &str, tail: &str, me: usize, out: &mut Omitted) -> Option<String> {
+        let src = json.as_bytes();
+        let mut elements = Vec::new();
+        let mut c = Cursor::new(src);
+        c.array(|c, _| c.skip().map(|r| elements.push(r))).ok()?;
+        let message = self.sent[me].message;
+        let mut kept = Vec::with_capacity(elements.len());
+        let mut seen_in: Vec<usize> = Vec::new();
+        for r in &elements {
+            let Some(key) = json.get(r.clone()).and_then(canonical) else {
+                kept.push(r.clone());
+                continue;
+            };
+            if key.len() < ITEM_MIN_CHARS {
+                kept.push(r.clone());
+                continue;
+            }
+            match self.items.get(&key) {
+                Some(&m) if m != message => {
+                    if !seen_in.contains(&m) {
+                        seen_in.push(m);
+                    }
+                }
+                Some(_) => kept.push(r.clone()),
+                None => {
+                    self.items.insert(key, message);
+                    kept.push(r.clone());
+                }
+            }
+        }
+        let removed = elements.len() - kept.len();
+        let (Some(first), Some(last)) = (elements.first(), elements.last()) else {
+            return None;
+        };
+        if removed == 0 {
+            return None;
+        }
+        let sep = match elements.get(1) {
+            Some(second) => json.get(first.end..second.start).unwrap_or(", "),
+            None => ", ",
+        };
+        let mut s = String::with_capacity(json.len());
+        s.push_str(json.get(..first.start).unwrap_or("["));
+        for (i, r) in kept.iter().enumerate() {
+            if i > 0 {
+                s.push_str(sep);
+            }
+            s.push_str(json.get(r.clone()).unwrap_or("null"));
+        }
+        s.push_str(json.get(last.end..).unwrap_or("]"));
+        s.push_str(tail);
+        seen_in.sort_unstable();
+        s.push('\n');
+        s.push_str(&items_note(removed, &seen_in));
+        out.items += removed;
+        Some(s)
     }
 }
 
-fn removed_items(o: &Outcome<'_>) -> usize {
-    match o {
-        Outcome::Items { removed, .. } => *removed,
-        _ => 0,
-    }
+/// An id safe to show in a note: short, letters, digits and `_-.:`.
+fn plain_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
 }
 
-/// The note that takes the removed lines' place.
-fn note(lines: usize, items: usize) -> String {
-    let items_text = match items {
+/// `[3 items omitted: message 7]`, `[1 item omitted: messages 4, 7]`.
+fn items_note(removed: usize, seen_in: &[usize]) -> String {
+    let items = match removed {
         1 => "1 item".to_owned(),
         n => format!("{n} items"),
     };
-    match (lines, items) {
-        (l, 0) => format!("{NOTE_HEAD}{l} omitted{NOTE_TAIL}"),
-        (0, _) => format!("{NOTE_HEAD}{items_text} omitted{NOTE_TAIL}"),
-        (l, _) => format!("{NOTE_HEAD}{l} omitted, {items_text}{NOTE_TAIL}"),
+    let mut names: Vec<String> = seen_in
+        .iter()
+        .take(NOTE_MESSAGES)
+        .map(|m| (m + 1).to_string())
+        .collect();
+    if seen_in.len() > NOTE_MESSAGES {
+        names.push("…".to_owned());
     }
+    let which = match seen_in.len() {
+        1 => "message",
+        _ => "messages",
+    };
+    format!("[{items} omitted: {which} {}]", names.join(", "))
 }
 
 /// A line visor wrote: a note, or the text that replaced an image (two
-/// copies of one image give the same text; they are the images' business,
-/// see `images.dedupe`). Never removed, never counted as seen, so dedup of
+/// copies of one image are the image rules' business, see
+/// `images.dedupe`). Never removed, never counted as seen, so dedup of
 /// visor's own output changes nothing.
-fn is_own(line: &str) -> bool {
+pub fn is_own(line: &str) -> bool {
     line.starts_with("[image ") || is_note(line)
 }
 
-/// One of the notes [`note`] writes.
+/// One of the notes this module writes.
 fn is_note(line: &str) -> bool {
     let Some(inner) = line
-        .strip_prefix(NOTE_HEAD)
-        .and_then(|l| l.strip_suffix(NOTE_TAIL))
+        .trim_end()
+        .strip_prefix('[')
+        .and_then(|l| l.strip_suffix(']'))
     else {
         return false;
     };
-    if inner == "omitted" {
+    if inner.starts_with("omitted: ") {
         return true;
     }
-    let Some(rest) = count(inner) else {
-        return false;
-    };
-    match rest {
-        " omitted" | " item omitted" | " items omitted" => true,
-        _ => rest
-            .strip_prefix(" omitted, ")
-            .and_then(count)
-            .is_some_and(|r| r == " item" || r == " items"),
-    }
+    count(inner).is_some_and(|r| r.starts_with(" items omitted: ") || r.starts_with(" item omitted: "))
 }
 
 /// `s` after its leading decimal number; `None` without one.
 fn count(s: &str) -> Option<&str> {
     let digits = s.bytes().take_while(u8::is_ascii_digit).count();
     (digits > 0).then(|| &s[digits..])
-}
-
-/// A fence line of a Markdown code block (up to three spaces, then three
-/// backticks or tildes).
-fn is_fence(line: &str) -> bool {
-    let t = line.trim_start_matches(' ');
-    line.len() - t.len() <= 3 && (t.starts_with("```") || t.starts_with("~~~"))
-}
-
-/// What has appeared so far in the request.
-struct Seen<'a> {
-    lines: HashSet<&'a str>,
-    items: HashSet<String>,
-    min_chars: usize,
-}
-
-impl<'a> Seen<'a> {
-    fn long(&self, s: &str) -> bool {
-        s.len() >= self.min_chars && (s.is_ascii() || s.chars().count() >= self.min_chars)
-    }
-
-    /// Reads one text: records what it holds, and, when `eligible`, what
-    /// of it repeats something earlier. `json_too`: a JSON array's
-    /// elements are recorded (user and tool texts).
-    fn text(&mut self, text: &'a str, eligible: bool, json_too: bool) -> Outcome<'a> {
-        let (head, tail) = split_trailing_note(text);
-        if json_too && let Some(kind) = json_kind(head) {
-            self.record_lines(text);
-            return match kind {
-                JsonKind::Array => self.array(head, tail, eligible),
-                JsonKind::Other => Outcome::Same,
-            };
-        }
-        self.lines(text, eligible)
-    }
-
-    fn record_lines(&mut self, text: &'a str) {
-        for line in text.split('\n') {
-            let key = line.trim_end();
-            if self.long(key) && !is_own(key) {
-                self.lines.insert(key);
-            }
-        }
-    }
-
-    fn lines(&mut self, text: &'a str, eligible: bool) -> Outcome<'a> {
-        let mut pieces: Vec<&'a str> = Vec::new();
-        let mut removed = 0;
-        let mut first = 0;
-        let mut fenced = false;
-        for line in text.split('\n') {
-            let key = line.trim_end();
-            if is_fence(key) {
-                fenced = !fenced;
-            } else if self.long(key) && !is_own(key) {
-                if eligible && !fenced && self.lines.contains(key) {
-                    if removed == 0 {
-                        first = pieces.len();
-                    }
-                    removed += 1;
-                    continue;
-                }
-                self.lines.insert(key);
-            }
-            pieces.push(line);
-        }
-        match removed {
-            0 => Outcome::Same,
-            _ => Outcome::Lines {
-                pieces,
-                removed,
-                first,
-            },
-        }
-    }
-
-    fn array(&mut self, json: &'a str, tail: &'a str, eligible: bool) -> Outcome<'a> {
-        let src = json.as_bytes();
-        let mut elements = Vec::new();
-        let mut c = Cursor::new(src);
-        if c.array(|c, _| c.skip().map(|r| elements.push(r))).is_err() {
-            return Outcome::Same;
-        }
-        let mut kept = Vec::with_capacity(elements.len());
-        let mut removed = 0;
-        for r in &elements {
-            let Some(key) = json.get(r.clone()).and_then(canonical) else {
-                kept.push(r.clone());
-                continue;
-            };
-            if !self.long(&key) {
-                kept.push(r.clone());
-            } else if eligible && self.items.contains(&key) {
-                removed += 1;
-            } else {
-                self.items.insert(key);
-                kept.push(r.clone());
-            }
-        }
-        if removed == 0 {
-            return Outcome::Same;
-        }
-        let (Some(first), Some(last)) = (elements.first(), elements.last()) else {
-            return Outcome::Same;
-        };
-        let sep = match elements.get(1) {
-            Some(second) => json.get(first.end..second.start).unwrap_or(", "),
-            None => ", ",
-        };
-        let mut out = String::with_capacity(json.len());
-        out.push_str(json.get(..first.start).unwrap_or("["));
-        for (i, r) in kept.iter().enumerate() {
-            if i > 0 {
-                out.push_str(sep);
-            }
-            out.push_str(json.get(r.clone()).unwrap_or("null"));
-        }
-        out.push_str(json.get(last.end..).unwrap_or("]"));
-        Outcome::Items {
-            json: out,
-            tail,
-            removed,
-        }
-    }
 }
 
 enum JsonKind {

@@ -197,6 +197,9 @@ pub struct Scan {
     pub items: Vec<Item>,
     /// Every text string of every message, in request order.
     pub texts: Vec<TextAt>,
+    /// The call a tool result answers, by (message, unit): Chat
+    /// `tool_call_id`, Responses `call_id`, Anthropic `tool_use_id`.
+    pub call_ids: Vec<(usize, u32, Str)>,
     spots: Vec<Spot>,
     collapsible: Vec<Collapsible>,
 }
@@ -262,6 +265,7 @@ struct PartFields {
     source_bad: bool,
     file_id: Option<Str>,
     text: Option<Str>,
+    tool_use_id: Option<Str>,
 }
 
 impl PartFields {
@@ -302,6 +306,8 @@ impl PartFields {
             self.file_id = Some(c.string()?);
         } else if string && k("text") {
             self.text = Some(c.string()?);
+        } else if string && k("tool_use_id") {
+            self.tool_use_id = Some(c.string()?);
         } else if k("source") {
             if kind != Kind::Object {
                 self.source_bad = true;
@@ -361,11 +367,16 @@ impl Walker<'_> {
             units: 0,
         };
         let mut content: Option<ContentArray> = None;
+        let mut call_id: Option<Str> = None;
         c.object(|c, key| {
             if key.is(src, "role") && c.kind()? == Kind::String {
                 role = Some(c.string()?);
             } else if key.is(src, "type") && c.kind()? == Kind::String {
                 ty = Some(c.string()?);
+            } else if (key.is(src, "tool_call_id") || key.is(src, "call_id"))
+                && c.kind()? == Kind::String
+            {
+                call_id = Some(c.string()?);
             } else if key.is(src, "content") || key.is(src, "output") {
                 let which = if key.is(src, "content") {
                     "content"
@@ -395,6 +406,11 @@ impl Walker<'_> {
             (None, false) => "user".to_owned(),
         };
         let tool_message = role == "tool" || role == "function";
+        if let Some(id) = call_id
+            && (tool_message || kind == Role::Tool)
+        {
+            self.out.call_ids.push((index, 0, id));
+        }
         for img in &mut self.out.images[msg.first_image..] {
             img.role.clone_from(&role);
             img.in_tool_result |= tool_message;
@@ -495,6 +511,7 @@ impl Walker<'_> {
         let mut f = PartFields::default();
         let images_before = self.out.images.len();
         let spots_before = msg.spots.len();
+        let mut own_unit = None;
         let range = c.object(|c, key| {
             if f.read(c, src, &key)? {
                 return Ok(());
@@ -506,6 +523,7 @@ impl Walker<'_> {
                 let outer = msg.unit;
                 msg.units += 1;
                 msg.unit = msg.units;
+                own_unit = Some(msg.unit);
                 self.content(c, msg, &p, true, depth + 1)?;
                 msg.unit = outer;
             } else {
@@ -536,6 +554,9 @@ impl Walker<'_> {
             return Ok(Some(PartRef::Image(self.out.images.len() - 1)));
         }
         if tool_result {
+            if let (Some(unit), Some(id)) = (own_unit, f.tool_use_id) {
+                self.out.call_ids.push((msg.index, unit, id));
+            }
             return Ok(None);
         }
         if (ty.is(src, "text") || ty.is(src, "input_text") || ty.is(src, "output_text"))
@@ -983,6 +1004,14 @@ fn keepable(url: &str) -> bool {
 }
 
 impl Scan {
+    /// The id of the call that unit `unit` of message `item` answers.
+    pub fn call_id<'a>(&self, item: usize, unit: u32, body: &'a [u8]) -> Option<Cow<'a, str>> {
+        self.call_ids
+            .iter()
+            .find(|(i, u, _)| *i == item && *u == unit)
+            .and_then(|(_, _, id)| id.decode(body))
+    }
+
     /// Decodes and hashes image `i` when the walk left it encoded (its
     /// SHA-256, media type, size and dimensions are then known).
     pub fn resolve(&mut self, i: usize, body: &[u8]) {

@@ -70,8 +70,8 @@ pub struct Rules {
     pub max_images: usize,
     /// A later copy of an image becomes a reference to the first.
     pub dedupe: bool,
-    /// Line dedup's threshold; `None`: no line dedup.
-    pub min_line_chars: Option<usize>,
+    /// When a repeated run of lines is worth a note; `None`: no dedup.
+    pub dedup: Option<dedup::Blocks>,
 }
 
 impl Rules {
@@ -80,7 +80,7 @@ impl Rules {
         keep_turns: usize::MAX,
         max_images: usize::MAX,
         dedupe: false,
-        min_line_chars: None,
+        dedup: None,
     };
 
     /// The configured rules, for a model whose table row says `max_images`
@@ -91,10 +91,10 @@ impl Rules {
             keep_turns: cfg.images.keep_turns as usize,
             max_images: model_max_images.map_or(cap, |m| cap.min(m as usize)),
             dedupe: cfg.images.dedupe,
-            min_line_chars: cfg
-                .dedup
-                .enabled
-                .then_some(cfg.dedup.min_line_chars as usize),
+            dedup: cfg.dedup.enabled.then_some(dedup::Blocks {
+                min_lines: cfg.dedup.min_run_lines as usize,
+                min_bytes: cfg.dedup.min_run_bytes as usize,
+            }),
         }
     }
 
@@ -391,7 +391,7 @@ impl Scanned {
             .filter(|&i| self.fates[i] != Fate::Kept)
             .filter_map(|i| self.scan.pending_len(i))
             .sum();
-        let texts: usize = match self.plan.rules.min_line_chars {
+        let texts: usize = match self.plan.rules.dedup {
             Some(_) => self
                 .scan
                 .texts
@@ -426,8 +426,8 @@ impl Scanned {
             })
             .collect();
         let mut spot_text = scan.spot_texts(&texts);
-        let omitted = match plan.rules.min_line_chars {
-            Some(min) => dedup::run(&scan, body, &mut spot_text, min),
+        let omitted = match plan.rules.dedup {
+            Some(blocks) => dedup::run(&scan, body, &mut spot_text, blocks),
             None => dedup::Omitted::default(),
         };
         let new = scan.assemble(body, plan.shape, &texts, &spot_text);
