@@ -32,7 +32,12 @@ const DEFAULTS: Rules = Rules {
     keep_turns: 2,
     max_images: 10,
     dedupe: true,
-    min_line_chars: Some(16),
+    prompt_cache: true,
+    hard_max_images: None,
+    dedup: Some(visor::transform::dedup::Blocks {
+        min_lines: 2,
+        min_bytes: 64,
+    }),
 };
 
 fn plan(vision: bool) -> Plan {

@@ -211,6 +211,20 @@ fn main() {
         &|_| None,
     )
     .unwrap();
+    let mut cfg = cfg;
+    // Thresholds to try instead of the shipped ones (how the defaults were
+    // chosen): VISOR_MIN_RUN_LINES, VISOR_MIN_RUN_BYTES.
+    let env_u32 = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
+    if let Some(n) = env_u32("VISOR_MIN_RUN_LINES") {
+        cfg.dedup.min_run_lines = n;
+    }
+    if let Some(n) = env_u32("VISOR_MIN_RUN_BYTES") {
+        cfg.dedup.min_run_bytes = n;
+    }
+    println!(
+        "dedup: runs of at least {} lines and {} bytes",
+        cfg.dedup.min_run_lines, cfg.dedup.min_run_bytes
+    );
     let table = ModelTable::new(&cfg.models, Learned::new(Vec::<String>::new())).unwrap();
     let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()

@@ -209,6 +209,12 @@ pub struct RawImages {
     pub max_per_request: u32,
     #[serde(default = "default_true")]
     pub dedupe: bool,
+    /// The provider bills a re-sent prompt prefix at about a tenth (OpenAI,
+    /// Anthropic, DeepSeek, vLLM prefix caching): an image already sent is
+    /// aged out or capped only when that makes the request cheaper. False:
+    /// every input token costs the same each turn, so ageing always pays.
+    #[serde(default = "default_true")]
+    pub prompt_cache: bool,
     #[serde(default)]
     pub artifacts_dir: Option<String>,
     /// Phrases (case-insensitive) that mark an upstream's 4xx answer as
@@ -225,6 +231,7 @@ impl Default for RawImages {
             keep_turns: default_keep_turns(),
             max_per_request: default_max_per_request(),
             dedupe: true,
+            prompt_cache: true,
             artifacts_dir: None,
             refusal_phrases: default_refusal_phrases(),
         }

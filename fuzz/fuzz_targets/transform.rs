@@ -18,7 +18,12 @@ fuzz_target!(|data: &[u8]| {
         keep_turns: 1,
         max_images: 2,
         dedupe: true,
-        min_line_chars: Some(4),
+        prompt_cache: true,
+        hard_max_images: None,
+        dedup: Some(visor::transform::dedup::Blocks {
+            min_lines: 2,
+            min_bytes: 16,
+        }),
     };
     for (shape, vision) in [
         (Shape::Chat, false),

@@ -16,9 +16,9 @@
 //!
 //! Never changed: system, developer and assistant messages (their lines
 //! count as seen), visor's own notes and image texts (never seen, never
-//! removed), and the head of a tool result: of its first [`HEAD_LINES`]
-//! lines, those shorter than [`HEAD_CHARS`] bytes (an exit code, a wall
-//! time, `Output:`) are never part of a run.
+//! removed), and the head of a tool result: its leading lines shorter than
+//! [`HEAD_CHARS`] bytes, [`HEAD_LINES`] at most (an exit code, a wall time,
+//! `Output:`), are never part of a run.
 //!
 //! A message's rewrite depends only on itself and the messages before it
 //! (as rewritten), never on what comes after, so the rewritten messages of
@@ -36,10 +36,10 @@ use serde_json::Value;
 use super::images::{Role, Scan};
 use super::json::{Cursor, is_json, quote};
 
-/// Of a tool result's first this many lines, the short ones stay (see
-/// [`HEAD_CHARS`]).
+/// A tool result's head (its leading short lines) is at most this many
+/// lines long.
 pub const HEAD_LINES: usize = 5;
-/// A head line shorter than this many bytes is a status line: it stays.
+/// A head line is shorter than this many bytes: a status line; it stays.
 pub const HEAD_CHARS: usize = 48;
 /// JSON array elements shorter than this (canonical JSON) are never
 /// removed: `1`, `"ok"`, `null` repeat by nature.
@@ -47,6 +47,12 @@ const ITEM_MIN_CHARS: usize = 16;
 /// Earlier places a line pair is looked up in, newest first: bounds the
 /// work on text made of one repeated pair.
 const CANDIDATES: usize = 32;
+/// A run is a chain of at most this many segments, each from one earlier
+/// message…
+const MAX_SEGMENTS: usize = 32;
+/// …and each at least this many bytes, so a note never costs more than
+/// what it replaces.
+const SEGMENT_MIN_BYTES: usize = 32;
 /// Messages a JSON note names at most.
 const NOTE_MESSAGES: usize = 3;
 
@@ -87,6 +93,71 @@ struct Sent<'a> {
     hashes: Vec<u64>,
 }
 
+/// A stretch of lines an earlier message sent: 1-based message and line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Segment {
+    message: usize,
+    line: usize,
+    len: usize,
+}
+
+/// The note that replaces a run: where each of its segments is, with a
+/// row of segments that sit at the same lines of evenly spaced messages
+/// (a sliding window re-fetched every turn) said once:
+/// `[omitted: message 4 lines 4-25; line 2 of every 4th message from 8 to 96]`.
+fn run_note(segments: &[Segment]) -> String {
+    let lines = |s: &Segment| match s.len {
+        1 => format!("line {}", s.line),
+        n => format!("lines {}-{}", s.line, s.line + n - 1),
+    };
+    let mut parts: Vec<String> = Vec::new();
+    let mut k = 0;
+    while k < segments.len() {
+        let s = segments[k];
+        let step = segments
+            .get(k + 1)
+            .filter(|n| n.line == s.line && n.len == s.len && n.message > s.message)
+            .map(|n| n.message - s.message);
+        let row = match step {
+            Some(d) => {
+                1 + segments[k + 1..]
+                    .iter()
+                    .enumerate()
+                    .take_while(|(j, n)| {
+                        n.line == s.line && n.len == s.len && n.message == s.message + d * (j + 1)
+                    })
+                    .count()
+            }
+            None => 1,
+        };
+        if row >= 3 {
+            let last = segments[k + row - 1].message;
+            let d = step.unwrap_or(1);
+            parts.push(match d {
+                1 => format!("{} of messages {} to {last}", lines(&s), s.message),
+                _ => format!("{} of every {} message from {} to {last}", lines(&s), ordinal(d), s.message),
+            });
+            k += row;
+        } else {
+            parts.push(format!("message {} {}", s.message, lines(&s)));
+            k += 1;
+        }
+    }
+    format!("[omitted: {}]", parts.join("; "))
+}
+
+/// `2nd`, `3rd`, `4th`, `21st`.
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
 /// One line of a rewritten text.
 enum Piece<'a> {
     Line(&'a str),
@@ -99,6 +170,8 @@ struct Dedup<'a> {
     sent: Vec<Sent<'a>>,
     /// Consecutive line pairs of what was sent: where they start.
     pairs: HashMap<(u64, u64), Vec<(u32, u32)>>,
+    /// Lines of what was sent: where they are.
+    singles: HashMap<u64, Vec<(u32, u32)>>,
     /// Whole texts of user and tool results: which `sent` first had them.
     whole: HashMap<&'a str, usize>,
     /// Canonical JSON array elements: the message that shows them.
@@ -123,6 +196,7 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
         hasher: RandomState::new(),
         sent: Vec::new(),
         pairs: HashMap::new(),
+        singles: HashMap::new(),
         whole: HashMap::new(),
         items: HashMap::new(),
     };
@@ -279,25 +353,29 @@ impl<'a> Dedup<'a> {
         let base = self.sent[me].lines.len();
         // Lines that never join a run: visor's own, and a tool result's
         // short head lines.
+        let head = match tool {
+            true => lines
+                .iter()
+                .take(HEAD_LINES.saturating_sub(base))
+                .take_while(|l| l.len() < HEAD_CHARS)
+                .count(),
+            false => 0,
+        };
         let barrier: Vec<bool> = lines
             .iter()
             .enumerate()
-            .map(|(q, l)| is_own(l) || (tool && base + q < HEAD_LINES && l.len() < HEAD_CHARS))
+            .map(|(q, l)| q < head || is_own(l))
             .collect();
         let mut pieces: Vec<Piece<'a>> = Vec::with_capacity(lines.len());
         let mut i = 0;
         while i < lines.len() {
-            if let Some((len, src, at)) = self.longest(&lines, &hashes, &barrier, i)
-                && len >= self.blocks.min_lines
+            let segments = self.chain(&lines, &hashes, &barrier, i);
+            let len: usize = segments.iter().map(|s| s.len).sum();
+            if len >= self.blocks.min_lines
                 && lines[i..i + len].iter().map(|l| l.len() + 1).sum::<usize>()
                     >= self.blocks.min_bytes
             {
-                let message = self.sent[src].message + 1;
-                pieces.push(Piece::Note(format!(
-                    "[omitted: message {message} lines {}-{}]",
-                    at + 1,
-                    at + len
-                )));
+                pieces.push(Piece::Note(run_note(&segments)));
                 out.lines += len;
                 out.runs += 1;
                 i += len;
@@ -329,21 +407,40 @@ impl<'a> Dedup<'a> {
         Some(s)
     }
 
-    /// The longest run starting at line `i` that an earlier message sent in
-    /// the same order: (its length, which message, where in it). Ties go to
-    /// the newest.
-    fn longest(
-        &self,
-        lines: &[&str],
-        hashes: &[u64],
-        barrier: &[bool],
-        i: usize,
-    ) -> Option<(usize, usize, usize)> {
-        if i + 1 >= lines.len() || barrier[i] || barrier[i + 1] {
+    /// The repeated run starting at line `i`: a chain of segments, each the
+    /// longest stretch one earlier message sent in the same order (at least
+    /// [`SEGMENT_MIN_BYTES`] long), [`MAX_SEGMENTS`] at most.
+    fn chain(&self, lines: &[&str], hashes: &[u64], barrier: &[bool], i: usize) -> Vec<Segment> {
+        let mut segments = Vec::new();
+        let mut q = i;
+        while segments.len() < MAX_SEGMENTS {
+            let Some(seg) = self.longest(lines, hashes, barrier, q) else {
+                break;
+            };
+            let bytes: usize = lines[q..q + seg.len].iter().map(|l| l.len() + 1).sum();
+            if bytes < SEGMENT_MIN_BYTES {
+                break;
+            }
+            q += seg.len;
+            segments.push(seg);
+        }
+        segments
+    }
+
+    /// The longest stretch starting at line `i` that one earlier message
+    /// sent in the same order. Ties go to the newest.
+    fn longest(&self, lines: &[&str], hashes: &[u64], barrier: &[bool], i: usize) -> Option<Segment> {
+        if i >= lines.len() || barrier[i] {
             return None;
         }
-        let starts = self.pairs.get(&(hashes[i], hashes[i + 1]))?;
-        let mut best: Option<(usize, usize, usize)> = None;
+        let pair = (i + 1 < lines.len() && !barrier[i + 1])
+            .then(|| self.pairs.get(&(hashes[i], hashes[i + 1])))
+            .flatten();
+        let starts = match pair {
+            Some(p) => p,
+            None => self.singles.get(&hashes[i])?,
+        };
+        let mut best: Option<Segment> = None;
         for &(src, at) in starts.iter().rev().take(CANDIDATES) {
             let (src, at) = (src as usize, at as usize);
             let sent = &self.sent[src];
@@ -355,8 +452,12 @@ impl<'a> Dedup<'a> {
             {
                 len += 1;
             }
-            if len > best.map_or(0, |b| b.0) {
-                best = Some((len, src, at));
+            if len > best.as_ref().map_or(0, |b| b.len) {
+                best = Some(Segment {
+                    message: sent.message + 1,
+                    line: at + 1,
+                    len,
+                });
             }
         }
         best
@@ -366,6 +467,14 @@ impl<'a> Dedup<'a> {
     /// with.
     fn index(&mut self, me: usize) {
         let sent = &self.sent[me];
+        for j in 0..sent.lines.len() {
+            if sent.lines[j].is_some() {
+                self.singles
+                    .entry(sent.hashes[j])
+                    .or_default()
+                    .push((me as u32, j as u32));
+            }
+        }
         for j in 0..sent.lines.len().saturating_sub(1) {
             if sent.lines[j].is_some() && sent.lines[j + 1].is_some() {
                 self.pairs

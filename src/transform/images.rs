@@ -173,6 +173,8 @@ pub struct Item {
     /// outside tool results; an Anthropic message holding only
     /// `tool_result` blocks is not).
     pub authored: bool,
+    /// Its length in the body, in bytes.
+    pub bytes: usize,
 }
 
 /// A text string of a message (its content string, a text part, the text
@@ -351,9 +353,11 @@ impl Walker<'_> {
         self.out.items.push(Item {
             role: Role::Other,
             authored: false,
+            bytes: 0,
         });
         if c.kind()? != Kind::Object {
-            c.skip()?;
+            let range = c.skip()?;
+            self.out.items[index].bytes = range.len();
             return Ok(());
         }
         let src = self.src;
@@ -368,7 +372,7 @@ impl Walker<'_> {
         };
         let mut content: Option<ContentArray> = None;
         let mut call_id: Option<Str> = None;
-        c.object(|c, key| {
+        let range = c.object(|c, key| {
             if key.is(src, "role") && c.kind()? == Kind::String {
                 role = Some(c.string()?);
             } else if key.is(src, "type") && c.kind()? == Kind::String {
@@ -423,6 +427,7 @@ impl Walker<'_> {
                     || self.out.images[msg.first_image..]
                         .iter()
                         .any(|f| own(f.in_tool_result))),
+            bytes: range.len(),
         };
         for &(spot, in_tool, unit) in &msg.spots {
             self.out.texts.push(TextAt {
@@ -1004,6 +1009,16 @@ fn keepable(url: &str) -> bool {
 }
 
 impl Scan {
+    /// How many bytes image `i` takes where it sits (its part, or its
+    /// object or URL inside a text).
+    pub fn image_len(&self, i: usize) -> usize {
+        match self.images.get(i).map(|f| &f.site) {
+            Some(Site::Part(r)) => r.len(),
+            Some(Site::InText { range, .. }) => range.len(),
+            None => 0,
+        }
+    }
+
     /// The id of the call that unit `unit` of message `item` answers.
     pub fn call_id<'a>(&self, item: usize, unit: u32, body: &'a [u8]) -> Option<Cow<'a, str>> {
         self.call_ids

@@ -66,10 +66,15 @@ pub struct Rules {
     /// A tool-result image with more than this many assistant turns after
     /// it is replaced.
     pub keep_turns: usize,
-    /// Only the newest this many images stay.
+    /// Only the newest this many images stay (when it pays, see [`decide`]).
     pub max_images: usize,
+    /// The model's own limit (its table row's `max_images`): always held.
+    pub hard_max_images: Option<usize>,
     /// A later copy of an image becomes a reference to the first.
     pub dedupe: bool,
+    /// The provider caches prompt prefixes (cached input at a tenth): an
+    /// image already sent is replaced only when that pays (see [`decide`]).
+    pub prompt_cache: bool,
     /// When a repeated run of lines is worth a note; `None`: no dedup.
     pub dedup: Option<dedup::Blocks>,
 }
@@ -79,7 +84,9 @@ impl Rules {
     pub const NONE: Rules = Rules {
         keep_turns: usize::MAX,
         max_images: usize::MAX,
+        hard_max_images: None,
         dedupe: false,
+        prompt_cache: true,
         dedup: None,
     };
 
@@ -90,7 +97,9 @@ impl Rules {
         Rules {
             keep_turns: cfg.images.keep_turns as usize,
             max_images: model_max_images.map_or(cap, |m| cap.min(m as usize)),
+            hard_max_images: model_max_images.map(|m| m as usize),
             dedupe: cfg.images.dedupe,
+            prompt_cache: cfg.images.prompt_cache,
             dedup: cfg.dedup.enabled.then_some(dedup::Blocks {
                 min_lines: cfg.dedup.min_run_lines as usize,
                 min_bytes: cfg.dedup.min_run_bytes as usize,
@@ -262,57 +271,43 @@ pub fn walk(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
     })
 }
 
-/// What becomes of each image, in the SPEC's order: (1) a tool-result image
-/// with more than `keep_turns` assistant turns after it is aged out; (2) a
-/// later copy of a kept image becomes a reference to it; (3) only the
-/// newest `max_images` kept images stay (older tool images go first, then
-/// older user images); then, for a model that cannot see, every image
-/// still kept is replaced.
+/// Estimated tokens of an image a vision model is sent, and of the text
+/// that replaces one; text is counted at 4 bytes a token. Only used to
+/// decide whether rewriting an earlier message pays.
+const IMAGE_TOKENS: usize = 765;
+const REPLACED_TOKENS: usize = 40;
+const BYTES_PER_TOKEN: usize = 4;
+/// Cached input costs a tenth of fresh input.
+const CACHED_DIVISOR: usize = 10;
+
+/// What becomes of each image. The request is read as the conversation
+/// that produced it: each prefix that ends where an assistant turn starts
+/// is a request the client sent before. Replaying them in order, at each
+/// one, in the SPEC's order: (1) a tool-result image with more than
+/// `keep_turns` assistant turns after it is due to age out; (2) a new copy
+/// of a kept image becomes a reference to it; (3) only the newest
+/// `max_images` kept images should stay (older tool images go first, then
+/// older user images).
+///
+/// An image that arrives in this step is replaced at once (it was never
+/// sent, so nothing cached changes). An image an earlier request already
+/// sent is replaced only when that pays now: when the messages from it to
+/// the end of the previous request, rewritten, cost less at full price
+/// than they cost unchanged and cached (a tenth). Then every image due is
+/// replaced in that one step, and every later request is cheaper too, so
+/// billed cost never goes up. The model's own `max_images` is a hard limit
+/// (a provider refuses more): when an earlier image must go for it, the
+/// oldest go until half of it are left, so the next break comes
+/// `max_images / 2` images later. For a model that cannot see, every image
+/// still kept is then replaced (its text never changes afterwards).
 pub fn decide(scan: &images::Scan, body: &[u8], plan: &Plan) -> Vec<Fate> {
-    let rules = &plan.rules;
-    let after = turns_after(&scan.items, plan.shape);
-    let mut fates: Vec<Fate> = scan
-        .images
-        .iter()
-        .map(|f| {
-            let turns = after.get(f.message).copied().unwrap_or(0);
-            match f.in_tool_result && turns > rules.keep_turns {
-                true => Fate::Replaced(Reason::AgedOut),
-                false => Fate::Kept,
-            }
-        })
-        .collect();
-    if rules.dedupe {
-        // Grouped by length first: a 4 MB image is compared with another
-        // only when both have the same length.
-        let mut by_len: HashMap<usize, Vec<usize>> = HashMap::new();
-        for (i, fate) in fates.iter_mut().enumerate() {
-            if *fate != Fate::Kept {
-                continue;
-            }
-            let Some(id) = scan.identity(i, body) else {
-                continue;
-            };
-            let same = by_len.entry(id.len()).or_default();
-            if same.iter().any(|&j| scan.identity(j, body) == Some(id)) {
-                *fate = Fate::Replaced(Reason::Deduped);
-            } else {
-                same.push(i);
-            }
-        }
+    let mut replay = Replay::new(scan, body, plan);
+    let mut prev_end = 0;
+    for end in request_ends(&scan.items, plan.shape) {
+        replay.step(prev_end, end);
+        prev_end = end;
     }
-    let kept: Vec<usize> = (0..fates.len())
-        .filter(|&i| fates[i] == Fate::Kept)
-        .collect();
-    let mut excess = kept.len().saturating_sub(rules.max_images);
-    for tool in [true, false] {
-        for &i in &kept {
-            if excess > 0 && scan.images[i].in_tool_result == tool {
-                fates[i] = Fate::Replaced(Reason::Capped);
-                excess -= 1;
-            }
-        }
-    }
+    let mut fates = replay.fates;
     if !plan.vision {
         for fate in &mut fates {
             if *fate == Fate::Kept {
@@ -323,20 +318,191 @@ pub fn decide(scan: &images::Scan, body: &[u8], plan: &Plan) -> Vec<Fate> {
     fates
 }
 
-/// For each message, how many assistant turns come after it: assistant
-/// messages (Chat, Anthropic); for Responses, runs of consecutive items the
-/// model produced (a message, its function calls, its reasoning: one turn).
-fn turns_after(items: &[images::Item], shape: Shape) -> Vec<usize> {
-    let mut after = vec![0; items.len()];
-    let mut count = 0;
-    for i in (0..items.len()).rev() {
-        after[i] = count;
-        let assistant = |k: usize| items.get(k).is_some_and(|it| it.role == Role::Assistant);
-        if assistant(i) && (shape != Shape::Responses || i == 0 || !assistant(i - 1)) {
-            count += 1;
+/// Where each assistant turn starts (assistant messages; for Responses a
+/// run of items the model produced is one turn), then the end.
+fn turn_starts(items: &[images::Item], shape: Shape) -> Vec<usize> {
+    let assistant = |k: usize| items.get(k).is_some_and(|it| it.role == Role::Assistant);
+    (0..items.len())
+        .filter(|&i| assistant(i) && (shape != Shape::Responses || i == 0 || !assistant(i - 1)))
+        .collect()
+}
+
+/// The ends of the requests the conversation sent, this one last.
+fn request_ends(items: &[images::Item], shape: Shape) -> Vec<usize> {
+    let mut ends: Vec<usize> = turn_starts(items, shape)
+        .into_iter()
+        .filter(|&i| i > 0)
+        .collect();
+    ends.push(items.len());
+    ends
+}
+
+struct Replay<'a> {
+    scan: &'a images::Scan,
+    body: &'a [u8],
+    plan: &'a Plan,
+    fates: Vec<Fate>,
+    /// `starts_before[k]`: assistant turns starting before message `k`.
+    starts_before: Vec<usize>,
+    /// Tokens of each message's text (its images aside).
+    text_tokens: Vec<usize>,
+    /// The images of each message.
+    images_of: Vec<Vec<usize>>,
+    /// Images seen so far, kept or not, by the length of their identity.
+    by_len: HashMap<usize, Vec<usize>>,
+}
+
+impl<'a> Replay<'a> {
+    fn new(scan: &'a images::Scan, body: &'a [u8], plan: &'a Plan) -> Self {
+        let n = scan.items.len();
+        let mut starts_before = vec![0; n + 1];
+        let starts = turn_starts(&scan.items, plan.shape);
+        for k in 0..n {
+            starts_before[k + 1] = starts_before[k] + usize::from(starts.binary_search(&k).is_ok());
+        }
+        let mut images_of = vec![Vec::new(); n];
+        let mut image_bytes = vec![0; n];
+        for (i, f) in scan.images.iter().enumerate() {
+            if let Some(list) = images_of.get_mut(f.message) {
+                list.push(i);
+                image_bytes[f.message] += scan.image_len(i);
+            }
+        }
+        let text_tokens = scan
+            .items
+            .iter()
+            .zip(&image_bytes)
+            .map(|(it, img)| it.bytes.saturating_sub(*img) / BYTES_PER_TOKEN)
+            .collect();
+        Replay {
+            scan,
+            body,
+            plan,
+            fates: vec![Fate::Kept; scan.images.len()],
+            starts_before,
+            text_tokens,
+            images_of,
+            by_len: HashMap::new(),
         }
     }
-    after
+
+    /// The request that ends at message `end`, after the one that ended at
+    /// `prev_end`.
+    fn step(&mut self, prev_end: usize, end: usize) {
+        let rules = self.plan.rules;
+        let in_scope: Vec<usize> = (0..self.scan.images.len())
+            .filter(|&i| self.scan.images[i].message < end)
+            .collect();
+        let is_new = |i: usize, s: &Self| s.scan.images[i].message >= prev_end;
+        if rules.dedupe {
+            for &i in &in_scope {
+                if is_new(i, self) && self.fates[i] == Fate::Kept {
+                    self.dedupe(i);
+                }
+            }
+        }
+        let mut wanted: Vec<(usize, Reason)> = Vec::new();
+        for &i in &in_scope {
+            let f = &self.scan.images[i];
+            let after = self.starts_before[end] - self.starts_before[f.message + 1];
+            if self.fates[i] == Fate::Kept && f.in_tool_result && after > rules.keep_turns {
+                wanted.push((i, Reason::AgedOut));
+            }
+        }
+        let kept = |s: &Self, wanted: &[(usize, Reason)]| -> Vec<usize> {
+            in_scope
+                .iter()
+                .copied()
+                .filter(|&i| s.fates[i] == Fate::Kept && !wanted.iter().any(|w| w.0 == i))
+                .collect()
+        };
+        let order = |s: &Self, ks: Vec<usize>| -> Vec<usize> {
+            let tool = ks.iter().copied().filter(|&i| s.scan.images[i].in_tool_result);
+            let user = ks.iter().copied().filter(|&i| !s.scan.images[i].in_tool_result);
+            tool.chain(user).collect()
+        };
+        let remaining = kept(self, &wanted);
+        let excess = remaining.len().saturating_sub(rules.max_images);
+        for i in order(self, remaining).into_iter().take(excess) {
+            wanted.push((i, Reason::Capped));
+        }
+        // New images go at once; earlier ones only when it pays, or for the
+        // model's hard limit.
+        let (fresh, earlier): (Vec<_>, Vec<_>) = wanted.into_iter().partition(|w| is_new(w.0, self));
+        for (i, reason) in fresh {
+            self.fates[i] = Fate::Replaced(reason);
+        }
+        if earlier.is_empty() {
+            return;
+        }
+        let vision = self.plan.vision;
+        let over_hard = rules
+            .hard_max_images
+            .filter(|_| vision)
+            .filter(|&hard| kept(self, &[]).len() > hard);
+        if let Some(hard) = over_hard {
+            let target = (hard / 2).max(1);
+            let remaining = kept(self, &earlier);
+            for &(i, reason) in &earlier {
+                self.fates[i] = Fate::Replaced(reason);
+            }
+            // Down to half the limit, taking only images already sent: the
+            // new ones are the ones the model needs.
+            let excess = remaining.len().saturating_sub(target);
+            let sent: Vec<usize> = remaining.into_iter().filter(|&i| !is_new(i, self)).collect();
+            for i in order(self, sent).into_iter().take(excess) {
+                self.fates[i] = Fate::Replaced(Reason::Capped);
+            }
+        } else if self.pays(&earlier, prev_end) {
+            for (i, reason) in earlier {
+                self.fates[i] = Fate::Replaced(reason);
+            }
+        }
+    }
+
+    /// Image `i`, new in this step, against the kept images before it.
+    fn dedupe(&mut self, i: usize) {
+        let Some(id) = self.scan.identity(i, self.body) else {
+            return;
+        };
+        let same = self.by_len.entry(id.len()).or_default();
+        let first = same
+            .iter()
+            .any(|&j| self.fates[j] == Fate::Kept && self.scan.identity(j, self.body) == Some(id));
+        if first {
+            self.fates[i] = Fate::Replaced(Reason::Deduped);
+        } else {
+            same.push(i);
+        }
+    }
+
+    /// Whether replacing `earlier` (images the previous request sent) makes
+    /// this request cheaper: the messages from the first of them to the
+    /// previous request's end, rewritten at full price, against the same
+    /// messages unchanged at the cached price.
+    fn pays(&self, earlier: &[(usize, Reason)], prev_end: usize) -> bool {
+        let Some(first) = earlier.iter().map(|w| self.scan.images[w.0].message).min() else {
+            return false;
+        };
+        let image_tokens = |replaced: bool| match (replaced, self.plan.vision) {
+            (false, true) => IMAGE_TOKENS,
+            _ => REPLACED_TOKENS,
+        };
+        let (mut before, mut after) = (0, 0);
+        for m in first..prev_end.min(self.text_tokens.len()) {
+            before += self.text_tokens[m];
+            after += self.text_tokens[m];
+            for &i in &self.images_of[m] {
+                let replaced = self.fates[i] != Fate::Kept;
+                before += image_tokens(replaced);
+                after += image_tokens(replaced || earlier.iter().any(|w| w.0 == i));
+            }
+        }
+        match self.plan.rules.prompt_cache {
+            true => after * CACHED_DIVISOR < before,
+            false => after < before,
+        }
+    }
 }
 
 impl Scanned {

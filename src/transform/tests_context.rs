@@ -15,13 +15,18 @@ fn fixture(name: &str) -> Vec<u8> {
     std::fs::read(format!("{path}{name}")).unwrap()
 }
 
-/// The SPEC's defaults: keep_turns 2, max_per_request 10, dedupe, lines of
-/// 16 characters or more.
+/// The SPEC's defaults: keep_turns 2, max_per_request 10, dedupe, runs of
+/// 2 lines and 64 bytes.
 const DEFAULTS: Rules = Rules {
     keep_turns: 2,
     max_images: 10,
+    hard_max_images: None,
     dedupe: true,
-    min_line_chars: Some(16),
+    prompt_cache: true,
+    dedup: Some(dedup::Blocks {
+        min_lines: 2,
+        min_bytes: 64,
+    }),
 };
 
 fn plan(shape: Shape, vision: bool, rules: Rules) -> Plan {
@@ -49,186 +54,264 @@ fn content(v: &Value, i: usize) -> &str {
     v["messages"][i]["content"].as_str().unwrap()
 }
 
-const L1: &str = "[10:00] alice: the retention policy needs a tax branch first";
-const L2: &str = "[10:01] bob: section 4 keeps personal data three years";
-const L3: &str = "[10:02] carol: GoBD asks for ten years on tax records";
-const L4: &str = "Always answer in English, whatever the question.";
+/// A file of `n` numbered lines, as an editor tool shows it.
+fn file(n: usize) -> Vec<String> {
+    (1..=n)
+        .map(|i| match i % 4 {
+            0 => "}".to_owned(),
+            1 => format!("fn step_{i}(input: &str) -> Result<usize, Error> {{"),
+            2 => format!("    let parsed = input.trim().parse::<usize>()?; // line {i}"),
+            _ => format!("    Ok(parsed * {i})"),
+        })
+        .collect()
+}
 
-#[test]
-fn repeated_lines_go_with_one_note_in_their_place() {
-    let body = json!({"model": "m", "messages": [
-        {"role": "system", "content": L4},
-        {"role": "user", "content": format!("{L1}\n{L2}")},
-        {"role": "assistant", "content": format!("{L3}\n{L1}")},
-        {"role": "user", "content": "short\nshort\nwhat now?"},
-        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": format!("{L1}\n{L2}   \n{L4}\n{L3}\nshort\nnew line that nobody said before")},
-    ]});
-    let (out, report) = chat(&body);
-    assert_eq!(
-        content(&out, 5),
-        "[4 omitted]\nshort\nnew line that nobody said before",
-        "L1, L2 (trailing space ignored), L4 (seen in the system message) and \
-         L3 (seen in an assistant message) are repeats"
-    );
-    assert_eq!(report.lines_omitted, 4);
-    assert!(report.bytes_saved_dedup > 0);
-    assert_eq!(report.bytes_saved, report.bytes_saved_dedup);
-    // The assistant's repeat of L1 stays; so do the newest user message's
-    // short repeated lines and the system message.
-    for i in 0..4 {
-        assert_eq!(out["messages"][i], body["messages"][i], "message {i}");
-    }
+fn call(id: &str) -> Value {
+    json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "exec_command", "arguments": "{}"}}]})
+}
+
+fn tool(id: &str, text: &str) -> Value {
+    json!({"role": "tool", "tool_call_id": id, "content": text})
 }
 
 #[test]
-fn the_newest_user_message_keeps_its_lines_until_a_newer_one_arrives() {
-    let mut body = json!({"model": "m", "messages": [
-        {"role": "user", "content": format!("{L1}\nfirst question here")},
-        {"role": "assistant", "content": "answer one"},
-        {"role": "user", "content": format!("{L1}\n{L2}\nsecond question")},
+fn a_reread_file_becomes_one_note_naming_where() {
+    let f = file(12);
+    let mut changed = f.clone();
+    changed[6] = "    Ok(parsed * 700) // changed".to_owned();
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "fix step 7"},
+        call("call_a"),
+        tool("call_a", &f.join("\n")),
+        call("call_b"),
+        tool("call_b", &changed.join("\n")),
     ]});
     let (out, report) = chat(&body);
-    assert_eq!(report.lines_omitted, 0);
+    assert_eq!(content(&out, 2), f.join("\n"), "the first read stays");
+    assert_eq!(
+        content(&out, 4),
+        format!(
+            "[omitted: message 3 lines 1-6]\n{}\n[omitted: message 3 lines 8-12]",
+            changed[6]
+        ),
+        "short lines such as `}}` go with their block; the changed line stays"
+    );
+    assert_eq!(report.lines_omitted, 11);
+    assert_eq!(report.bytes_saved, report.bytes_saved_dedup);
+    assert!(report.bytes_saved > 0);
+}
+
+#[test]
+fn single_repeated_lines_in_new_output_stay() {
+    let status = "Process exited with code 0 after the full build";
+    let first = format!("{status}\nbuilding crate alpha v0.1.0 from source\nfinished alpha");
+    let second = format!("building crate beta v0.2.0 from source\n{status}\nfinished beta in 3.1s");
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "build"},
+        call("c1"), tool("c1", &first),
+        call("c2"), tool("c2", &second),
+    ]});
+    let (out, report) = chat(&body);
     assert_eq!(out, body);
+    assert_eq!(report.lines_omitted, 0);
+}
+
+#[test]
+fn a_codex_exec_command_result_repeated_keeps_its_status_lines() {
+    let cat = file(10).join("\n");
+    let result = |chunk: &str, wall: &str| {
+        format!("Chunk ID: {chunk}\nWall time: {wall} seconds\nProcess exited with code 0\nOriginal token count: 212\nOutput:\n{cat}")
+    };
+    let body = json!({"model": "gpt-5-codex", "messages": [
+        {"role": "user", "content": "show me src/lib.rs twice"},
+        call("call_1"), tool("call_1", &result("3b1f2a", "0.0512")),
+        call("call_2"), tool("call_2", &result("9c04d1", "0.0481")),
+    ]});
+    let (out, _) = chat(&body);
+    assert_eq!(
+        content(&out, 4),
+        "Chunk ID: 9c04d1\nWall time: 0.0481 seconds\nProcess exited with code 0\nOriginal token count: 212\nOutput:\n[omitted: message 3 lines 6-15]",
+        "the head's status lines stay, the repeated output goes"
+    );
+}
+
+#[test]
+fn a_claude_code_bash_result_keeps_its_exit_code() {
+    let tests: Vec<String> = (0..8)
+        .map(|i| format!("tests/test_math.py::test_case_{i} PASSED                        [{:>3}%]", 12 * i))
+        .collect();
+    let run1 = format!("Exit code 1\n{}\n1 failed, 8 passed in 0.31s", tests.join("\n"));
+    let run2 = format!("Exit code 1\n{}\n1 failed, 8 passed in 0.29s", tests.join("\n"));
+    let body = json!({"model": "claude-opus-4-5", "messages": [
+        {"role": "user", "content": "run the tests"},
+        call("toolu_01"), tool("toolu_01", &run1),
+        call("toolu_02"), tool("toolu_02", &run2),
+    ]});
+    let (out, _) = chat(&body);
+    assert_eq!(
+        content(&out, 4),
+        "Exit code 1\n[omitted: message 3 lines 2-9]\n1 failed, 8 passed in 0.29s"
+    );
+}
+
+#[test]
+fn a_whole_repeated_tool_result_becomes_a_reference_to_the_call() {
+    let text = file(6).join("\n");
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "read it"},
+        call("call_abc"), tool("call_abc", &text),
+        call("call_def"), tool("call_def", &text),
+        call("call_ghi"), tool("call_ghi", "{\"status\":\"ok\",\"rows\":3,\"table\":\"orders\"}"),
+        call("call_jkl"), tool("call_jkl", "{\"status\":\"ok\",\"rows\":3,\"table\":\"orders\"}"),
+    ]});
+    let (out, report) = chat(&body);
+    assert_eq!(content(&out, 4), "[omitted: same as message 3 (call_abc)]");
+    assert_eq!(
+        content(&out, 8),
+        "[omitted: same as message 7 (call_ghi)]",
+        "a one-line result identical to an earlier one becomes a reference"
+    );
+    assert_eq!(out["messages"][4]["tool_call_id"], "call_def");
+    assert_eq!(report.lines_omitted, 7);
+    // Responses and Anthropic name their calls too.
+    let responses = json!({"model": "m", "input": [
+        {"role": "user", "content": "read it"},
+        {"type": "function_call", "call_id": "fc_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "fc_1", "output": text},
+        {"type": "function_call", "call_id": "fc_2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "fc_2", "output": text},
+    ]});
+    let (out, _) = run(&responses, &plan(Shape::Responses, true, DEFAULTS));
+    assert_eq!(out["input"][4]["output"], "[omitted: same as message 3 (fc_1)]");
+    let anthropic = json!({"model": "claude", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": text}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": text}]}]},
+    ]});
+    let (out, _) = run(&anthropic, &plan(Shape::Messages, true, DEFAULTS));
+    assert_eq!(
+        out["messages"][4]["content"][0]["content"][0]["text"],
+        "[omitted: same as message 3 (toolu_1)]"
+    );
+    assert_eq!(out["messages"][4]["content"][0]["tool_use_id"], "toolu_2");
+}
+
+#[test]
+fn the_newest_user_message_is_rewritten_when_it_arrives_and_never_again() {
+    let f = file(8).join("\n");
+    let mut body = json!({"model": "m", "messages": [
+        {"role": "system", "content": "You are an autonomous programmer."},
+        {"role": "user", "content": format!("[File: src/lib.rs (8 lines total)]\n{f}")},
+        {"role": "assistant", "content": "scroll_down"},
+        {"role": "user", "content": format!("[File: src/lib.rs (8 lines total)]\n{f}\n(Open file: src/lib.rs)")},
+    ]});
+    let (out, _) = chat(&body);
+    assert_eq!(
+        content(&out, 3),
+        "[omitted: message 2 lines 1-9]\n(Open file: src/lib.rs)",
+        "an observation sent as a user message is deduped as soon as it arrives"
+    );
     body["messages"].as_array_mut().unwrap().extend([
-        json!({"role": "assistant", "content": "answer two"}),
-        json!({"role": "user", "content": "third"}),
+        json!({"role": "assistant", "content": "submit"}),
+        json!({"role": "user", "content": "done"}),
     ]);
+    let (later, _) = chat(&body);
+    assert_eq!(later["messages"].as_array().unwrap()[..4], out["messages"].as_array().unwrap()[..]);
+}
+
+#[test]
+fn repeated_blocks_inside_code_fences_go_too() {
+    let code = format!("```rust\n{}\n```", file(8).join("\n"));
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": format!("Here is the code:\n{code}")},
+        {"role": "assistant", "content": "What should change?"},
+        {"role": "user", "content": format!("The same code again:\n{code}\nwhy does step 5 fail?")},
+    ]});
     let (out, _) = chat(&body);
     assert_eq!(
         content(&out, 2),
-        format!("[1 omitted]\n{L2}\nsecond question")
-    );
-    assert_eq!(out["messages"][0], body["messages"][0]);
-}
-
-#[test]
-fn short_lines_and_fenced_code_stay() {
-    let code = "```rust\nfn a() -> Result<(), E> {\n    return Ok(());\n}\n```";
-    let body = json!({"model": "m", "messages": [
-        {"role": "user", "content": format!("{code}\n    return Ok(());")},
-        {"role": "tool", "tool_call_id": "c", "content": format!("{code}\nok\nok\n    return Ok(());")},
-        {"role": "user", "content": "go on"},
-    ]});
-    let (out, report) = chat(&body);
-    assert_eq!(report.lines_omitted, 2, "{out}");
-    assert_eq!(
-        content(&out, 0),
-        format!("{code}\n[1 omitted]"),
-        "a line outside the fence repeating one inside it goes"
-    );
-    assert_eq!(
-        content(&out, 1),
-        format!("{code}\nok\nok\n[1 omitted]"),
-        "inside fences nothing goes; short lines stay"
+        "The same code again:\n[omitted: message 1 lines 2-11]\nwhy does step 5 fail?"
     );
 }
 
 #[test]
-fn json_array_tool_results_lose_repeated_elements_and_stay_json() {
+fn json_arrays_lose_repeated_elements_and_pretty_objects_dedup_by_blocks() {
     let a = json!({"id": "m1", "sender": "bob", "content": "section 4 keeps personal data"});
     let b = json!({"id": "m2", "sender": "carol", "content": "GoBD asks for ten years"});
     let c = json!({"id": "m3", "sender": "dave", "content": "I will redraw the chart"});
     // The same element with its keys in another order and other spacing.
     let b_again = r#"{ "content": "GoBD asks for ten years", "sender": "carol", "id": "m2" }"#;
     let second = format!("[\n  {b_again},\n  {c},\n  1,\n  1\n]");
+    let object = "{\n  \"customer_id\": \"C1001\",\n  \"full_name\": \"John Smith\",\n  \"email\": \"john.smith@example.com\",\n  \"address\": {\n    \"street\": \"123 Main St\",\n    \"city\": \"Anytown\",\n    \"zip_code\": \"90210\"\n  },\n  \"plan\": \"P1001\"\n}".to_owned();
+    let object2 = object.replace("P1001", "P2002");
     let body = json!({"model": "m", "messages": [
         {"role": "user", "content": "fetch"},
-        {"role": "tool", "tool_call_id": "c1", "content": serde_json::to_string(&json!([a, b])).unwrap()},
-        {"role": "tool", "tool_call_id": "c2", "content": second},
-        {"role": "tool", "tool_call_id": "c3", "content": serde_json::to_string(&json!({"rows": [a, b]})).unwrap()},
-        {"role": "tool", "tool_call_id": "c4", "content": serde_json::to_string(&json!([a, b])).unwrap()},
-        {"role": "user", "content": "and?"},
+        tool("c1", &serde_json::to_string(&json!([a, b])).unwrap()),
+        tool("c2", &second),
+        tool("c3", &serde_json::to_string(&json!([a, c, b])).unwrap()),
+        tool("c4", &object),
+        tool("c5", &object2),
     ]});
     let (out, report) = chat(&body);
     let (json_text, note) = content(&out, 2).rsplit_once('\n').unwrap();
-    assert_eq!(note, "[1 item omitted]");
+    assert_eq!(note, "[1 item omitted: message 2]");
     let kept: Value = serde_json::from_str(json_text).unwrap();
     assert_eq!(kept, json!([c, 1, 1]), "short elements stay");
     assert!(json_text.starts_with("[\n  {"), "layout kept: {json_text}");
-    assert_eq!(
-        content(&out, 3),
-        content(&body, 3),
-        "a JSON object is left whole"
-    );
-    let (json_text, note) = content(&out, 4).rsplit_once('\n').unwrap();
+    let (json_text, note) = content(&out, 3).rsplit_once('\n').unwrap();
     assert_eq!(serde_json::from_str::<Value>(json_text).unwrap(), json!([]));
-    assert_eq!(note, "[2 items omitted]");
-    assert_eq!(report.items_omitted, 3);
+    assert_eq!(note, "[3 items omitted: messages 2, 3]");
+    assert_eq!(report.items_omitted, 4);
+    assert_eq!(
+        content(&out, 5),
+        "{\n  \"customer_id\": \"C1001\",\n  \"full_name\": \"John Smith\",\n  \"email\": \"john.smith@example.com\",\n  \"address\": {\n[omitted: message 5 lines 6-9]\n  \"plan\": \"P2002\"\n}",
+        "a pretty-printed object loses its repeated block (its first five short lines are the result's head: they stay)"
+    );
 }
 
 #[test]
-fn no_part_is_left_empty_and_each_message_has_one_note() {
+fn a_client_line_that_looks_like_a_note_stays() {
+    let f = file(6).join("\n");
     let body = json!({"model": "m", "messages": [
-        {"role": "user", "content": format!("{L1}\n{L2}\n{L3}")},
-        {"role": "tool", "tool_call_id": "c", "content": [
-            {"type": "text", "text": format!("{L1}\nfresh line number one here")},
-            {"type": "text", "text": format!("{L2}\n{L3}")},
-        ]},
-        {"role": "user", "content": "next"},
+        {"role": "user", "content": format!("[omitted: message 9 lines 1-2]\n{f}")},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": format!("[omitted: message 9 lines 1-2]\n{f}\nmore")},
     ]});
-    let (out, report) = chat(&body);
-    let parts = out["messages"][1]["content"].as_array().unwrap();
-    assert_eq!(parts.len(), 2);
-    assert_eq!(parts[0]["text"], "[3 omitted]\nfresh line number one here");
-    assert_eq!(parts[1]["text"], dedup_emptied());
-    assert_eq!(report.lines_omitted, 3);
-}
-
-fn dedup_emptied() -> &'static str {
-    "[omitted]"
-}
-
-#[test]
-fn anthropic_tool_results_are_tool_results_with_a_note_each() {
-    let body = json!({"model": "claude", "max_tokens": 10, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": format!("{L1}\n{L2}")}]},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}, {"type": "tool_use", "id": "t2", "name": "f", "input": {}}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "t1", "content": format!("{L1}\nresult one is new")},
-            {"type": "tool_result", "tool_use_id": "t2", "content": [{"type": "text", "text": format!("{L2}\nresult two is new")}]},
-        ]},
-    ]});
-    let (out, report) = run(&body, &plan(Shape::Messages, true, DEFAULTS));
-    let blocks = out["messages"][2]["content"].as_array().unwrap();
+    let (out, _) = chat(&body);
     assert_eq!(
-        blocks[0]["content"], "[1 omitted]\nresult one is new",
-        "the newest user message holds only tool results: they are deduped"
-    );
-    assert_eq!(
-        blocks[1]["content"][0]["text"],
-        "[1 omitted]\nresult two is new"
-    );
-    assert_eq!(blocks[1]["tool_use_id"], "t2");
-    assert_eq!(report.lines_omitted, 2);
-    assert_eq!(
-        out["messages"][0], body["messages"][0],
-        "the user's own text, newest"
+        content(&out, 2),
+        "[omitted: message 9 lines 1-2]\n[omitted: message 1 lines 2-7]\nmore"
     );
 }
 
 #[test]
-fn responses_function_outputs_are_deduped() {
-    let body = json!({"model": "m", "input": [
-        {"role": "user", "content": [{"type": "input_text", "text": format!("{L1}\nplease look")}]},
-        {"type": "function_call", "call_id": "f1", "name": "f", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "f1", "output": format!("{L1}\n{L2}")},
-        {"type": "function_call", "call_id": "f2", "name": "f", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "f2", "output": format!("{L2}\n{L3}")},
+fn runs_below_the_thresholds_stay() {
+    let two = "first line of a short block\nsecond line of it";
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": format!("{two}\nend")},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": format!("start\n{two}")},
     ]});
-    let (out, report) = run(&body, &plan(Shape::Responses, true, DEFAULTS));
-    assert_eq!(out["input"][2]["output"], format!("[1 omitted]\n{L2}"));
-    assert_eq!(out["input"][4]["output"], format!("[1 omitted]\n{L3}"));
-    assert_eq!(out["input"][4]["call_id"], "f2");
-    assert_eq!(report.lines_omitted, 2);
+    let (out, _) = chat(&body);
+    assert_eq!(out, body, "2 lines but fewer than 64 bytes");
+    let lower = Rules {
+        dedup: Some(dedup::Blocks {
+            min_lines: 2,
+            min_bytes: 16,
+        }),
+        ..DEFAULTS
+    };
+    let (out, _) = run(&body, &plan(Shape::Chat, true, lower));
+    assert_eq!(content(&out, 2), "start\n[omitted: message 1 lines 1-2]");
 }
 
 #[test]
 fn dedup_off_or_nothing_repeated_leaves_the_bytes_alone() {
     let bytes = fixture("agent-history-refetch.json");
     let off = Rules {
-        min_line_chars: None,
+        dedup: None,
         ..DEFAULTS
     };
     assert!(
@@ -237,8 +320,8 @@ fn dedup_off_or_nothing_repeated_leaves_the_bytes_alone() {
             .is_none()
     );
     let fresh = serde_json::to_vec(&json!({"model": "m", "messages": [
-        {"role": "user", "content": format!("{L1}\n{L2}")},
-        {"role": "tool", "tool_call_id": "c", "content": L3},
+        {"role": "user", "content": file(4).join("\n")},
+        {"role": "tool", "tool_call_id": "c", "content": "a result that repeats nothing\nof what the user sent before it"},
     ]}))
     .unwrap();
     let r = rewrite(&fresh, &plan(Shape::Chat, true, DEFAULTS));
@@ -291,25 +374,36 @@ fn refetch_fixtures_keep_their_prefix_turn_by_turn() {
     for name in [
         "agent-history-refetch.json",
         "agent-history-refetch-jsonarray.json",
+        "agent-tool-images-6turns.json",
     ] {
         let (sent, original) = assert_prefix_stable(name, false);
         assert!(
-            sent * 3 < original,
+            name.contains("images") || sent * 3 < original,
             "{name}: {sent} of {original} bytes over all turns"
         );
     }
 }
 
 #[test]
-fn refetch_fixture_keeps_every_distinct_line_and_a_fifth_of_the_bytes() {
+fn refetch_fixture_keeps_every_distinct_line_and_a_tenth_of_the_tool_bytes() {
     let bytes = fixture("agent-history-refetch.json");
     let r = rewrite(&bytes, &plan(Shape::Chat, false, DEFAULTS));
     let out = r.body.unwrap();
+    let tool_bytes = |b: &[u8]| -> usize {
+        let v: Value = serde_json::from_slice(b).unwrap();
+        v["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] == "tool")
+            .map(|m| m["content"].as_str().unwrap().len())
+            .sum()
+    };
     assert!(
-        out.len() * 100 < bytes.len() * 25,
+        tool_bytes(&out) * 10 < tool_bytes(&bytes),
         "{} of {}",
-        out.len(),
-        bytes.len()
+        tool_bytes(&out),
+        tool_bytes(&bytes)
     );
     let lines = |b: &[u8]| -> HashSet<String> {
         let v: Value = serde_json::from_slice(b).unwrap();
@@ -318,17 +412,15 @@ fn refetch_fixture_keeps_every_distinct_line_and_a_fifth_of_the_bytes() {
             .unwrap()
             .iter()
             .filter_map(|m| m["content"].as_str())
-            .flat_map(|c| {
-                c.lines()
-                    .map(|l| l.trim_end().to_owned())
-                    .collect::<Vec<_>>()
-            })
+            .flat_map(|c| c.lines().map(str::to_owned).collect::<Vec<_>>())
             .collect()
     };
     let kept = lines(&out);
     let missing: Vec<String> = lines(&bytes).difference(&kept).cloned().collect();
     assert!(missing.is_empty(), "{missing:?}");
-    assert_eq!(r.report.lines_omitted, 696);
+    // Each re-fetch keeps its one new line and one note for the 24 it
+    // shares with the fetch before.
+    assert_eq!(r.report.lines_omitted, 29 * 24);
 }
 
 // ---- images for every model ----
@@ -353,93 +445,182 @@ fn actions(report: &Report) -> Vec<&'static str> {
     report.images.iter().map(|n| n.action).collect()
 }
 
-#[test]
-fn tool_images_older_than_keep_turns_age_out() {
+/// A screenshot agent of `n` turns made from the 6-turn fixture: the
+/// user's mockup, then per turn a call and a tool result holding a text and
+/// a screenshot of its own (the fixture's first, with the turn appended to
+/// its bytes, so no two are the same image).
+fn screenshot_agent(n: usize) -> Value {
     let (body, pngs) = screenshots();
-    assert_eq!(pngs.len(), 7);
-    let bytes = serde_json::to_vec(&body).unwrap();
-    let r = rewrite(&bytes, &plan(Shape::Chat, true, DEFAULTS));
-    assert_eq!(
-        actions(&r.report),
-        [
-            "kept", "aged_out", "aged_out", "aged_out", "kept", "kept", "kept"
-        ],
-        "the user's image stays; screenshots with more than 2 assistant messages after them go"
-    );
-    assert_eq!(r.report.images_replaced, 3);
-    let out: Value = serde_json::from_slice(r.body.as_deref().unwrap()).unwrap();
-    for (t, png) in pngs.iter().enumerate().skip(1).take(3) {
-        let i = 2 * t;
-        let text = out["messages"][i]["content"].as_str().unwrap();
-        let sha = sha256_hex(png);
-        assert!(
-            text.starts_with(&format!(
-                "Rendered attempt {}.\n[image sha256:{}",
-                t - 1,
-                &sha[..12]
-            )),
-            "{text}"
+    let mut msgs = vec![body["messages"][0].clone()];
+    for t in 0..n {
+        let id = format!("call_render_{t}");
+        let mut png = pngs[1].clone();
+        png.extend_from_slice(format!("turn {t}").as_bytes());
+        let url = format!(
+            "data:image/png;base64,{}",
+            base64_simd::STANDARD.encode_to_string(&png)
         );
-        assert!(text.contains("an older tool result"), "{text}");
-        assert_eq!(
-            out["messages"][i]["tool_call_id"],
-            body["messages"][i]["tool_call_id"]
-        );
+        msgs.push(json!({"role": "assistant", "content": format!("Rendering attempt {t}."), "tool_calls": [{"id": id, "type": "function", "function": {"name": "render_page", "arguments": "{}"}}]}));
+        msgs.push(json!({"role": "tool", "tool_call_id": id, "content": [{"type": "text", "text": format!("Rendered attempt {t}.")}, {"type": "image_url", "image_url": {"url": url}}]}));
     }
-    for i in [8, 10, 12, 0] {
-        assert_eq!(
-            out["messages"][i], body["messages"][i],
-            "message {i} untouched"
-        );
+    json!({"model": "gpt-4o", "messages": msgs})
+}
+
+/// A request's billed tokens given the messages the previous request sent:
+/// the leading run identical to them at a tenth, text at 4 bytes a token,
+/// an image at 765.
+fn billed(msgs: &[Value], previous: &[Value], cache: bool) -> f64 {
+    let cached = match cache {
+        true => previous.iter().zip(msgs).take_while(|(a, b)| a == b).count(),
+        false => 0,
+    };
+    msgs.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let mut m = m.clone();
+            let mut images = 0.0;
+            if let Some(parts) = m["content"].as_array_mut() {
+                let before = parts.len();
+                parts.retain(|p| p["type"] != "image_url");
+                images = (before - parts.len()) as f64;
+            }
+            let tokens = serde_json::to_vec(&m).unwrap().len() as f64 / 4.0 + images * 765.0;
+            if i < cached { tokens / 10.0 } else { tokens }
+        })
+        .sum()
+}
+
+/// Every request of a conversation through `rules`: for each, the first
+/// message that differs from the previous request's rewrite (`None`: the
+/// previous request is a prefix), and the billed cost so far with visor and
+/// without (with a prompt cache when `rules.prompt_cache`).
+fn replay(body: &Value, rules: Rules) -> (Vec<Option<usize>>, Vec<(f64, f64)>, Vec<Value>) {
+    let p = plan(Shape::Chat, true, rules);
+    let (mut prev_in, mut prev_out): (Vec<Value>, Vec<Value>) = (Vec::new(), Vec::new());
+    let (mut breaks, mut costs, mut outs) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut with, mut without) = (0.0, 0.0);
+    for req in turns(body) {
+        let (sent, _) = run(&req, &p);
+        let msgs = sent["messages"].as_array().unwrap().clone();
+        let orig = req["messages"].as_array().unwrap().clone();
+        if !prev_out.is_empty() {
+            breaks.push(prev_out.iter().zip(&msgs).position(|(a, b)| a != b));
+        }
+        with += billed(&msgs, &prev_out, rules.prompt_cache);
+        without += billed(&orig, &prev_in, rules.prompt_cache);
+        costs.push((with, without));
+        prev_in = orig;
+        prev_out = msgs;
+        outs.push(sent);
     }
-    let saved: Vec<&str> = r.artifacts.iter().map(|a| a.sha256.as_str()).collect();
-    let want: Vec<String> = pngs[1..4].iter().map(|p| sha256_hex(p)).collect();
-    assert_eq!(saved, want, "aged-out originals are saved");
-    // Kept images of a vision model are never decoded.
-    assert!(
-        r.report
-            .images
-            .iter()
-            .filter(|n| n.action == "kept")
-            .all(|n| n.sha256.is_empty())
-    );
+    (breaks, costs, outs)
 }
 
 #[test]
-fn the_cap_takes_older_tool_images_first_then_user_images() {
+fn with_a_prompt_cache_ageing_never_raises_the_bill_without_one_it_ages_every_turn() {
+    // Six turns, and sixty: ageing a screenshot already sent breaks the
+    // cache for everything after it, and with a tenth-price cache that
+    // never pays back in the request that does it, so nothing ages.
     let (body, _) = screenshots();
     let bytes = serde_json::to_vec(&body).unwrap();
-    let with = |rules: Rules| actions(&rewrite(&bytes, &plan(Shape::Chat, true, rules)).report);
+    let r = rewrite(&bytes, &plan(Shape::Chat, true, DEFAULTS));
+    assert_eq!(actions(&r.report), ["kept"; 7]);
+    let long = screenshot_agent(60);
+    for conversation in [&body, &long] {
+        let (breaks, costs, _) = replay(conversation, DEFAULTS);
+        assert!(breaks.iter().all(Option::is_none), "{breaks:?}");
+        for (k, (with, without)) in costs.iter().enumerate() {
+            assert!(with <= without, "request {k}: {with} > {without} billed tokens");
+        }
+    }
+    // Without a provider cache every token is paid every turn: screenshots
+    // older than keep_turns go, each once, as soon as they are due.
+    let uncached = Rules {
+        prompt_cache: false,
+        ..DEFAULTS
+    };
+    let (breaks, costs, outs) = replay(&long, uncached);
+    assert!(breaks.iter().flatten().count() >= 50, "{breaks:?}");
+    for (k, (with, without)) in costs.iter().enumerate() {
+        assert!(with <= without, "request {k}: {with} > {without} billed tokens");
+    }
+    let (with, without) = costs[costs.len() - 1];
+    assert!(with < without * 0.5, "{with} of {without}");
+    let last = &outs[outs.len() - 1];
+    let msgs = last["messages"].as_array().unwrap();
+    let aged = msgs
+        .iter()
+        .filter(|m| m["content"].as_str().is_some_and(|c| c.contains("an older tool result")))
+        .count();
+    assert_eq!(aged, 60 - 3, "every screenshot with more than 2 assistant turns after it");
+    assert_eq!(msgs[0], long["messages"][0], "the user's image stays");
+    for (m, o) in msgs.iter().zip(long["messages"].as_array().unwrap()) {
+        assert_eq!(m["tool_call_id"], o["tool_call_id"]);
+    }
+    let again = rewrite(&serde_json::to_vec(last).unwrap(), &plan(Shape::Chat, true, uncached));
+    assert_eq!(again.body, None, "running it on its own output changes nothing");
+}
+
+#[test]
+fn the_models_hard_limit_caps_down_to_half_the_newest_screenshot_stays() {
+    let (body, _) = screenshots();
+    let hard = Rules {
+        max_images: 3,
+        hard_max_images: Some(3),
+        ..DEFAULTS
+    };
+    let (breaks, _, outs) = replay(&body, hard);
+    for out in &outs {
+        let msgs = out["messages"].as_array().unwrap();
+        let kept = msgs
+            .iter()
+            .filter_map(|m| m["content"].as_array())
+            .flat_map(|p| p.iter().filter(|p| p["type"] == "image_url"))
+            .count();
+        assert!(kept <= 3, "{kept} images sent");
+        let newest = &msgs[msgs.len() - 1];
+        if newest["role"] == "tool" {
+            assert!(newest["content"].is_array(), "the newest screenshot is sent");
+        }
+    }
+    assert_eq!(
+        breaks.iter().flatten().count(),
+        2,
+        "capping to half of the limit at once: two breaks in six turns, not one a turn: {breaks:?}"
+    );
+    // max_per_request alone is not a hard limit: capping an image already
+    // sent does not pay in six turns.
+    let soft = Rules {
+        max_images: 3,
+        ..DEFAULTS
+    };
+    let (breaks, _, _) = replay(&body, soft);
+    assert!(breaks.iter().all(Option::is_none), "{breaks:?}");
+    // Images that arrive together over the limit are capped at once,
+    // oldest first.
     let capped = |max| {
-        with(Rules {
+        let rules = Rules {
             keep_turns: usize::MAX,
             max_images: max,
+            hard_max_images: Some(max),
             ..DEFAULTS
-        })
+        };
+        let mut b = body.clone();
+        // One request holding every image: the user's message carries them.
+        let parts: Vec<Value> = b["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|m| m["content"].as_array())
+            .flat_map(|p| p.iter().filter(|p| p["type"] == "image_url").cloned())
+            .collect();
+        b["messages"] = json!([{"role": "user", "content": parts}]);
+        actions(&rewrite(&serde_json::to_vec(&b).unwrap(), &plan(Shape::Chat, true, rules)).report)
     };
     assert_eq!(capped(10), ["kept"; 7]);
     assert_eq!(
         capped(3),
-        [
-            "kept", "capped", "capped", "capped", "capped", "kept", "kept"
-        ]
-    );
-    assert_eq!(
-        capped(1),
-        [
-            "kept", "capped", "capped", "capped", "capped", "capped", "capped"
-        ],
-        "tool images go before the user's own, however new"
-    );
-    // Aging first, then the cap over what is left.
-    assert_eq!(
-        with(Rules {
-            max_images: 2,
-            ..DEFAULTS
-        }),
-        [
-            "kept", "aged_out", "aged_out", "aged_out", "capped", "capped", "kept"
-        ]
+        ["capped", "capped", "capped", "capped", "kept", "kept", "kept"]
     );
 }
 
@@ -454,7 +635,9 @@ fn the_models_max_images_wins_when_smaller() {
     assert_eq!(Rules::from_config(&cfg, None).max_images, 6);
     assert_eq!(Rules::from_config(&cfg, Some(2)).max_images, 2);
     assert_eq!(Rules::from_config(&cfg, Some(50)).max_images, 6);
-    assert_eq!(Rules::from_config(&cfg, None).min_line_chars, None);
+    assert_eq!(Rules::from_config(&cfg, Some(50)).hard_max_images, Some(50));
+    assert_eq!(Rules::from_config(&cfg, None).hard_max_images, None);
+    assert_eq!(Rules::from_config(&cfg, None).dedup, None);
 }
 
 #[test]
@@ -500,89 +683,62 @@ fn a_later_copy_of_an_image_becomes_a_reference() {
 }
 
 #[test]
-fn a_text_only_model_gets_the_rules_first_and_describes_only_the_rest() {
-    let (body, _) = screenshots();
-    let bytes = serde_json::to_vec(&body).unwrap();
+fn a_text_only_model_never_ages_an_image_its_text_never_changes() {
+    let long = screenshot_agent(40);
+    let bytes = serde_json::to_vec(&long).unwrap();
     let p = Plan {
         describe: true,
         ..plan(Shape::Chat, false, DEFAULTS)
     };
     let scanned = scan(&bytes, &p).unwrap();
-    let fates = scanned.fates().to_vec();
-    assert_eq!(fates[1], Fate::Replaced(Reason::AgedOut));
-    assert_eq!(fates[6], Fate::Replaced(Reason::NonVision));
-    let subjects = scanned.subjects();
-    let lookup: Vec<bool> = subjects.iter().map(|(_, s)| s.lookup_only).collect();
-    assert_eq!(
-        lookup,
-        [false, true, true, true, false, false, false],
-        "aged-out images may only take a cached description"
+    assert!(
+        scanned
+            .fates()
+            .iter()
+            .all(|f| *f == Fate::Replaced(Reason::NonVision)),
+        "ageing a replaced image saves nothing and would change its text"
     );
+    assert!(scanned.subjects().iter().all(|(_, s)| !s.lookup_only));
     let r = scanned.finish(&bytes, &[]);
-    assert_eq!(r.report.images_replaced, 7);
+    assert_eq!(r.report.images_replaced, 41);
     assert_eq!(
-        actions(&r.report),
-        [
-            "stripped", "aged_out", "aged_out", "aged_out", "stripped", "stripped", "stripped"
-        ]
+        actions(&r.report).iter().filter(|a| **a == "stripped").count(),
+        41
     );
-}
-
-/// How the window moves a provider's cacheable prefix: for each request of
-/// the 6-turn fixture, the first message that differs from the previous
-/// request's rewrite (`None`: the previous request is a prefix).
-fn prefix_breaks(rules: Rules, vision: bool) -> Vec<Option<usize>> {
-    let (body, _) = screenshots();
-    let p = plan(Shape::Chat, vision, rules);
-    let mut previous: Option<Vec<Value>> = None;
-    let mut out = Vec::new();
-    for req in turns(&body) {
-        let (sent, _) = run(&req, &p);
-        let msgs = sent["messages"].as_array().unwrap().clone();
-        if let Some(prev) = &previous {
-            out.push(prev.iter().zip(&msgs).position(|(a, b)| a != b));
-        }
-        previous = Some(msgs);
-    }
-    out
-}
-
-#[test]
-fn aging_rewrites_each_tool_message_once_when_it_leaves_the_window() {
-    let breaks = prefix_breaks(DEFAULTS, true);
-    // Requests after tool results 0..5 (each compared with the one before):
-    // tool result t (message 2t + 2) ages out with the request after tool
-    // result t + 3, and that request is the only one it changes.
-    assert_eq!(breaks, [None, None, None, Some(2), Some(4), Some(6)]);
-    let none = prefix_breaks(
-        Rules {
-            keep_turns: usize::MAX,
-            ..DEFAULTS
-        },
-        true,
-    );
-    assert!(none.iter().all(Option::is_none));
 }
 
 // ---- properties ----
 
-/// A random conversation from a small vocabulary, so lines repeat.
+/// A random conversation from a small vocabulary, so lines and blocks
+/// repeat.
 fn conversation() -> impl Strategy<Value = Value> {
     let line = prop::sample::select(vec![
-        L1,
-        L2,
-        L3,
-        L4,
+        "[10:00] alice: the retention policy needs a tax branch first",
+        "[10:01] bob: section 4 keeps personal data three years",
+        "[10:02] carol: GoBD asks for ten years on tax records",
+        "Always answer in English, whatever the question.",
         "ok",
         "",
+        "}",
         "  indented repeated line of text",
         "```",
         "{\"a\": 1}",
         "[3 omitted]",
-        "ünïcödé line, long enough",
+        "ünïcödé line, long enough to matter here",
     ]);
-    let text = prop::collection::vec(line, 0..6).prop_map(|ls| ls.join("\n"));
-    let message = (0..4usize, text, any::<bool>()).prop_map(|(role, text, parts)| {
+    let block = prop::collection::vec(line, 1..5);
+    let text = prop::collection::vec(block, 0..4).prop_map(|bs| {
+        // Blocks repeat as wholes: each is used twice in a row sometimes.
+        let mut out: Vec<&str> = Vec::new();
+        for b in &bs {
+            out.extend(b.iter().copied());
+            if b.len() % 2 == 0 {
+                out.extend(b.iter().copied());
+            }
+        }
+        out.join("\n")
+    });
+    let message = (0..4usize, text, any::<bool>(), 0..3usize).prop_map(|(role, text, parts, id)| {
         let content = if parts {
             json!([{"type": "text", "text": text}, {"type": "text", "text": "x"}])
         } else {
@@ -591,23 +747,26 @@ fn conversation() -> impl Strategy<Value = Value> {
         match role {
             0 => json!({"role": "user", "content": content}),
             1 => json!({"role": "assistant", "content": content}),
-            2 => json!({"role": "tool", "tool_call_id": "c", "content": content}),
+            2 => json!({"role": "tool", "tool_call_id": format!("call_{id}"), "content": content}),
             _ => json!({"role": "system", "content": content}),
         }
     });
     prop::collection::vec(message, 1..12).prop_map(|m| json!({"model": "m", "messages": m}))
 }
 
+fn texts(m: &Value) -> Vec<String> {
+    match &m["content"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) => a.iter().filter_map(|p| p["text"].as_str().map(str::to_owned)).collect(),
+        _ => vec![],
+    }
+}
+
 fn all_lines(v: &Value) -> HashSet<String> {
     let mut out = HashSet::new();
     for m in v["messages"].as_array().unwrap() {
-        let texts: Vec<&str> = match &m["content"] {
-            Value::String(s) => vec![s],
-            Value::Array(a) => a.iter().filter_map(|p| p["text"].as_str()).collect(),
-            _ => vec![],
-        };
-        for t in texts {
-            out.extend(t.split('\n').map(|l| l.trim_end().to_owned()));
+        for t in texts(m) {
+            out.extend(t.split('\n').map(str::to_owned));
         }
     }
     out
@@ -625,34 +784,107 @@ fn skeleton(v: &Value) -> Vec<(Value, Value, usize)> {
         .collect()
 }
 
+/// The request's texts with every note replaced by what it names: a run
+/// note by those lines of the message it names (as sent), a reference by
+/// that message's text, expanded. Gives the original back when every note
+/// says truly where its lines are.
+fn expand(out: &Value) -> Vec<Vec<String>> {
+    let msgs = out["messages"].as_array().unwrap();
+    let mut expanded: Vec<Vec<String>> = Vec::new();
+    for m in msgs {
+        let sent: Vec<String> = texts(m);
+        let mut mine = Vec::new();
+        for t in &sent {
+            let mut lines: Vec<String> = Vec::new();
+            for l in t.split('\n') {
+                if let Some(rest) = l.strip_prefix("[omitted: same as message ") {
+                    let n: usize = rest.split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap();
+                    lines.push(expanded[n - 1].join("\n"));
+                } else if let Some(rest) = l.strip_prefix("[omitted: ").filter(|_| !l.contains(" items omitted")) {
+                    for (n, a, b) in note_places(rest.trim_end_matches(']')) {
+                        let source: Vec<String> = texts(&msgs[n - 1]).join("\n").split('\n').map(str::to_owned).collect();
+                        lines.extend(source[a - 1..b].iter().cloned());
+                    }
+                } else {
+                    lines.push(l.to_owned());
+                }
+            }
+            mine.push(lines.join("\n"));
+        }
+        expanded.push(mine);
+    }
+    expanded
+}
+
+/// The places a run note names, in order: (message, first line, last line).
+fn note_places(note: &str) -> Vec<(usize, usize, usize)> {
+    let num = |s: &str| -> usize { s.trim().parse().unwrap() };
+    let range = |spec: &str| -> (usize, usize) {
+        let spec = spec.trim();
+        match spec.strip_prefix("lines ") {
+            Some(r) => {
+                let (a, b) = r.split_once('-').unwrap();
+                (num(a), num(b))
+            }
+            None => {
+                let a = num(spec.strip_prefix("line ").unwrap());
+                (a, a)
+            }
+        }
+    };
+    let mut out = Vec::new();
+    for part in note.split("; ") {
+        if let Some(rest) = part.strip_prefix("message ") {
+            let (m, spec) = rest.split_once(' ').unwrap();
+            let (a, b) = range(spec);
+            out.push((num(m), a, b));
+        } else if let Some((spec, rest)) = part.split_once(" of messages ") {
+            let (a, b) = range(spec);
+            let (m1, m2) = rest.split_once(" to ").unwrap();
+            out.extend((num(m1)..=num(m2)).map(|m| (m, a, b)));
+        } else {
+            let (spec, rest) = part.split_once(" of every ").unwrap();
+            let (a, b) = range(spec);
+            let (step, rest) = rest.split_once(" message from ").unwrap();
+            let step = num(step.trim_end_matches(|c: char| c.is_ascii_alphabetic()));
+            let (m1, m2) = rest.split_once(" to ").unwrap();
+            out.extend((num(m1)..=num(m2)).step_by(step).map(|m| (m, a, b)));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_refetched_window_is_one_note_naming_each_place() {
+    // Every tool result re-fetches the last 25 chat lines: past the first
+    // few, each line is shown once, where it was new.
+    let body: Value = serde_json::from_slice(&fixture("agent-history-refetch.json")).unwrap();
+    let (out, _) = run(&body, &plan(Shape::Chat, false, DEFAULTS));
+    let last = out["messages"].as_array().unwrap().len() - 1;
+    let text = content(&out, last);
+    let (note, new) = text.split_once('\n').unwrap();
+    assert!(note.contains(" of every 4th message from "), "{note}");
+    assert!(new.contains("(msg 69)"), "{new}");
+    assert!(note.len() < 120, "{note}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
-    fn no_distinct_line_is_lost_and_roles_and_ids_stay(body in conversation()) {
+    fn nothing_is_lost_notes_say_truly_where_roles_and_ids_stay(body in conversation()) {
         let (out, _) = chat(&body);
         let missing: Vec<String> = all_lines(&body).difference(&all_lines(&out)).cloned().collect();
         prop_assert!(missing.is_empty(), "lost {:?}", missing);
         prop_assert_eq!(skeleton(&out), skeleton(&body));
-        // One note per message at most (beyond those the client sent).
-        let notes = |m: &Value| -> usize {
-            let texts: Vec<&str> = match &m["content"] {
-                Value::String(s) => vec![s.as_str()],
-                Value::Array(a) => a.iter().filter_map(|p| p["text"].as_str()).collect(),
-                _ => vec![],
-            };
-            texts.iter().flat_map(|t| t.lines()).filter(|l| l.starts_with('[') && l.ends_with(" omitted]")).count()
-        };
-        let msgs = body["messages"].as_array().unwrap();
-        for (m, o) in msgs.iter().zip(out["messages"].as_array().unwrap()) {
-            prop_assert!(notes(o) <= notes(m) + 1, "{}", o);
-        }
+        let original: Vec<Vec<String>> = body["messages"].as_array().unwrap().iter().map(texts).collect();
+        prop_assert_eq!(expand(&out), original);
     }
 
     #[test]
-    fn deterministic_and_idempotent(body in conversation(), min in prop::sample::select(vec![4usize, 16])) {
-        // At 4 characters visor's own notes are long enough to repeat.
-        let p = plan(Shape::Chat, true, Rules { min_line_chars: Some(min), ..DEFAULTS });
+    fn deterministic_and_idempotent(body in conversation(), bytes in prop::sample::select(vec![0usize, 16, 64])) {
+        // At 0 bytes visor's own notes would be long enough to repeat.
+        let p = plan(Shape::Chat, true, Rules { dedup: Some(dedup::Blocks { min_lines: 2, min_bytes: bytes }), ..DEFAULTS });
         let (once, _) = run(&body, &p);
         let (again, _) = run(&body, &p);
         prop_assert_eq!(&once, &again);
@@ -662,7 +894,7 @@ proptest! {
     }
 
     #[test]
-    fn earlier_messages_stay_as_the_conversation_grows(body in conversation(), more in conversation()) {
+    fn every_rewritten_message_stays_as_the_conversation_grows(body in conversation(), more in conversation()) {
         let (before, _) = chat(&body);
         let mut longer = body.clone();
         let added = more["messages"].as_array().unwrap().clone();
@@ -670,14 +902,6 @@ proptest! {
         let (after, _) = chat(&longer);
         let a = before["messages"].as_array().unwrap();
         let b = after["messages"].as_array().unwrap();
-        // Everything before the newest user message stays; it may change
-        // once a newer user message arrives (the SPEC's one exception).
-        let newest_user = a.iter().rposition(|m| m["role"] == "user");
-        let newer_user = added.iter().any(|m| m["role"] == "user");
-        let stable = match (newest_user, newer_user) {
-            (Some(u), true) => u,
-            _ => a.len(),
-        };
-        prop_assert_eq!(&b[..stable], &a[..stable]);
+        prop_assert_eq!(&b[..a.len()], &a[..], "no exception: every earlier message stays byte for byte");
     }
 }
