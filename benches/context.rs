@@ -6,7 +6,8 @@
 //! - `context/dedup-30turns`, `context/dedup-30turns-jsonarray`: the
 //!   committed 30-turn fixtures (lines, and JSON array items).
 //! - `context/rules-6turns`: the 6-turn screenshot fixture for a vision
-//!   model: age out three screenshots (decode, hash, replace).
+//!   model without a provider cache: age out three screenshots (the replay
+//!   of every earlier request, decode, hash, replace).
 //! - `context/rules-small-request`: a one-line chat request (the load
 //!   script's) with every rule on: what the rules cost a request they leave
 //!   alone.
@@ -14,8 +15,9 @@
 //!   with every rule on and nothing to change: the walk over the body (the
 //!   image is kept, so never decoded).
 //!
-//! The savings, and the prompt-cache prefix kept turn by turn on the 6-turn
-//! fixture, are printed once before timing. `cargo bench --bench
+//! The savings, and the image rules' billed cost under prompt caching on
+//! the 6-turn fixture and longer screenshot agents made from it, are
+//! printed once before timing. `cargo bench --bench
 //! context`; the large fixtures are made on first use (python3).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
 
@@ -84,20 +86,69 @@ fn report_savings(name: &str, body: &[u8]) {
     );
 }
 
-/// The prompt-cache cost of the recency window on the 6-turn screenshot
-/// fixture (a vision model): for each request an agent sends (after each
-/// user message and tool result), how much of the previous request's
-/// rewrite it still starts with (its cacheable prefix, in bytes of compact
-/// JSON messages), and its own size against the original's.
-fn report_prefix(body: &[u8]) {
+/// A screenshot agent of `n` turns made from the 6-turn fixture: the
+/// user's mockup, then per turn a call and a tool result with a screenshot
+/// of its own (the fixture's first, with the turn appended to its bytes).
+fn screenshot_agent(shots: &[u8], n: usize) -> Vec<u8> {
+    let v: Value = serde_json::from_slice(shots).unwrap();
+    let msgs = v["messages"].as_array().unwrap();
+    let url = msgs[2]["content"][1]["image_url"]["url"].as_str().unwrap();
+    let png = base64_simd::STANDARD
+        .decode_to_vec(url.split_once(',').unwrap().1)
+        .unwrap();
+    let mut out = vec![msgs[0].clone()];
+    for t in 0..n {
+        let id = format!("call_render_{t}");
+        let mut p = png.clone();
+        p.extend_from_slice(format!("turn {t}").as_bytes());
+        let url = format!(
+            "data:image/png;base64,{}",
+            base64_simd::STANDARD.encode_to_string(&p)
+        );
+        out.push(serde_json::json!({"role": "assistant", "content": format!("Rendering attempt {t}."), "tool_calls": [{"id": id, "type": "function", "function": {"name": "render_page", "arguments": "{}"}}]}));
+        out.push(serde_json::json!({"role": "tool", "tool_call_id": id, "content": [{"type": "text", "text": format!("Rendered attempt {t}.")}, {"type": "image_url", "image_url": {"url": url}}]}));
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "gpt-4o", "messages": out})).unwrap()
+}
+
+/// A request's billed tokens given the messages the previous one sent: the
+/// leading run identical to them at `cached` of the price, text at 4 bytes
+/// a token, an image at 765.
+fn billed(msgs: &[Value], previous: &[Value], cached: f64) -> f64 {
+    let same = previous
+        .iter()
+        .zip(msgs)
+        .take_while(|(a, b)| a == b)
+        .count();
+    msgs.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let mut m = m.clone();
+            let mut images = 0.0;
+            if let Some(parts) = m["content"].as_array_mut() {
+                let before = parts.len();
+                parts.retain(|p| p["type"] != "image_url");
+                images = (before - parts.len()) as f64;
+            }
+            let t = serde_json::to_vec(&m).unwrap().len() as f64 / 4.0 + images * 765.0;
+            if i < same { t * cached } else { t }
+        })
+        .sum()
+}
+
+/// The billed cost of a screenshot conversation (a vision model), request
+/// by request (after each user message and tool result), through `rules`
+/// against the original, with cached input at `cached` of the price; and
+/// how many requests rewrote a message an earlier one had sent.
+fn conversation_cost(body: &[u8], rules: Rules, cached: f64) -> (f64, f64, usize) {
     let v: Value = serde_json::from_slice(body).unwrap();
     let msgs = v["messages"].as_array().unwrap();
-    let size = |ms: &[Value]| -> usize {
-        ms.iter()
-            .map(|m| serde_json::to_vec(m).unwrap().len())
-            .sum()
+    let p = Plan {
+        rules,
+        ..plan(true)
     };
-    let mut previous: Option<Vec<Value>> = None;
+    let (mut prev_in, mut prev_out): (Vec<Value>, Vec<Value>) = (Vec::new(), Vec::new());
+    let (mut with, mut without, mut breaks) = (0.0, 0.0, 0);
     for (i, m) in msgs.iter().enumerate() {
         if !matches!(m["role"].as_str(), Some("user" | "tool")) {
             continue;
@@ -105,21 +156,45 @@ fn report_prefix(body: &[u8]) {
         let mut req = v.clone();
         req["messages"] = Value::Array(msgs[..=i].to_vec());
         let bytes = serde_json::to_vec(&req).unwrap();
-        let r = rewrite(&bytes, &plan(true));
+        let r = rewrite(&bytes, &p);
         let out: Value = serde_json::from_slice(r.body.as_deref().unwrap_or(&bytes)).unwrap();
         let sent = out["messages"].as_array().unwrap().clone();
-        if let Some(prev) = &previous {
-            let kept = prev.iter().zip(&sent).take_while(|(a, b)| a == b).count();
-            eprintln!(
-                "6-turn request after message {i}: sent {} B (original {} B); cacheable prefix {} of the previous {} B ({:.0}%)",
-                size(&sent),
-                size(&msgs[..=i]),
-                size(&prev[..kept]),
-                size(prev),
-                100.0 * size(&prev[..kept]) as f64 / size(prev) as f64
-            );
+        let orig = msgs[..=i].to_vec();
+        if prev_out.iter().zip(&sent).any(|(a, b)| a != b) {
+            breaks += 1;
         }
-        previous = Some(sent);
+        with += billed(&sent, &prev_out, cached);
+        without += billed(&orig, &prev_in, cached);
+        prev_in = orig;
+        prev_out = sent;
+    }
+    (with, without, breaks)
+}
+
+/// The image rules' billed cost, printed: on the 6-turn fixture and a
+/// 40- and 120-turn screenshot agent, the default (with a provider prompt
+/// cache, an image already sent is replaced only when that pays) against
+/// ageing every turn (`prompt_cache = false`), billed with a tenth-price
+/// cache and without one.
+fn report_ageing(shots: &[u8]) {
+    let uncached_rules = Rules {
+        prompt_cache: false,
+        ..DEFAULTS
+    };
+    for (name, body) in [
+        ("6-turn fixture", shots.to_vec()),
+        ("40-turn screenshot agent", screenshot_agent(shots, 40)),
+        ("120-turn screenshot agent", screenshot_agent(shots, 120)),
+    ] {
+        for (schedule, rules) in [("default", DEFAULTS), ("age every turn", uncached_rules)] {
+            for (bill, cached) in [("cached input at 0.1", 0.1), ("no provider cache", 1.0)] {
+                let (with, without, breaks) = conversation_cost(&body, rules, cached);
+                eprintln!(
+                    "{name}, {schedule}, billed with {bill}: {with:.0} vs {without:.0} tokens ({:+.1}%), {breaks} request(s) rewrote earlier messages",
+                    100.0 * (with / without - 1.0)
+                );
+            }
+        }
     }
 }
 
@@ -132,7 +207,7 @@ fn bench(c: &mut Criterion) {
     report_savings("agent-history-200turns", &big);
     report_savings("agent-history-refetch", &refetch);
     report_savings("agent-history-refetch-jsonarray", &array);
-    report_prefix(&shots);
+    report_ageing(&shots);
 
     let mut g = c.benchmark_group("context");
     for (name, body) in [
@@ -150,9 +225,18 @@ fn bench(c: &mut Criterion) {
         });
     }
     g.throughput(Throughput::Bytes(shots.len() as u64));
+    // Ageing every turn (no provider cache): three screenshots decoded,
+    // hashed, replaced.
+    let uncached = Plan {
+        rules: Rules {
+            prompt_cache: false,
+            ..DEFAULTS
+        },
+        ..plan(true)
+    };
     g.bench_function("rules-6turns", |b| {
         b.iter(|| {
-            let r = rewrite(black_box(&shots), &plan(true));
+            let r = rewrite(black_box(&shots), &uncached);
             assert_eq!(r.report.images_replaced, 3);
             r
         })

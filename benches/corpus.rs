@@ -107,10 +107,7 @@ fn tokens(message: &Value) -> f64 {
 /// A request's cost given the messages the previous request sent.
 fn billed(messages: &[String], values: &[Value], previous: Option<&[String]>) -> f64 {
     let cached = previous.map_or(0, |p| {
-        p.iter()
-            .zip(messages)
-            .take_while(|(a, b)| a == b)
-            .count()
+        p.iter().zip(messages).take_while(|(a, b)| a == b).count()
     });
     values
         .iter()

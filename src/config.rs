@@ -960,6 +960,25 @@ mod tests {
     }
 
     #[test]
+    fn the_old_line_dedup_key_loads_with_a_warning_and_runs_are_checked() {
+        let up = "[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\n";
+        let cfg = load(&format!("[dedup]\nmin_line_chars = 16\n{up}")).unwrap();
+        assert_eq!(cfg.warnings.len(), 1);
+        assert!(
+            cfg.warnings[0].starts_with("dedup.min_line_chars"),
+            "{:?}",
+            cfg.warnings
+        );
+        assert_eq!((cfg.dedup.min_run_lines, cfg.dedup.min_run_bytes), (2, 64));
+        assert!(load(up).unwrap().warnings.is_empty());
+        let e = problems(&format!("[dedup]\nmin_run_lines = 1\n{up}"));
+        assert!(
+            e.contains("dedup.min_run_lines: 1 — must be at least 2"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn unknown_key_is_named_with_its_path() {
         let e = problems(
             "[server]\nlisten = \"127.0.0.1:1\"\nlisen = 3\n[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\n",

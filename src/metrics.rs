@@ -87,7 +87,7 @@ impl Metrics {
         let tokens = IntCounterVec::new(
             Opts::new(
                 "visor_tokens_total",
-                "Tokens reported by upstreams in `usage`, by kind (prompt, completion)",
+                "Tokens reported by upstreams in `usage`, by kind (prompt, completion; cached_read and cache_write: the provider's prompt cache)",
             ),
             &["kind"],
         )?;

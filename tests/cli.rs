@@ -122,7 +122,7 @@ fn logs_never_contain_keys_or_bodies() {
     let mock = rt.block_on(support::MockUpstream::start(|_| {
         support::Reply::json(
             200,
-            r#"{"ok":true,"usage":{"prompt_tokens":1,"completion_tokens":1}}"#,
+            r#"{"ok":true,"usage":{"prompt_tokens":1,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":1}}}"#,
         )
     }));
     let upstream = mock.addr;
@@ -185,6 +185,15 @@ fn logs_never_contain_keys_or_bodies() {
         all.contains("response finished"),
         "expected request logs:\n{all}"
     );
+    // What visor did and the provider's cache figure are on the line
+    // (agent CLIs never show the x-visor-* headers).
+    let line = all
+        .lines()
+        .find(|l| l.contains("response finished") && l.contains("status=200"))
+        .unwrap();
+    for field in ["cached_tokens=1", "images_replaced=0", "bytes_saved=0"] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
     // Every key and the body text carry the marker SECRET.
     assert!(!all.contains("SECRET"), "a secret reached the log:\n{all}");
 }
@@ -276,11 +285,13 @@ fn explain_prints_the_rewritten_request_and_the_report() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["report"]["lines_omitted"], 696);
     assert!(v["report"]["bytes_saved_dedup"].as_i64().unwrap() > 80_000);
-    let last_tool = &v["request"]["messages"][119]["content"];
+    let last_tool = v["request"]["messages"][119]["content"].as_str().unwrap();
+    let (note, new) = last_tool.split_once('\n').unwrap();
     assert!(
-        last_tool.as_str().unwrap().starts_with("[24 omitted]\n"),
-        "{last_tool}"
+        note.starts_with("[omitted: ") && note.contains(" of every 4th message from "),
+        "one note naming where the 24 re-fetched lines are: {note}"
     );
+    assert!(new.contains("(msg 69)"), "the new line stays: {new}");
 
     // Not JSON: a clear error, exit 1.
     let bad = temp_config("bad-body", "{\"model\": ");

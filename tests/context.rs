@@ -39,6 +39,10 @@ fn image_parts(v: &Value) -> usize {
     }
 }
 
+/// A config for a provider without prompt caching: images already sent
+/// age out as soon as they are due.
+const NO_PROMPT_CACHE: &str = "[images]\nprompt_cache = false\n";
+
 #[tokio::test]
 async fn a_refetched_history_reaches_the_upstream_once() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
@@ -80,9 +84,9 @@ async fn a_refetched_history_reaches_the_upstream_once() {
         let last_tool = sm.iter().rev().find(|m| m["role"] == "tool").unwrap();
         let text = last_tool["content"].as_str().unwrap();
         let note = if name.contains("jsonarray") {
-            "[24 items omitted]"
+            "\n[24 items omitted: messages "
         } else {
-            "[24 omitted]"
+            "[omitted: "
         };
         assert!(text.contains(note), "{text}");
         if name.contains("jsonarray") {
@@ -101,7 +105,7 @@ async fn a_refetched_history_reaches_the_upstream_once() {
 async fn dedup_in_the_anthropic_and_responses_shapes() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
     let visor = Visor::for_mock(&mock, "").await;
-    let line = "[10:00] alice: the retention policy needs a tax branch first";
+    let line = "[10:00] alice: the retention policy needs a tax branch first\n[10:01] bob: section 4 keeps personal data three years";
     let messages = json!({"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": [
         {"role": "user", "content": [{"type": "text", "text": format!("{line}\nwhat changed?")}]},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "fetch", "input": {}}]},
@@ -125,7 +129,10 @@ async fn dedup_in_the_anthropic_and_responses_shapes() {
             "/v1/messages" => sent["messages"][2]["content"][0]["content"].clone(),
             _ => sent["input"][2]["output"].clone(),
         };
-        assert_eq!(text, "[1 omitted]\na new line from the tool", "{path}");
+        assert_eq!(
+            text, "[omitted: message 1 lines 1-2]\na new line from the tool",
+            "{path}"
+        );
     }
 }
 
@@ -152,7 +159,9 @@ async fn transform_off_forwards_the_history_byte_for_byte() {
 #[tokio::test]
 async fn old_screenshots_age_out_and_are_saved() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
-    let visor = Visor::for_mock(&mock, "").await;
+    // Without a provider prompt cache ageing always pays; with one (the
+    // default) it waits until it does (src/transform/tests_context.rs).
+    let visor = Visor::for_mock(&mock, NO_PROMPT_CACHE).await;
     let body = fixture("agent-tool-images-6turns.json");
     let (status, headers, _) =
         send(post_json(&visor.url("/v1/chat/completions"), body.clone())).await;
@@ -265,7 +274,7 @@ async fn a_models_max_images_caps_below_the_config() {
 }
 
 #[tokio::test]
-async fn a_text_only_model_describes_recent_images_and_reuses_them_when_they_age() {
+async fn a_text_only_model_describes_every_image_once_and_never_rewrites_it() {
     let mock = MockUpstream::start(|req| match is_describer_call(req) {
         true => describer_answer(req),
         false => chat_ok(),
@@ -309,30 +318,27 @@ async fn a_text_only_model_describes_recent_images_and_reuses_them_when_they_age
             .unwrap();
         sent.push((calls, json(&forwarded.body)));
     }
-    // First request: the mockup and the three recent screenshots are
-    // described (4 calls); the two aged-out ones get placeholders.
-    assert_eq!(sent[0].0, 4);
+    // First request: the mockup and the five screenshots are described
+    // (6 calls): for a model that cannot see, ageing an image saves
+    // nothing and would change its text, so none ages.
+    assert_eq!(sent[0].0, 6);
     let first = sent[0].1["messages"].as_array().unwrap();
-    assert!(
-        first[2]["content"]
-            .as_str()
-            .unwrap()
-            .contains("an older tool result")
-    );
-    assert!(
-        first[6]["content"]
-            .as_str()
-            .unwrap()
-            .contains("described: A test image")
-    );
-    // Second request: one new screenshot described; screenshot 2 has aged
-    // out meanwhile and keeps its cached description, so every earlier
-    // message is sent exactly as before (the provider's prefix holds).
+    for i in [2, 6] {
+        assert!(
+            first[i]["content"]
+                .as_str()
+                .unwrap()
+                .contains("described: A test image"),
+            "message {i}"
+        );
+    }
+    // Second request: one new screenshot described; every earlier message
+    // is sent exactly as before (the provider's prefix holds).
     assert_eq!(sent[1].0, 1);
     let second = sent[1].1["messages"].as_array().unwrap();
     assert_eq!(&second[..first.len()], &first[..]);
     let m = visor.metrics().await;
-    assert_eq!(counter(&m, "visor_describe_total", ("result", "miss")), 5.0);
+    assert_eq!(counter(&m, "visor_describe_total", ("result", "miss")), 7.0);
 }
 
 /// A Chat transcript for `model`: one tool screenshot per turn, each
@@ -353,7 +359,7 @@ fn screenshots(model: &str, turns: usize, pad: usize) -> (Value, Vec<Vec<u8>>) {
 #[tokio::test]
 async fn large_bodies_for_a_model_that_can_see_age_out_the_same_way() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
-    let visor = Visor::for_mock(&mock, "").await;
+    let visor = Visor::for_mock(&mock, NO_PROMPT_CACHE).await;
     // 4 turns: one screenshot ages out (decoded on the worker); 7 turns:
     // four of 150 KB age out (decoded on the blocking pool).
     for (turns, aged) in [(4, 1), (7, 4)] {
@@ -373,4 +379,51 @@ async fn large_bodies_for_a_model_that_can_see_age_out_the_same_way() {
             assert_eq!(sent["messages"][2 + 2 * t], body["messages"][2 + 2 * t]);
         }
     }
+}
+
+#[tokio::test]
+async fn the_providers_prompt_cache_figures_are_counted_from_json_and_streams() {
+    let mock = MockUpstream::start(|req| match req.uri.path() {
+        "/v1/messages" => Reply::sse_chunks(vec![
+            Chunk::Data(Bytes::from_static(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":12,\"cache_creation_input_tokens\":2048,\"cache_read_input_tokens\":4096,\"output_tokens\":1}}}\n\n")),
+            Chunk::Data(Bytes::from_static(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":40}}\n\n")),
+        ]),
+        _ => Reply::json(
+            200,
+            r#"{"id":"c1","object":"chat.completion","choices":[],"usage":{"prompt_tokens":2006,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":1920}}}"#,
+        ),
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let before = visor.metrics().await;
+    let chat = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, _) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        serde_json::to_vec(&chat).unwrap(),
+    ))
+    .await;
+    assert_eq!(status, 200);
+    let messages = json!({"model": "claude-sonnet-4-5", "max_tokens": 64, "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, _) = send(post_json(
+        &visor.url("/v1/messages"),
+        serde_json::to_vec(&messages).unwrap(),
+    ))
+    .await;
+    assert_eq!(status, 200);
+    let grew = |after: &str, kind: &str| {
+        counter(after, "visor_tokens_total", ("kind", kind))
+            - counter(&before, "visor_tokens_total", ("kind", kind))
+    };
+    // The counters move when the response ends: wait for them, bounded.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let after = loop {
+        let after = visor.metrics().await;
+        if grew(&after, "cache_write") > 0.0 || std::time::Instant::now() > deadline {
+            break after;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!(grew(&after, "cached_read"), 1920.0 + 4096.0);
+    assert_eq!(grew(&after, "cache_write"), 2048.0);
+    assert_eq!(grew(&after, "prompt"), 2006.0 + 12.0);
 }

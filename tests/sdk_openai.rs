@@ -280,7 +280,7 @@ async fn openai_python_sdk_through_visor() {
     let history: serde_json::Value = serde_json::from_slice(&recs.last().unwrap().body).unwrap();
     assert_eq!(
         history["messages"][4]["content"],
-        "[5 omitted]\n[10:05] carol: one new line"
+        "[omitted: message 3 lines 1-5]\n[10:05] carol: one new line"
     );
     assert_eq!(history["messages"][4]["tool_call_id"], "c2");
     assert_eq!(

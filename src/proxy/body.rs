@@ -112,6 +112,10 @@ pub struct Finish {
     /// When the request was sent upstream.
     pub sent: Instant,
     pub inflight: InflightGuard,
+    /// What the transforms did, for the log line (agent CLIs never show
+    /// the `x-visor-*` headers).
+    pub images_replaced: usize,
+    pub bytes_saved: i64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -205,10 +209,14 @@ impl ObservedBody {
         if usage.prompt > 0 {
             m.tokens.with_label_values(&["prompt"]).inc_by(usage.prompt);
         }
-        if usage.completion > 0 {
-            m.tokens
-                .with_label_values(&["completion"])
-                .inc_by(usage.completion);
+        for (kind, n) in [
+            ("completion", usage.completion),
+            ("cached_read", usage.cached_read),
+            ("cache_write", usage.cache_write),
+        ] {
+            if n > 0 {
+                m.tokens.with_label_values(&[kind]).inc_by(n);
+            }
         }
         if let Outcome::UpstreamError(kind) = outcome {
             m.upstream_error(&f.upstream, kind);
@@ -221,6 +229,10 @@ impl ObservedBody {
             outcome = outcome.label(),
             prompt_tokens = usage.prompt,
             completion_tokens = usage.completion,
+            cached_tokens = usage.cached_read,
+            cache_write_tokens = usage.cache_write,
+            images_replaced = f.images_replaced,
+            bytes_saved = f.bytes_saved,
             duration_ms = elapsed.as_millis() as u64,
             "response finished"
         );

@@ -301,6 +301,8 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         started,
         sent,
         inflight,
+        images_replaced: prepared.as_ref().map_or(0, |p| p.report.images_replaced),
+        bytes_saved: prepared.as_ref().map_or(0, |p| p.report.bytes_saved),
     };
     let mut observed = ObservedBody::new(
         incoming,

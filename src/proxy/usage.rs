@@ -9,7 +9,10 @@
 //! Shapes understood: OpenAI Chat (`prompt_tokens`/`completion_tokens`),
 //! Responses (`response.usage.input_tokens`/`output_tokens`) and Anthropic
 //! (`message.usage.input_tokens` in `message_start`, cumulative
-//! `usage.output_tokens` in `message_delta`).
+//! `usage.output_tokens` in `message_delta`). The provider's prompt-cache
+//! figures too: OpenAI `prompt_tokens_details.cached_tokens` (Responses
+//! `input_tokens_details.cached_tokens`), Anthropic
+//! `cache_read_input_tokens` and `cache_creation_input_tokens`.
 
 use bytes::Bytes;
 use serde::Deserialize;
@@ -22,6 +25,10 @@ const MAX_LINE: usize = 1024 * 1024;
 pub struct Usage {
     pub prompt: u64,
     pub completion: u64,
+    /// Prompt tokens the provider read from its cache.
+    pub cached_read: u64,
+    /// Prompt tokens the provider wrote to its cache (Anthropic).
+    pub cache_write: u64,
 }
 
 /// The parts of a response or event that may carry `usage`; everything else
@@ -48,6 +55,18 @@ struct Counts {
     prompt_tokens: Option<u64>,
     #[serde(default, alias = "output_tokens")]
     completion_tokens: Option<u64>,
+    #[serde(default, alias = "input_tokens_details")]
+    prompt_tokens_details: Option<Details>,
+    #[serde(default)]
+    cache_read_input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_creation_input_tokens: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
 }
 
 impl Usage {
@@ -62,6 +81,16 @@ impl Usage {
         }
         if let Some(c) = u.completion_tokens {
             self.completion = self.completion.max(c);
+        }
+        let cached = u
+            .prompt_tokens_details
+            .and_then(|d| d.cached_tokens)
+            .or(u.cache_read_input_tokens);
+        if let Some(c) = cached {
+            self.cached_read = self.cached_read.max(c);
+        }
+        if let Some(c) = u.cache_creation_input_tokens {
+            self.cache_write = self.cache_write.max(c);
         }
     }
 }
@@ -218,7 +247,8 @@ mod tests {
             o.finish(),
             Usage {
                 prompt: 12,
-                completion: 5
+                completion: 5,
+                ..Usage::default()
             }
         );
     }
@@ -237,7 +267,8 @@ mod tests {
                 o.finish(),
                 Usage {
                     prompt: 9,
-                    completion: 3
+                    completion: 3,
+                    ..Usage::default()
                 },
                 "piece {piece}"
             );
@@ -254,7 +285,8 @@ mod tests {
             o.finish(),
             Usage {
                 prompt: 25,
-                completion: 15
+                completion: 15,
+                ..Usage::default()
             }
         );
 
@@ -265,9 +297,44 @@ mod tests {
             o.finish(),
             Usage {
                 prompt: 7,
-                completion: 2
+                completion: 2,
+                ..Usage::default()
             }
         );
+    }
+
+    #[test]
+    fn prompt_cache_figures_in_every_shape() {
+        let chat = br#"{"usage":{"prompt_tokens":2006,"completion_tokens":300,"prompt_tokens_details":{"cached_tokens":1920,"audio_tokens":0}}}"#;
+        let mut o = UsageObserver::for_response(&headers("application/json"));
+        o.observe(&Bytes::from_static(chat));
+        let u = o.finish();
+        assert_eq!((u.prompt, u.cached_read, u.cache_write), (2006, 1920, 0));
+
+        let responses = "data: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":900,\"input_tokens_details\":{\"cached_tokens\":768},\"output_tokens\":4}}}\n\n";
+        let mut o = UsageObserver::for_response(&headers("text/event-stream"));
+        o.observe(&Bytes::from(responses));
+        assert_eq!(o.finish().cached_read, 768);
+
+        let anthropic = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":12,\"cache_creation_input_tokens\":2048,\"cache_read_input_tokens\":4096,\"output_tokens\":1}}}\n\n\
+                         event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":40}}\n\n";
+        for piece in [3, 4096] {
+            let mut o = UsageObserver::for_response(&headers("text/event-stream"));
+            for c in anthropic.as_bytes().chunks(piece) {
+                o.observe(&Bytes::copy_from_slice(c));
+            }
+            let u = o.finish();
+            assert_eq!(
+                (u.prompt, u.completion, u.cached_read, u.cache_write),
+                (12, 40, 4096, 2048),
+                "piece {piece}"
+            );
+        }
+        let json = br#"{"type":"message","usage":{"input_tokens":3,"cache_read_input_tokens":100,"cache_creation_input_tokens":0,"output_tokens":9}}"#;
+        let mut o = UsageObserver::for_response(&headers("application/json"));
+        o.observe(&Bytes::from_static(json));
+        let u = o.finish();
+        assert_eq!((u.cached_read, u.cache_write), (100, 0));
     }
 
     #[test]

@@ -135,7 +135,12 @@ fn run_note(segments: &[Segment]) -> String {
             let d = step.unwrap_or(1);
             parts.push(match d {
                 1 => format!("{} of messages {} to {last}", lines(&s), s.message),
-                _ => format!("{} of every {} message from {} to {last}", lines(&s), ordinal(d), s.message),
+                _ => format!(
+                    "{} of every {} message from {} to {last}",
+                    lines(&s),
+                    ordinal(d),
+                    s.message
+                ),
             });
             k += row;
         } else {
@@ -339,7 +344,13 @@ impl<'a> Dedup<'a> {
 
     /// Rewrites one text of a user or tool message; `None` when nothing in
     /// it repeats.
-    fn rewrite(&mut self, text: &'a str, me: usize, tool: bool, out: &mut Omitted) -> Option<String> {
+    fn rewrite(
+        &mut self,
+        text: &'a str,
+        me: usize,
+        tool: bool,
+        out: &mut Omitted,
+    ) -> Option<String> {
         let (head, tail) = split_trailing_note(text);
         if let Some(JsonKind::Array) = json_kind(head) {
             return self.array(head, tail, me, out);
@@ -429,7 +440,13 @@ impl<'a> Dedup<'a> {
 
     /// The longest stretch starting at line `i` that one earlier message
     /// sent in the same order. Ties go to the newest.
-    fn longest(&self, lines: &[&str], hashes: &[u64], barrier: &[bool], i: usize) -> Option<Segment> {
+    fn longest(
+        &self,
+        lines: &[&str],
+        hashes: &[u64],
+        barrier: &[bool],
+        i: usize,
+    ) -> Option<Segment> {
         if i >= lines.len() || barrier[i] {
             return None;
         }
@@ -611,7 +628,8 @@ fn is_note(line: &str) -> bool {
     if inner.starts_with("omitted: ") {
         return true;
     }
-    count(inner).is_some_and(|r| r.starts_with(" items omitted: ") || r.starts_with(" item omitted: "))
+    count(inner)
+        .is_some_and(|r| r.starts_with(" items omitted: ") || r.starts_with(" item omitted: "))
 }
 
 /// `s` after its leading decimal number; `None` without one.

@@ -417,8 +417,14 @@ impl<'a> Replay<'a> {
                 .collect()
         };
         let order = |s: &Self, ks: Vec<usize>| -> Vec<usize> {
-            let tool = ks.iter().copied().filter(|&i| s.scan.images[i].in_tool_result);
-            let user = ks.iter().copied().filter(|&i| !s.scan.images[i].in_tool_result);
+            let tool = ks
+                .iter()
+                .copied()
+                .filter(|&i| s.scan.images[i].in_tool_result);
+            let user = ks
+                .iter()
+                .copied()
+                .filter(|&i| !s.scan.images[i].in_tool_result);
             tool.chain(user).collect()
         };
         let remaining = kept(self, &wanted);
@@ -428,7 +434,8 @@ impl<'a> Replay<'a> {
         }
         // New images go at once; earlier ones only when it pays, or for the
         // model's hard limit.
-        let (fresh, earlier): (Vec<_>, Vec<_>) = wanted.into_iter().partition(|w| is_new(w.0, self));
+        let (fresh, earlier): (Vec<_>, Vec<_>) =
+            wanted.into_iter().partition(|w| is_new(w.0, self));
         for (i, reason) in fresh {
             self.fates[i] = Fate::Replaced(reason);
         }
@@ -449,7 +456,10 @@ impl<'a> Replay<'a> {
             // Down to half the limit, taking only images already sent: the
             // new ones are the ones the model needs.
             let excess = remaining.len().saturating_sub(target);
-            let sent: Vec<usize> = remaining.into_iter().filter(|&i| !is_new(i, self)).collect();
+            let sent: Vec<usize> = remaining
+                .into_iter()
+                .filter(|&i| !is_new(i, self))
+                .collect();
             for i in order(self, sent).into_iter().take(excess) {
                 self.fates[i] = Fate::Replaced(Reason::Capped);
             }

@@ -120,7 +120,9 @@ fn single_repeated_lines_in_new_output_stay() {
 fn a_codex_exec_command_result_repeated_keeps_its_status_lines() {
     let cat = file(10).join("\n");
     let result = |chunk: &str, wall: &str| {
-        format!("Chunk ID: {chunk}\nWall time: {wall} seconds\nProcess exited with code 0\nOriginal token count: 212\nOutput:\n{cat}")
+        format!(
+            "Chunk ID: {chunk}\nWall time: {wall} seconds\nProcess exited with code 0\nOriginal token count: 212\nOutput:\n{cat}"
+        )
     };
     let body = json!({"model": "gpt-5-codex", "messages": [
         {"role": "user", "content": "show me src/lib.rs twice"},
@@ -138,10 +140,21 @@ fn a_codex_exec_command_result_repeated_keeps_its_status_lines() {
 #[test]
 fn a_claude_code_bash_result_keeps_its_exit_code() {
     let tests: Vec<String> = (0..8)
-        .map(|i| format!("tests/test_math.py::test_case_{i} PASSED                        [{:>3}%]", 12 * i))
+        .map(|i| {
+            format!(
+                "tests/test_math.py::test_case_{i} PASSED                        [{:>3}%]",
+                12 * i
+            )
+        })
         .collect();
-    let run1 = format!("Exit code 1\n{}\n1 failed, 8 passed in 0.31s", tests.join("\n"));
-    let run2 = format!("Exit code 1\n{}\n1 failed, 8 passed in 0.29s", tests.join("\n"));
+    let run1 = format!(
+        "Exit code 1\n{}\n1 failed, 8 passed in 0.31s",
+        tests.join("\n")
+    );
+    let run2 = format!(
+        "Exit code 1\n{}\n1 failed, 8 passed in 0.29s",
+        tests.join("\n")
+    );
     let body = json!({"model": "claude-opus-4-5", "messages": [
         {"role": "user", "content": "run the tests"},
         call("toolu_01"), tool("toolu_01", &run1),
@@ -182,7 +195,10 @@ fn a_whole_repeated_tool_result_becomes_a_reference_to_the_call() {
         {"type": "function_call_output", "call_id": "fc_2", "output": text},
     ]});
     let (out, _) = run(&responses, &plan(Shape::Responses, true, DEFAULTS));
-    assert_eq!(out["input"][4]["output"], "[omitted: same as message 3 (fc_1)]");
+    assert_eq!(
+        out["input"][4]["output"],
+        "[omitted: same as message 3 (fc_1)]"
+    );
     let anthropic = json!({"model": "claude", "max_tokens": 10, "messages": [
         {"role": "user", "content": "read it"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
@@ -218,7 +234,10 @@ fn the_newest_user_message_is_rewritten_when_it_arrives_and_never_again() {
         json!({"role": "user", "content": "done"}),
     ]);
     let (later, _) = chat(&body);
-    assert_eq!(later["messages"].as_array().unwrap()[..4], out["messages"].as_array().unwrap()[..]);
+    assert_eq!(
+        later["messages"].as_array().unwrap()[..4],
+        out["messages"].as_array().unwrap()[..]
+    );
 }
 
 #[test]
@@ -471,7 +490,11 @@ fn screenshot_agent(n: usize) -> Value {
 /// an image at 765.
 fn billed(msgs: &[Value], previous: &[Value], cache: bool) -> f64 {
     let cached = match cache {
-        true => previous.iter().zip(msgs).take_while(|(a, b)| a == b).count(),
+        true => previous
+            .iter()
+            .zip(msgs)
+            .take_while(|(a, b)| a == b)
+            .count(),
         false => 0,
     };
     msgs.iter()
@@ -494,7 +517,11 @@ fn billed(msgs: &[Value], previous: &[Value], cache: bool) -> f64 {
 /// message that differs from the previous request's rewrite (`None`: the
 /// previous request is a prefix), and the billed cost so far with visor and
 /// without (with a prompt cache when `rules.prompt_cache`).
-fn replay(body: &Value, rules: Rules) -> (Vec<Option<usize>>, Vec<(f64, f64)>, Vec<Value>) {
+/// What [`replay`] saw: where each request broke the previous one's
+/// prefix, the billed cost so far (with visor, without), every rewrite.
+type Replayed = (Vec<Option<usize>>, Vec<(f64, f64)>, Vec<Value>);
+
+fn replay(body: &Value, rules: Rules) -> Replayed {
     let p = plan(Shape::Chat, true, rules);
     let (mut prev_in, mut prev_out): (Vec<Value>, Vec<Value>) = (Vec::new(), Vec::new());
     let (mut breaks, mut costs, mut outs) = (Vec::new(), Vec::new(), Vec::new());
@@ -530,7 +557,10 @@ fn with_a_prompt_cache_ageing_never_raises_the_bill_without_one_it_ages_every_tu
         let (breaks, costs, _) = replay(conversation, DEFAULTS);
         assert!(breaks.iter().all(Option::is_none), "{breaks:?}");
         for (k, (with, without)) in costs.iter().enumerate() {
-            assert!(with <= without, "request {k}: {with} > {without} billed tokens");
+            assert!(
+                with <= without,
+                "request {k}: {with} > {without} billed tokens"
+            );
         }
     }
     // Without a provider cache every token is paid every turn: screenshots
@@ -542,7 +572,10 @@ fn with_a_prompt_cache_ageing_never_raises_the_bill_without_one_it_ages_every_tu
     let (breaks, costs, outs) = replay(&long, uncached);
     assert!(breaks.iter().flatten().count() >= 50, "{breaks:?}");
     for (k, (with, without)) in costs.iter().enumerate() {
-        assert!(with <= without, "request {k}: {with} > {without} billed tokens");
+        assert!(
+            with <= without,
+            "request {k}: {with} > {without} billed tokens"
+        );
     }
     let (with, without) = costs[costs.len() - 1];
     assert!(with < without * 0.5, "{with} of {without}");
@@ -550,15 +583,29 @@ fn with_a_prompt_cache_ageing_never_raises_the_bill_without_one_it_ages_every_tu
     let msgs = last["messages"].as_array().unwrap();
     let aged = msgs
         .iter()
-        .filter(|m| m["content"].as_str().is_some_and(|c| c.contains("an older tool result")))
+        .filter(|m| {
+            m["content"]
+                .as_str()
+                .is_some_and(|c| c.contains("an older tool result"))
+        })
         .count();
-    assert_eq!(aged, 60 - 3, "every screenshot with more than 2 assistant turns after it");
+    assert_eq!(
+        aged,
+        60 - 3,
+        "every screenshot with more than 2 assistant turns after it"
+    );
     assert_eq!(msgs[0], long["messages"][0], "the user's image stays");
     for (m, o) in msgs.iter().zip(long["messages"].as_array().unwrap()) {
         assert_eq!(m["tool_call_id"], o["tool_call_id"]);
     }
-    let again = rewrite(&serde_json::to_vec(last).unwrap(), &plan(Shape::Chat, true, uncached));
-    assert_eq!(again.body, None, "running it on its own output changes nothing");
+    let again = rewrite(
+        &serde_json::to_vec(last).unwrap(),
+        &plan(Shape::Chat, true, uncached),
+    );
+    assert_eq!(
+        again.body, None,
+        "running it on its own output changes nothing"
+    );
 }
 
 #[test]
@@ -580,7 +627,10 @@ fn the_models_hard_limit_caps_down_to_half_the_newest_screenshot_stays() {
         assert!(kept <= 3, "{kept} images sent");
         let newest = &msgs[msgs.len() - 1];
         if newest["role"] == "tool" {
-            assert!(newest["content"].is_array(), "the newest screenshot is sent");
+            assert!(
+                newest["content"].is_array(),
+                "the newest screenshot is sent"
+            );
         }
     }
     assert_eq!(
@@ -615,12 +665,20 @@ fn the_models_hard_limit_caps_down_to_half_the_newest_screenshot_stays() {
             .flat_map(|p| p.iter().filter(|p| p["type"] == "image_url").cloned())
             .collect();
         b["messages"] = json!([{"role": "user", "content": parts}]);
-        actions(&rewrite(&serde_json::to_vec(&b).unwrap(), &plan(Shape::Chat, true, rules)).report)
+        actions(
+            &rewrite(
+                &serde_json::to_vec(&b).unwrap(),
+                &plan(Shape::Chat, true, rules),
+            )
+            .report,
+        )
     };
     assert_eq!(capped(10), ["kept"; 7]);
     assert_eq!(
         capped(3),
-        ["capped", "capped", "capped", "capped", "kept", "kept", "kept"]
+        [
+            "capped", "capped", "capped", "capped", "kept", "kept", "kept"
+        ]
     );
 }
 
@@ -702,7 +760,10 @@ fn a_text_only_model_never_ages_an_image_its_text_never_changes() {
     let r = scanned.finish(&bytes, &[]);
     assert_eq!(r.report.images_replaced, 41);
     assert_eq!(
-        actions(&r.report).iter().filter(|a| **a == "stripped").count(),
+        actions(&r.report)
+            .iter()
+            .filter(|a| **a == "stripped")
+            .count(),
         41
     );
 }
@@ -757,7 +818,10 @@ fn conversation() -> impl Strategy<Value = Value> {
 fn texts(m: &Value) -> Vec<String> {
     match &m["content"] {
         Value::String(s) => vec![s.clone()],
-        Value::Array(a) => a.iter().filter_map(|p| p["text"].as_str().map(str::to_owned)).collect(),
+        Value::Array(a) => a
+            .iter()
+            .filter_map(|p| p["text"].as_str().map(str::to_owned))
+            .collect(),
         _ => vec![],
     }
 }
@@ -798,11 +862,23 @@ fn expand(out: &Value) -> Vec<Vec<String>> {
             let mut lines: Vec<String> = Vec::new();
             for l in t.split('\n') {
                 if let Some(rest) = l.strip_prefix("[omitted: same as message ") {
-                    let n: usize = rest.split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap();
+                    let n: usize = rest
+                        .split(|c: char| !c.is_ascii_digit())
+                        .next()
+                        .unwrap()
+                        .parse()
+                        .unwrap();
                     lines.push(expanded[n - 1].join("\n"));
-                } else if let Some(rest) = l.strip_prefix("[omitted: ").filter(|_| !l.contains(" items omitted")) {
+                } else if let Some(rest) = l
+                    .strip_prefix("[omitted: ")
+                    .filter(|_| !l.contains(" items omitted"))
+                {
                     for (n, a, b) in note_places(rest.trim_end_matches(']')) {
-                        let source: Vec<String> = texts(&msgs[n - 1]).join("\n").split('\n').map(str::to_owned).collect();
+                        let source: Vec<String> = texts(&msgs[n - 1])
+                            .join("\n")
+                            .split('\n')
+                            .map(str::to_owned)
+                            .collect();
                         lines.extend(source[a - 1..b].iter().cloned());
                     }
                 } else {
