@@ -29,7 +29,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 
 use serde_json::Value;
 
@@ -165,8 +165,46 @@ fn ordinal(n: usize) -> String {
 
 /// One line of a rewritten text.
 enum Piece<'a> {
-    Line(&'a str),
+    /// A line and its hash.
+    Line(&'a str, u64),
     Note(String),
+}
+
+/// Maps keyed by hashes that are already keyed and random (a line's
+/// SipHash with this request's [`RandomState`]): one multiply spreads them,
+/// no second pass over the text.
+#[derive(Default)]
+struct Mixed(u64);
+
+impl Hasher for Mixed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(23) ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type Fast = BuildHasherDefault<Mixed>;
+
+/// One key for a line pair, or for a whole text, from its lines' hashes.
+fn combine(hashes: impl IntoIterator<Item = u64>) -> u64 {
+    let mut h = Mixed(0x243F_6A88_85A3_08D3);
+    for x in hashes {
+        h.write_u64(x);
+    }
+    h.finish()
+}
+
+/// A text's lines and their hashes.
+struct Split<'a> {
+    lines: Vec<&'a str>,
+    hashes: Vec<u64>,
 }
 
 struct Dedup<'a> {
@@ -174,11 +212,11 @@ struct Dedup<'a> {
     hasher: RandomState,
     sent: Vec<Sent<'a>>,
     /// Consecutive line pairs of what was sent: where they start.
-    pairs: HashMap<(u64, u64), Vec<(u32, u32)>>,
+    pairs: HashMap<u64, Vec<(u32, u32)>, Fast>,
     /// Lines of what was sent: where they are.
-    singles: HashMap<u64, Vec<(u32, u32)>>,
+    singles: HashMap<u64, Vec<(u32, u32)>, Fast>,
     /// Whole texts of user and tool results: which `sent` first had them.
-    whole: HashMap<&'a str, usize>,
+    whole: HashMap<u64, Vec<(&'a str, usize)>, Fast>,
     /// Canonical JSON array elements: the message that shows them.
     items: HashMap<String, usize>,
 }
@@ -200,9 +238,9 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
         blocks,
         hasher: RandomState::new(),
         sent: Vec::new(),
-        pairs: HashMap::new(),
-        singles: HashMap::new(),
-        whole: HashMap::new(),
+        pairs: HashMap::default(),
+        singles: HashMap::default(),
+        whole: HashMap::default(),
         items: HashMap::new(),
     };
     let mut out = Omitted::default();
@@ -230,12 +268,13 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
             let rendered = if !eligible {
                 d.record(me, text);
                 None
-            } else if group.len() == 1
-                && let Some(r) = d.reference(scan, body, text, me, &mut out)
-            {
-                Some(r)
             } else {
-                d.rewrite(text, me, tool, &mut out)
+                let split = d.split(text);
+                match group.len() == 1 {
+                    true => d.reference(scan, body, text, &split, me, &mut out),
+                    false => None,
+                }
+                .or_else(|| d.rewrite(text, split, me, tool, &mut out))
             };
             if let Some(r) = rendered {
                 let spot = scan.texts[j].spot;
@@ -294,14 +333,17 @@ impl<'a> Dedup<'a> {
         scan: &Scan,
         body: &[u8],
         text: &'a str,
+        split: &Split<'a>,
         me: usize,
         out: &mut Omitted,
     ) -> Option<String> {
         if is_own(text.trim_end()) {
             return None;
         }
-        let Some(&earlier) = self.whole.get(text) else {
-            self.whole.insert(text, me);
+        let key = combine(split.hashes.iter().copied());
+        let same = self.whole.entry(key).or_default();
+        let Some(&(_, earlier)) = same.iter().find(|(t, _)| *t == text) else {
+            same.push((text, me));
             return None;
         };
         let first = self.sent.get(earlier)?;
@@ -313,28 +355,31 @@ impl<'a> Dedup<'a> {
         if note.len() >= text.len() {
             return None;
         }
-        out.lines += text.split('\n').count();
+        out.lines += split.lines.len();
         out.references += 1;
         self.push_note(me);
         Some(note)
     }
 
+    fn split(&self, text: &'a str) -> Split<'a> {
+        let lines: Vec<&'a str> = text.split('\n').collect();
+        let hashes = lines.iter().map(|l| self.hasher.hash_one(*l)).collect();
+        Split { lines, hashes }
+    }
+
     /// Records a text that is sent as it is.
     fn record(&mut self, me: usize, text: &'a str) {
-        for line in text.split('\n') {
-            self.push_line(me, line);
+        let split = self.split(text);
+        for (line, hash) in split.lines.into_iter().zip(split.hashes) {
+            self.push_line(me, line, hash);
         }
     }
 
-    fn push_line(&mut self, me: usize, line: &'a str) {
+    fn push_line(&mut self, me: usize, line: &'a str, hash: u64) {
         let own = is_own(line);
-        let hash = match own {
-            true => 0,
-            false => self.hasher.hash_one(line),
-        };
         let sent = &mut self.sent[me];
         sent.lines.push((!own).then_some(line));
-        sent.hashes.push(hash);
+        sent.hashes.push(if own { 0 } else { hash });
     }
 
     fn push_note(&mut self, me: usize) {
@@ -347,6 +392,7 @@ impl<'a> Dedup<'a> {
     fn rewrite(
         &mut self,
         text: &'a str,
+        split: Split<'a>,
         me: usize,
         tool: bool,
         out: &mut Omitted,
@@ -355,12 +401,18 @@ impl<'a> Dedup<'a> {
         if let Some(JsonKind::Array) = json_kind(head) {
             return self.array(head, tail, me, out);
         }
-        self.lines(text, me, tool, out)
+        self.lines(text, split, me, tool, out)
     }
 
-    fn lines(&mut self, text: &'a str, me: usize, tool: bool, out: &mut Omitted) -> Option<String> {
-        let lines: Vec<&'a str> = text.split('\n').collect();
-        let hashes: Vec<u64> = lines.iter().map(|l| self.hasher.hash_one(*l)).collect();
+    fn lines(
+        &mut self,
+        text: &'a str,
+        split: Split<'a>,
+        me: usize,
+        tool: bool,
+        out: &mut Omitted,
+    ) -> Option<String> {
+        let Split { lines, hashes } = split;
         let base = self.sent[me].lines.len();
         // Lines that never join a run: visor's own, and a tool result's
         // short head lines.
@@ -392,13 +444,13 @@ impl<'a> Dedup<'a> {
                 i += len;
                 continue;
             }
-            pieces.push(Piece::Line(lines[i]));
+            pieces.push(Piece::Line(lines[i], hashes[i]));
             i += 1;
         }
         let changed = pieces.iter().any(|p| matches!(p, Piece::Note(_)));
         for p in &pieces {
             match p {
-                Piece::Line(l) => self.push_line(me, l),
+                Piece::Line(l, h) => self.push_line(me, l, *h),
                 Piece::Note(_) => self.push_note(me),
             }
         }
@@ -411,7 +463,7 @@ impl<'a> Dedup<'a> {
                 s.push('\n');
             }
             s.push_str(match p {
-                Piece::Line(l) => l,
+                Piece::Line(l, _) => l,
                 Piece::Note(n) => n,
             });
         }
@@ -451,7 +503,7 @@ impl<'a> Dedup<'a> {
             return None;
         }
         let pair = (i + 1 < lines.len() && !barrier[i + 1])
-            .then(|| self.pairs.get(&(hashes[i], hashes[i + 1])))
+            .then(|| self.pairs.get(&combine([hashes[i], hashes[i + 1]])))
             .flatten();
         let starts = match pair {
             Some(p) => p,
@@ -495,7 +547,7 @@ impl<'a> Dedup<'a> {
         for j in 0..sent.lines.len().saturating_sub(1) {
             if sent.lines[j].is_some() && sent.lines[j + 1].is_some() {
                 self.pairs
-                    .entry((sent.hashes[j], sent.hashes[j + 1]))
+                    .entry(combine([sent.hashes[j], sent.hashes[j + 1]]))
                     .or_default()
                     .push((me as u32, j as u32));
             }
