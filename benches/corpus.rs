@@ -71,7 +71,7 @@ impl Figures {
     fn print(&self, name: &str) {
         let pct = |a: f64, b: f64| if b > 0.0 { 100.0 * (1.0 - a / b) } else { 0.0 };
         println!(
-            "{name:<28} {:>5} {:>10} {:>6.1}% {:>7.1}% {:>6} {:>5}/{:<5} {:>6}",
+            "{name:<28} {:>5} {:>10} {:>6.2}% {:>7.2}% {:>6} {:>5}/{:<5} {:>6}",
             self.turns,
             self.bytes_in,
             pct(self.bytes_out as f64, self.bytes_in as f64),
