@@ -350,6 +350,8 @@ struct Replay<'a> {
     images_of: Vec<Vec<usize>>,
     /// Images seen so far, kept or not, by the length of their identity.
     by_len: HashMap<usize, Vec<usize>>,
+    /// The images a step wants to replace (cleared at its end).
+    marked: Vec<bool>,
 }
 
 impl<'a> Replay<'a> {
@@ -383,6 +385,7 @@ impl<'a> Replay<'a> {
             text_tokens,
             images_of,
             by_len: HashMap::new(),
+            marked: vec![false; scan.images.len()],
         }
     }
 
@@ -409,11 +412,15 @@ impl<'a> Replay<'a> {
                 wanted.push((i, Reason::AgedOut));
             }
         }
-        let kept = |s: &Self, wanted: &[(usize, Reason)]| -> Vec<usize> {
+        // `marked[i]`: image i is wanted (reset before returning).
+        for &(i, _) in &wanted {
+            self.marked[i] = true;
+        }
+        let kept = |s: &Self, skip_marked: bool| -> Vec<usize> {
             in_scope
                 .iter()
                 .copied()
-                .filter(|&i| s.fates[i] == Fate::Kept && !wanted.iter().any(|w| w.0 == i))
+                .filter(|&i| s.fates[i] == Fate::Kept && !(skip_marked && s.marked[i]))
                 .collect()
         };
         let order = |s: &Self, ks: Vec<usize>| -> Vec<usize> {
@@ -427,29 +434,28 @@ impl<'a> Replay<'a> {
                 .filter(|&i| !s.scan.images[i].in_tool_result);
             tool.chain(user).collect()
         };
-        let remaining = kept(self, &wanted);
+        let remaining = kept(self, true);
         let excess = remaining.len().saturating_sub(rules.max_images);
         for i in order(self, remaining).into_iter().take(excess) {
             wanted.push((i, Reason::Capped));
+            self.marked[i] = true;
         }
         // New images go at once; earlier ones only when it pays, or for the
         // model's hard limit.
         let (fresh, earlier): (Vec<_>, Vec<_>) =
             wanted.into_iter().partition(|w| is_new(w.0, self));
-        for (i, reason) in fresh {
+        for &(i, reason) in &fresh {
             self.fates[i] = Fate::Replaced(reason);
-        }
-        if earlier.is_empty() {
-            return;
+            self.marked[i] = false;
         }
         let vision = self.plan.vision;
         let over_hard = rules
             .hard_max_images
-            .filter(|_| vision)
-            .filter(|&hard| kept(self, &[]).len() > hard);
+            .filter(|_| vision && !earlier.is_empty())
+            .filter(|&hard| kept(self, false).len() > hard);
         if let Some(hard) = over_hard {
             let target = (hard / 2).max(1);
-            let remaining = kept(self, &earlier);
+            let remaining = kept(self, true);
             for &(i, reason) in &earlier {
                 self.fates[i] = Fate::Replaced(reason);
             }
@@ -463,10 +469,13 @@ impl<'a> Replay<'a> {
             for i in order(self, sent).into_iter().take(excess) {
                 self.fates[i] = Fate::Replaced(Reason::Capped);
             }
-        } else if self.pays(&earlier, prev_end) {
-            for (i, reason) in earlier {
+        } else if !earlier.is_empty() && self.pays(&earlier, prev_end) {
+            for &(i, reason) in &earlier {
                 self.fates[i] = Fate::Replaced(reason);
             }
+        }
+        for &(i, _) in &earlier {
+            self.marked[i] = false;
         }
     }
 
@@ -505,7 +514,7 @@ impl<'a> Replay<'a> {
             for &i in &self.images_of[m] {
                 let replaced = self.fates[i] != Fate::Kept;
                 before += image_tokens(replaced);
-                after += image_tokens(replaced || earlier.iter().any(|w| w.0 == i));
+                after += image_tokens(replaced || self.marked[i]);
             }
         }
         match self.plan.rules.prompt_cache {

@@ -970,6 +970,53 @@ proptest! {
     }
 
     #[test]
+    fn an_image_once_replaced_stays_replaced_the_same_way(
+        shots in prop::collection::vec((0..4usize, any::<bool>()), 1..14),
+        keep_turns in 0..4usize,
+        max_images in 1..6usize,
+        hard in prop::option::of(1..6usize),
+        prompt_cache in any::<bool>(),
+    ) {
+        // A screenshot agent whose tool results carry one of four images
+        // (so copies happen), with the user attaching one now and then.
+        let (body, _) = screenshots();
+        let urls: Vec<Value> = body["messages"].as_array().unwrap().iter()
+            .filter_map(|m| m["content"].as_array())
+            .flat_map(|p| p.iter().filter(|p| p["type"] == "image_url").cloned())
+            .collect();
+        let mut msgs = vec![json!({"role": "user", "content": "go"})];
+        for (t, (which, user)) in shots.iter().enumerate() {
+            let id = format!("call_{t}");
+            msgs.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "shot", "arguments": "{}"}}]}));
+            msgs.push(json!({"role": "tool", "tool_call_id": id, "content": [{"type": "text", "text": format!("shot {t}")}, urls[*which].clone()]}));
+            if *user {
+                msgs.push(json!({"role": "user", "content": [{"type": "text", "text": "look"}, urls[(which + 1) % 4].clone()]}));
+            }
+        }
+        // As Rules::from_config makes them: the cap is never above the hard limit.
+        let max_images = hard.map_or(max_images, |h| max_images.min(h));
+        let rules = Rules { keep_turns, max_images, hard_max_images: hard, prompt_cache, ..DEFAULTS };
+        let conversation = json!({"model": "gpt-4o", "messages": msgs});
+        let mut previous: Option<Vec<ImageNote>> = None;
+        for req in turns(&conversation) {
+            let bytes = serde_json::to_vec(&req).unwrap();
+            let notes = rewrite(&bytes, &plan(Shape::Chat, true, rules)).report.images;
+            if let Some(prev) = &previous {
+                for (a, b) in prev.iter().zip(&notes) {
+                    if a.action != "kept" {
+                        prop_assert_eq!(a.action, b.action, "{} changed", a.path);
+                    }
+                }
+            }
+            if let Some(h) = hard {
+                let kept = notes.iter().filter(|n| n.action == "kept").count();
+                prop_assert!(kept <= h, "{} kept over the hard limit {}", kept, h);
+            }
+            previous = Some(notes);
+        }
+    }
+
+    #[test]
     fn every_rewritten_message_stays_as_the_conversation_grows(body in conversation(), more in conversation()) {
         let (before, _) = chat(&body);
         let mut longer = body.clone();
