@@ -203,6 +203,10 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     let server = &state.config.server;
     let sent = Instant::now();
     let head_deadline = (sent + server.first_byte_timeout).min(deadline);
+    // For the log line (the retry after a refusal may replace more images).
+    let (images_replaced, bytes_saved) = prepared
+        .as_ref()
+        .map_or((0, 0), |p| (p.report.images_replaced, p.report.bytes_saved));
     let fail = |e: VisorError, kind: &'static str| {
         state.metrics.upstream_error(&upstream_name, kind);
         state
@@ -210,7 +214,14 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
             .requests
             .with_label_values(&[&*upstream_name, model_label.as_str(), e.status().as_str()])
             .inc();
-        tracing::warn!(upstream = %upstream_name, error = e.label(), kind, "upstream request failed");
+        tracing::warn!(
+            upstream = %upstream_name,
+            error = e.label(),
+            kind,
+            images_replaced,
+            bytes_saved,
+            "upstream request failed"
+        );
         e.into_response()
     };
     let exchange = Exchange {
