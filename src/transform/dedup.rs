@@ -9,7 +9,10 @@
 //!   `[omitted: message 7 lines 5-16]` — when the run has at least
 //!   `min_lines` lines and `min_bytes` bytes. Lines inside a run may be of
 //!   any length (`}` and blank lines go with their block); a single
-//!   repeated line stays;
+//!   repeated line stays. A run may chain stretches of several earlier
+//!   messages (each at least [`SEGMENT_MIN_BYTES`]); the note names each,
+//!   and a row at the same lines of evenly spaced messages once (see
+//!   [`run_note`]);
 //! - a text that is a JSON array loses the elements that appeared in an
 //!   earlier array and stays valid JSON, followed by
 //!   `[3 items omitted: message 7]`.
