@@ -49,14 +49,22 @@ struct Nested {
     usage: Option<Counts>,
 }
 
+/// Both spellings are fields of their own (an alias would make a usage
+/// object carrying both a duplicate-field error, and lose it all).
 #[derive(Deserialize, Default)]
 struct Counts {
-    #[serde(default, alias = "input_tokens")]
+    #[serde(default)]
     prompt_tokens: Option<u64>,
-    #[serde(default, alias = "output_tokens")]
+    #[serde(default)]
+    input_tokens: Option<u64>,
+    #[serde(default)]
     completion_tokens: Option<u64>,
-    #[serde(default, alias = "input_tokens_details")]
+    #[serde(default)]
+    output_tokens: Option<u64>,
+    #[serde(default)]
     prompt_tokens_details: Option<Details>,
+    #[serde(default)]
+    input_tokens_details: Option<Details>,
     #[serde(default)]
     cache_read_input_tokens: Option<u64>,
     #[serde(default)]
@@ -76,15 +84,16 @@ impl Usage {
             .or_else(|| c.response.and_then(|r| r.usage))
             .or_else(|| c.message.and_then(|m| m.usage));
         let Some(u) = counts else { return };
-        if let Some(p) = u.prompt_tokens {
+        if let Some(p) = u.prompt_tokens.or(u.input_tokens) {
             self.prompt = self.prompt.max(p);
         }
-        if let Some(c) = u.completion_tokens {
+        if let Some(c) = u.completion_tokens.or(u.output_tokens) {
             self.completion = self.completion.max(c);
         }
         let cached = u
             .prompt_tokens_details
             .and_then(|d| d.cached_tokens)
+            .or_else(|| u.input_tokens_details.and_then(|d| d.cached_tokens))
             .or(u.cache_read_input_tokens);
         if let Some(c) = cached {
             self.cached_read = self.cached_read.max(c);
@@ -335,6 +344,12 @@ mod tests {
         o.observe(&Bytes::from_static(json));
         let u = o.finish();
         assert_eq!((u.cached_read, u.cache_write), (100, 0));
+        // Both spellings in one object (some gateways send both).
+        let both = br#"{"usage":{"prompt_tokens":50,"input_tokens":50,"completion_tokens":2,"output_tokens":2,"prompt_tokens_details":{"cached_tokens":32},"input_tokens_details":{"cached_tokens":32}}}"#;
+        let mut o = UsageObserver::for_response(&headers("application/json"));
+        o.observe(&Bytes::from_static(both));
+        let u = o.finish();
+        assert_eq!((u.prompt, u.completion, u.cached_read), (50, 2, 32));
     }
 
     #[test]

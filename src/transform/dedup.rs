@@ -89,17 +89,23 @@ pub struct Omitted {
 struct Sent<'a> {
     /// 0-based position in the message list.
     message: usize,
-    /// Which unit of it (see [`super::images::TextAt::unit`]).
-    unit: u32,
+    /// The call it answers, when its message holds several results (an
+    /// Anthropic message with parallel `tool_result`s): notes name it, as
+    /// each result's lines are numbered from 1.
+    label: Option<String>,
+    /// The call it answers (for references).
+    call_id: Option<String>,
     /// Its lines across its texts; `None` for visor's own lines.
     lines: Vec<Option<&'a str>>,
     hashes: Vec<u64>,
 }
 
 /// A stretch of lines an earlier message sent: 1-based message and line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Segment {
     message: usize,
+    /// The earlier result's call, when its message holds several.
+    label: Option<String>,
     line: usize,
     len: usize,
 }
@@ -116,10 +122,16 @@ fn run_note(segments: &[Segment]) -> String {
     let mut parts: Vec<String> = Vec::new();
     let mut k = 0;
     while k < segments.len() {
-        let s = segments[k];
+        let s = &segments[k];
         let step = segments
             .get(k + 1)
-            .filter(|n| n.line == s.line && n.len == s.len && n.message > s.message)
+            .filter(|n| {
+                n.line == s.line
+                    && n.len == s.len
+                    && n.message > s.message
+                    && s.label.is_none()
+                    && n.label.is_none()
+            })
             .map(|n| n.message - s.message);
         let row = match step {
             Some(d) => {
@@ -127,7 +139,10 @@ fn run_note(segments: &[Segment]) -> String {
                     .iter()
                     .enumerate()
                     .take_while(|(j, n)| {
-                        n.line == s.line && n.len == s.len && n.message == s.message + d * (j + 1)
+                        n.line == s.line
+                            && n.len == s.len
+                            && n.label.is_none()
+                            && n.message == s.message + d * (j + 1)
                     })
                     .count()
             }
@@ -137,17 +152,20 @@ fn run_note(segments: &[Segment]) -> String {
             let last = segments[k + row - 1].message;
             let d = step.unwrap_or(1);
             parts.push(match d {
-                1 => format!("{} of messages {} to {last}", lines(&s), s.message),
+                1 => format!("{} of messages {} to {last}", lines(s), s.message),
                 _ => format!(
                     "{} of every {} message from {} to {last}",
-                    lines(&s),
+                    lines(s),
                     ordinal(d),
                     s.message
                 ),
             });
             k += row;
         } else {
-            parts.push(format!("message {} {}", s.message, lines(&s)));
+            parts.push(match &s.label {
+                Some(id) => format!("message {} ({id}) {}", s.message, lines(s)),
+                None => format!("message {} {}", s.message, lines(s)),
+            });
             k += 1;
         }
     }
@@ -248,7 +266,22 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
     };
     let mut out = Omitted::default();
     let mut new_texts: Vec<(usize, String)> = Vec::new();
-    for group in units(scan) {
+    let call_ids: HashMap<(usize, u32), String> = scan
+        .call_ids
+        .iter()
+        .filter_map(|(item, unit, id)| {
+            let id = id.decode(body)?;
+            plain_id(&id).then(|| ((*item, *unit), id.into_owned()))
+        })
+        .collect();
+    let groups = units(scan);
+    let mut units_of: HashMap<usize, usize> = HashMap::new();
+    for g in &groups {
+        if let Some(&j) = g.first() {
+            *units_of.entry(scan.texts[j].item).or_default() += 1;
+        }
+    }
+    for group in groups {
         let Some(&first) = group.first() else {
             continue;
         };
@@ -257,9 +290,12 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
         let tool = role == Role::Tool || group.iter().any(|&j| scan.texts[j].tool);
         let eligible = tool || role == Role::User;
         let me = d.sent.len();
+        let call_id = call_ids.get(&(at.item, at.unit)).cloned();
+        let several = units_of.get(&at.item).is_some_and(|&n| n > 1);
         d.sent.push(Sent {
             message: at.item,
-            unit: at.unit,
+            label: call_id.clone().filter(|_| several),
+            call_id,
             lines: Vec::new(),
             hashes: Vec::new(),
         });
@@ -274,7 +310,7 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
             } else {
                 let split = d.split(text);
                 match group.len() == 1 {
-                    true => d.reference(scan, body, text, &split, me, &mut out),
+                    true => d.reference(text, &split, me, &mut out),
                     false => None,
                 }
                 .or_else(|| d.rewrite(text, split, me, tool, &mut out))
@@ -314,15 +350,19 @@ fn units(scan: &Scan) -> Vec<Vec<usize>> {
             .iter()
             .take_while(|t| t.item == item)
             .count();
-        let mut order: Vec<u32> = Vec::new();
-        for t in &scan.texts[k..end] {
-            if !order.contains(&t.unit) {
-                order.push(t.unit);
+        let mut at: HashMap<u32, usize> = HashMap::new();
+        let first = out.len();
+        for j in k..end {
+            let unit = scan.texts[j].unit;
+            let slot = *at.entry(unit).or_insert_with(|| {
+                out.push(Vec::new());
+                out.len() - 1
+            });
+            if let Some(group) = out.get_mut(slot) {
+                group.push(j);
             }
         }
-        for unit in order {
-            out.push((k..end).filter(|&j| scan.texts[j].unit == unit).collect());
-        }
+        debug_assert!(out.len() > first);
         k = end;
     }
     out
@@ -333,14 +373,14 @@ impl<'a> Dedup<'a> {
     /// reference that replaces it (when shorter than the text).
     fn reference(
         &mut self,
-        scan: &Scan,
-        body: &[u8],
         text: &'a str,
         split: &Split<'a>,
         me: usize,
         out: &mut Omitted,
     ) -> Option<String> {
-        if is_own(text.trim_end()) {
+        // Visor's own text, or an array it rewrote (two arrays can lose
+        // different items and read the same): never a reference.
+        if is_own(text.trim_end()) || !split_trailing_note(text).1.is_empty() {
             return None;
         }
         let key = combine(split.hashes.iter().copied());
@@ -351,9 +391,9 @@ impl<'a> Dedup<'a> {
         };
         let first = self.sent.get(earlier)?;
         let message = first.message + 1;
-        let note = match scan.call_id(first.message, first.unit, body) {
-            Some(id) if plain_id(&id) => format!("[omitted: same as message {message} ({id})]"),
-            _ => format!("[omitted: same as message {message}]"),
+        let note = match &first.call_id {
+            Some(id) => format!("[omitted: same as message {message} ({id})]"),
+            None => format!("[omitted: same as message {message}]"),
         };
         if note.len() >= text.len() {
             return None;
@@ -527,6 +567,7 @@ impl<'a> Dedup<'a> {
             if len > best.as_ref().map_or(0, |b| b.len) {
                 best = Some(Segment {
                     message: sent.message + 1,
+                    label: sent.label.clone(),
                     line: at + 1,
                     len,
                 });
@@ -714,9 +755,17 @@ fn json_kind(text: &str) -> Option<JsonKind> {
 fn split_trailing_note(text: &str) -> (&str, &str) {
     let trimmed = text.trim_end();
     match trimmed.rfind('\n') {
-        Some(nl) if is_note(&trimmed[nl + 1..]) => text.split_at(nl),
+        Some(nl) if is_items_note(&trimmed[nl + 1..]) => text.split_at(nl),
         _ => (text, ""),
     }
+}
+
+/// The note a rewritten JSON array ends with.
+fn is_items_note(line: &str) -> bool {
+    line.trim_end()
+        .strip_prefix('[')
+        .and_then(count)
+        .is_some_and(|r| r.starts_with(" items omitted: ") || r.starts_with(" item omitted: "))
 }
 
 /// An element as canonical JSON: keys sorted, no whitespace.

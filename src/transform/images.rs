@@ -1019,14 +1019,6 @@ impl Scan {
         }
     }
 
-    /// The id of the call that unit `unit` of message `item` answers.
-    pub fn call_id<'a>(&self, item: usize, unit: u32, body: &'a [u8]) -> Option<Cow<'a, str>> {
-        self.call_ids
-            .iter()
-            .find(|(i, u, _)| *i == item && *u == unit)
-            .and_then(|(_, _, id)| id.decode(body))
-    }
-
     /// Decodes and hashes image `i` when the walk left it encoded (its
     /// SHA-256, media type, size and dimensions are then known).
     pub fn resolve(&mut self, i: usize, body: &[u8]) {

@@ -279,6 +279,9 @@ const REPLACED_TOKENS: usize = 40;
 const BYTES_PER_TOKEN: usize = 4;
 /// Cached input costs a tenth of fresh input.
 const CACHED_DIVISOR: usize = 10;
+/// Requests replayed × (images + messages) beyond which only the last
+/// request is replayed.
+const REPLAY_BUDGET: usize = 1 << 24;
 
 /// What becomes of each image. The request is read as the conversation
 /// that produced it: each prefix that ends where an assistant turn starts
@@ -302,8 +305,27 @@ const CACHED_DIVISOR: usize = 10;
 /// still kept is then replaced (its text never changes afterwards).
 pub fn decide(scan: &images::Scan, body: &[u8], plan: &Plan) -> Vec<Fate> {
     let mut replay = Replay::new(scan, body, plan);
+    let mut ends = request_ends(&scan.items, plan.shape);
+    // A conversation of thousands of turns and thousands of images would
+    // make the replay quadratic: past a budget only the last request is
+    // replayed (the rules still apply; only the prefix guarantee is given
+    // up, for such requests).
     let mut prev_end = 0;
-    for end in request_ends(&scan.items, plan.shape) {
+    if ends
+        .len()
+        .saturating_mul(scan.images.len() + scan.items.len())
+        > REPLAY_BUDGET
+    {
+        // Everything before the last request counts as sent before.
+        prev_end = ends
+            .len()
+            .checked_sub(2)
+            .and_then(|k| ends.get(k))
+            .copied()
+            .unwrap_or(0);
+        ends = vec![scan.items.len()];
+    }
+    for end in ends {
         replay.step(prev_end, end);
         prev_end = end;
     }
@@ -352,6 +374,8 @@ struct Replay<'a> {
     by_len: HashMap<usize, Vec<usize>>,
     /// The images a step wants to replace (cleared at its end).
     marked: Vec<bool>,
+    /// Images a later copy refers to: they never age out.
+    pinned: Vec<bool>,
 }
 
 impl<'a> Replay<'a> {
@@ -386,6 +410,7 @@ impl<'a> Replay<'a> {
             images_of,
             by_len: HashMap::new(),
             marked: vec![false; scan.images.len()],
+            pinned: vec![false; scan.images.len()],
         }
     }
 
@@ -408,7 +433,13 @@ impl<'a> Replay<'a> {
         for &i in &in_scope {
             let f = &self.scan.images[i];
             let after = self.starts_before[end] - self.starts_before[f.message + 1];
-            if self.fates[i] == Fate::Kept && f.in_tool_result && after > rules.keep_turns {
+            // An image a later copy refers to stays (the copy's text says
+            // "the same image as earlier").
+            if self.fates[i] == Fate::Kept
+                && f.in_tool_result
+                && after > rules.keep_turns
+                && !self.pinned[i]
+            {
                 wanted.push((i, Reason::AgedOut));
             }
         }
@@ -487,9 +518,11 @@ impl<'a> Replay<'a> {
         let same = self.by_len.entry(id.len()).or_default();
         let first = same
             .iter()
-            .any(|&j| self.fates[j] == Fate::Kept && self.scan.identity(j, self.body) == Some(id));
-        if first {
+            .copied()
+            .find(|&j| self.fates[j] == Fate::Kept && self.scan.identity(j, self.body) == Some(id));
+        if let Some(j) = first {
             self.fates[i] = Fate::Replaced(Reason::Deduped);
+            self.pinned[j] = true;
         } else {
             same.push(i);
         }

@@ -348,6 +348,104 @@ fn dedup_off_or_nothing_repeated_leaves_the_bytes_alone() {
     assert_eq!(r.report.bytes_saved, 0);
 }
 
+#[test]
+fn rewritten_arrays_and_trailing_runs_stay_as_they_are_when_run_again() {
+    let a = "AAAAAAAAAAAAAAAAAAAA";
+    let b = "BBBBBBBBBBBBBBBBBBBB";
+    let line_a = "a line of forty characters, more or les";
+    let line_b = "another line of forty characters or so.";
+    let bodies = [
+        // A run removed from the end uncovers an array: still not an array.
+        json!({"model": "m", "messages": [
+            {"role": "user", "content": "[\"0123456789abcdefgh\"]"},
+            {"role": "assistant", "content": format!("{line_a}\n{line_b}")},
+            {"role": "user", "content": format!("[\"0123456789abcdefgh\"]\n{line_a}\n{line_b}")},
+        ]}),
+        // Two arrays that lose different items read the same: never a
+        // reference to each other.
+        json!({"model": "m", "messages": [
+            {"role": "user", "content": format!("[\"{a}\",\"{b}\"]")},
+            {"role": "tool", "tool_call_id": "c1", "content": format!("[\"{a}\",1]")},
+            {"role": "tool", "tool_call_id": "c2", "content": format!("[\"{b}\",1]")},
+        ]}),
+    ];
+    for body in bodies {
+        let (once, _) = chat(&body);
+        let (twice, report) = chat(&once);
+        assert_eq!(twice, once, "{once}");
+        assert_eq!(report.bytes_saved, 0);
+    }
+}
+
+#[test]
+fn a_note_names_the_call_when_its_message_holds_several_results() {
+    let f = file(8).join("\n");
+    let g: String = (0..8)
+        .map(|i| format!("an unrelated line number {i} of the other file\n"))
+        .collect();
+    let body = json!({"model": "claude", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "read both"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}}, {"type": "tool_use", "id": "toolu_b", "name": "f", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_a", "content": g},
+            {"type": "tool_result", "tool_use_id": "toolu_b", "content": f},
+        ]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_c", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_c", "content": format!("header line that is new, long enough to matter\n{f}")}]},
+    ]});
+    let (out, _) = run(&body, &plan(Shape::Messages, true, DEFAULTS));
+    assert_eq!(
+        out["messages"][4]["content"][0]["content"],
+        "header line that is new, long enough to matter\n[omitted: message 3 (toolu_b) lines 1-8]",
+        "each result's lines are numbered from 1: the note says which"
+    );
+}
+
+#[test]
+fn an_image_a_later_copy_refers_to_never_ages_out() {
+    let long = screenshot_agent(12);
+    let mut msgs = long["messages"].as_array().unwrap().clone();
+    // The user sends the first screenshot again right after it.
+    let first = msgs[2]["content"][1].clone();
+    msgs.insert(
+        3,
+        json!({"role": "user", "content": [{"type": "text", "text": "this one"}, first]}),
+    );
+    let body = json!({"model": "gpt-4o", "messages": msgs});
+    let rules = Rules {
+        prompt_cache: false,
+        ..DEFAULTS
+    };
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let acts = actions(&rewrite(&bytes, &plan(Shape::Chat, true, rules)).report);
+    assert_eq!(
+        acts[1], "kept",
+        "the screenshot the copy points at stays: {acts:?}"
+    );
+    assert_eq!(acts[2], "deduped");
+    assert_eq!(acts[3], "aged_out", "the others age as before: {acts:?}");
+}
+
+#[test]
+fn many_results_and_many_blocks_in_one_request_stay_fast_enough_to_finish() {
+    // Shapes a review found quadratic: thousands of repeated results with
+    // no call id, and one message of thousands of tool_result blocks.
+    let text = "a result line that repeats, long enough to be a reference";
+    let mut msgs = vec![json!({"role": "user", "content": text})];
+    for _ in 0..20_000 {
+        msgs.push(json!({"role": "tool", "tool_call_id": "c", "content": text}));
+    }
+    let (out, report) = chat(&json!({"model": "m", "messages": msgs}));
+    assert_eq!(report.lines_omitted, 20_000);
+    assert_eq!(content(&out, 20_000), "[omitted: same as message 1]");
+    let blocks: Vec<Value> = (0..20_000)
+        .map(|i| json!({"type": "tool_result", "tool_use_id": format!("t{i}"), "content": "x"}))
+        .collect();
+    let anthropic = json!({"model": "claude", "max_tokens": 1, "messages": [{"role": "user", "content": blocks}]});
+    let (out, _) = run(&anthropic, &plan(Shape::Messages, true, DEFAULTS));
+    assert_eq!(out, anthropic);
+}
+
 // ---- the fixtures, turn by turn ----
 
 /// The requests an agent sends for a transcript: after each user message
@@ -912,6 +1010,10 @@ fn note_places(note: &str) -> Vec<(usize, usize, usize)> {
     for part in note.split("; ") {
         if let Some(rest) = part.strip_prefix("message ") {
             let (m, spec) = rest.split_once(' ').unwrap();
+            let spec = match spec.split_once(") ") {
+                Some((_, spec)) if spec.starts_with("line") => spec,
+                _ => spec,
+            };
             let (a, b) = range(spec);
             out.push((num(m), a, b));
         } else if let Some((spec, rest)) = part.split_once(" of messages ") {
@@ -996,9 +1098,15 @@ proptest! {
         // As Rules::from_config makes them: the cap is never above the hard limit.
         let max_images = hard.map_or(max_images, |h| max_images.min(h));
         let rules = Rules { keep_turns, max_images, hard_max_images: hard, prompt_cache, ..DEFAULTS };
-        let conversation = json!({"model": "gpt-4o", "messages": msgs});
+        // The requests the agent sent: before each assistant message, and
+        // the whole (a request ends where the model's turn starts).
+        let mut requests: Vec<Value> = (1..msgs.len())
+            .filter(|&k| msgs[k]["role"] == "assistant")
+            .map(|k| json!({"model": "gpt-4o", "messages": msgs[..k].to_vec()}))
+            .collect();
+        requests.push(json!({"model": "gpt-4o", "messages": msgs.clone()}));
         let mut previous: Option<Vec<ImageNote>> = None;
-        for req in turns(&conversation) {
+        for req in requests {
             let bytes = serde_json::to_vec(&req).unwrap();
             let notes = rewrite(&bytes, &plan(Shape::Chat, true, rules)).report.images;
             if let Some(prev) = &previous {
