@@ -52,7 +52,7 @@ fn plan(vision: bool) -> Plan {
 }
 
 fn small(name: &str) -> Vec<u8> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     std::fs::read(dir.join(name)).unwrap()
 }
 

@@ -44,7 +44,7 @@ fn state(rt: &tokio::runtime::Runtime, backend: &str, data_dir: &Path) -> Arc<Ap
 fn png(salt: usize) -> Vec<u8> {
     let mut png = std::fs::read(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../shared/fixtures/chart.png"
+        "/tests/fixtures/chart.png"
     ))
     .unwrap();
     png.extend_from_slice(format!("salt-{salt}").as_bytes());

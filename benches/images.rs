@@ -13,7 +13,7 @@
 //! - `models/resolve`: looking a model up in the model-spec table.
 //!
 //! `cargo bench --bench images`. The fixture is made on first use by
-//! `../shared/fixtures/make_fixtures.py --large` into `target/load/`.
+//! `tests/fixtures/make_fixtures.py --large` into `target/load/`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
 
 mod common;

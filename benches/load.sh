@@ -36,7 +36,7 @@ KIT=target/release/examples/loadkit
 echo '{"model":"gpt-4o","messages":[{"role":"user","content":"Say hello."}]}' > "$WORK/small.json"
 echo '{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello."}]}' > "$WORK/stream.json"
 if [ ! -f "$WORK/large-image-4mb.json" ]; then
-  cp ../shared/fixtures/make_fixtures.py "$WORK/"
+  cp tests/fixtures/make_fixtures.py "$WORK/"
   python3 "$WORK/make_fixtures.py" --large >/dev/null
 fi
 # The 4 MB request goes to a vision model: it must pass byte for byte.

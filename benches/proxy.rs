@@ -8,7 +8,7 @@
 //! - `usage/sse-18-events`: the usage observer on a typical short stream.
 //!
 //! `cargo bench --bench proxy`. The 4 MB fixture is made by
-//! `../shared/fixtures/make_fixtures.py --large` into `target/load/` on
+//! `tests/fixtures/make_fixtures.py --large` into `target/load/` on
 //! first use (python3).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
 

@@ -143,7 +143,7 @@ mod tests {
         let store = Artifacts::new(dir.clone());
         let png = std::fs::read(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../shared/fixtures/chart.png"
+            "/tests/fixtures/chart.png"
         ))
         .unwrap();
         let a = Artifact {

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 /// `large-image-4mb.json` (one ~3 MB PNG of noise, base64, for a text-only
-/// model), made on first use by `../shared/fixtures/make_fixtures.py
+/// model), made on first use by `tests/fixtures/make_fixtures.py
 /// --large` into `target/load/` (python3).
 #[allow(dead_code)]
 pub fn large_fixture() -> Vec<u8> {
@@ -20,7 +20,7 @@ pub fn large(name: &str) -> Vec<u8> {
     if !path.exists() {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::copy(
-            root.join("../shared/fixtures/make_fixtures.py"),
+            root.join("tests/fixtures/make_fixtures.py"),
             dir.join("make_fixtures.py"),
         )
         .unwrap();

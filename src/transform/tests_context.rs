@@ -11,7 +11,7 @@ use super::images::sha256_hex;
 use super::*;
 
 fn fixture(name: &str) -> Vec<u8> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures/");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/");
     std::fs::read(format!("{path}{name}")).unwrap()
 }
 

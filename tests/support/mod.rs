@@ -549,7 +549,7 @@ pub fn temp_dir(what: &str) -> PathBuf {
 }
 
 pub fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
 pub fn fixture(name: &str) -> Bytes {
