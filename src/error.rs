@@ -15,6 +15,10 @@ pub enum VisorError {
     #[error("{0}")]
     BadRequest(&'static str),
     #[error(
+        "visor chooses the upstream by the body's `model` and cannot read it: {0} (send a JSON object, or multipart/form-data with a `model` field)"
+    )]
+    Unroutable(String),
+    #[error(
         "missing or invalid proxy API key (send it as `Authorization: Bearer KEY` or `x-api-key: KEY`)"
     )]
     Unauthorized,
@@ -59,6 +63,11 @@ impl VisorError {
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 "invalid_request",
+            ),
+            VisorError::Unroutable(_) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "model_unreadable",
             ),
             VisorError::Unauthorized => (
                 StatusCode::UNAUTHORIZED,
@@ -157,6 +166,7 @@ mod tests {
         let all = [
             (VisorError::InvalidJson("eof".into()), 400),
             (VisorError::BadRequest("bad path"), 400),
+            (VisorError::Unroutable("eof".into()), 400),
             (VisorError::Unauthorized, 401),
             (VisorError::NoRoute("m".into()), 404),
             (VisorError::NotFound("/x".into()), 404),

@@ -455,3 +455,84 @@ async fn an_upstream_that_closes_after_each_response_is_not_reused_stale() {
     }
     assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 20);
 }
+
+/// A client's key goes only to the upstream its body's model picks, whatever
+/// the Content-Type says; a body that cannot be read is refused, not guessed.
+#[tokio::test]
+async fn routes_by_body_model_whatever_the_content_type() {
+    let a = MockUpstream::start(|_| ok_chat()).await;
+    let b = MockUpstream::start(|_| ok_chat()).await;
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname=\"a\"\nbase_url=\"{}/v1\"\nmodels=[\"gpt-*\"]\n\
+         [[upstream]]\nname=\"b\"\nbase_url=\"{}/v1\"\nmodels=[\"echo-*\"]\n",
+        a.url(),
+        b.url()
+    ))
+    .await;
+    let url = visor.url("/v1/embeddings");
+    let body = r#"{"model":"echo-route","input":"a"}"#;
+    let with = |ct: Option<&str>, body: &'static [u8]| {
+        let mut r = Request::post(&url).header("authorization", "Bearer K");
+        if let Some(ct) = ct {
+            r = r.header("content-type", ct);
+        }
+        r.body(Full::new(Bytes::from_static(body))).unwrap()
+    };
+    let body: &'static [u8] = body.as_bytes();
+    for ct in [
+        Some("application/x-www-form-urlencoded"),
+        Some("APPLICATION/JSON"),
+        Some("text/plain"),
+        None,
+    ] {
+        let (status, _, _) = send(with(ct, body)).await;
+        assert_eq!(status, 200, "{ct:?}");
+    }
+    assert_eq!(b.count(), 4);
+    assert_eq!(a.count(), 0, "the key reached the wrong upstream");
+
+    // Not JSON, or a model that is not a string: 400, sent nowhere.
+    for bad in [
+        &b"model=echo-route&input=a"[..],
+        b"{\"input\":\"a\",",
+        br#"{"model":null,"input":"a"}"#,
+        br#"{"model":["echo-x"]}"#,
+    ] {
+        let (status, _, resp) = send(with(Some("text/plain"), bad)).await;
+        assert_eq!(status, 400, "{}", String::from_utf8_lossy(bad));
+        assert!(
+            ["model_unreadable"].contains(&error_code(&resp).as_str()),
+            "{}",
+            String::from_utf8_lossy(&resp)
+        );
+    }
+    assert_eq!(a.count() + b.count(), 4);
+
+    // A multipart form routes by its `model` field.
+    let form = b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF....\r\n--B\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\necho-whisper\r\n--B--\r\n";
+    let (status, _, _) = send(
+        Request::post(visor.url("/v1/audio/transcriptions"))
+            .header("content-type", "multipart/form-data; boundary=B")
+            .body(Full::new(Bytes::from_static(form)))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(b.count(), 5);
+    assert_eq!(b.recorded()[4].body, &form[..]);
+    // No model at all (an empty body): the first upstream.
+    let (status, _, _) = send(with(None, b"")).await;
+    assert_eq!(status, 200);
+    assert_eq!(a.count(), 1);
+
+    // A transformed endpoint refuses `model: null` and invalid UTF-8.
+    for bad in [
+        &br#"{"model":null,"messages":[]}"#[..],
+        b"{\"model\":\"gpt-4o\",\"messages\":[{\"role\":\"user\",\"content\":\"\xc0\xae\"}]}",
+    ] {
+        let (status, _, resp) = send(post_json(&visor.url("/v1/chat/completions"), bad)).await;
+        assert_eq!(status, 400);
+        assert_eq!(error_code(&resp), "invalid_json");
+    }
+    assert_eq!(a.count() + b.count(), 6);
+}

@@ -46,7 +46,7 @@ use tokio::time::Sleep;
 
 use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
-use super::probe::{JsonScanner, WholeBody};
+use super::probe::{FormScanner, JsonScanner, WholeBody};
 use super::router::refuse;
 use super::session;
 use super::transform::{self, Options, Prepared};
@@ -99,8 +99,15 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
             Ok(Err(e)) => return refuse(&state, e),
             Err(_) => return refuse(&state, VisorError::BodyTimeout),
         }
-    } else if state.route_by_model && carries_json(&parts.method, &parts.headers) {
-        let scan = scan_model(body, limit, exceeded.clone());
+    } else if state.route_by_model {
+        // The route depends on the model: read it from the body whatever the
+        // Content-Type says (a JSON object, or a multipart form's `model`
+        // field); a body that cannot be read is refused, never guessed.
+        let form = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| FormScanner::for_content_type(v.as_bytes()));
+        let scan = scan_model(body, limit, exceeded.clone(), form);
         match tokio::time::timeout_at(deadline, scan).await {
             Ok(Ok((model, b))) => (model, Some(b)),
             Ok(Err(e)) => return refuse(&state, e),
@@ -517,13 +524,6 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
-fn carries_json(method: &Method, headers: &HeaderMap) -> bool {
-    matches!(*method, Method::POST | Method::PUT | Method::PATCH)
-        && headers
-            .get(header::CONTENT_TYPE)
-            .is_some_and(|v| memchr::memmem::find(v.as_bytes(), b"json").is_some())
-}
-
 /// Reads a whole body, never more than `limit` bytes, through a
 /// [`WholeBody`] (validated as it arrives, held in one buffer). This is the
 /// one place a request body is held whole: the transformed endpoints need
@@ -551,14 +551,44 @@ async fn read_validated(
     Ok((model, bytes))
 }
 
-/// Streams a body while looking for its top-level `model`: chunks are held
-/// only until the model has passed, then the rest flows straight through.
+/// Finds a body's model as it streams: a JSON object's top-level `model`,
+/// or a multipart form's `model` field.
+enum ModelScan {
+    Json(JsonScanner),
+    Form(FormScanner),
+}
+
+impl ModelScan {
+    fn found(&self) -> bool {
+        match self {
+            ModelScan::Json(s) => s.found(),
+            ModelScan::Form(s) => s.found(),
+        }
+    }
+
+    fn feed(&mut self, data: &[u8]) {
+        match self {
+            ModelScan::Json(s) => s.feed(data),
+            ModelScan::Form(s) => s.feed(data),
+        }
+    }
+}
+
+/// Streams a body while looking for its model: chunks are held only until
+/// the model has passed, then the rest flows straight through. An empty
+/// body, or a form without a `model` field, has none (the first upstream);
+/// a non-empty body that is not a JSON object, or whose `model` is not a
+/// string, cannot be routed: [`VisorError::Unroutable`].
 async fn scan_model(
     mut body: Incoming,
     limit: u64,
     exceeded: Arc<AtomicBool>,
+    form: Option<FormScanner>,
 ) -> Result<(Option<String>, UpstreamBody), VisorError> {
-    let mut scanner = JsonScanner::new();
+    let mut scanner = match form {
+        Some(f) => ModelScan::Form(f),
+        None => ModelScan::Json(JsonScanner::new()),
+    };
     let mut prefix = VecDeque::new();
     let mut held: u64 = 0;
     let mut ended = false;
@@ -584,7 +614,23 @@ async fn scan_model(
             }
         }
     }
-    let model = scanner.model().map(str::to_owned);
+    let model = match &mut scanner {
+        ModelScan::Form(s) => {
+            s.finish();
+            s.model().map(str::to_owned)
+        }
+        ModelScan::Json(s) => match (s.model(), s.error()) {
+            (Some(m), _) => Some(m.to_owned()),
+            (None, Some(why)) => return Err(VisorError::Unroutable(why.to_owned())),
+            // Ended before the model came: whole and valid without one
+            // (or empty) is no model; anything else cannot be read.
+            (None, None) if held == 0 => None,
+            (None, None) => match std::mem::take(s).finish() {
+                Ok(_) => None,
+                Err(why) => return Err(VisorError::Unroutable(why)),
+            },
+        },
+    };
     let rest = (!ended).then(|| LimitedIncoming::new(body, limit - held, exceeded));
     Ok((model, UpstreamBody { prefix, rest }))
 }

@@ -10,8 +10,10 @@
 //! Two uses:
 //! - the transformed endpoints scan the whole body: invalid JSON is a 400
 //!   there ([`JsonScanner::finish`]);
-//! - bodies visor streams through stop at the model ([`JsonScanner::found`])
-//!   and never fail: an unreadable body simply has no model.
+//! - bodies visor streams through stop at the model ([`JsonScanner::found`]);
+//!   when the route depends on the model, a body that is not a JSON object
+//!   (before its model) is refused ([`JsonScanner::error`]). A
+//!   `multipart/form-data` body's `model` field is found by [`FormScanner`].
 
 /// What a scan of a whole body found.
 #[derive(Debug, PartialEq, Eq)]
@@ -62,6 +64,11 @@ impl WholeBody {
             Some(f) => f,
             None => self.buf.freeze(),
         };
+        // JSON is UTF-8 (RFC 8259): a body that is not would reach the
+        // upstream as bytes no JSON parser there accepts the same way.
+        if let Err(e) = std::str::from_utf8(&bytes) {
+            return Err(format!("invalid UTF-8 at byte {}", e.valid_up_to()));
+        }
         Ok((probed.model, bytes))
     }
 }
@@ -195,6 +202,12 @@ impl JsonScanner {
     /// The top-level model, once read.
     pub fn model(&self) -> Option<&str> {
         self.model.as_deref()
+    }
+
+    /// Why the body is not a JSON object (or its `model` not a string), once
+    /// that is known.
+    pub fn error(&self) -> Option<&str> {
+        (self.state == State::Failed).then(|| self.error.as_deref().unwrap_or("invalid JSON"))
     }
 
     /// Ends the scan of a whole body: the model, or why the body is not a
@@ -332,7 +345,7 @@ impl JsonScanner {
     fn begin_value(&mut self, b: u8) -> bool {
         let top_model = self.model_next;
         self.model_next = false;
-        if top_model && b != b'"' && b != b'n' {
+        if top_model && b != b'"' {
             self.state = State::Failed;
             self.error = Some("`model` must be a string".to_owned());
             return true;
@@ -437,6 +450,126 @@ impl JsonScanner {
     }
 }
 
+/// Finds the `model` field of a `multipart/form-data` body as it streams
+/// (audio transcriptions send it so). Fed chunk by chunk, it keeps a copy of
+/// what it has seen until the field has passed, and looks at each part's
+/// headers once.
+pub struct FormScanner {
+    /// `\r\n--` and the boundary: what ends a part.
+    delimiter: Vec<u8>,
+    buf: Vec<u8>,
+    /// Where the next part's headers start (just after a delimiter line).
+    part: Option<usize>,
+    /// Bytes before this offset have been searched for the delimiter.
+    searched: usize,
+    model: Option<String>,
+    done: bool,
+}
+
+impl FormScanner {
+    /// For a `Content-Type` of `multipart/form-data; boundary=…`; `None`
+    /// for any other.
+    pub fn for_content_type(content_type: &[u8]) -> Option<Self> {
+        let ct = std::str::from_utf8(content_type).ok()?;
+        let mut params = ct.split(';');
+        let kind = params.next()?.trim();
+        if !kind.eq_ignore_ascii_case("multipart/form-data") {
+            return None;
+        }
+        let boundary = params.find_map(|p| {
+            let (k, v) = p.split_once('=')?;
+            k.trim()
+                .eq_ignore_ascii_case("boundary")
+                .then(|| v.trim().trim_matches('"').to_owned())
+        })?;
+        if boundary.is_empty() || boundary.len() > 200 {
+            return None;
+        }
+        // The body starts with `--boundary` (no CRLF before it): a virtual
+        // CRLF in front lets one delimiter find the first part too.
+        let mut buf = Vec::with_capacity(4096);
+        buf.extend_from_slice(b"\r\n");
+        Some(Self {
+            delimiter: [b"\r\n--".as_slice(), boundary.as_bytes()].concat(),
+            buf,
+            part: None,
+            searched: 0,
+            model: None,
+            done: false,
+        })
+    }
+
+    /// True once the model was read, or the form ended without one.
+    pub fn found(&self) -> bool {
+        self.done
+    }
+
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        if self.done {
+            return;
+        }
+        self.buf.extend_from_slice(chunk);
+        loop {
+            let from = self.searched;
+            let Some(at) = memchr::memmem::find(&self.buf[from..], &self.delimiter) else {
+                let tail = self.buf.len().saturating_sub(self.delimiter.len());
+                self.searched = from.max(tail);
+                return;
+            };
+            let at = from + at;
+            // The part that ends here: is it the model field?
+            if let Some(start) = self.part
+                && let Some(value) = form_value(&self.buf[start..at], b"model")
+            {
+                self.model = std::str::from_utf8(value).ok().map(str::to_owned);
+                self.done = true;
+                self.buf = Vec::new();
+                return;
+            }
+            let after = at + self.delimiter.len();
+            if self.buf.len() < after + 2 {
+                // Not yet known whether `--` (the end) or a new part follows:
+                // look at this delimiter again when more bytes came.
+                self.searched = at;
+                return;
+            }
+            if &self.buf[after..after + 2] == b"--" {
+                self.done = true;
+                self.buf = Vec::new();
+                return;
+            }
+            self.part = Some(after + 2);
+            self.searched = after + 2;
+        }
+    }
+
+    /// Ends the scan: the body is over.
+    pub fn finish(&mut self) {
+        self.done = true;
+        self.buf = Vec::new();
+    }
+}
+
+/// The value of a form part when its `Content-Disposition` names `name`.
+fn form_value<'a>(part: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+    let head_end = memchr::memmem::find(part, b"\r\n\r\n")?;
+    let head = &part[..head_end];
+    let wanted = [b"name=\"".as_slice(), name, b"\"".as_slice()].concat();
+    let named = head.split(|&b| b == b'\n').any(|line| {
+        let line = line.to_ascii_lowercase();
+        line.starts_with(b"content-disposition:")
+            && memchr::memmem::find(&line, b"filename=").is_none()
+            && memchr::memmem::find(&line, &wanted).is_some_and(|i| {
+                i > 0 && matches!(line[i - 1], b' ' | b';' | b'\t')
+            })
+    });
+    named.then(|| &part[head_end + 4..])
+}
+
 /// The text of a JSON string's raw content (escapes resolved, UTF-8 checked).
 fn unescape(raw: &[u8]) -> Option<String> {
     if !raw.contains(&b'\\') {
@@ -490,8 +623,12 @@ mod tests {
     fn serde_verdict(body: &[u8]) -> Result<Option<String>, ()> {
         #[derive(serde::Deserialize)]
         struct P {
-            #[serde(default)]
+            // A present `model` must be a string (null is refused too).
+            #[serde(default, deserialize_with = "string_only")]
             model: Option<String>,
+        }
+        fn string_only<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+            <String as serde::Deserialize>::deserialize(d).map(Some)
         }
         serde_json::from_slice::<P>(body)
             .map(|p| p.model)
@@ -508,7 +645,8 @@ mod tests {
             Some("gpt-4o")
         );
         assert_eq!(probe(br#"{"messages":[]}"#).unwrap().model, None);
-        assert_eq!(probe(br#"{"model":null}"#).unwrap().model, None);
+        // `model: null` is not a model: refused like any non-string.
+        assert!(probe(br#"{"model":null}"#).unwrap_err().contains("string"));
         assert_eq!(
             probe(br#"{"model":"caf\u00e9"}"#).unwrap().model.as_deref(),
             Some("café")
@@ -546,6 +684,37 @@ mod tests {
         }
         assert!(probe(b"[1,2]").unwrap_err().contains("JSON object"));
         assert!(probe(br#"{"model":5}"#).unwrap_err().contains("string"));
+        let mut w = WholeBody::new(0);
+        w.push(bytes::Bytes::from_static(b"{\"model\":\"m\",\"x\":\"\xc0\xae\"}"));
+        assert!(w.finish().unwrap_err().contains("UTF-8"));
+    }
+
+    fn form_model(body: &[u8], piece: usize) -> Option<String> {
+        let mut f =
+            FormScanner::for_content_type(b"multipart/form-data; boundary=\"XyZ\"").unwrap();
+        for c in body.chunks(piece.max(1)) {
+            f.feed(c);
+            if f.found() {
+                break;
+            }
+        }
+        f.finish();
+        f.model().map(str::to_owned)
+    }
+
+    #[test]
+    fn form_model_field_found_however_split() {
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.mp3\"\r\nContent-Type: audio/mpeg\r\n\r\nID3\r\n--X\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--XyZ--\r\n";
+        for piece in [1, 2, 5, 13, 1000] {
+            assert_eq!(form_model(body, piece).as_deref(), Some("whisper-1"), "{piece}");
+        }
+        // A form without a model field, and a file *named* model, have none.
+        let none = b"--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"; filename=\"x\"\r\n\r\nzz\r\n--XyZ--\r\n";
+        for piece in [1, 3, 1000] {
+            assert_eq!(form_model(none, piece), None);
+        }
+        assert!(FormScanner::for_content_type(b"application/json").is_none());
+        assert!(FormScanner::for_content_type(b"multipart/form-data").is_none());
     }
 
     #[test]
@@ -558,7 +727,6 @@ mod tests {
             ),
             (br#"{"input":"x\\","model":"esc\u0041"}"#, Some("escA")),
             (br#"{"input":"x"}"#, None),
-            (br#"{"model":null,"x":1}"#, None),
             (br#"{"a":true,"b":null,"c":-1.5e3,"d":0,"e":1E+2,"model":"m"}"#, Some("m")),
             (br#"{"modelx":"no","mode":"no","model":"yes"}"#, Some("yes")),
             (br#"{"mod\u0065l":"escaped-key"}"#, Some("escaped-key")),

@@ -84,6 +84,12 @@ async fn artifact(state: &AppState, id: String) -> Response<ProxyBody> {
                 header::X_CONTENT_TYPE_OPTIONS,
                 HeaderValue::from_static("nosniff"),
             );
+            // An SVG is a document that may carry script: opened from this
+            // origin it must run nothing and load nothing.
+            h.insert(
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static("default-src 'none'; style-src 'unsafe-inline'; sandbox"),
+            );
             resp
         }
         Ok(Ok(None)) => refuse(state, VisorError::ArtifactNotFound(id)),
@@ -194,49 +200,58 @@ fn check_target<B>(req: &Request<B>) -> Result<(), VisorError> {
     if !path.starts_with('/') {
         return Err(VisorError::BadRequest("the request target must be a path"));
     }
-    if has_dot_segment(path) {
-        return Err(VisorError::BadRequest(
-            "paths with `.` or `..` segments are refused",
-        ));
+    if let Some(why) = path_problem(path) {
+        return Err(VisorError::BadRequest(why));
     }
     Ok(())
 }
 
-fn has_dot_segment(path: &str) -> bool {
-    let decoded = percent_decode_lossy(path);
-    decoded
-        .split(['/', '\\'])
-        .any(|seg| seg == "." || seg == "..")
+/// Why a path is refused, if it is: looked at as the upstream would read it
+/// (percent escapes decoded, repeatedly, so `%252e` is caught too).
+/// Refused: `.` and `..` segments (also with a `;parameter`, `..;/`, and
+/// with `\` as a separator); bytes that are not UTF-8 once decoded (overlong
+/// encodings such as `%c0%ae`); NUL and other control characters.
+pub fn path_problem(path: &str) -> Option<&'static str> {
+    let decoded = percent_decode(path.as_bytes());
+    let Ok(decoded) = std::str::from_utf8(&decoded) else {
+        return Some("the path is not UTF-8 once percent-decoded");
+    };
+    if decoded.chars().any(char::is_control) {
+        return Some("control characters (NUL included) in the path are refused");
+    }
+    let dot = decoded.split(['/', '\\']).any(|seg| {
+        let name = seg.split(';').next().unwrap_or(seg);
+        name == "." || name == ".."
+    });
+    dot.then_some("paths with `.` or `..` segments are refused")
 }
 
-/// Decodes `%XX` escapes (repeatedly, so `%252e` is caught too); invalid
-/// escapes stay as they are.
-fn percent_decode_lossy(s: &str) -> String {
-    let mut cur = s.to_owned();
+/// Decodes `%XX` escapes, up to three times over (so `%252e` becomes `.`);
+/// invalid escapes stay as they are.
+fn percent_decode(s: &[u8]) -> Vec<u8> {
+    let mut cur = s.to_vec();
     for _ in 0..3 {
-        if !cur.contains('%') {
+        if !cur.contains(&b'%') {
             break;
         }
-        let b = cur.as_bytes();
-        let mut out = Vec::with_capacity(b.len());
+        let mut out = Vec::with_capacity(cur.len());
         let mut i = 0;
-        while i < b.len() {
-            if b[i] == b'%'
-                && i + 2 < b.len()
-                && let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2]))
+        while i < cur.len() {
+            if cur[i] == b'%'
+                && i + 2 < cur.len()
+                && let (Some(h), Some(l)) = (hex(cur[i + 1]), hex(cur[i + 2]))
             {
                 out.push(h * 16 + l);
                 i += 3;
                 continue;
             }
-            out.push(b[i]);
+            out.push(cur[i]);
             i += 1;
         }
-        let next = String::from_utf8_lossy(&out).into_owned();
-        if next == cur {
+        if out == cur {
             break;
         }
-        cur = next;
+        cur = out;
     }
     cur
 }
@@ -269,6 +284,13 @@ mod tests {
             "/v1/..%5cx",
             "/v1/./chat/completions",
             "/v1/..",
+            "/v1/models/..;/x",
+            "/v1/models/.;x/y",
+            "/v1/%c0%ae%c0%ae/x",
+            "/v1/models%00",
+            "/v1/models/%2500",
+            "/v1/a%0d%0aHost:x",
+            "/v1/%ff",
         ] {
             assert!(check_target(&req(bad)).is_err(), "{bad} accepted");
         }
@@ -277,6 +299,8 @@ mod tests {
             "/v1/files/file-..abc",
             "/v1/models?x=..",
             "/v1/a..b",
+            "/v1/files/..a;b",
+            "/v1/models/caf%C3%A9",
         ] {
             assert!(check_target(&req(good)).is_ok(), "{good} refused");
         }
