@@ -113,6 +113,12 @@ pub struct RawServer {
     /// Worker threads, each with its own listener; 0 = one per CPU.
     #[serde(default)]
     pub workers: usize,
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    #[serde(default = "default_header_timeout_secs")]
+    pub header_timeout_secs: f64,
+    #[serde(default = "default_drain_delay_secs")]
+    pub drain_delay_secs: f64,
 }
 
 impl Default for RawServer {
@@ -128,8 +134,21 @@ impl Default for RawServer {
             data_dir: default_data_dir(),
             api_keys: Vec::new(),
             workers: 0,
+            max_connections: default_max_connections(),
+            header_timeout_secs: default_header_timeout_secs(),
+            drain_delay_secs: default_drain_delay_secs(),
         }
     }
+}
+
+fn default_max_connections() -> usize {
+    10_000
+}
+fn default_header_timeout_secs() -> f64 {
+    10.0
+}
+fn default_drain_delay_secs() -> f64 {
+    5.0
 }
 
 fn default_listen() -> String {
@@ -440,6 +459,15 @@ pub struct Server {
     pub data_dir: PathBuf,
     pub api_keys: Vec<Secret>,
     pub workers: usize,
+    /// Open client connections at most (all workers together).
+    pub max_connections: usize,
+    /// A connection sends a whole request head (HTTP/2: its preface) within
+    /// this — counted from its opening, and from the end of its last
+    /// response while it sits idle.
+    pub header_timeout: Duration,
+    /// At shutdown: `/readyz` answers 503 this long before the listeners
+    /// close.
+    pub drain_delay: Duration,
 }
 
 /// How an upstream's own key is sent.
@@ -678,7 +706,17 @@ impl RawConfig {
             data_dir: PathBuf::from(&s.data_dir),
             api_keys: s.api_keys.clone(),
             workers: s.workers,
+            max_connections: s.max_connections,
+            header_timeout: secs(&mut p, "server.header_timeout_secs", s.header_timeout_secs),
+            drain_delay: if s.drain_delay_secs == 0.0 {
+                Duration::ZERO
+            } else {
+                secs(&mut p, "server.drain_delay_secs", s.drain_delay_secs)
+            },
         };
+        if s.max_connections == 0 {
+            p.push("server.max_connections: 0 — must be at least 1".to_owned());
+        }
         if s.workers > 1024 {
             p.push(format!(
                 "server.workers: {} — at most 1024 (0 = one per CPU)",

@@ -14,6 +14,7 @@
 
 pub mod artifacts;
 pub mod config;
+pub mod connections;
 pub mod describe;
 pub mod error;
 pub mod metrics;

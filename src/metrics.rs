@@ -44,6 +44,8 @@ pub struct Metrics {
     pub store_up: IntGauge,
     pub session_history: Histogram,
     pub session_turns: IntCounterVec,
+    pub connections: IntGauge,
+    pub connections_closed: IntCounterVec,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -151,6 +153,17 @@ impl Metrics {
             ),
             &["op"],
         )?;
+        let connections = IntGauge::new(
+            "visor_client_connections",
+            "Client connections open (server.max_connections at most)",
+        )?;
+        let connections_closed = IntCounterVec::new(
+            Opts::new(
+                "visor_client_connections_closed_total",
+                "Client connections visor closed itself, by reason (header_timeout: no request head in time; idle: no request in time after the last one; shed: idle, closed to make room at max_connections)",
+            ),
+            &["reason"],
+        )?;
         let store_up = IntGauge::new(
             "visor_store_up",
             "1 while the store answers, 0 while visor runs on memory only",
@@ -180,6 +193,8 @@ impl Metrics {
         registry.register(Box::new(describe_background.clone()))?;
         registry.register(Box::new(store_errors.clone()))?;
         registry.register(Box::new(store_up.clone()))?;
+        registry.register(Box::new(connections.clone()))?;
+        registry.register(Box::new(connections_closed.clone()))?;
         for result in ["hit", "miss", "error"] {
             describe.with_label_values(&[result]);
         }
@@ -231,6 +246,8 @@ impl Metrics {
             store_up,
             session_history,
             session_turns,
+            connections,
+            connections_closed,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

@@ -17,12 +17,13 @@ use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{Barrier, oneshot, watch};
+use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
+use crate::connections::{Gate, Prefixed, Proto, Registered, Tracked, sniff};
 use crate::metrics::Metrics;
 use crate::proxy::{AppState, stack};
 use crate::upstream;
@@ -41,6 +42,8 @@ pub struct Server {
     /// One listening socket per worker, all on `addr` (SO_REUSEPORT): the
     /// kernel spreads connections over them.
     listeners: Vec<std::net::TcpListener>,
+    /// The client-connection budget all workers share.
+    gate: Arc<Gate>,
 }
 
 impl Server {
@@ -68,10 +71,21 @@ impl Server {
         for _ in 1..workers {
             listeners.push(reuseport_listener(addr, true)?.into_std()?);
         }
+        let (limit, lowered_by) =
+            crate::connections::effective_limit(state.config.server.max_connections);
+        if let Some(nofile) = lowered_by {
+            tracing::warn!(
+                max_connections = state.config.server.max_connections,
+                open_file_limit = nofile,
+                using = limit,
+                "server.max_connections lowered to fit the open-file limit (raise `ulimit -n` for more)"
+            );
+        }
         Ok(Self {
             state,
             addr,
             listeners,
+            gate: Gate::new(limit),
         })
     }
 
@@ -97,7 +111,10 @@ impl Server {
     /// wake-up from another thread (thread-per-core, as nginx does it).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
         let Server {
-            state, listeners, ..
+            state,
+            listeners,
+            gate,
+            ..
         } = self;
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut listeners = listeners.into_iter();
@@ -111,7 +128,7 @@ impl Server {
         let mut workers = Vec::new();
         for (i, listener) in listeners.enumerate() {
             let (done_tx, done_rx) = oneshot::channel();
-            let (state, stop) = (state.clone(), stop_rx.clone());
+            let (state, stop, gate) = (state.clone(), stop_rx.clone(), gate.clone());
             let all_drained = all_drained.clone();
             std::thread::Builder::new()
                 .name(format!("visor-worker-{}", i + 1))
@@ -121,7 +138,7 @@ impl Server {
                         .max_blocking_threads(MAX_BLOCKING_THREADS)
                         .build()
                         .and_then(|rt| {
-                            rt.block_on(serve_then_wait(state, listener, stop, all_drained))
+                            rt.block_on(serve_then_wait(state, gate, listener, stop, all_drained))
                         });
                     let _ = done_tx.send(result);
                 })?;
@@ -129,7 +146,17 @@ impl Server {
         }
         let signal = async {
             shutdown.await;
+            // /readyz answers 503 at once; serving goes on for drain_delay
+            // so load balancers see it before the listeners close.
             state.draining.store(true, Ordering::Relaxed);
+            let delay = state.config.server.drain_delay;
+            if !delay.is_zero() {
+                tracing::info!(
+                    delay_secs = delay.as_secs_f64(),
+                    "shutting down: /readyz answers 503, still serving"
+                );
+                tokio::time::sleep(delay).await;
+            }
             state.describer.shutdown();
             let drain = state.config.server.drain_timeout;
             tracing::info!(
@@ -139,7 +166,7 @@ impl Server {
             let _ = stop_tx.send(true);
         };
         let refresh = refresh_learned(state.clone(), stop_rx.clone());
-        let local = serve_then_wait(state.clone(), first, stop_rx, all_drained);
+        let local = serve_then_wait(state.clone(), gate, first, stop_rx, all_drained);
         let (local, (), ()) = tokio::join!(local, signal, refresh);
         let mut result = local;
         for w in workers {
@@ -173,65 +200,202 @@ fn reuseport_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<TcpListe
 /// [`serve`], then waits (bounded) for the other workers to finish draining.
 async fn serve_then_wait(
     state: Arc<AppState>,
+    gate: Arc<Gate>,
     listener: std::net::TcpListener,
     stop: watch::Receiver<bool>,
     all_drained: Arc<Barrier>,
 ) -> io::Result<()> {
     let bound = state.config.server.drain_timeout + Duration::from_secs(5);
-    let result = serve(state, listener, stop).await;
+    let result = serve(state, gate, listener, stop).await;
     let _ = tokio::time::timeout(bound, all_drained.wait()).await;
     result
 }
 
+/// Accept errors back off from this…
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+/// …doubling up to this, and reset by the next accepted connection.
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// HTTP/2 pings while a connection is open: a peer that does not answer
+/// one within [`H2_PING_TIMEOUT`] is gone.
+const H2_PING_EVERY: Duration = Duration::from_secs(20);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// One worker: accepts on its listener until told to stop, then drains its
 /// connections for up to `server.drain_timeout_secs`.
+///
+/// Each connection takes a slot of the shared [`Gate`] before it is
+/// accepted (at `max_connections` the accept waits and the longest-idle
+/// connection is asked to close). Accept errors (out of file descriptors)
+/// back off, doubling, and ask an idle connection to close too.
 async fn serve(
     state: Arc<AppState>,
+    gate: Arc<Gate>,
     listener: std::net::TcpListener,
     mut stop: watch::Receiver<bool>,
 ) -> io::Result<()> {
     listener.set_nonblocking(true)?;
     let listener = TcpListener::from_std(listener)?;
     let service = TowerToHyperService::new(stack(state.clone()));
+    let header_timeout = state.config.server.header_timeout;
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30));
-    builder.http2().timer(TokioTimer::new());
-    let graceful = GracefulShutdown::new();
+        .header_read_timeout(header_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_PING_EVERY)
+        .keep_alive_timeout(H2_PING_TIMEOUT);
+    let builder = Arc::new(builder);
+    let tracker = TaskTracker::new();
+    let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, _peer) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        // Out of file descriptors and the like: log, back
-                        // off a moment, keep serving.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
-                let conn = builder.serve_connection(TokioIo::new(stream), service.clone());
-                let conn = graceful.watch(conn.into_owned());
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "connection ended with an error");
-                    }
-                });
-            }
+        let permit = tokio::select! {
+            p = gate.admit(header_timeout.min(Duration::from_secs(1))) => p,
             () = stopped(&mut stop) => break,
-        }
+        };
+        let Some(permit) = permit else { break };
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            () = stopped(&mut stop) => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _peer)) => {
+                backoff = ACCEPT_BACKOFF_MIN;
+                stream
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: make room, back off,
+                // keep serving.
+                tracing::warn!(error = %e, backoff_ms = backoff.as_millis() as u64, "accept failed");
+                drop(permit);
+                gate.shed_one();
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = stopped(&mut stop) => break,
+                }
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let registered = gate.register();
+        let conn = Connection {
+            state: state.clone(),
+            builder: builder.clone(),
+            service: service.clone(),
+            stop: stop.clone(),
+        };
+        let gauge = state.metrics.connections.clone();
+        tracker.spawn(async move {
+            gauge.inc();
+            conn.serve(stream, registered).await;
+            gauge.dec();
+            drop(permit);
+        });
     }
     drop(listener);
+    tracker.close();
     let drain = state.config.server.drain_timeout;
     tokio::select! {
-        () = graceful.shutdown() => tracing::debug!("worker: all connections closed"),
+        () = tracker.wait() => tracing::debug!("worker: all connections closed"),
         () = tokio::time::sleep(drain) => tracing::warn!("drain timeout reached; closing the rest"),
     }
     Ok(())
+}
+
+/// What one accepted connection is served with.
+struct Connection<S> {
+    state: Arc<AppState>,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    service: S,
+    stop: watch::Receiver<bool>,
+}
+
+impl<S> Connection<S>
+where
+    S: hyper::service::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<crate::proxy::body::ProxyBody>,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    /// Sniffs the protocol within `header_timeout`, then serves until the
+    /// peer closes, the connection sits idle too long (HTTP/2; hyper's header
+    /// read timeout does it for HTTP/1), the gate asks for room, or the
+    /// worker stops; the last three close it gracefully.
+    async fn serve(mut self, mut stream: tokio::net::TcpStream, registered: Registered) {
+        let conn = registered.conn.clone();
+        let header_timeout = self.state.config.server.header_timeout;
+        let closed = &self.state.metrics.connections_closed;
+        let sniffed = tokio::select! {
+            r = tokio::time::timeout(header_timeout, sniff(&mut stream)) => r,
+            () = conn.close_asked() => {
+                closed.with_label_values(&["shed"]).inc();
+                return;
+            }
+            () = stopped(&mut self.stop) => return,
+        };
+        let (proto, prefix) = match sniffed {
+            Ok(Ok(p)) => p,
+            Ok(Err(_)) => return, // closed before a request
+            Err(_) => {
+                closed.with_label_values(&["header_timeout"]).inc();
+                return;
+            }
+        };
+        let io = Prefixed::new(prefix, TokioIo::new(stream));
+        let service = Tracked::new(self.service.clone(), conn.clone());
+        let served = self.builder.serve_connection_with_upgrades(io, service);
+        tokio::pin!(served);
+        let mut closing = false;
+        loop {
+            let idle_at = match (proto, closing) {
+                (Proto::Http2, false) => conn.idle_deadline(header_timeout),
+                _ => None,
+            };
+            tokio::select! {
+                r = served.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                    break;
+                }
+                () = conn.close_asked(), if !closing => {
+                    closed.with_label_values(&["shed"]).inc();
+                    served.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+                () = stopped(&mut self.stop), if !closing => {
+                    served.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+                () = conn.went_idle(), if proto == Proto::Http2 && !closing => {}
+                () = sleep_until_or_forever(idle_at) => {
+                    // Still idle at the deadline (a request may have come
+                    // and gone: the deadline is read again).
+                    if conn.idle_deadline(header_timeout).is_some_and(|d| d <= tokio::time::Instant::now()) {
+                        closed.with_label_values(&["idle"]).inc();
+                        served.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
+                }
+            }
+        }
+        drop(registered);
+    }
+}
+
+/// Sleeps until `at`, or forever when there is no deadline.
+async fn sleep_until_or_forever(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Re-reads the learned models from the store every

@@ -129,7 +129,7 @@ fn logs_never_contain_keys_or_bodies() {
     let path = temp_config(
         "secrets",
         &format!(
-            "[server]\napi_keys = [\"${{VISOR_TEST_PROXY_KEY}}\"]\n\
+            "[server]\ndrain_delay_secs = 0\napi_keys = [\"${{VISOR_TEST_PROXY_KEY}}\"]\n\
              [[upstream]]\nname=\"mock\"\nbase_url=\"http://{upstream}/v1\"\napi_key=\"${{VISOR_TEST_UP_KEY}}\"\n"
         ),
     );

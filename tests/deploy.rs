@@ -208,8 +208,8 @@ fn kubernetes_manifests_probe_secure_and_drain() {
     let pod = &dep["spec"]["template"]["spec"];
     let grace = pod["terminationGracePeriodSeconds"].as_i64().unwrap() as f64;
     assert!(
-        grace > cfg.server.drain_timeout.as_secs_f64(),
-        "grace {grace} s must outlast the drain"
+        grace > (cfg.server.drain_delay + cfg.server.drain_timeout).as_secs_f64(),
+        "grace {grace} s must outlast the drain delay and the drain"
     );
     assert_eq!(pod["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
     let c = &pod["containers"][0];
@@ -282,7 +282,7 @@ fn compose_and_dockerfile() {
         .as_str()
         .unwrap();
     let grace: f64 = grace.trim_end_matches('s').parse().unwrap();
-    assert!(grace > cfg.server.drain_timeout.as_secs_f64());
+    assert!(grace > (cfg.server.drain_delay + cfg.server.drain_timeout).as_secs_f64());
     let docker = read("Dockerfile");
     for needed in [
         "USER visor",

@@ -46,7 +46,7 @@ fn mock_handler(r: &Recorded) -> Reply {
 
 fn config(mock: &MockUpstream, redis: &RedisServer, data_dir: &std::path::Path) -> String {
     format!(
-        "{DESCRIBE}[server]\nworkers = 1\ndata_dir = \"{}\"\n[store]\nbackend = \"{}\"\nprefix = \"visor-test-{}:\"\n\
+        "{DESCRIBE}[server]\nworkers = 1\ndrain_delay_secs = 0\ndata_dir = \"{}\"\n[store]\nbackend = \"{}\"\nprefix = \"visor-test-{}:\"\n\
          [[upstream]]\nname = \"mock\"\nbase_url = \"{}/v1\"\nmodels = [\"*\"]\n",
         data_dir.display(),
         redis.url(),

@@ -563,9 +563,8 @@ fn form_value<'a>(part: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
         let line = line.to_ascii_lowercase();
         line.starts_with(b"content-disposition:")
             && memchr::memmem::find(&line, b"filename=").is_none()
-            && memchr::memmem::find(&line, &wanted).is_some_and(|i| {
-                i > 0 && matches!(line[i - 1], b' ' | b';' | b'\t')
-            })
+            && memchr::memmem::find(&line, &wanted)
+                .is_some_and(|i| i > 0 && matches!(line[i - 1], b' ' | b';' | b'\t'))
     });
     named.then(|| &part[head_end + 4..])
 }
@@ -685,7 +684,9 @@ mod tests {
         assert!(probe(b"[1,2]").unwrap_err().contains("JSON object"));
         assert!(probe(br#"{"model":5}"#).unwrap_err().contains("string"));
         let mut w = WholeBody::new(0);
-        w.push(bytes::Bytes::from_static(b"{\"model\":\"m\",\"x\":\"\xc0\xae\"}"));
+        w.push(bytes::Bytes::from_static(
+            b"{\"model\":\"m\",\"x\":\"\xc0\xae\"}",
+        ));
         assert!(w.finish().unwrap_err().contains("UTF-8"));
     }
 
@@ -706,7 +707,11 @@ mod tests {
     fn form_model_field_found_however_split() {
         let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.mp3\"\r\nContent-Type: audio/mpeg\r\n\r\nID3\r\n--X\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--XyZ--\r\n";
         for piece in [1, 2, 5, 13, 1000] {
-            assert_eq!(form_model(body, piece).as_deref(), Some("whisper-1"), "{piece}");
+            assert_eq!(
+                form_model(body, piece).as_deref(),
+                Some("whisper-1"),
+                "{piece}"
+            );
         }
         // A form without a model field, and a file *named* model, have none.
         let none = b"--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"; filename=\"x\"\r\n\r\nzz\r\n--XyZ--\r\n";

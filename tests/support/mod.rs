@@ -356,6 +356,10 @@ impl Visor {
         // Each visor gets its own data dir under target/, unless the test
         // chose one (to restart on the same one).
         let mut own_dir = None;
+        // Tests that shut down do not wait for load balancers.
+        if !toml.contains("drain_delay_secs") {
+            cfg.server.drain_delay = Duration::ZERO;
+        }
         if cfg.server.data_dir == Path::new("var") {
             cfg.server.data_dir = temp_dir("data");
             own_dir = Some(cfg.server.data_dir.clone());

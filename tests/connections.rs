@@ -1,0 +1,254 @@
+//! Client connections: header timeouts, idle HTTP/2 connections, the
+//! connection limit and who gets in at it, and the drain delay.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+/// Waits (bounded) until the peer closes `s`; true if it did.
+async fn closed_within(s: &mut TcpStream, bound: Duration) -> bool {
+    let mut buf = [0u8; 1024];
+    tokio::time::timeout(bound, async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+async fn healthz_on_new_connection(visor: &Visor, bound: Duration) -> Option<u16> {
+    let fut = async {
+        let mut s = TcpStream::connect(visor.addr).await.ok()?;
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.ok()?;
+        let text = String::from_utf8_lossy(&out).into_owned();
+        text.split(' ').nth(1)?.parse().ok()
+    };
+    tokio::time::timeout(bound, fut).await.ok().flatten()
+}
+
+const CFG: &str = "[server]\nheader_timeout_secs = 1\n";
+
+#[tokio::test]
+async fn silent_peers_and_a_partial_preface_are_closed_at_the_header_timeout() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, CFG).await;
+    let mut silent = TcpStream::connect(visor.addr).await.unwrap();
+    let mut preface = TcpStream::connect(visor.addr).await.unwrap();
+    preface.write_all(b"P").await.unwrap();
+    let mut half_head = TcpStream::connect(visor.addr).await.unwrap();
+    half_head
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    for (name, s) in [
+        ("silent", &mut silent),
+        ("P of the preface", &mut preface),
+        ("half a head", &mut half_head),
+    ] {
+        assert!(
+            closed_within(s, Duration::from_secs(8)).await,
+            "{name}: still open"
+        );
+    }
+    let m = visor.metrics().await;
+    assert!(
+        metric(
+            &m,
+            "visor_client_connections_closed_total",
+            &[("reason", "header_timeout")]
+        )
+        .unwrap_or(0.0)
+            >= 2.0,
+        "{m}"
+    );
+    // Still serving.
+    assert_eq!(
+        healthz_on_new_connection(&visor, Duration::from_secs(5)).await,
+        Some(200)
+    );
+}
+
+#[tokio::test]
+async fn an_idle_http2_connection_is_closed_and_a_busy_one_is_not() {
+    let (tx, rx) = mpsc::channel::<Chunk>(4);
+    let rx = std::sync::Mutex::new(Some(rx));
+    let mock = MockUpstream::start(move |_| match rx.lock().unwrap().take() {
+        Some(rx) => Reply::sse(rx),
+        None => chat_ok(),
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, CFG).await;
+    let stream = TcpStream::connect(visor.addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    // A stream that stays open longer than the idle limit keeps it open.
+    let req = Request::post(visor.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(
+            br#"{"model":"m","stream":true,"messages":[]}"#,
+        )))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    let mut body = resp.into_body();
+    tx.send(Chunk::Data(Bytes::from_static(b"data: {}\n\n")))
+        .await
+        .unwrap();
+    assert!(body.frame().await.is_some());
+    // Busy for twice the idle limit: the connection must stay.
+    let start = tokio::time::Instant::now();
+    while start.elapsed() < Duration::from_millis(2500) {
+        tx.send(Chunk::Data(Bytes::from_static(b"data: {}\n\n")))
+            .await
+            .unwrap();
+        assert!(body.frame().await.is_some(), "the busy stream was cut");
+        assert!(!conn.is_finished(), "a busy HTTP/2 connection was closed");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    drop(tx);
+    while let Some(Ok(_)) = body.frame().await {}
+    drop(body);
+    // Now idle: closed (GOAWAY) within the limit and a margin.
+    let done = tokio::time::timeout(Duration::from_secs(8), conn).await;
+    assert!(done.is_ok(), "the idle HTTP/2 connection is still open");
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_client_connections_closed_total",
+            &[("reason", "idle")]
+        ),
+        Some(1.0),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn at_max_connections_idle_peers_make_room_and_busy_ones_do_not() {
+    let (tx, rx) = mpsc::channel::<Chunk>(4);
+    let rx = std::sync::Mutex::new(Some(rx));
+    let mock = MockUpstream::start(move |_| match rx.lock().unwrap().take() {
+        Some(rx) => Reply::sse(rx),
+        None => chat_ok(),
+    })
+    .await;
+    let visor = Visor::for_mock(
+        &mock,
+        "[server]\nmax_connections = 3\nheader_timeout_secs = 60\nworkers = 1\n",
+    )
+    .await;
+    // Three silent peers hold every slot (and would for a minute)…
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(TcpStream::connect(visor.addr).await.unwrap());
+    }
+    // …and /healthz still answers: the longest-idle one makes room.
+    assert_eq!(
+        healthz_on_new_connection(&visor, Duration::from_secs(5)).await,
+        Some(200)
+    );
+    let mut shed = 0;
+    for s in &mut silent {
+        if closed_within(s, Duration::from_millis(200)).await {
+            shed += 1;
+        }
+    }
+    assert!(shed >= 1, "no idle peer was closed to make room");
+    let m = visor.metrics().await;
+    assert!(
+        metric(
+            &m,
+            "visor_client_connections_closed_total",
+            &[("reason", "shed")]
+        )
+        .unwrap_or(0.0)
+            >= 1.0
+    );
+    drop(silent);
+
+    // A connection with a request in flight is never closed to make room.
+    let client = client();
+    let req = Request::post(visor.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(
+            br#"{"model":"m","stream":true,"messages":[]}"#,
+        )))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(5), client.request(req))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut body = resp.into_body();
+    for _ in 0..8 {
+        assert_eq!(
+            healthz_on_new_connection(&visor, Duration::from_secs(5)).await,
+            Some(200)
+        );
+    }
+    tx.send(Chunk::Data(Bytes::from_static(b"data: {\"x\":1}\n\n")))
+        .await
+        .unwrap();
+    let frame = tokio::time::timeout(Duration::from_secs(5), body.frame())
+        .await
+        .unwrap();
+    assert!(
+        matches!(frame, Some(Ok(_))),
+        "the busy stream was cut: {frame:?}"
+    );
+    drop(tx);
+}
+
+#[tokio::test]
+async fn at_shutdown_readyz_says_draining_for_the_drain_delay_while_serving() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let mut visor = Visor::for_mock(&mock, "[server]\ndrain_delay_secs = 2\n").await;
+    let client = client();
+    visor.shutdown();
+    // 503 on /readyz, yet requests still served, on new connections too.
+    let ready = tokio::time::timeout(Duration::from_secs(1), async {
+        loop {
+            let (status, _, _) = send_on(
+                &client,
+                Request::get(visor.url("/readyz"))
+                    .body(Full::new(Bytes::new()))
+                    .unwrap(),
+            )
+            .await;
+            if status == 503 {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(ready.is_ok(), "/readyz never said draining");
+    let (status, _, _) = send(post_json(
+        &visor.url("/v1/chat/completions"),
+        r#"{"model":"m","messages":[]}"#,
+    ))
+    .await;
+    assert_eq!(status, 200, "not serving during the drain delay");
+    let task = visor.task.take().unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), task).await;
+    assert!(ended.is_ok(), "did not stop after the drain delay");
+}
