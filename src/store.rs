@@ -624,8 +624,23 @@ struct MemSession {
 
 struct Disk {
     path: PathBuf,
-    /// Opened on first use, and again after a failed open.
-    db: Mutex<Option<Arc<redb::Database>>>,
+    /// Opened on first use, and again after a failed open, an I/O error, or
+    /// when the file was deleted or replaced under it; with the file's
+    /// identity (device, inode) when it was opened.
+    db: Mutex<Option<(Arc<redb::Database>, Option<(u64, u64)>)>>,
+}
+
+/// A file's (device, inode), where the platform has them.
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    {
+        std::fs::metadata(path).ok().map(|_| (0, 0))
+    }
 }
 
 impl Disk {
@@ -638,7 +653,19 @@ impl Disk {
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
             let db = me.database()?;
-            f(&db).map_err(|e| e.to_string())
+            f(&db).map_err(|e| {
+                // After an I/O error (a full disk) redb refuses everything
+                // until the file is closed and opened again: drop this
+                // handle, so the next operation reopens it.
+                if matches!(
+                    e,
+                    redb::Error::Io(_) | redb::Error::PreviousIo | redb::Error::Corrupted(_)
+                ) {
+                    drop(db);
+                    me.forget();
+                }
+                e.to_string()
+            })
         })
         .await
         .map_err(|_| "the store task failed".to_owned())?
@@ -649,8 +676,22 @@ impl Disk {
             .db
             .lock()
             .map_err(|_| "store lock poisoned".to_owned())?;
-        if let Some(db) = slot.as_ref() {
-            return Ok(db.clone());
+        if let Some((db, id)) = slot.as_ref() {
+            let now = file_id(&self.path);
+            if now == *id {
+                return Ok(db.clone());
+            }
+            // Deleted (or replaced) while visor ran: what it held is gone
+            // with the old file. Say so, and start a new file next time.
+            *slot = None;
+            tracing::error!(
+                path = %self.path.display(),
+                "the store file was deleted or replaced while visor ran: what it held is lost; a new file is made"
+            );
+            return Err(format!(
+                "{} was deleted or replaced while visor ran (what it held is lost); a new file is made",
+                self.path.display()
+            ));
         }
         let db = self.create().map_err(|e| match e {
             redb::Error::DatabaseAlreadyOpen => format!(
@@ -660,8 +701,15 @@ impl Disk {
             e => format!("cannot open {}: {e}", self.path.display()),
         })?;
         let db = Arc::new(db);
-        *slot = Some(db.clone());
+        *slot = Some((db.clone(), file_id(&self.path)));
         Ok(db)
+    }
+
+    /// Drops the open handle (the file is opened again on next use).
+    fn forget(&self) {
+        if let Ok(mut slot) = self.db.lock() {
+            *slot = None;
+        }
     }
 
     fn create(&self) -> Result<redb::Database, redb::Error> {

@@ -72,6 +72,9 @@ pub enum Outcome {
     /// cut (HTTP/1.1: no final chunk; HTTP/2: reset).
     UpstreamError(&'static str),
     ClientCancelled,
+    /// The session turn could not be stored: the response is cut before
+    /// its last bytes (counted in `visor_session_turns_total{result="failed"}`).
+    SessionNotStored,
 }
 
 impl Outcome {
@@ -80,6 +83,7 @@ impl Outcome {
             Outcome::Complete => "complete",
             Outcome::UpstreamError(kind) => kind,
             Outcome::ClientCancelled => "client_cancelled",
+            Outcome::SessionNotStored => "session_not_stored",
         }
     }
 }
@@ -255,11 +259,21 @@ impl Body for ObservedBody {
         if let Some((storing, held)) = &mut this.storing {
             // A session turn is being stored (bounded by the store's own
             // timeout): the last bytes wait for it.
-            if storing.as_mut().poll(cx).is_pending() {
+            let Poll::Ready(stored) = storing.as_mut().poll(cx) else {
                 return Poll::Pending;
-            }
+            };
             let held = held.take();
             this.storing = None;
+            if !stored {
+                // "A reply is stored before its last bytes reach the
+                // client": the turn was not, so the response does not
+                // complete — the client sees a cut, as for a broken stream,
+                // and may retry.
+                this.report(Outcome::SessionNotStored);
+                return Poll::Ready(Some(Err(Box::new(StreamCut(
+                    "response cut: its session turn could not be stored",
+                )))));
+            }
             return match held {
                 Some(frame) => Poll::Ready(Some(Ok(frame))),
                 None => {
@@ -345,7 +359,9 @@ impl Drop for ObservedBody {
         if let Some((storing, _)) = self.storing.take()
             && let Ok(rt) = tokio::runtime::Handle::try_current()
         {
-            rt.spawn(storing);
+            rt.spawn(async move {
+                storing.await;
+            });
         }
         if self.finish.is_some() {
             // hyper stops polling a body whose length is known once it has

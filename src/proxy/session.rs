@@ -158,8 +158,8 @@ pub struct Recorder {
 }
 
 /// The append of a finished turn, to be awaited before the response's last
-/// bytes go out.
-pub type Storing = Pin<Box<dyn Future<Output = ()> + Send>>;
+/// bytes go out: true when the turn is stored.
+pub type Storing = Pin<Box<dyn Future<Output = bool> + Send>>;
 
 impl Recorder {
     /// The response head: what kind of body carries the reply.
@@ -231,6 +231,7 @@ impl Recorder {
                 .store
                 .append_session(&key, turn, keep, ttl(&state))
                 .await;
+            let ok = stored.is_ok();
             let result = match stored {
                 Ok(()) => result,
                 Err(e) => {
@@ -243,6 +244,7 @@ impl Recorder {
                 .session_turns
                 .with_label_values(&[result])
                 .inc();
+            ok
         }))
     }
 }
@@ -254,7 +256,9 @@ impl Drop for Recorder {
         if let Some(storing) = self.finish(false)
             && let Ok(rt) = tokio::runtime::Handle::try_current()
         {
-            rt.spawn(storing);
+            rt.spawn(async move {
+                storing.await;
+            });
         }
     }
 }
