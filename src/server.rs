@@ -165,7 +165,13 @@ impl Server {
             );
             let _ = stop_tx.send(true);
         };
-        let refresh = refresh_learned(state.clone(), stop_rx.clone());
+        let (learned, probe) = (
+            refresh_learned(state.clone(), stop_rx.clone()),
+            probe_store(state.clone(), stop_rx.clone()),
+        );
+        let refresh = async move {
+            tokio::join!(learned, probe);
+        };
         let local = serve_then_wait(state.clone(), gate, first, stop_rx, all_drained);
         let (local, (), ()) = tokio::join!(local, signal, refresh);
         let mut result = local;
@@ -417,6 +423,21 @@ async fn refresh_learned(state: Arc<AppState>, mut stop: watch::Receiver<bool>) 
                     if let Ok(gone @ 1..) = state.store.sweep_sessions(ttl).await {
                         tracing::info!(sessions = gone, "idle sessions forgotten");
                     }
+                }
+            }
+            () = stopped(&mut stop) => return,
+        }
+    }
+}
+
+/// While the store is down, pings it every [`crate::store::PROBE_EVERY`]
+/// so it is used again as soon as it answers.
+async fn probe_store(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(crate::store::PROBE_EVERY) => {
+                if state.store.probe_if_down().await {
+                    state.sync_learned().await;
                 }
             }
             () = stopped(&mut stop) => return,

@@ -18,6 +18,10 @@
 //! reason. While down, operations are not attempted (callers carry on with
 //! memory only) until [`RETRY_AFTER`] has passed; then the next operation,
 //! or a `/readyz` probe, tries again, and the first success brings it back.
+//! Meanwhile the server pings it every [`PROBE_EVERY`], so a store that
+//! comes back is used again within half a second. A Redis command whose
+//! connection failed (a Redis restart) is retried once on a new connection
+//! before the store counts as down.
 
 // redb's one error type is large; it lives only on the cold failure path.
 #![allow(clippy::result_large_err)]
@@ -37,8 +41,12 @@ use crate::metrics::Metrics;
 /// How long one store operation may take before the store counts as down.
 pub const OP_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// While the store is down, how long visor goes without asking it again.
+/// While the store is down, how long requests go without asking it again.
 pub const RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// While the store is down, how often the server pings it in the background
+/// ([`Store::probe_if_down`]).
+pub const PROBE_EVERY: Duration = Duration::from_millis(500);
 
 /// Descriptions expire from Redis this long after they were written (so a
 /// shared Redis does not grow without bound; an expired one is made again).
@@ -155,6 +163,51 @@ impl Store {
     pub async fn check(&self) -> Option<String> {
         let _ = self.guarded("ping", self.ping()).await;
         self.problem()
+    }
+
+    /// While the store is down: pings it now, whatever the retry time, and
+    /// brings it back on success (the server calls this every
+    /// [`PROBE_EVERY`], so a store that returns is used again at once
+    /// rather than up to [`RETRY_AFTER`] later). A failed probe is not
+    /// counted as an error. True when the store came back.
+    pub async fn probe_if_down(&self) -> bool {
+        if self.problem().is_none() {
+            return false;
+        }
+        match tokio::time::timeout(OP_TIMEOUT, self.ping()).await {
+            Ok(Ok(())) => {
+                self.mark_up();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// True when several replicas may share this store (Redis).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.backend, Backend::Redis(_))
+    }
+
+    /// Whether `name` (normalised) is learned as non-vision in the store.
+    pub async fn is_learned(&self, name: &str) -> Result<bool, StoreError> {
+        let op = async {
+            match &self.backend {
+                Backend::Memory(m) => Ok(m.learned.lock().is_ok_and(|l| l.contains(name))),
+                Backend::Disk(d) => {
+                    let name = name.to_owned();
+                    d.run(move |db| {
+                        let txn = db.begin_read()?;
+                        Ok(txn.open_table(LEARNED)?.get(name.as_str())?.is_some())
+                    })
+                    .await
+                }
+                Backend::Redis(r) => {
+                    r.query(redis::cmd("SISMEMBER").arg(r.key("learned", "")).arg(name))
+                        .await
+                }
+            }
+        };
+        self.guarded("get", op).await
     }
 
     /// The description stored under `key`.
@@ -754,15 +807,42 @@ impl Redis {
         format!("{}{kind}{key}", self.prefix)
     }
 
+    /// Runs `cmd`; a connection-level failure (the connection died with a
+    /// Redis restart, or the last reconnect failed while Redis was down) is
+    /// retried once, on the connection the manager makes anew, before the
+    /// store counts as down.
     async fn query<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> Result<T, String> {
         let mut conn = self.conn.clone();
-        cmd.query_async(&mut conn).await.map_err(|e| e.to_string())
+        match cmd.query_async(&mut conn).await {
+            Err(e) if connection_failed(&e) => {
+                cmd.query_async(&mut conn).await.map_err(|e| e.to_string())
+            }
+            r => r.map_err(|e| e.to_string()),
+        }
     }
 
     async fn pipe<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> Result<T, String> {
         let mut conn = self.conn.clone();
-        pipe.query_async(&mut conn).await.map_err(|e| e.to_string())
+        match pipe.query_async(&mut conn).await {
+            Err(e) if connection_failed(&e) => {
+                pipe.query_async(&mut conn).await.map_err(|e| e.to_string())
+            }
+            r => r.map_err(|e| e.to_string()),
+        }
     }
+}
+
+/// A failure of the connection rather than of the command: worth one more
+/// try on a new connection. Reads and the idempotent writes (SET, SADD,
+/// DEL) are safe to repeat. A session append (one MULTI/EXEC) that died
+/// after Redis ran it but before its answer came back could be applied
+/// twice; the same holds for a client that retries a cut response, and a
+/// turn lost is worse than a turn doubled.
+fn connection_failed(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
 }
 
 /// A Redis URL without its password, for logs and `/readyz`.

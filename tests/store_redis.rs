@@ -229,3 +229,85 @@ async fn redis_going_away_degrades_to_memory_and_coming_back_recovers() {
     assert_eq!(describer_calls(&mock), calls);
     assert!(user_texts(&last_chat(&mock).body)[1].contains("described: "));
 }
+
+fn session_chat(url: &str, id: &str, text: &str) -> Request<Full<Bytes>> {
+    Request::post(url)
+        .header("content-type", "application/json")
+        .header("x-visor-session", id)
+        .body(Full::new(Bytes::from(format!(
+            r#"{{"model":"gpt-4o","messages":[{{"role":"user","content":"{text}"}}]}}"#
+        ))))
+        .unwrap()
+}
+
+/// A Redis restart: the first session request after it is served (the dead
+/// connection is retried once on a new one), and a Redis that was down for
+/// a while is used again within a second of coming back (the background
+/// probe), not after a 5 s pause.
+#[tokio::test]
+async fn a_redis_restart_costs_no_503_once_redis_is_back() {
+    let Some(mut redis) = RedisServer::start() else {
+        return;
+    };
+    let mock = MockUpstream::start(mock_handler).await;
+    let visor = Visor::start(&config(&mock, &redis, &temp_dir("redis-restart"))).await;
+    let url = visor.url("/v1/chat/completions");
+    let (status, _, _) = send(session_chat(&url, "r1", "one")).await;
+    assert_eq!(status, 200);
+
+    // Restarted between two requests: the next one finds a dead connection.
+    redis.stop();
+    redis.restart();
+    let (status, _, body) = send(session_chat(&url, "r1", "two")).await;
+    assert_eq!(
+        status,
+        200,
+        "first request after a restart: {}",
+        String::from_utf8_lossy(&body)
+    );
+
+    // Down while a request comes (503 for a session: its history cannot be
+    // read), then back: served again within a second or so.
+    redis.stop();
+    let (status, _, _) = send(session_chat(&url, "r2", "while down")).await;
+    assert_eq!(status, 503);
+    redis.restart();
+    let back = tokio::time::Instant::now();
+    let mut served = false;
+    while back.elapsed() < Duration::from_secs(3) {
+        let (status, _, _) = send(session_chat(&url, "r2", "after")).await;
+        if status == 200 {
+            served = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        served,
+        "session requests still refused 3 s after Redis came back"
+    );
+}
+
+/// A model one replica learns is used by another at its next image request,
+/// not after its 30 s refresh: no second refusal round trip.
+#[tokio::test]
+async fn a_model_learned_by_one_replica_is_known_to_another_at_once() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let mock = MockUpstream::start(mock_handler).await;
+    let a = Visor::start(&config(&mock, &redis, &temp_dir("redis-now-a"))).await;
+    let b = Visor::start(&config(&mock, &redis, &temp_dir("redis-now-b"))).await;
+    let body = chat_with_images("mystery-7b-now", &[png_data_url("learn-now").0]);
+    let (status, _, _) = send(post_json(&a.url("/v1/chat/completions"), body.clone())).await;
+    assert_eq!(status, 200);
+    let before = mock.recorded().len();
+    let (status, headers, _) = send(post_json(&b.url("/v1/chat/completions"), body)).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-visor-images-replaced"], "1");
+    let chats = mock.recorded()[before..]
+        .iter()
+        .filter(|r| !is_describer_call(r))
+        .count();
+    assert_eq!(chats, 1, "the second replica paid a refusal round trip");
+}

@@ -113,7 +113,17 @@ pub async fn prepare(
     if opts.off {
         return unchanged(body, None);
     }
-    let resolved = state.models.resolve(model.unwrap_or(""), opts.vision);
+    let mut resolved = state.models.resolve(model.unwrap_or(""), opts.vision);
+    // A model another replica may have learned (a shared store): asked of
+    // the store now, not at the next 30 s refresh, so this request does not
+    // pay the refusal round trip again.
+    if !resolved.known() && state.store.is_shared() && might_hold_images(&body) {
+        let name = crate::models::normalise(model.unwrap_or(""));
+        if !name.is_empty() && matches!(state.store.is_learned(&name).await, Ok(true)) {
+            state.models.learned.merge([name]);
+            resolved = state.models.resolve(model.unwrap_or(""), opts.vision);
+        }
+    }
     let plan = Plan {
         shape,
         vision: resolved.vision,
