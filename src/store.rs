@@ -680,11 +680,14 @@ struct Disk {
     /// Opened on first use, and again after a failed open, an I/O error, or
     /// when the file was deleted or replaced under it; with the file's
     /// identity (device, inode) when it was opened.
-    db: Mutex<Option<(Arc<redb::Database>, Option<(u64, u64)>)>>,
+    db: Mutex<Option<(Arc<redb::Database>, Option<FileId>)>>,
 }
 
+/// A file's (device, inode).
+type FileId = (u64, u64);
+
 /// A file's (device, inode), where the platform has them.
-fn file_id(path: &Path) -> Option<(u64, u64)> {
+fn file_id(path: &Path) -> Option<FileId> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::MetadataExt;
