@@ -65,6 +65,10 @@ enum Site {
         spot: usize,
         range: Range<usize>,
         object: bool,
+        /// How many JSON string encodings deep the image sits in the text
+        /// (0: in the text itself; 1: inside a JSON string in it, as in
+        /// `{"result": "{\"content\": [{\"type\": \"image\", …}]}"}`).
+        escapes: u8,
     },
 }
 
@@ -483,6 +487,12 @@ impl Walker<'_> {
                 })?;
                 Ok(Some((range, parts, simple)))
             }
+            // One part instead of an array (`"content": {"type": "image",
+            // …}`): walked as the part it is.
+            Kind::Object if depth < MAX_NESTING => {
+                self.part(c, msg, path, in_tool, depth)?;
+                Ok(None)
+            }
             _ => {
                 c.skip()?;
                 Ok(None)
@@ -583,8 +593,17 @@ impl Walker<'_> {
             return;
         }
         let text = text.into_owned();
-        for (range, object, source) in found {
-            let (sha256, source, bytes, pending) = read_lazily(text.as_bytes(), source, Some(spot));
+        for InTextFound {
+            range,
+            object,
+            escapes,
+            raw,
+        } in found
+        {
+            let (sha256, source, bytes, pending) = match raw {
+                TextRaw::Here(raw) => read_lazily(text.as_bytes(), raw, Some(spot)),
+                TextRaw::Read(read) => read,
+            };
             self.out.images.push(Found {
                 sha256,
                 source,
@@ -596,6 +615,7 @@ impl Walker<'_> {
                     spot,
                     range,
                     object,
+                    escapes,
                 },
                 bytes: bytes.map(Bytes::from),
                 pending,
@@ -855,10 +875,34 @@ fn trim_pad(b: &[u8]) -> &[u8] {
     &b[..end]
 }
 
+/// An image found in a text.
+struct InTextFound {
+    /// Its bytes in the text (an object, or a data URL).
+    range: Range<usize>,
+    object: bool,
+    /// JSON string encodings between the text and the image.
+    escapes: u8,
+    raw: TextRaw,
+}
+
+/// Where a found image's bytes are: in the text itself (read lazily from
+/// it), or inside a JSON string in it (read already, from the decoded
+/// string).
+enum TextRaw {
+    Here(Raw),
+    Read(Read),
+}
+
 /// Images in a text: JSON objects of a stringified tool result (MCP
-/// `{"type":"image",…}` and the other image part shapes), and
-/// `data:image/…;base64,…` URLs outside them. Ranges are in `text`.
-fn find_in_text(text: &str) -> Vec<(Range<usize>, bool, Raw)> {
+/// `{"type":"image",…}` and the other image part shapes), also inside JSON
+/// strings in that JSON (a result stringified twice, up to
+/// [`MAX_TEXT_JSON_DEPTH`] levels), and `data:image/…;base64,…` URLs outside
+/// them. Ranges are in `text`.
+fn find_in_text(text: &str) -> Vec<InTextFound> {
+    find_in_text_at(text, 0)
+}
+
+fn find_in_text_at(text: &str, depth: usize) -> Vec<InTextFound> {
     let mut out = Vec::new();
     let t = text.trim_start();
     if (t.starts_with('{') || t.starts_with('['))
@@ -866,7 +910,7 @@ fn find_in_text(text: &str) -> Vec<(Range<usize>, bool, Raw)> {
         && super::json::is_json(text.as_bytes())
     {
         let mut c = Cursor::new(text.as_bytes());
-        let _ = json_images(&mut c, &mut out, 0);
+        let _ = json_images(&mut c, &mut out, depth);
     }
     let bytes = text.as_bytes();
     let mut at = 0;
@@ -874,18 +918,100 @@ fn find_in_text(text: &str) -> Vec<(Range<usize>, bool, Raw)> {
         let start = at + k;
         let end = data_url_end(bytes, start);
         at = end.max(start + 1);
-        if out
-            .iter()
-            .any(|(r, _, _): &(Range<usize>, bool, Raw)| r.contains(&start))
-        {
+        if out.iter().any(|f| f.range.contains(&start)) {
             continue;
         }
         if let Some(end) = end_if_base64(bytes, start, end) {
-            out.push((start..end, false, Raw::DataUrlInText(start..end)));
+            out.push(InTextFound {
+                range: start..end,
+                object: false,
+                escapes: 0,
+                raw: TextRaw::Here(Raw::DataUrlInText(start..end)),
+            });
         }
     }
-    out.sort_by_key(|(r, _, _)| r.start);
+    out.sort_by_key(|f| f.range.start);
     out
+}
+
+/// The images inside a JSON string of a text (the string `lit`, its
+/// content JSON itself): found in the decoded string, their ranges mapped
+/// back to the text, one encoding deeper, their bytes read now.
+fn images_in_string(src: &[u8], lit: &Str, depth: usize) -> Vec<InTextFound> {
+    let raw = lit.raw(src);
+    if !lit.escaped || memchr::memmem::find(raw, b"image").is_none() {
+        return Vec::new();
+    }
+    let Some((decoded, map)) = unescape_mapped(raw, lit.range.start + 1) else {
+        return Vec::new();
+    };
+    let found = find_in_text_at(&decoded, depth + 1);
+    found
+        .into_iter()
+        .filter_map(|f| {
+            let range = *map.get(f.range.start)?..*map.get(f.range.end)?;
+            let read = match f.raw {
+                TextRaw::Here(raw) => eager(decoded.as_bytes(), raw),
+                TextRaw::Read(read) => read,
+            };
+            Some(InTextFound {
+                range,
+                object: f.object,
+                escapes: f.escapes.saturating_add(1),
+                raw: TextRaw::Read(read),
+            })
+        })
+        .collect()
+}
+
+/// Decodes a JSON string's raw content, with where each decoded byte came
+/// from (`base` + its offset in `raw`; one more entry for the end).
+fn unescape_mapped(raw: &[u8], base: usize) -> Option<(String, Vec<usize>)> {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut map = Vec::with_capacity(raw.len() + 1);
+    let hex4 = |at: usize| -> Option<u32> {
+        let h = raw.get(at..at + 4)?;
+        u32::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok()
+    };
+    let mut i = 0;
+    while i < raw.len() {
+        if raw[i] != b'\\' {
+            out.push(raw[i]);
+            map.push(base + i);
+            i += 1;
+            continue;
+        }
+        let start = i;
+        let (ch, len) = match *raw.get(i + 1)? {
+            b'u' => {
+                let hi = hex4(i + 2)?;
+                if (0xD800..0xDC00).contains(&hi) && raw.get(i + 6..i + 8) == Some(b"\\u") {
+                    let lo = hex4(i + 8)?;
+                    let c = 0x10000 + ((hi - 0xD800) << 10) + (lo.checked_sub(0xDC00)? & 0x3FF);
+                    (char::from_u32(c)?, 12)
+                } else {
+                    (char::from_u32(hi)?, 6)
+                }
+            }
+            b'"' => ('"', 2),
+            b'\\' => ('\\', 2),
+            b'/' => ('/', 2),
+            b'b' => ('\u{8}', 2),
+            b'f' => ('\u{c}', 2),
+            b'n' => ('\n', 2),
+            b'r' => ('\r', 2),
+            b't' => ('\t', 2),
+            _ => return None,
+        };
+        let mut buf = [0u8; 4];
+        for &b in ch.encode_utf8(&mut buf).as_bytes() {
+            out.push(b);
+            map.push(base + start);
+        }
+        i += len;
+    }
+    map.push(base + raw.len());
+    Some((String::from_utf8(out).ok()?, map))
 }
 
 /// The end of a data URL's media type and parameters, up to the comma.
@@ -912,16 +1038,17 @@ fn end_if_base64(b: &[u8], start: usize, head_end: usize) -> Option<usize> {
 
 /// The generic walk of JSON inside a text: any object shaped like an image
 /// part is an image, wherever it sits.
-fn json_images(
-    c: &mut Cursor<'_>,
-    out: &mut Vec<(Range<usize>, bool, Raw)>,
-    depth: usize,
-) -> Result<()> {
+fn json_images(c: &mut Cursor<'_>, out: &mut Vec<InTextFound>, depth: usize) -> Result<()> {
     if depth > MAX_TEXT_JSON_DEPTH {
         c.skip()?;
         return Ok(());
     }
     match c.kind()? {
+        Kind::String => {
+            let lit = c.string()?;
+            out.extend(images_in_string(c.src(), &lit, depth));
+            Ok(())
+        }
         Kind::Array => c.array(|c, _| json_images(c, out, depth + 1)).map(drop),
         Kind::Object => {
             let src = c.src();
@@ -937,7 +1064,12 @@ fn json_images(
                 && let Some(raw) = classify(src, ty, &f)
             {
                 out.truncate(before);
-                out.push((range, true, raw));
+                out.push(InTextFound {
+                    range,
+                    object: true,
+                    escapes: 0,
+                    raw: TextRaw::Here(raw),
+                });
             }
             Ok(())
         }
@@ -1101,16 +1233,22 @@ impl Scan {
                         spot,
                         range,
                         object,
+                        escapes,
                     },
                     Some(t),
                 ) = (&img.site, &texts[i])
                     && *spot == s
                 {
-                    let new = if *object {
+                    let mut new = if *object {
                         text_part(Shape::Chat, t)
                     } else {
                         t.clone().into_bytes()
                     };
+                    // Inside JSON strings: encoded as deep as the image was.
+                    for _ in 0..*escapes {
+                        let q = quote(&String::from_utf8_lossy(&new));
+                        new = q[1..q.len() - 1].to_vec();
+                    }
                     edits.push((range.clone(), new));
                 }
             }

@@ -243,6 +243,62 @@ fn base64_hidden_in_tool_text_is_found() {
 }
 
 #[test]
+fn images_in_json_strings_inside_tool_text_and_bare_part_content_are_found() {
+    let png = fixture("chart.png");
+    let b64 = base64_simd::STANDARD.encode_to_string(&png);
+    let mcp = json!({"content": [
+        {"type": "text", "text": "a \"quoted\" caption é"},
+        {"type": "image", "data": b64, "mimeType": "image/png"}
+    ]});
+    // json.dumps({"result": json.dumps(mcp)}), and once more around that.
+    let twice = json!({"result": mcp.to_string(), "n": 1}).to_string();
+    let thrice = json!({"outer": twice.clone()}).to_string();
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "shot please"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "s", "arguments": "{}"}},
+            {"id": "t2", "type": "function", "function": {"name": "s", "arguments": "{}"}},
+            {"id": "t3", "type": "function", "function": {"name": "s", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": twice},
+        {"role": "tool", "tool_call_id": "t2", "content": thrice},
+        {"role": "tool", "tool_call_id": "t3", "content": {"type": "image", "data": b64, "mimeType": "image/png"}}
+    ]});
+    let body = serde_json::to_vec(&body).unwrap();
+    let out = strip(&body, Shape::Chat);
+    assert_eq!(out.report.images_replaced, 3);
+    let new = parse(out.body.as_deref().unwrap());
+    assert_no_images(&new);
+    assert!(!String::from_utf8_lossy(out.body.as_deref().unwrap()).contains(&b64[..64]));
+    // Each level is still valid JSON, with the rest of it as it was.
+    let level1: Value =
+        serde_json::from_str(new["messages"][2]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(level1["n"], 1);
+    let level2: Value = serde_json::from_str(level1["result"].as_str().unwrap()).unwrap();
+    assert_eq!(level2["content"][0], mcp["content"][0]);
+    assert_eq!(level2["content"][1]["type"], "text");
+    assert!(
+        level2["content"][1]["text"]
+            .as_str()
+            .unwrap()
+            .contains("image/png 320x200")
+    );
+    let deep: Value =
+        serde_json::from_str(new["messages"][3]["content"].as_str().unwrap()).unwrap();
+    let deep: Value = serde_json::from_str(deep["outer"].as_str().unwrap()).unwrap();
+    let deep: Value = serde_json::from_str(deep["result"].as_str().unwrap()).unwrap();
+    assert_eq!(deep["content"][1]["type"], "text");
+    // A bare part as content: replaced where it is, the pairing kept.
+    assert_eq!(new["messages"][4]["tool_call_id"], "t3");
+    assert_eq!(new["messages"][4]["content"]["type"], "text");
+    // A vision model: nothing changes.
+    assert!(
+        rewrite(&body, &Plan::images_only(Shape::Chat, true, false))
+            .body
+            .is_none()
+    );
+}
+
+#[test]
 fn vision_models_and_imageless_requests_are_untouched() {
     let body = fixture("chat-image-vision-stream.json");
     let out = rewrite(&body, &Plan::images_only(Shape::Chat, true, false));
