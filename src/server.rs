@@ -217,6 +217,10 @@ async fn serve_then_wait(
     result
 }
 
+/// A request head (HTTP/2: a header list) larger than this is refused
+/// (HTTP/1.1: 431).
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+
 /// Accept errors back off from this…
 const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
 /// …doubling up to this, and reset by the next accepted connection.
@@ -247,10 +251,12 @@ async fn serve(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(header_timeout)
+        .max_buf_size(MAX_HEAD_BYTES);
     builder
         .http2()
         .timer(TokioTimer::new())
+        .max_header_list_size(MAX_HEAD_BYTES as u32)
         .keep_alive_interval(H2_PING_EVERY)
         .keep_alive_timeout(H2_PING_TIMEOUT);
     let builder = Arc::new(builder);

@@ -249,6 +249,9 @@ impl JsonScanner {
                         continue;
                     };
                     self.capture(&chunk[i..i + off]);
+                    if self.state == State::Failed {
+                        return; // the model is too long
+                    }
                     i += off;
                     match chunk[i] {
                         b'"' => self.end_string(key),
@@ -261,6 +264,9 @@ impl JsonScanner {
                 }
                 State::Escape { key } => {
                     self.capture(&[b]);
+                    if self.state == State::Failed {
+                        return;
+                    }
                     self.state = match b {
                         b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
                             State::Str { key }
@@ -274,6 +280,9 @@ impl JsonScanner {
                         return self.fail(i, "invalid \\u escape in a string");
                     }
                     self.capture(&[b]);
+                    if self.state == State::Failed {
+                        return;
+                    }
                     self.state = if left == 1 {
                         State::Str { key }
                     } else {
@@ -683,6 +692,13 @@ mod tests {
         }
         assert!(probe(b"[1,2]").unwrap_err().contains("JSON object"));
         assert!(probe(br#"{"model":5}"#).unwrap_err().contains("string"));
+        // Too long: refused, in one piece or split anywhere (it once
+        // came out as an empty model).
+        let long = format!(r#"{{"model":"{}\u0041","messages":[]}}"#, "m".repeat(2000));
+        for piece in [1, 7, 100, 5000] {
+            let err = scan_in_pieces(long.as_bytes(), piece).unwrap_err();
+            assert!(err.contains("longer than"), "{piece}: {err}");
+        }
         let mut w = WholeBody::new(0);
         w.push(bytes::Bytes::from_static(
             b"{\"model\":\"m\",\"x\":\"\xc0\xae\"}",
