@@ -252,3 +252,29 @@ async fn at_shutdown_readyz_says_draining_for_the_drain_delay_while_serving() {
     let ended = tokio::time::timeout(Duration::from_secs(10), task).await;
     assert!(ended.is_ok(), "did not stop after the drain delay");
 }
+
+#[tokio::test]
+async fn an_idle_keep_alive_http1_connection_is_closed_at_the_header_timeout() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, CFG).await;
+    let mut s = TcpStream::connect(visor.addr).await.unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while http_message_len(&got).is_none() {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed before the response");
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(got.starts_with(b"HTTP/1.1 200"));
+    // Kept alive, then idle: closed after about a second.
+    assert!(
+        closed_within(&mut s, Duration::from_secs(8)).await,
+        "an idle keep-alive connection stayed open"
+    );
+}
