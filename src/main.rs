@@ -4,6 +4,21 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// Prints a line on stdout. A closed pipe (`visor check | head -3`) ends
+/// the program quietly, as `cat` would; another write error exits 1.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+            eprintln!("error: cannot write to stdout: {e}");
+            std::process::exit(1);
+        }
+    }};
+}
+
 use clap::{Parser, Subcommand, ValueEnum};
 use std::sync::Arc;
 use visor::config::Config;
@@ -195,12 +210,12 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
         return ExitCode::FAILURE;
     };
     let s = &cfg.server;
-    println!("{}: ok", path.display());
+    out!("{}: ok", path.display());
     for w in &cfg.warnings {
-        println!("warning: {w}");
+        out!("warning: {w}");
     }
-    println!("listen: {}", s.listen);
-    println!(
+    out!("listen: {}", s.listen);
+    out!(
         "limits: max_body_bytes={} connect={:?} first_byte={:?} idle={:?} request={:?} drain={:?}",
         s.max_body_bytes,
         s.connect_timeout,
@@ -210,14 +225,14 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
         s.drain_timeout
     );
     if s.api_keys.is_empty() {
-        println!("proxy keys: none (clients' own Authorization / x-api-key are forwarded)");
+        out!("proxy keys: none (clients' own Authorization / x-api-key are forwarded)");
     } else {
-        println!(
+        out!(
             "proxy keys: {} configured (clients must send one; it is never forwarded)",
             s.api_keys.len()
         );
     }
-    println!("routes (first match wins; requests without a model go to the first):");
+    out!("routes (first match wins; requests without a model go to the first):");
     let width = cfg
         .upstreams
         .iter()
@@ -230,7 +245,7 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
             None if s.api_keys.is_empty() => "client's key forwarded".to_owned(),
             None => "no credential".to_owned(),
         };
-        println!(
+        out!(
             "  {:width$}  {}  models={}  ({credential})",
             u.name,
             u.base_url,
@@ -242,32 +257,33 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
     };
     let table = &off.table;
     match &off.note {
-        None => println!("store: {}", cfg.store.backend),
-        Some(n) => println!("store: {} — {n}", cfg.store.backend),
+        None => out!("store: {}", cfg.store.backend),
+        Some(n) => out!("store: {} — {n}", cfg.store.backend),
     }
-    println!(
+    out!(
         "model table: {} user rows, {} built-in rows, {} learned rows (first match wins, in that order)",
         cfg.models.len(),
         table.builtin_len(),
         table.learned.len()
     );
     for (pattern, caps) in table.user_rows() {
-        println!("  user     {pattern:?}  {}", caps_text(caps));
+        out!("  user     {pattern:?}  {}", caps_text(caps));
     }
     for name in table.learned.names() {
-        println!("  learned  {name:?}  vision=false (refused images)");
+        out!("  learned  {name:?}  vision=false (refused images)");
     }
-    println!(
+    out!(
         "images: non_vision={} artifacts in {}",
         cfg.images.non_vision,
         cfg.artifacts_dir().display()
     );
     match cfg.dedup.enabled {
-        true => println!(
+        true => out!(
             "dedup: runs of at least {} lines and {} bytes",
-            cfg.dedup.min_run_lines, cfg.dedup.min_run_bytes
+            cfg.dedup.min_run_lines,
+            cfg.dedup.min_run_bytes
         ),
-        false => println!("dedup: off"),
+        false => out!("dedup: off"),
     }
     let d = &cfg.describer;
     let describer_upstream = d
@@ -275,14 +291,17 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
         .clone()
         .or_else(|| cfg.upstreams.first().map(|u| u.name.clone()))
         .unwrap_or_default();
-    println!(
+    out!(
         "describer: model {} on upstream {describer_upstream}, prompt v{PROMPT_VERSION}, timeout {}s, concurrency {}, on_miss={}",
-        d.model, d.timeout_secs, d.concurrency, d.on_miss
+        d.model,
+        d.timeout_secs,
+        d.concurrency,
+        d.on_miss
     );
     if let Some(m) = model {
         let r = table.resolve(m, None);
-        println!("model {m:?}: {}", caps_text(&r.caps));
-        println!(
+        out!("model {m:?}: {}", caps_text(&r.caps));
+        out!(
             "  images {} — decided by {}",
             if r.vision {
                 "sent as they are"
@@ -391,7 +410,7 @@ fn explain(
     });
     match serde_json::to_string_pretty(&out) {
         Ok(s) => {
-            println!("{s}");
+            out!("{s}");
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -28,6 +28,23 @@ fn check_accepts_the_shipped_config_and_prints_routes() {
     );
 }
 
+/// `visor check | head -3`: a reader that left ends visor quietly (exit 0,
+/// no panic, no backtrace).
+#[test]
+fn a_closed_stdout_pipe_ends_check_quietly() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = visor()
+        .arg("check")
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 #[test]
 fn check_names_the_key_the_value_and_why() {
     let path = temp_config(

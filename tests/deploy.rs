@@ -294,6 +294,29 @@ fn compose_and_dockerfile() {
         assert!(docker.contains(needed), "Dockerfile lacks {needed}");
     }
     assert!(docker.matches("FROM ").count() >= 2, "multi-stage");
+    // The health check follows the port visor is told to listen on.
+    let health = docker
+        .lines()
+        .find(|l| l.starts_with("HEALTHCHECK"))
+        .unwrap();
+    assert!(
+        health.contains("${VISOR_PORT}") && !health.contains("8787"),
+        "{health}"
+    );
+    let cmd = docker.lines().find(|l| l.starts_with("CMD")).unwrap();
+    assert!(
+        cmd.contains("exec visor serve") && cmd.contains("${VISOR_PORT}"),
+        "{cmd}"
+    );
+    // The build context is the repository root: target/ and .git stay out.
+    let ignore = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/.dockerignore"))
+        .expect(".dockerignore at the repository root");
+    for needed in ["target/", ".git/"] {
+        assert!(
+            ignore.lines().any(|l| l.trim() == needed),
+            ".dockerignore lacks {needed}"
+        );
+    }
 }
 
 #[test]
