@@ -99,6 +99,10 @@ pub struct Found {
     site: Site,
     bytes: Option<Bytes>,
     pending: Option<Pending>,
+    /// Prompt-cache markers of the part (`"cache_control": …`,
+    /// `"prompt_cache_breakpoint": …` members, their byte ranges in the
+    /// body): the text that replaces the part carries them.
+    markers: Vec<Range<usize>>,
 }
 
 impl Found {
@@ -253,6 +257,9 @@ struct Msg {
     /// The unit being walked, and the last one given out.
     unit: u32,
     units: u32,
+    /// A part of this message carries a prompt-cache marker: its content
+    /// array is never collapsed into a string (the marker would go).
+    cache_markers: bool,
 }
 
 /// The fields of a content part the classifier needs.
@@ -272,6 +279,9 @@ struct PartFields {
     file_id: Option<Str>,
     text: Option<Str>,
     tool_use_id: Option<Str>,
+    /// `"cache_control": …` and `"prompt_cache_breakpoint": …` members
+    /// (key through value).
+    markers: Vec<Range<usize>>,
 }
 
 impl PartFields {
@@ -283,6 +293,9 @@ impl PartFields {
         let string = kind == Kind::String;
         if string && k("type") {
             self.ty = Some(c.string()?);
+        } else if k("cache_control") || k("prompt_cache_breakpoint") {
+            let value = c.skip()?;
+            self.markers.push(key.range.start..value.end);
         } else if k("image_url") {
             match kind {
                 Kind::String => self.image_url = Some(c.string()?),
@@ -373,6 +386,7 @@ impl Walker<'_> {
             spots: Vec::new(),
             unit: 0,
             units: 0,
+            cache_markers: false,
         };
         let mut content: Option<ContentArray> = None;
         let mut call_id: Option<Str> = None;
@@ -450,6 +464,7 @@ impl Walker<'_> {
         }
         if self.shape == Shape::Chat
             && tool_message
+            && !msg.cache_markers
             && let Some((range, parts, true)) = content
             && parts.iter().any(|p| matches!(p, PartRef::Image(_)))
         {
@@ -546,6 +561,7 @@ impl Walker<'_> {
             }
             Ok(())
         })?;
+        msg.cache_markers |= !f.markers.is_empty();
         let tool_result = f.ty.as_ref().is_some_and(|t| t.is(src, "tool_result"));
         let Some(ty) = f.ty.as_ref() else {
             return Ok(None);
@@ -555,6 +571,7 @@ impl Walker<'_> {
             self.out.images.truncate(images_before);
             msg.spots.truncate(spots_before);
             let (sha256, source, bytes, pending) = read_lazily(src, source, None);
+            msg.cache_markers |= !f.markers.is_empty();
             self.out.images.push(Found {
                 sha256,
                 source,
@@ -565,6 +582,7 @@ impl Walker<'_> {
                 site: Site::Part(range),
                 bytes: bytes.map(Bytes::from),
                 pending,
+                markers: std::mem::take(&mut f.markers),
             });
             return Ok(Some(PartRef::Image(self.out.images.len() - 1)));
         }
@@ -619,6 +637,7 @@ impl Walker<'_> {
                 },
                 bytes: bytes.map(Bytes::from),
                 pending,
+                markers: Vec::new(),
             });
         }
         self.out.spots[spot].text = Some(text);
@@ -1275,7 +1294,17 @@ impl Scan {
         let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::new();
         for (i, img) in self.images.iter().enumerate() {
             if let (Site::Part(range), Some(t)) = (&img.site, &texts[i]) {
-                edits.push((range.clone(), text_part(shape, t)));
+                let mut part = text_part(shape, t);
+                // The part's prompt-cache markers stay where they were.
+                for m in &img.markers {
+                    if let Some(member) = body.get(m.clone()) {
+                        part.pop();
+                        part.push(b',');
+                        part.extend_from_slice(member);
+                        part.push(b'}');
+                    }
+                }
+                edits.push((range.clone(), part));
             }
         }
         for (s, t) in spot_text.iter().enumerate() {

@@ -299,6 +299,61 @@ fn images_in_json_strings_inside_tool_text_and_bare_part_content_are_found() {
 }
 
 #[test]
+fn cache_markers_stay_on_the_text_that_replaces_an_image() {
+    let png = base64_simd::STANDARD.encode_to_string(fixture("chart.png"));
+    let cc = json!({"type": "ephemeral", "ttl": "1h"});
+    let body = json!({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}, "cache_control": cc},
+            {"type": "text", "text": "what is it?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "tu", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu", "cache_control": {"type": "ephemeral"}, "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}, "cache_control": {"type": "ephemeral"}}]}]}
+    ]});
+    let out = strip(&serde_json::to_vec(&body).unwrap(), Shape::Messages);
+    let new = parse(out.body.as_deref().unwrap());
+    assert_no_images(&new);
+    let first = &new["messages"][0]["content"][0];
+    assert_eq!(first["type"], "text");
+    assert_eq!(first["cache_control"], cc, "{first}");
+    let result = &new["messages"][2]["content"][0];
+    assert_eq!(result["cache_control"], json!({"type": "ephemeral"}));
+    assert_eq!(
+        result["content"][0]["cache_control"],
+        json!({"type": "ephemeral"})
+    );
+    // Chat: a part's prompt_cache_breakpoint stays; a tool message whose
+    // parts carry markers keeps its array (a string would lose them).
+    let chat = json!({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{png}")}, "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "t", "type": "function", "function": {"name": "s", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t", "content": [
+            {"type": "text", "text": "shot", "cache_control": {"type": "ephemeral"}},
+            {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{png}")}}]}
+    ]});
+    let out = strip(&serde_json::to_vec(&chat).unwrap(), Shape::Chat);
+    let new = parse(out.body.as_deref().unwrap());
+    assert_no_images(&new);
+    assert_eq!(
+        new["messages"][0]["content"][0]["prompt_cache_breakpoint"],
+        json!({"mode": "explicit"})
+    );
+    let tool = &new["messages"][2]["content"];
+    assert!(tool.is_array(), "{tool}");
+    assert_eq!(tool[0]["cache_control"], json!({"type": "ephemeral"}));
+    // Counting every marker: as many arrive as were sent.
+    let sent = serde_json::to_string(&body)
+        .unwrap()
+        .matches("cache_control")
+        .count();
+    let out = strip(&serde_json::to_vec(&body).unwrap(), Shape::Messages);
+    let arrived = String::from_utf8_lossy(out.body.as_deref().unwrap())
+        .matches("cache_control")
+        .count();
+    assert_eq!(sent, arrived);
+}
+
+#[test]
 fn vision_models_and_imageless_requests_are_untouched() {
     let body = fixture("chat-image-vision-stream.json");
     let out = rewrite(&body, &Plan::images_only(Shape::Chat, true, false));
