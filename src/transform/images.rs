@@ -282,6 +282,14 @@ struct PartFields {
     /// `"cache_control": …` and `"prompt_cache_breakpoint": …` members
     /// (key through value).
     markers: Vec<Range<usize>>,
+    /// A bare `url` (LangChain standard blocks, Vercel `image-url`).
+    url: Option<Str>,
+    /// An Anthropic `document` whose `source` is `{"type":"content",
+    /// "content":[…]}`: where that content array is (it may hold images).
+    source_content: Option<Range<usize>>,
+    /// An MCP embedded resource's `blob` and `mimeType`.
+    resource_blob: Option<Str>,
+    resource_mime: Option<Str>,
 }
 
 impl PartFields {
@@ -317,9 +325,22 @@ impl PartFields {
                     c.skip()?;
                 }
             }
-        } else if string && k("data") {
+        } else if string && (k("data") || k("base64")) {
             self.data = Some(c.string()?);
-        } else if string && (k("mimeType") || k("mime_type") || k("media_type")) {
+        } else if string && k("url") {
+            self.url = Some(c.string()?);
+        } else if kind == Kind::Object && k("resource") {
+            c.object(|c, key| {
+                if c.kind()? == Kind::String && key.is(src, "blob") {
+                    self.resource_blob = Some(c.string()?);
+                } else if c.kind()? == Kind::String && key.is(src, "mimeType") {
+                    self.resource_mime = Some(c.string()?);
+                } else {
+                    c.skip()?;
+                }
+                Ok(())
+            })?;
+        } else if string && (k("mimeType") || k("mime_type") || k("media_type") || k("mediaType")) {
             self.media_type = Some(c.string()?);
         } else if string && k("file_id") {
             self.file_id = Some(c.string()?);
@@ -335,6 +356,10 @@ impl PartFields {
             }
             c.object(|c, key| {
                 let sk = |name: &str| key.is(src, name);
+                if sk("content") && c.kind()? == Kind::Array {
+                    self.source_content = Some(c.skip()?);
+                    return Ok(());
+                }
                 let slot = if c.kind()? != Kind::String {
                     None
                 } else if sk("type") {
@@ -415,7 +440,9 @@ impl Walker<'_> {
         })?;
         let role = role.and_then(|r| r.decode(src)).map(|r| r.into_owned());
         let is_output = ty.as_ref().is_some_and(|t| {
-            t.is(src, "function_call_output") || t.is(src, "custom_tool_call_output")
+            t.is(src, "function_call_output")
+                || t.is(src, "custom_tool_call_output")
+                || t.is(src, "computer_call_output")
         });
         let kind = role_of(
             role.as_deref(),
@@ -562,6 +589,15 @@ impl Walker<'_> {
             Ok(())
         })?;
         msg.cache_markers |= !f.markers.is_empty();
+        // An Anthropic document (or search result) whose source is content
+        // blocks: images among them are images like any other.
+        if let Some(inner) = f.source_content.take()
+            && f.ty.as_ref().is_some_and(|t| t.is(src, "document"))
+        {
+            let mut sub = Cursor::at(src, inner.start);
+            let p = format!("{path}.source.content");
+            self.content(&mut sub, msg, &p, in_tool, depth + 1)?;
+        }
         let tool_result = f.ty.as_ref().is_some_and(|t| t.is(src, "tool_result"));
         let Some(ty) = f.ty.as_ref() else {
             return Ok(None);
@@ -704,10 +740,51 @@ fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
                 Raw::Broken("image source of an unknown type")
             });
         }
-        return Some(match (&f.data, &f.image_url) {
-            (Some(d), _) => Raw::Base64(d.clone(), f.media_type.clone()),
-            (None, Some(u)) => url_like(u),
-            (None, None) => Raw::Broken("image part without data or source"),
+        // MCP `image`, LangChain standard blocks (`data`/`base64`, `url`,
+        // `file_id`).
+        return Some(
+            match (&f.data, f.image_url.as_ref().or(f.url.as_ref()), &f.file_id) {
+                (Some(d), _, _) => Raw::Base64(d.clone(), f.media_type.clone()),
+                (None, Some(u), _) => url_like(u),
+                (None, None, Some(id)) => Raw::File(id.clone()),
+                (None, None, None) => Raw::Broken("image part without data or source"),
+            },
+        );
+    }
+    let image_media = |m: &Option<Str>| {
+        m.as_ref()
+            .and_then(|m| m.decode(src))
+            .is_some_and(|m| m.to_ascii_lowercase().starts_with("image/"))
+    };
+    // Vercel AI SDK tool output parts (v6 `image-data` / `image-url`,
+    // `file-data` of an image type; v5 `media`).
+    if ty.is(src, "image-data")
+        || ((ty.is(src, "media") || ty.is(src, "file-data")) && image_media(&f.media_type))
+    {
+        return Some(match &f.data {
+            Some(d) => Raw::Base64(d.clone(), f.media_type.clone()),
+            None => Raw::Broken("image data part without data"),
+        });
+    }
+    if ty.is(src, "image-url") {
+        return Some(match f.url.as_ref().or(f.image_url.as_ref()) {
+            Some(u) => url_like(u),
+            None => Raw::Broken("image-url part without a url"),
+        });
+    }
+    // Responses computer use: `computer_call_output.output`.
+    if ty.is(src, "computer_screenshot") {
+        return Some(match (&f.image_url, &f.file_id) {
+            (Some(u), _) => url_like(u),
+            (None, Some(id)) => Raw::File(id.clone()),
+            (None, None) => Raw::Broken("computer_screenshot without image_url or file_id"),
+        });
+    }
+    // MCP embedded resource holding an image.
+    if ty.is(src, "resource") && image_media(&f.resource_mime) {
+        return Some(match &f.resource_blob {
+            Some(b) => Raw::Base64(b.clone(), f.resource_mime.clone()),
+            None => Raw::Broken("image resource without a blob"),
         });
     }
     None

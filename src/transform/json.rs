@@ -69,6 +69,11 @@ impl<'a> Cursor<'a> {
         Self { src, pos: 0 }
     }
 
+    /// A cursor on the value that starts at `pos` of `src`.
+    pub fn at(src: &'a [u8], pos: usize) -> Self {
+        Self { src, pos }
+    }
+
     pub fn src(&self) -> &'a [u8] {
         self.src
     }

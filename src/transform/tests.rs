@@ -298,6 +298,79 @@ fn images_in_json_strings_inside_tool_text_and_bare_part_content_are_found() {
     );
 }
 
+/// The image shapes real SDKs send, each found and replaced for a
+/// text-only model: Vercel AI SDK tool output (v6 `image-data`,
+/// `image-url`, `file-data`; v5 `media`) as JSON text, Responses
+/// `computer_call_output` screenshots, MCP embedded resources, LangChain
+/// standard blocks, an Anthropic document made of content blocks.
+#[test]
+fn image_shapes_of_real_sdks_are_found() {
+    let png = base64_simd::STANDARD.encode_to_string(fixture("chart.png"));
+    let url = format!("data:image/png;base64,{png}");
+    let vercel = json!([
+        {"type": "text", "text": "took it"},
+        {"type": "image-data", "data": png, "mediaType": "image/png"},
+        {"type": "media", "data": png, "mediaType": "image/png"},
+        {"type": "file-data", "data": png, "mediaType": "image/png"},
+        {"type": "image-url", "url": "https://example.com/a.png"},
+        {"type": "file-data", "data": "JVBERi0=", "mediaType": "application/pdf"}
+    ]);
+    let mcp = json!({"content": [
+        {"type": "resource", "resource": {"uri": "file:///s.png", "mimeType": "image/png", "blob": png}},
+        {"type": "resource", "resource": {"uri": "file:///a.txt", "mimeType": "text/plain", "text": "hello"}},
+        {"type": "resource_link", "uri": "file:///b.png", "name": "b"}
+    ]});
+    let chat = json!({"model": "m", "messages": [
+        {"role": "user", "content": [
+            {"type": "image", "source_type": "base64", "data": png, "mime_type": "image/png"},
+            {"type": "image", "url": "https://example.com/l.png"},
+            {"type": "image", "base64": png, "mime_type": "image/png"}]},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "v", "type": "function", "function": {"name": "s", "arguments": "{}"}},
+            {"id": "m", "type": "function", "function": {"name": "s", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "v", "content": vercel.to_string()},
+        {"role": "tool", "tool_call_id": "m", "content": mcp.to_string()}
+    ]});
+    let out = strip(&serde_json::to_vec(&chat).unwrap(), Shape::Chat);
+    assert_eq!(out.report.images_replaced, 3 + 4 + 1, "{:?}", out.report);
+    let new = parse(out.body.as_deref().unwrap());
+    assert_no_images(&new);
+    assert!(!String::from_utf8_lossy(out.body.as_deref().unwrap()).contains(&png[100..160]));
+    let v: Value = serde_json::from_str(new["messages"][2]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(v[0], json!({"type": "text", "text": "took it"}));
+    assert_eq!(v[5]["mediaType"], "application/pdf", "not an image: kept");
+    let m: Value = serde_json::from_str(new["messages"][3]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(m["content"][1]["resource"]["text"], "hello");
+    assert_eq!(m["content"][2]["type"], "resource_link");
+
+    let responses = json!({"model": "m", "input": [
+        {"type": "computer_call", "call_id": "c1", "action": {"type": "screenshot"}},
+        {"type": "computer_call_output", "call_id": "c1", "output": {"type": "computer_screenshot", "image_url": url}}
+    ]});
+    let out = strip(&serde_json::to_vec(&responses).unwrap(), Shape::Responses);
+    assert_eq!(out.report.images_replaced, 1);
+    let new = parse(out.body.as_deref().unwrap());
+    assert_no_images(&new);
+    assert!(!String::from_utf8_lossy(out.body.as_deref().unwrap()).contains(&png[100..160]));
+    assert_eq!(new["input"][1]["call_id"], "c1");
+    assert_eq!(new["input"][1]["output"]["type"], "input_text");
+
+    let messages = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "content", "content": [
+            {"type": "text", "text": "page 1"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}},
+        {"type": "text", "text": "summarise"}]}]});
+    let out = strip(&serde_json::to_vec(&messages).unwrap(), Shape::Messages);
+    assert_eq!(out.report.images_replaced, 1);
+    let new = parse(out.body.as_deref().unwrap());
+    assert_no_images(&new);
+    assert!(!String::from_utf8_lossy(out.body.as_deref().unwrap()).contains(&png[100..160]));
+    assert_eq!(
+        new["messages"][0]["content"][0]["source"]["content"][1]["type"],
+        "text"
+    );
+}
+
 #[test]
 fn cache_markers_stay_on_the_text_that_replaces_an_image() {
     let png = base64_simd::STANDARD.encode_to_string(fixture("chart.png"));
