@@ -47,10 +47,11 @@ async fn prepend(store: &Store, request: &Value) -> usize {
         .iter()
         .map(|b| serde_json::from_slice(b).unwrap())
         .collect();
-    let merged = sessions::merge(messages, &stored, 25);
-    let mut out = request.clone();
-    out["messages"] = Value::Array(merged.messages);
-    serde_json::to_vec(&out).unwrap().len()
+    let merged = sessions::merge(&messages, &stored, 25);
+    let body = serde_json::to_vec(request).unwrap();
+    sessions::insert_items(&body, "messages", merged.at, &merged.history)
+        .unwrap()
+        .len()
 }
 
 fn bench(c: &mut Criterion) {
@@ -111,7 +112,7 @@ fn bench(c: &mut Criterion) {
     g.bench_function("merge-25", |b| {
         b.iter(|| {
             let messages = request["messages"].as_array().unwrap().clone();
-            sessions::merge(messages, &stored, 25).messages.len()
+            sessions::merge(&messages, &stored, 25).history.len()
         })
     });
     g.finish();

@@ -59,49 +59,199 @@ pub fn store_key(namespace: Option<&str>, id: &str) -> String {
 /// A request's messages merged with its session's history.
 #[derive(Debug, Default, PartialEq)]
 pub struct Merged {
-    /// What is sent upstream: the client's leading system messages, the
-    /// history, then the client's new messages.
-    pub messages: Vec<Value>,
+    /// Where the history goes among the client's messages: before the
+    /// client's message at this index (after its leading system and
+    /// developer messages).
+    pub at: usize,
+    /// The stored messages to insert there: the newest `depth` the client
+    /// does not hold itself (often none).
+    pub history: Vec<Value>,
     /// The client's messages that are not stored yet (to store with the
     /// reply).
     pub new: Vec<Value>,
-    /// Stored messages prepended.
+    /// Stored messages inserted (`history.len()`).
     pub history_used: usize,
 }
 
-/// Merges the client's `messages` with `stored` (oldest first): the
-/// client's leading system and developer messages come first; client
-/// messages that repeat the stored tail (compared by content, see
-/// [`fingerprint`]) are not sent twice or stored again; then the newest
-/// `depth` stored messages, never starting on a tool result whose call was
-/// cut off; then the new messages.
-pub fn merge(messages: Vec<Value>, stored: &[Value], depth: usize) -> Merged {
+impl Merged {
+    /// The messages sent upstream: the client's, with the history at `at`.
+    pub fn messages(&self, client: &[Value]) -> Vec<Value> {
+        let at = self.at.min(client.len());
+        let mut out = client[..at].to_vec();
+        out.extend(self.history.iter().cloned());
+        out.extend(client[at..].iter().cloned());
+        out
+    }
+}
+
+/// Merges the client's `messages` with `stored` (oldest first). The
+/// client's own messages are always sent as they came; visor only inserts
+/// the stored messages the client does not hold, after its leading system
+/// and developer messages.
+///
+/// Messages are compared by content ([`fingerprint`]), leaving out what
+/// clients add or visor does not store: system and developer messages
+/// anywhere (Claude Code puts some mid-conversation), reasoning items
+/// (Codex), ids, statuses, key order, thinking blocks.
+///
+/// - A client that sends only new messages (no assistant turn of its own):
+///   the newest `depth` stored messages go first, never starting on a tool
+///   result whose call was cut off; client messages that repeat the stored
+///   tail are not sent twice or stored again.
+/// - A client that re-sends the conversation itself (it holds assistant
+///   turns: agent CLIs, SDK loops): when its first messages are the stored
+///   tail from some point, only the stored messages before that point are
+///   inserted (none when it holds them all); when the stored tail sits
+///   further in, or nowhere (the client compacted or edited its history),
+///   nothing is inserted. New are the messages after its copy of the stored
+///   tail, else those after its last assistant turn.
+pub fn merge(messages: &[Value], stored: &[Value], depth: usize) -> Merged {
     let system = messages
         .iter()
         .take_while(|m| matches!(role(m), "system" | "developer"))
         .count();
-    let mut messages = messages;
-    let rest = messages.split_off(system);
-    let stored_fp: Vec<String> = stored.iter().map(fingerprint).collect();
-    let rest_fp: Vec<String> = rest.iter().map(fingerprint).collect();
-    let most = rest.len().min(stored.len());
-    let overlap = (1..=most)
-        .rev()
-        .find(|&k| stored_fp[stored.len() - k..] == rest_fp[..k])
-        .unwrap_or(0);
-    let new: Vec<Value> = rest.into_iter().skip(overlap).collect();
-    let mut from = stored.len().saturating_sub(depth);
-    while from < stored.len() && tool_result(&stored[from]) {
-        from += 1;
-    }
-    let history = &stored[from..];
-    let mut out = messages;
-    out.extend(history.iter().cloned());
-    out.extend(new.iter().cloned());
+    let rest = &messages[system..];
+    let compared = |ms: &[Value]| -> (Vec<usize>, Vec<String>) {
+        ms.iter()
+            .enumerate()
+            .filter(|(_, m)| !not_compared(m))
+            .map(|(i, m)| (i, fingerprint(m)))
+            .unzip()
+    };
+    let (ci, cf) = compared(rest);
+    let (si, sf) = compared(stored);
+    // Everything in `rest` after its comparable message number `n - 1`.
+    let after = |n: usize| -> usize { if n == 0 { 0 } else { ci[n - 1] + 1 } };
+    // The newest `depth` stored messages at most (counted from the end of
+    // what is stored), never opening on a tool result without its call.
+    let limit_from = |end: usize| -> usize {
+        let mut from = stored.len().saturating_sub(depth);
+        while from < end && tool_result(&stored[from]) {
+            from += 1;
+        }
+        from.min(end)
+    };
+    let (history_end, new_from) = if !rest.iter().any(model_produced) {
+        // Only new messages (perhaps repeating the stored tail).
+        let most = cf.len().min(sf.len());
+        let k = (1..=most)
+            .rev()
+            .find(|&k| sf[sf.len() - k..] == cf[..k])
+            .unwrap_or(0);
+        let end = if k == 0 {
+            stored.len()
+        } else {
+            si[sf.len() - k]
+        };
+        (Some(end), after(k))
+    } else if let Some(q) =
+        (0..sf.len()).find(|&q| sf.len() - q <= cf.len() && sf[q..] == cf[..sf.len() - q])
+    {
+        // The client's first messages are the stored tail from `q`.
+        (Some(si[q]), after(sf.len() - q))
+    } else if let Some(p) = (0..cf.len()).rev().find(|&p| {
+        !sf.is_empty() && {
+            let n = (p + 1).min(sf.len());
+            (0..n).all(|i| cf[p - i] == sf[sf.len() - 1 - i])
+        }
+    }) {
+        // The stored tail sits further in: the client holds more.
+        (None, after(p + 1))
+    } else {
+        // Diverged (compacted, edited): what follows its last turn is new.
+        let last = rest.iter().rposition(model_produced).map_or(0, |i| i + 1);
+        (None, last)
+    };
+    let history: Vec<Value> = match history_end {
+        Some(end) => stored[limit_from(end)..end].to_vec(),
+        None => Vec::new(),
+    };
+    let new = rest[new_from.min(rest.len())..]
+        .iter()
+        .filter(|m| !not_compared(m))
+        .cloned()
+        .collect();
     Merged {
-        messages: out,
+        at: system,
         history_used: history.len(),
+        history,
         new,
+    }
+}
+
+/// `body` with `items` inserted into its top-level array `key` before the
+/// element at `at` (at its end when `at` is past it); every other byte as
+/// it was. `None` when `body` has no such array.
+pub fn insert_items(body: &[u8], key: &str, at: usize, items: &[Value]) -> Option<Vec<u8>> {
+    use crate::transform::json::{Cursor, Kind};
+    let mut c = Cursor::new(body);
+    let mut spot: Option<(usize, bool)> = None; // (byte offset, comma after)
+    c.object(|c, k| {
+        if spot.is_none() && k.is(body, key) && c.kind()? == Kind::Array {
+            let mut starts = Vec::new();
+            let range = c.array(|c, _| {
+                let r = c.skip()?;
+                starts.push(r);
+                Ok(())
+            })?;
+            spot = Some(match starts.get(at) {
+                Some(r) => (r.start, true),
+                None => match starts.last() {
+                    Some(r) => (r.end, false),
+                    None => (range.start + 1, true),
+                },
+            });
+            Ok(())
+        } else {
+            c.skip().map(drop)
+        }
+    })
+    .ok()?;
+    let (offset, comma_after) = spot?;
+    let empty = items.is_empty();
+    let mut joined = Vec::new();
+    for (i, m) in items.iter().enumerate() {
+        if i > 0 {
+            joined.push(b',');
+        }
+        serde_json::to_writer(&mut joined, m).ok()?;
+    }
+    let mut out = Vec::with_capacity(body.len() + joined.len() + 2);
+    out.extend_from_slice(&body[..offset]);
+    if !empty {
+        // Before an element: `h1,h2,` ; after the last one: `,h1,h2`; into an
+        // empty array: `h1,h2`.
+        let array_empty =
+            comma_after && body[offset..].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b']');
+        if !comma_after {
+            out.push(b',');
+        }
+        out.extend_from_slice(&joined);
+        if comma_after && !array_empty {
+            out.push(b',');
+        }
+    }
+    out.extend_from_slice(&body[offset..]);
+    Some(out)
+}
+
+/// Messages the overlap leaves out: system and developer messages (not
+/// stored), reasoning items (not stored: they belong to the provider).
+fn not_compared(m: &Value) -> bool {
+    matches!(role(m), "system" | "developer")
+        || m.get("type").and_then(Value::as_str) == Some("reasoning")
+}
+
+/// What the model produced: an assistant message, or a Responses output
+/// item (a function call, a reasoning item…), as a client sends it back.
+fn model_produced(m: &Value) -> bool {
+    match (
+        m.get("role").and_then(Value::as_str),
+        m.get("type").and_then(Value::as_str),
+    ) {
+        (Some(r), _) => r == "assistant",
+        (None, Some(t)) => !t.ends_with("_output") && t != "message" && t != "item_reference",
+        (None, None) => false,
     }
 }
 
@@ -173,6 +323,8 @@ pub fn fingerprint(m: &Value) -> String {
 /// the part without null fields.
 fn part_text(p: &Value) -> String {
     match p.get("type").and_then(Value::as_str) {
+        // Thinking is the provider's (and visor stores none).
+        Some("thinking" | "redacted_thinking" | "reasoning") => String::new(),
         Some("text" | "input_text" | "output_text") => p
             .get("text")
             .and_then(Value::as_str)
@@ -489,9 +641,10 @@ mod tests {
     fn history_goes_between_the_system_prompt_and_the_new_messages() {
         let stored = vec![user("a"), assistant("A"), user("b"), assistant("B")];
         let sys = json!({"role": "system", "content": "be brief"});
-        let m = merge(vec![sys.clone(), user("c")], &stored, 25);
+        let client = vec![sys.clone(), user("c")];
+        let m = merge(&client, &stored, 25);
         assert_eq!(
-            m.messages,
+            m.messages(&client),
             vec![
                 sys.clone(),
                 user("a"),
@@ -503,12 +656,46 @@ mod tests {
         );
         assert_eq!(m.new, vec![user("c")]);
         assert_eq!(m.history_used, 4);
-        let m = merge(vec![user("c")], &stored, 2);
+        let m = merge(&[user("c")], &stored, 2);
         assert_eq!(
-            m.messages,
+            m.messages(&[user("c")]),
             vec![user("b"), assistant("B"), user("c")],
             "depth"
         );
+    }
+
+    #[test]
+    fn history_is_spliced_into_the_client_bytes() {
+        let h = [user("h1"), assistant("H")];
+        let body = br#"{ "model" : "m", "messages" : [ {"role":"system","content":"s"} , {"role":"user","content":"new"} ], "x":1}"#;
+        let out = insert_items(body, "messages", 1, &h).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(
+            v["messages"],
+            json!([{"role":"system","content":"s"}, user("h1"), assistant("H"), user("new")])
+        );
+        // Every other byte as it was.
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.starts_with(
+                r#"{ "model" : "m", "messages" : [ {"role":"system","content":"s"} , "#
+            )
+        );
+        assert!(text.ends_with(r#"{"role":"user","content":"new"} ], "x":1}"#));
+        // At the end, into an empty array, nothing to insert, no array.
+        let v: Value =
+            serde_json::from_slice(&insert_items(body, "messages", 9, &h).unwrap()).unwrap();
+        assert_eq!(v["messages"][3], assistant("H"));
+        let v: Value = serde_json::from_slice(
+            &insert_items(br#"{"messages":[ ]}"#, "messages", 0, &h).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(v["messages"], json!([user("h1"), assistant("H")]));
+        assert_eq!(
+            insert_items(body, "messages", 0, &[]).unwrap(),
+            body.to_vec()
+        );
+        assert!(insert_items(br#"{"input":"text"}"#, "input", 0, &h).is_none());
     }
 
     #[test]
@@ -517,8 +704,18 @@ mod tests {
         // The SDK sends the reply back with fields of its own.
         let echoed =
             json!({"role": "assistant", "content": "A", "refusal": null, "annotations": []});
-        let m = merge(vec![user("a"), echoed, user("b")], &stored, 25);
-        assert_eq!(m.messages, vec![user("a"), assistant("A"), user("b")]);
+        let client = vec![user("a"), echoed, user("b")];
+        let m = merge(&client, &stored, 25);
+        // The client's own copies go, nothing is inserted.
+        assert_eq!(m.messages(&client), client);
+        assert_eq!(m.history_used, 0);
+        assert_eq!(m.new, vec![user("b")]);
+        // A client repeating only the stored tail's user message: not doubled.
+        let m = merge(&[user("a"), user("b")], &[user("a")], 25);
+        assert_eq!(
+            m.messages(&[user("a"), user("b")]),
+            vec![user("a"), user("b")]
+        );
         assert_eq!(m.new, vec![user("b")]);
     }
 
@@ -532,11 +729,14 @@ mod tests {
             result.clone(),
             assistant("it is 42"),
         ];
-        let m = merge(vec![user("b")], &stored, 2);
-        assert_eq!(m.messages, vec![assistant("it is 42"), user("b")]);
-        let m = merge(vec![user("b")], &stored, 3);
+        let m = merge(&[user("b")], &stored, 2);
         assert_eq!(
-            m.messages,
+            m.messages(&[user("b")]),
+            vec![assistant("it is 42"), user("b")]
+        );
+        let m = merge(&[user("b")], &stored, 3);
+        assert_eq!(
+            m.messages(&[user("b")]),
             vec![call, result, assistant("it is 42"), user("b")]
         );
     }

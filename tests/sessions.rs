@@ -154,32 +154,25 @@ async fn history_is_prepended_at_the_chosen_depth_and_never_doubled() {
     );
 
     // A client that re-sends what is stored (the SDK adds fields of its own
-    // to the replies it got) does not get it twice.
+    // to the replies it got) does not get it twice: its own copies go, byte
+    // for byte, and nothing it holds is inserted.
     let echoed = json!({"role": "assistant", "content": "re: third", "refusal": null});
+    let resent = json!([
+        user("again"),
+        assistant("re: again"),
+        user("third"),
+        echoed,
+        user("fourth")
+    ]);
     let (_, headers, _) = send(chat(
         &visor,
         "s1",
-        json!([
-            user("again"),
-            assistant("re: again"),
-            user("third"),
-            echoed,
-            user("fourth")
-        ]),
+        resent.clone(),
         &[("x-visor-history", "4")],
     ))
     .await;
-    assert_eq!(headers["x-visor-history-used"], "4");
-    assert_eq!(
-        sent_messages(&mock),
-        json!([
-            user("again"),
-            assistant("re: again"),
-            user("third"),
-            assistant("re: third"),
-            user("fourth")
-        ])
-    );
+    assert_eq!(headers["x-visor-history-used"], "0");
+    assert_eq!(sent_messages(&mock), resent);
     let (status, v) = stored(&visor, "s1", &[]).await;
     assert_eq!(status, 200);
     assert_eq!(v["session"], "s1");
@@ -208,7 +201,8 @@ async fn history_is_prepended_at_the_chosen_depth_and_never_doubled() {
     );
     assert_eq!(
         metric(&m, "visor_session_history_messages_sum", &[]),
-        Some(7.0)
+        Some(3.0),
+        "0 + 2 + 1 + 0 messages inserted"
     );
 }
 
@@ -491,4 +485,153 @@ async fn image_rules_apply_to_the_merged_request() {
     let sent = String::from_utf8(mock.recorded().pop().unwrap().body.to_vec()).unwrap();
     assert!(!sent.contains(";base64,"), "{sent}");
     assert!(sent.contains("not shown, this model cannot see images"));
+}
+
+/// A scripted agent upstream: each turn answers with one tool call (ids
+/// numbered by turn), in the request's API, until turn `turns`, then text.
+fn agent_upstream(req: &Recorded) -> Reply {
+    let v: Value = serde_json::from_slice(&req.body).unwrap_or_default();
+    let path = req.uri.path();
+    let items = if path.ends_with("/responses") {
+        &v["input"]
+    } else {
+        &v["messages"]
+    };
+    let n = items.as_array().map_or(0, Vec::len);
+    if path.ends_with("/messages") {
+        return Reply::json(
+            200,
+            json!({"id": format!("msg_{n}"), "type": "message", "role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hm", "signature": format!("sig{n}")},
+                {"type": "tool_use", "id": format!("toolu_{n}"), "name": "Bash", "input": {"command": "ls"}}
+            ], "stop_reason": "tool_use"})
+            .to_string(),
+        );
+    }
+    Reply::json(
+        200,
+        json!({"id": format!("resp_{n}"), "object": "response", "output": [
+            {"id": format!("rs_{n}"), "type": "reasoning", "summary": [], "encrypted_content": format!("enc{n}")},
+            {"id": format!("fc_{n}"), "type": "function_call", "status": "completed", "call_id": format!("call_{n}"), "name": "shell", "arguments": "{\"cmd\":\"ls\"}"}
+        ]})
+        .to_string(),
+    )
+}
+
+/// Every tool call id in a request body's items, in order.
+fn call_ids(items: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for m in items.as_array().unwrap() {
+        if m["type"] == "function_call" {
+            out.push(m["call_id"].as_str().unwrap().to_owned());
+        }
+        if let Some(parts) = m["content"].as_array() {
+            for p in parts {
+                if p["type"] == "tool_use" {
+                    out.push(p["id"].as_str().unwrap().to_owned());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Claude Code and Codex re-send the whole conversation every turn, with
+/// what visor does not store (a system message mid-conversation, thinking
+/// blocks, reasoning items, ids and statuses, cache_control moving to the
+/// newest message): through a session, each request reaches the upstream
+/// byte for byte as the client sent it, no tool call id is ever doubled,
+/// and the session holds every turn once.
+#[tokio::test]
+async fn agents_that_resend_their_history_are_never_doubled() {
+    let mock = MockUpstream::start(agent_upstream).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let post = |path: &str, session: &str, body: &Value| {
+        let mut req = post_json(&visor.url(path), serde_json::to_vec(body).unwrap());
+        req.headers_mut()
+            .insert("x-visor-session", session.parse().unwrap());
+        req
+    };
+
+    // Claude Code: Anthropic Messages, a system message in the middle.
+    let mut messages = vec![
+        json!({"role": "user", "content": [{"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}]}),
+    ];
+    for turn in 0..5 {
+        let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 100, "system": [{"type": "text", "text": "You are Claude Code."}], "messages": messages});
+        let before = mock.count();
+        let (status, headers, reply) = send(post("/v1/messages", "claude", &body)).await;
+        assert_eq!(status, 200);
+        assert_eq!(headers["x-visor-history-used"], "0", "turn {turn}");
+        let sent = mock.recorded()[before].clone();
+        assert_eq!(
+            sent.body,
+            serde_json::to_vec(&body).unwrap(),
+            "turn {turn}: not the client's bytes"
+        );
+        let ids = call_ids(&serde_json::from_slice::<Value>(&sent.body).unwrap()["messages"]);
+        let mut unique = ids.clone();
+        unique.dedup();
+        assert_eq!(ids.len(), unique.len(), "turn {turn}: {ids:?}");
+        // The client appends the reply and the tool result, moves
+        // cache_control, and sometimes adds a system message.
+        let reply: Value = serde_json::from_slice(&reply).unwrap();
+        let id = reply["content"][1]["id"].as_str().unwrap().to_owned();
+        for m in &mut messages {
+            if let Some(parts) = m["content"].as_array_mut() {
+                for p in parts {
+                    p.as_object_mut().unwrap().remove("cache_control");
+                }
+            }
+        }
+        messages.push(json!({"role": "assistant", "content": reply["content"]}));
+        if turn == 1 {
+            messages.push(json!({"role": "system", "content": "<system-reminder>todo list changed</system-reminder>"}));
+        }
+        messages.push(json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": id, "content": format!("out {turn}"), "cache_control": {"type": "ephemeral"}}]}));
+    }
+    let (_, v) = stored(&visor, "claude", &[]).await;
+    let kept = v["messages"].as_array().unwrap();
+    assert_eq!(kept.len(), 1 + 5 * 2 - 1, "every turn once: {v}");
+    assert!(!kept.iter().any(|m| m["role"] == "system"));
+
+    // Codex: Responses, reasoning items and ids sent back.
+    let mut input = vec![
+        json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list files"}]}),
+    ];
+    for turn in 0..5 {
+        let body = json!({"model": "gpt-5-codex", "instructions": "You are Codex.", "input": input, "store": false, "include": ["reasoning.encrypted_content"]});
+        let before = mock.count();
+        let (status, headers, reply) = send(post("/v1/responses", "codex", &body)).await;
+        assert_eq!(status, 200);
+        assert_eq!(headers["x-visor-history-used"], "0", "turn {turn}");
+        let sent = mock.recorded()[before].clone();
+        assert_eq!(sent.body, serde_json::to_vec(&body).unwrap(), "turn {turn}");
+        let ids = call_ids(&serde_json::from_slice::<Value>(&sent.body).unwrap()["input"]);
+        let mut unique = ids.clone();
+        unique.dedup();
+        assert_eq!(ids.len(), unique.len(), "turn {turn}: {ids:?}");
+        let reply: Value = serde_json::from_slice(&reply).unwrap();
+        for item in reply["output"].as_array().unwrap() {
+            input.push(item.clone());
+        }
+        let call = reply["output"][1]["call_id"].as_str().unwrap().to_owned();
+        input.push(json!({"type": "function_call_output", "call_id": call, "output": format!("a\nb {turn}")}));
+    }
+    let (_, v) = stored(&visor, "codex", &[]).await;
+    let kept = v["messages"].as_array().unwrap();
+    // The user message, then per turn the call (reasoning is not stored)
+    // and its output; the last output is stored with the next turn, which
+    // never came.
+    assert_eq!(kept.len(), 1 + 5 + 4, "{v}");
+    assert!(!kept.iter().any(|m| m["type"] == "reasoning"));
+
+    // A client that only sends what is new still gets the history.
+    let (_, headers, _) = send(post(
+        "/v1/messages",
+        "claude",
+        &json!({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "late"}]}]}),
+    ))
+    .await;
+    assert_ne!(headers["x-visor-history-used"], "0");
 }

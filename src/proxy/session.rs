@@ -83,6 +83,7 @@ pub async fn open(
     let mut request: Value =
         serde_json::from_slice(body).map_err(|e| VisorError::InvalidJson(e.to_string()))?;
     let items = sessions::items_key(shape);
+    let as_array = matches!(request.get(items), Some(Value::Array(_)));
     let messages = match request.get_mut(items).map(Value::take) {
         Some(Value::Array(m)) => m,
         // Responses: a string input is one user message.
@@ -107,19 +108,29 @@ pub async fn open(
         .iter()
         .filter_map(|b| serde_json::from_slice(b).ok())
         .collect();
-    let merged = sessions::merge(messages, &stored, depth);
+    let merged = sessions::merge(&messages, &stored, depth);
     state
         .metrics
         .session_history
         .observe(merged.history_used as f64);
-    request[items] = Value::Array(merged.messages);
-    let body = serde_json::to_vec(&request)
-        .map(Bytes::from)
-        .map_err(|e| VisorError::InvalidJson(e.to_string()))?;
+    // The client's messages go as they came: its bytes untouched when
+    // nothing is inserted, the history spliced in otherwise.
+    let body = if merged.history.is_empty() && as_array {
+        body.clone()
+    } else if let Some(spliced) = as_array
+        .then(|| sessions::insert_items(body, items, merged.at, &merged.history))
+        .flatten()
+    {
+        Bytes::from(spliced)
+    } else {
+        request[items] = Value::Array(merged.messages(&messages));
+        serde_json::to_vec(&request)
+            .map(Bytes::from)
+            .map_err(|e| VisorError::InvalidJson(e.to_string()))?
+    };
     let new = merged
         .new
         .iter()
-        .filter(|m| !matches!(m["role"].as_str(), Some("system" | "developer")))
         .filter_map(|m| serde_json::to_vec(m).ok().map(Bytes::from))
         .collect();
     Ok(Opened {
