@@ -44,6 +44,21 @@ pub fn client(
     connect_timeout: Duration,
     extra_roots: &[rustls::pki_types::CertificateDer<'static>],
 ) -> Result<UpstreamClient, rustls::Error> {
+    let https = connector(connect_timeout, extra_roots, true)?;
+    Ok(Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_timer(TokioTimer::new())
+        .timer(TokioTimer::new())
+        .build(https))
+}
+
+/// The TCP (+ TLS for https) connector: ALPN h2 and http/1.1, or only
+/// http/1.1 (`h2 = false`: WebSocket connections).
+fn connector(
+    connect_timeout: Duration,
+    extra_roots: &[rustls::pki_types::CertificateDer<'static>],
+    h2: bool,
+) -> Result<HttpsConnector<HttpConnector>, rustls::Error> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_connect_timeout(Some(connect_timeout));
@@ -61,18 +76,20 @@ pub fn client(
     .with_safe_default_protocol_versions()?
     .with_root_certificates(roots)
     .with_no_client_auth();
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
+    let builder = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
-        .enable_http1()
-        .enable_http2()
-        .wrap_connector(http);
-    Ok(Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_timer(TokioTimer::new())
-        .timer(TokioTimer::new())
-        .build(https))
+        .enable_http1();
+    Ok(if h2 {
+        builder.enable_http2().wrap_connector(http)
+    } else {
+        builder.wrap_connector(http)
+    })
 }
+
+/// A raw connection to an upstream (TLS for https), as a Tokio stream: what
+/// a WebSocket runs over.
+pub type RawConn = TokioIo<hyper_rustls::MaybeHttpsStream<TokioIo<TcpStream>>>;
 
 /// A request body sent upstream: the chunks visor already read (all of a
 /// body it had to hold, or the first ones, scanned for the model), then the
@@ -390,6 +407,8 @@ pub struct Upstreams {
     /// One per upstream; those without a `ca_file` share one client (and
     /// its connection pool).
     tls: Vec<UpstreamClient>,
+    /// One per upstream: HTTP/1.1-only connectors for WebSockets.
+    raw: Vec<HttpsConnector<HttpConnector>>,
     pool: Arc<Pool>,
     connect_timeout: Duration,
 }
@@ -417,11 +436,31 @@ impl Upstreams {
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let raw = upstreams
+            .iter()
+            .map(|u| connector(connect_timeout, &u.ca_certs, false))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             tls,
+            raw,
             pool: Arc::new(Pool::new()),
             connect_timeout,
         })
+    }
+
+    /// Opens a connection of its own to upstream `index` at `uri`'s host
+    /// (http or https), within the connect timeout: for a WebSocket.
+    pub async fn connect_raw(&self, index: usize, uri: http::Uri) -> Result<RawConn, String> {
+        use tower::Service as _;
+        let Some(connector) = self.raw.get(index) else {
+            return Err("no such upstream".to_owned());
+        };
+        let mut connector = connector.clone();
+        match tokio::time::timeout(self.connect_timeout, connector.call(uri)).await {
+            Ok(Ok(stream)) => Ok(TokioIo::new(stream)),
+            Ok(Err(e)) => Err(cause_of(e.as_ref()).to_owned()),
+            Err(_) => Err("connect timeout".to_owned()),
+        }
     }
 
     /// Sends `req` (absolute URI) to upstream `index` and waits for the

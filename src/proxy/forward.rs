@@ -57,6 +57,9 @@ use crate::transform::{Report, Shape};
 use crate::upstream::{LimitedIncoming, ResponseBody, SendFailure, UpstreamBody};
 
 pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
+    if super::websocket::is_upgrade(&req) {
+        return super::websocket::proxy(state, req).await;
+    }
     let started = Instant::now();
     let inflight = InflightGuard::new(state.metrics.clone());
     let request_id = req

@@ -8,6 +8,7 @@ mod router;
 pub mod session;
 mod transform;
 pub mod usage;
+mod websocket;
 
 use std::convert::Infallible;
 use std::future::Future;

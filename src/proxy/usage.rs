@@ -78,6 +78,16 @@ struct Details {
 }
 
 impl Usage {
+    /// The usage carried by one JSON event (a WebSocket server event such
+    /// as `response.completed`), if any.
+    pub fn of_event(json: &[u8]) -> Option<Usage> {
+        memchr::memmem::find(json, b"\"usage\"")?;
+        let c = serde_json::from_slice::<Carrier>(json).ok()?;
+        let mut u = Usage::default();
+        u.merge(c);
+        (u != Usage::default()).then_some(u)
+    }
+
     fn merge(&mut self, c: Carrier) {
         let counts = c
             .usage

@@ -1,0 +1,482 @@
+//! WebSocket upgrades under `/v1/`: the Responses WebSocket mode
+//! (`GET /v1/responses` with `Upgrade: websocket`), and any other upgrade
+//! (`/v1/realtime`…) passed through untouched.
+//!
+//! Phases of one socket:
+//! 1. connect — visor opens its own WebSocket to the upstream (the first
+//!    `[[upstream]]`: a handshake carries no model), with the client's
+//!    headers as for any request (credentials per the upstream, hop-by-hop
+//!    and `x-visor-*` removed; `Sec-WebSocket-Protocol` kept), within
+//!    the connect and first-byte deadlines. A refusal (401, 404…) is passed
+//!    back as it came; no answer is 502/504.
+//! 2. accept — the client's upgrade is answered 101 (no extensions:
+//!    frames are relayed one by one).
+//! 3. relay — messages both ways, in order. On `/v1/responses`, each client
+//!    event that carries input items (`response.create`, `response.steer`…)
+//!    goes through the same transforms as `POST /v1/responses` (images for
+//!    the event's model, the image rules, dedup); every other message passes
+//!    as it came. Server events are watched for the end of each response
+//!    (`response.completed`, `.failed`, `.incomplete`, `error`): usage and
+//!    one `visor_requests_total` count per response. While a response is
+//!    under way, an upstream silent for `idle_timeout_secs` ends the socket
+//!    (1011). Either side closing or going away closes the other.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use tokio::time::Instant;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+
+use super::body::ProxyBody;
+use super::headers::upstream_request_headers;
+use super::router::refuse;
+use super::transform::{self, Options};
+use super::usage::Usage;
+use super::{AppState, RequestIdExt};
+use crate::error::VisorError;
+use crate::transform::Shape;
+
+/// True for an HTTP/1.1 WebSocket upgrade request.
+pub fn is_upgrade<B>(req: &Request<B>) -> bool {
+    let has = |name: header::HeaderName, token: &str| {
+        req.headers().get_all(name).iter().any(|v| {
+            v.to_str()
+                .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+        })
+    };
+    req.method() == http::Method::GET
+        && has(header::UPGRADE, "websocket")
+        && has(header::CONNECTION, "upgrade")
+}
+
+/// Answers a WebSocket upgrade: connects upstream, then relays.
+pub async fn proxy(state: Arc<AppState>, mut req: Request<Incoming>) -> Response<ProxyBody> {
+    let Some(key) = req.headers().get(header::SEC_WEBSOCKET_KEY).cloned() else {
+        return refuse(
+            &state,
+            VisorError::BadRequest("a WebSocket upgrade without Sec-WebSocket-Key"),
+        );
+    };
+    let opts = match Options::from_headers(req.headers()) {
+        Ok(o) => o,
+        Err(e) => return refuse(&state, e),
+    };
+    let request_id = req
+        .extensions()
+        .get::<RequestIdExt>()
+        .map(|r| r.0.clone())
+        .unwrap_or_else(|| HeaderValue::from_static("req_unknown"));
+    let rest = req.uri().path()["/v1".len()..].to_owned();
+    let responses = rest == "/responses";
+    // 1. connect: the first upstream (no model at the handshake).
+    let index = 0;
+    let upstream = &state.config.upstreams[index];
+    let name = state.upstream_names[index].clone();
+    let Some(http_uri) = state.targets[index].uri(&rest, req.uri().query()) else {
+        return refuse(
+            &state,
+            VisorError::BadRequest("the request target is not a valid URL path"),
+        );
+    };
+    let ws_uri = match ws_uri(&http_uri) {
+        Some(u) => u,
+        None => {
+            return refuse(
+                &state,
+                VisorError::BadRequest("the request target is not a valid URL path"),
+            );
+        }
+    };
+    let mut headers = req.headers().clone();
+    upstream_request_headers(&mut headers, upstream, state.keys.is_set(), &request_id);
+    for h in [
+        header::SEC_WEBSOCKET_KEY,
+        header::SEC_WEBSOCKET_VERSION,
+        header::SEC_WEBSOCKET_EXTENSIONS,
+        header::SEC_WEBSOCKET_ACCEPT,
+    ] {
+        headers.remove(h);
+    }
+    let mut up_req = match ws_uri.clone().into_client_request() {
+        Ok(r) => r,
+        Err(_) => {
+            return refuse(
+                &state,
+                VisorError::BadRequest("the request target is not a valid URL path"),
+            );
+        }
+    };
+    for (k, v) in &headers {
+        if !up_req.headers().contains_key(k) {
+            up_req.headers_mut().append(k.clone(), v.clone());
+        }
+    }
+    let server = &state.config.server;
+    let started = Instant::now();
+    let fail = |e: VisorError, kind: &'static str| {
+        state.metrics.upstream_error(&name, kind);
+        state
+            .metrics
+            .requests
+            .with_label_values(&[&*name, "", e.status().as_str()])
+            .inc();
+        tracing::warn!(upstream = %name, error = e.label(), kind, "websocket upstream failed");
+        e.into_response()
+    };
+    let stream = match state.upstreams.connect_raw(index, http_uri).await {
+        Ok(s) => s,
+        Err(cause) if cause == "connect timeout" => {
+            let e = VisorError::UpstreamTimeout {
+                upstream: name.to_string(),
+                which: "connect timeout",
+            };
+            return fail(e, "connect_timeout");
+        }
+        Err(_) => {
+            let e = VisorError::UpstreamUnreachable {
+                upstream: name.to_string(),
+                reason: "connection refused or failed",
+            };
+            return fail(e, "connect");
+        }
+    };
+    let handshake = tokio_tungstenite::client_async(up_req, stream);
+    let (upstream_ws, up_resp) =
+        match tokio::time::timeout(server.first_byte_timeout, handshake).await {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(WsError::Http(resp))) => {
+                // Refused by the upstream (401, 404, 426…): its answer.
+                let (parts, body) = resp.into_parts();
+                let mut out = Response::new(ProxyBody::from(Bytes::from(body.unwrap_or_default())));
+                *out.status_mut() = parts.status;
+                for h in [header::CONTENT_TYPE, header::RETRY_AFTER] {
+                    if let Some(v) = parts.headers.get(&h) {
+                        out.headers_mut().insert(h, v.clone());
+                    }
+                }
+                state
+                    .metrics
+                    .requests
+                    .with_label_values(&[&*name, "", parts.status.as_str()])
+                    .inc();
+                return out;
+            }
+            Ok(Err(_)) => {
+                let e = VisorError::UpstreamUnreachable {
+                    upstream: name.to_string(),
+                    reason: "the WebSocket handshake failed",
+                };
+                return fail(e, "reset");
+            }
+            Err(_) => {
+                let e = VisorError::UpstreamTimeout {
+                    upstream: name.to_string(),
+                    which: "first byte timeout",
+                };
+                return fail(e, "first_byte_timeout");
+            }
+        };
+
+    // 2. accept
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let mut resp = Response::new(ProxyBody::from(Bytes::new()));
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = resp.headers_mut();
+    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    if let Ok(v) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
+        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
+    }
+    if let Some(p) = up_resp.headers().get(header::SEC_WEBSOCKET_PROTOCOL) {
+        h.insert(header::SEC_WEBSOCKET_PROTOCOL, p.clone());
+    }
+    tracing::debug!(upstream = %name, path = %rest, "websocket opened");
+
+    // 3. relay, once the client's side has switched.
+    let relay = Relay {
+        state: state.clone(),
+        upstream: name,
+        responses,
+        opts,
+        headers: req.headers().clone(),
+        started,
+    };
+    tokio::spawn(async move {
+        match on_upgrade.await {
+            Ok(upgraded) => {
+                let client =
+                    WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None)
+                        .await;
+                relay.run(client, upstream_ws).await;
+            }
+            Err(e) => tracing::debug!(error = %e, "websocket upgrade failed"),
+        }
+    });
+    resp
+}
+
+/// `http(s)://…` as `ws(s)://…`.
+fn ws_uri(uri: &http::Uri) -> Option<http::Uri> {
+    let scheme = match uri.scheme_str()? {
+        "https" => "wss",
+        _ => "ws",
+    };
+    let authority = uri.authority()?;
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    format!("{scheme}://{authority}{path}").parse().ok()
+}
+
+/// What one relayed socket needs.
+struct Relay {
+    state: Arc<AppState>,
+    upstream: Arc<str>,
+    /// The Responses WebSocket mode: client events are transformed.
+    responses: bool,
+    opts: Options,
+    headers: HeaderMap,
+    started: Instant,
+}
+
+/// A response under way on the socket.
+struct InFlight {
+    model: String,
+    since: Instant,
+    images_replaced: usize,
+    bytes_saved: i64,
+}
+
+impl Relay {
+    async fn run<C, U>(self, client: WebSocketStream<C>, upstream: WebSocketStream<U>)
+    where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+        U: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let (mut c_tx, mut c_rx) = client.split();
+        let (mut u_tx, mut u_rx) = upstream.split();
+        let idle = self.state.config.server.idle_timeout;
+        let mut inflight: Option<InFlight> = None;
+        let mut last_upstream = Instant::now();
+        let mut model = String::new();
+        loop {
+            let deadline = inflight.as_ref().map(|_| last_upstream + idle);
+            tokio::select! {
+                m = c_rx.next() => match m {
+                    Some(Ok(Message::Text(text))) => {
+                        let (out, started) = self.client_event(text.as_str(), &mut model).await;
+                        if let Some(f) = started {
+                            last_upstream = Instant::now();
+                            inflight = Some(f);
+                        }
+                        if u_tx.send(out).await.is_err() {
+                            let _ = c_tx.send(close(CloseCode::Away, "upstream went away")).await;
+                            break;
+                        }
+                    }
+                    Some(Ok(Message::Close(frame))) => {
+                        let _ = u_tx.send(Message::Close(frame)).await;
+                        let _ = u_tx.close().await;
+                        break;
+                    }
+                    Some(Ok(other)) => {
+                        if u_tx.send(other).await.is_err() {
+                            break;
+                        }
+                    }
+                    // The client went away: close the upstream socket.
+                    Some(Err(_)) | None => {
+                        let _ = u_tx.send(close(CloseCode::Away, "client went away")).await;
+                        let _ = u_tx.close().await;
+                        self.finish(&mut inflight, "client_cancelled", None);
+                        break;
+                    }
+                },
+                m = u_rx.next() => {
+                    last_upstream = Instant::now();
+                    match m {
+                        Some(Ok(Message::Text(text))) => {
+                            self.server_event(text.as_str(), &mut inflight);
+                            if c_tx.send(Message::Text(text)).await.is_err() {
+                                let _ = u_tx.close().await;
+                                break;
+                            }
+                        }
+                        Some(Ok(Message::Close(frame))) => {
+                            let _ = c_tx.send(Message::Close(frame)).await;
+                            let _ = c_tx.close().await;
+                            self.finish(&mut inflight, "reset", None);
+                            break;
+                        }
+                        Some(Ok(other)) => {
+                            if c_tx.send(other).await.is_err() {
+                                let _ = u_tx.close().await;
+                                break;
+                            }
+                        }
+                        Some(Err(_)) | None => {
+                            let _ = c_tx.send(close(CloseCode::Error, "upstream connection lost")).await;
+                            let _ = c_tx.close().await;
+                            self.finish(&mut inflight, "reset", None);
+                            break;
+                        }
+                    }
+                }
+                () = sleep_until_or_forever(deadline) => {
+                    let _ = c_tx.send(close(CloseCode::Error, "upstream idle timeout")).await;
+                    let _ = c_tx.close().await;
+                    let _ = u_tx.send(close(CloseCode::Away, "idle timeout")).await;
+                    let _ = u_tx.close().await;
+                    self.finish(&mut inflight, "idle_timeout", None);
+                    break;
+                }
+            }
+        }
+        tracing::debug!(
+            upstream = %self.upstream,
+            duration_ms = self.started.elapsed().as_millis() as u64,
+            "websocket closed"
+        );
+    }
+
+    /// A client event: transformed when it carries Responses input items;
+    /// the message to send upstream, and the response it starts, if any.
+    async fn client_event(&self, text: &str, model: &mut String) -> (Message, Option<InFlight>) {
+        let unchanged = || Message::Text(text.into());
+        if !self.responses {
+            return (unchanged(), None);
+        }
+        let Ok(Value::Object(event)) = serde_json::from_str::<Value>(text) else {
+            return (unchanged(), None);
+        };
+        if let Some(m) = event.get("model").and_then(Value::as_str) {
+            m.clone_into(model);
+        }
+        let creates = event.get("type").and_then(Value::as_str) == Some("response.create");
+        let started = creates.then(|| InFlight {
+            model: model.clone(),
+            since: Instant::now(),
+            images_replaced: 0,
+            bytes_saved: 0,
+        });
+        if !event.get("input").is_some_and(Value::is_array) {
+            return (unchanged(), started);
+        }
+        let asker = transform::Asker {
+            headers: &self.headers,
+            upstream: 0,
+        };
+        let body = Bytes::copy_from_slice(text.as_bytes());
+        let prepared = transform::prepare(
+            &self.state,
+            Shape::Responses,
+            Some(model.as_str()),
+            body,
+            self.opts,
+            asker,
+        )
+        .await;
+        if let Some(saving) = prepared.saving {
+            let _ = saving.await;
+        }
+        let started = started.map(|mut f| {
+            f.images_replaced = prepared.report.images_replaced;
+            f.bytes_saved = prepared.report.bytes_saved;
+            f
+        });
+        match String::from_utf8(prepared.body.to_vec()) {
+            Ok(s) => (Message::Text(s.into()), started),
+            Err(_) => (unchanged(), started),
+        }
+    }
+
+    /// A server event: the end of a response is counted.
+    fn server_event(&self, text: &str, inflight: &mut Option<InFlight>) {
+        if inflight.is_none() || !self.responses {
+            return;
+        }
+        let head = &text.as_bytes()[..text.len().min(256)];
+        let ty = [
+            "response.completed",
+            "response.failed",
+            "response.incomplete",
+            "\"error\"",
+        ]
+        .into_iter()
+        .find(|t| memchr::memmem::find(head, t.as_bytes()).is_some());
+        let Some(ty) = ty else { return };
+        let usage = Usage::of_event(text.as_bytes());
+        let outcome = match ty {
+            "response.completed" | "response.incomplete" => "complete",
+            _ => "upstream_error",
+        };
+        self.finish(inflight, outcome, usage);
+    }
+
+    /// Counts the response under way (once), as the HTTP path counts one.
+    fn finish(&self, inflight: &mut Option<InFlight>, outcome: &str, usage: Option<Usage>) {
+        let Some(f) = inflight.take() else { return };
+        let m = &self.state.metrics;
+        let status = match outcome {
+            "complete" => "200",
+            "client_cancelled" => "499",
+            _ => "502",
+        };
+        let model = m.model_label(&f.model);
+        m.requests
+            .with_label_values(&[&*self.upstream, model.as_str(), status])
+            .inc();
+        m.request_duration
+            .with_label_values(&[&self.upstream])
+            .observe(f.since.elapsed().as_secs_f64());
+        if !matches!(outcome, "complete" | "client_cancelled") {
+            m.upstream_error(&self.upstream, outcome);
+        }
+        let u = usage.unwrap_or_default();
+        for (kind, n) in [
+            ("prompt", u.prompt),
+            ("completion", u.completion),
+            ("cached_read", u.cached_read),
+            ("cache_write", u.cache_write),
+        ] {
+            if n > 0 {
+                m.tokens.with_label_values(&[kind]).inc_by(n);
+            }
+        }
+        tracing::info!(
+            upstream = %self.upstream,
+            model = %model,
+            transport = "websocket",
+            outcome,
+            prompt_tokens = u.prompt,
+            completion_tokens = u.completion,
+            cached_tokens = u.cached_read,
+            images_replaced = f.images_replaced,
+            bytes_saved = f.bytes_saved,
+            duration_ms = f.since.elapsed().as_millis() as u64,
+            "response finished"
+        );
+    }
+}
+
+fn close(code: CloseCode, reason: &'static str) -> Message {
+    Message::Close(Some(CloseFrame {
+        code,
+        reason: reason.into(),
+    }))
+}
+
+async fn sleep_until_or_forever(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,282 @@
+//! The Responses WebSocket mode through visor, against a WebSocket mock
+//! upstream on loopback: handshake headers as for HTTP, each
+//! `response.create` transformed (images for a text-only model), server
+//! events relayed in order and counted, a client that leaves closes the
+//! upstream socket, other upgrades pass untouched, refusals pass through.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+// tungstenite's handshake callback returns its own large error type.
+#![allow(clippy::result_large_err)]
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use support::*;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+
+const BOUND: Duration = Duration::from_secs(10);
+
+/// What the mock saw.
+#[derive(Default)]
+struct Seen {
+    paths: Vec<String>,
+    headers: Vec<http::HeaderMap>,
+    events: Vec<String>,
+    closed: usize,
+}
+
+/// A WebSocket upstream: answers each `response.create` with three events
+/// (the last `response.completed` with usage), echoes anything else; a
+/// handshake with `authorization: Bearer bad` is refused with 401.
+async fn ws_mock() -> (String, Arc<Mutex<Seen>>, mpsc::UnboundedReceiver<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let (closed_tx, closed_rx) = mpsc::unbounded_channel();
+    let s = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let (s, closed_tx) = (s.clone(), closed_tx.clone());
+            tokio::spawn(async move {
+                let s2 = s.clone();
+                let callback =
+                    move |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
+                        let mut seen = s2.lock().unwrap();
+                        seen.paths.push(req.uri().path().to_owned());
+                        seen.headers.push(req.headers().clone());
+                        if req
+                            .headers()
+                            .get("authorization")
+                            .is_some_and(|v| v == "Bearer bad")
+                        {
+                            let mut e = ErrorResponse::new(Some(
+                                "{\"error\":{\"message\":\"bad key\"}}".to_owned(),
+                            ));
+                            *e.status_mut() = http::StatusCode::UNAUTHORIZED;
+                            return Err(e);
+                        }
+                        Ok(resp)
+                    };
+                let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, callback).await else {
+                    return;
+                };
+                while let Some(Ok(m)) = ws.next().await {
+                    let Message::Text(t) = m else {
+                        if matches!(m, Message::Close(_)) {
+                            break;
+                        }
+                        continue;
+                    };
+                    s.lock().unwrap().events.push(t.to_string());
+                    let v: Value = serde_json::from_str(&t).unwrap_or_default();
+                    if v["type"] == "response.create" {
+                        for e in [
+                            json!({"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}}),
+                            json!({"type": "response.output_text.delta", "delta": "hi"}),
+                            json!({"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "usage": {"input_tokens": 11, "output_tokens": 3, "input_tokens_details": {"cached_tokens": 4}}}}),
+                        ] {
+                            if ws.send(Message::Text(e.to_string().into())).await.is_err() {
+                                break;
+                            }
+                        }
+                    } else if ws.send(Message::Text(t)).await.is_err() {
+                        break;
+                    }
+                }
+                s.lock().unwrap().closed += 1;
+                let _ = closed_tx.send(());
+            });
+        }
+    });
+    (format!("http://{addr}"), seen, closed_rx)
+}
+
+type Ws = tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>;
+
+/// Opens a client WebSocket (the `connect` feature of tokio-tungstenite is
+/// not built: a TCP stream and the client handshake).
+async fn connect(
+    req: impl IntoClientRequest + Unpin,
+) -> Result<
+    (
+        Ws,
+        tokio_tungstenite::tungstenite::handshake::client::Response,
+    ),
+    tokio_tungstenite::tungstenite::Error,
+> {
+    let req = req.into_client_request()?;
+    let host = req.uri().host().unwrap().to_owned();
+    let port = req.uri().port_u16().unwrap();
+    let stream = tokio::net::TcpStream::connect((host.as_str(), port))
+        .await
+        .unwrap();
+    tokio_tungstenite::client_async(req, stream).await
+}
+
+async fn visor_for(upstream: &str) -> Visor {
+    Visor::start(&format!(
+        "[images]\nnon_vision = \"strip\"\n[[upstream]]\nname = \"ws\"\nbase_url = \"{upstream}/v1\"\nmodels = [\"*\"]\n"
+    ))
+    .await
+}
+
+async fn next_text<S>(ws: &mut S) -> Value
+where
+    S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
+{
+    loop {
+        let m = tokio::time::timeout(BOUND, ws.next())
+            .await
+            .expect("an event within the bound")
+            .expect("the socket is open")
+            .unwrap();
+        if let Message::Text(t) = m {
+            return serde_json::from_str(&t).unwrap();
+        }
+    }
+}
+
+#[tokio::test]
+async fn responses_websocket_mode_is_transformed_relayed_and_counted() {
+    let (up, seen, mut closed) = ws_mock().await;
+    let visor = visor_for(&up).await;
+    let mut req = format!("ws://{}/v1/responses", visor.addr)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("authorization", "Bearer sk-client".parse().unwrap());
+    req.headers_mut().insert(
+        "openai-beta",
+        "responses_websockets=2026-02-06".parse().unwrap(),
+    );
+    req.headers_mut()
+        .insert("x-visor-history", "3".parse().unwrap());
+    let (mut ws, resp) = tokio::time::timeout(BOUND, connect(req))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.status(), 101);
+    {
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.paths, ["/v1/responses"]);
+        let h = &seen.headers[0];
+        assert_eq!(h["authorization"], "Bearer sk-client");
+        assert_eq!(h["openai-beta"], "responses_websockets=2026-02-06");
+        assert!(h.get("x-visor-history").is_none());
+        assert!(h.get("x-request-id").is_some());
+    }
+
+    // A screenshot to a text-only model: replaced before it goes upstream.
+    let (image, _) = png_data_url("ws-shot");
+    let create = json!({"type": "response.create", "model": "gpt-oss-120b", "input": [
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "what is on screen?"},
+            {"type": "input_image", "image_url": image}]}]});
+    ws.send(Message::Text(create.to_string().into()))
+        .await
+        .unwrap();
+    let types: Vec<Value> = vec![
+        next_text(&mut ws).await["type"].clone(),
+        next_text(&mut ws).await["type"].clone(),
+        next_text(&mut ws).await["type"].clone(),
+    ];
+    assert_eq!(
+        types,
+        [
+            "response.created",
+            "response.output_text.delta",
+            "response.completed"
+        ]
+    );
+    let sent = seen.lock().unwrap().events[0].clone();
+    assert!(!sent.contains(";base64,"), "{sent:.300}");
+    let v: Value = serde_json::from_str(&sent).unwrap();
+    assert_eq!(v["type"], "response.create");
+    let part = &v["input"][0]["content"][1];
+    assert_eq!(part["type"], "input_text");
+    assert!(part["text"].as_str().unwrap().starts_with("[image sha256:"));
+
+    // Other client events pass as they came.
+    ws.send(Message::Text("{\"type\":\"ping\",\"n\":1}".into()))
+        .await
+        .unwrap();
+    assert_eq!(next_text(&mut ws).await, json!({"type": "ping", "n": 1}));
+
+    // Counted as one request, with its tokens.
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_requests_total",
+            &[("upstream", "ws"), ("status", "200")]
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "visor_tokens_total", &[("kind", "prompt")]),
+        Some(11.0)
+    );
+    assert_eq!(
+        metric(&m, "visor_tokens_total", &[("kind", "cached_read")]),
+        Some(4.0)
+    );
+
+    // The client leaves without a close frame: the upstream socket closes.
+    drop(ws);
+    let gone = tokio::time::timeout(BOUND, closed.recv()).await;
+    assert!(gone.is_ok(), "the upstream socket stayed open");
+}
+
+#[tokio::test]
+async fn other_upgrades_pass_untouched_and_refusals_pass_through() {
+    let (up, seen, _closed) = ws_mock().await;
+    let visor = visor_for(&up).await;
+    let (mut ws, _) = connect(format!("ws://{}/v1/realtime?model=x", visor.addr))
+        .await
+        .unwrap();
+    let (image, _) = png_data_url("realtime");
+    let event = json!({"type": "conversation.item.create", "item": {"content": [{"type": "input_image", "image_url": image}]}}).to_string();
+    ws.send(Message::Text(event.clone().into())).await.unwrap();
+    let echoed = next_text(&mut ws).await;
+    assert_eq!(
+        echoed.to_string(),
+        serde_json::from_str::<Value>(&event).unwrap().to_string()
+    );
+    assert_eq!(seen.lock().unwrap().events[0], event, "byte for byte");
+    assert_eq!(seen.lock().unwrap().paths[0], "/v1/realtime");
+
+    // The upstream refuses the handshake: its 401 reaches the client.
+    let mut req = format!("ws://{}/v1/responses", visor.addr)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("authorization", "Bearer bad".parse().unwrap());
+    match connect(req).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => assert_eq!(resp.status(), 401),
+        other => panic!("expected a 401, got {:?}", other.map(|(_, r)| r.status())),
+    }
+
+    // No upstream listening: 502 in the OpenAI error shape.
+    let dead = visor_for("http://127.0.0.1:1").await;
+    match connect(format!("ws://{}/v1/responses", dead.addr)).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
+            assert_eq!(resp.status(), 502);
+            assert_eq!(
+                error_code(resp.body().as_deref().unwrap_or_default()),
+                "upstream_unreachable"
+            );
+        }
+        other => panic!("expected a 502, got {:?}", other.map(|(_, r)| r.status())),
+    }
+}
