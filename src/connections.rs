@@ -33,6 +33,14 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
+/// A connection idle for less than this is never closed to make room: a
+/// peer just accepted has this long to send its request.
+pub const SHED_GRACE: Duration = Duration::from_millis(200);
+
+/// At the limit, how often the accept loop looks again for a connection to
+/// close.
+pub const SHED_RETRY: Duration = Duration::from_millis(100);
+
 /// The HTTP/2 client connection preface.
 const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -113,14 +121,21 @@ impl Gate {
     }
 
     /// Asks the connection idle the longest to close; false if every open
-    /// connection has a request in flight.
+    /// connection has a request in flight (or has been idle for less than
+    /// [`SHED_GRACE`]: one just accepted gets the time to send its request).
     pub fn shed_one(&self) -> bool {
+        let grace = u64::try_from(SHED_GRACE.as_millis()).unwrap_or(u64::MAX);
+        let now = self.now_ms();
         let victim = {
             let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
             // Idle the longest; among equals (the same millisecond) the
             // oldest connection, never the one that just came in.
             open.iter()
-                .filter(|(_, c)| c.inflight.load(Ordering::Acquire) == 0 && !c.shed_asked())
+                .filter(|(_, c)| {
+                    c.inflight.load(Ordering::Acquire) == 0
+                        && !c.shed_asked()
+                        && now.saturating_sub(c.idle_since.load(Ordering::Acquire)) >= grace
+                })
                 .min_by_key(|(id, c)| (c.idle_since.load(Ordering::Acquire), **id))
                 .map(|(_, c)| c.clone())
         };
@@ -327,17 +342,31 @@ impl<T: Write + Unpin> Write for Prefixed<T> {
     }
 }
 
+/// A connection's place in the [`Gate`], shared with what outlives the
+/// connection's HTTP life: an upgraded connection (a WebSocket) keeps it
+/// until the socket ends, so it counts against `max_connections` too.
+/// Requests carry it in their extensions.
+#[derive(Clone)]
+pub struct Slot(#[allow(dead_code)] Arc<OwnedSemaphorePermit>);
+
+impl Slot {
+    pub fn new(permit: OwnedSemaphorePermit) -> Self {
+        Self(Arc::new(permit))
+    }
+}
+
 /// A service whose requests count as in flight on their connection until
 /// their response body is done.
 #[derive(Clone)]
 pub struct Tracked<S> {
     inner: S,
     conn: Arc<Conn>,
+    slot: Slot,
 }
 
 impl<S> Tracked<S> {
-    pub fn new(inner: S, conn: Arc<Conn>) -> Self {
-        Self { inner, conn }
+    pub fn new(inner: S, conn: Arc<Conn>, slot: Slot) -> Self {
+        Self { inner, conn, slot }
     }
 }
 
@@ -350,7 +379,8 @@ where
     type Error = S::Error;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
 
-    fn call(&self, req: Request<B>) -> Self::Future {
+    fn call(&self, mut req: Request<B>) -> Self::Future {
+        req.extensions_mut().insert(self.slot.clone());
         let guard = self.conn.begin();
         let fut = self.inner.call(req);
         Box::pin(async move {
@@ -393,18 +423,22 @@ impl<B: Body + Unpin> Body for TrackedBody<B> {
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn shed_picks_the_longest_idle_and_never_a_busy_one() {
+    #[tokio::test(start_paused = true)]
+    async fn shed_picks_the_longest_idle_and_never_a_busy_or_new_one() {
         let gate = Gate::new(2);
         let a = gate.register();
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::advance(Duration::from_millis(5)).await;
         let b = gate.register();
+        // Just accepted: they get the time to send a request.
+        assert!(!gate.shed_one());
+        tokio::time::advance(SHED_GRACE).await;
         let busy = a.conn.begin();
         assert!(gate.shed_one(), "b is idle");
         assert!(b.conn.shed_asked() && !a.conn.shed_asked());
         // b was asked already; a is busy: nobody left to ask.
         assert!(!gate.shed_one());
         drop(busy);
+        tokio::time::advance(SHED_GRACE).await;
         assert!(gate.shed_one());
         assert!(a.conn.shed_asked());
         drop((a, b));

@@ -23,7 +23,7 @@ use tokio::sync::{Barrier, oneshot, watch};
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::connections::{Gate, Prefixed, Proto, Registered, Tracked, sniff};
+use crate::connections::{Gate, Prefixed, Proto, Registered, Slot, Tracked, sniff};
 use crate::metrics::Metrics;
 use crate::proxy::{AppState, stack};
 use crate::upstream;
@@ -264,7 +264,7 @@ async fn serve(
     let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
         let permit = tokio::select! {
-            p = gate.admit(header_timeout.min(Duration::from_secs(1))) => p,
+            p = gate.admit(crate::connections::SHED_RETRY) => p,
             () = stopped(&mut stop) => break,
         };
         let Some(permit) = permit else { break };
@@ -300,11 +300,11 @@ async fn serve(
             stop: stop.clone(),
         };
         let gauge = state.metrics.connections.clone();
+        let slot = Slot::new(permit);
         tracker.spawn(async move {
             gauge.inc();
-            conn.serve(stream, registered).await;
+            conn.serve(stream, registered, slot).await;
             gauge.dec();
-            drop(permit);
         });
     }
     drop(listener);
@@ -340,7 +340,12 @@ where
     /// peer closes, the connection sits idle too long (HTTP/2; hyper's header
     /// read timeout does it for HTTP/1), the gate asks for room, or the
     /// worker stops; the last three close it gracefully.
-    async fn serve(mut self, mut stream: tokio::net::TcpStream, registered: Registered) {
+    async fn serve(
+        mut self,
+        mut stream: tokio::net::TcpStream,
+        registered: Registered,
+        slot: Slot,
+    ) {
         let conn = registered.conn.clone();
         let header_timeout = self.state.config.server.header_timeout;
         let closed = &self.state.metrics.connections_closed;
@@ -361,7 +366,7 @@ where
             }
         };
         let io = Prefixed::new(prefix, TokioIo::new(stream));
-        let service = Tracked::new(self.service.clone(), conn.clone());
+        let service = Tracked::new(self.service.clone(), conn.clone(), slot);
         let served = self.builder.serve_connection_with_upgrades(io, service);
         tokio::pin!(served);
         let mut closing = false;

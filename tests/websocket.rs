@@ -280,3 +280,49 @@ async fn other_upgrades_pass_untouched_and_refusals_pass_through() {
         other => panic!("expected a 502, got {:?}", other.map(|(_, r)| r.status())),
     }
 }
+
+/// An open WebSocket holds its connection's slot under max_connections
+/// until it ends (it is not an idle connection that can make room).
+#[tokio::test]
+async fn an_open_websocket_counts_against_max_connections() {
+    let (up, _seen, _closed) = ws_mock().await;
+    let visor = Visor::start(&format!(
+        "[server]\nmax_connections = 1\nworkers = 1\n[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n"
+    ))
+    .await;
+    let (mut ws, _) = connect(format!("ws://{}/v1/realtime", visor.addr))
+        .await
+        .unwrap();
+    ws.send(Message::Text("{\"type\":\"x\"}".into()))
+        .await
+        .unwrap();
+    next_text(&mut ws).await;
+    let addr = visor.addr;
+    let healthz = move || async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tokio::io::AsyncWriteExt::write_all(
+            &mut s,
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut out = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut s, &mut out).await;
+        out
+    };
+    // Held: a new connection waits (here: not answered within a second).
+    let waiting = tokio::spawn(healthz());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a new connection got in past the limit"
+    );
+    // The socket ends: the waiting connection is served.
+    ws.close(None).await.unwrap();
+    let out = tokio::time::timeout(BOUND, waiting).await.unwrap().unwrap();
+    assert!(
+        out.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+}

@@ -202,7 +202,9 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<Incoming>) -> Response
     }
     tracing::debug!(upstream = %name, path = %rest, "websocket opened");
 
-    // 3. relay, once the client's side has switched.
+    // 3. relay, once the client's side has switched. The connection's slot
+    // under max_connections is held until the socket ends.
+    let slot = req.extensions_mut().remove::<crate::connections::Slot>();
     let relay = Relay {
         state: state.clone(),
         upstream: name,
@@ -221,6 +223,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<Incoming>) -> Response
             }
             Err(e) => tracing::debug!(error = %e, "websocket upgrade failed"),
         }
+        drop(slot);
     });
     resp
 }

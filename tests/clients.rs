@@ -1,0 +1,1157 @@
+//! End to end with the real clients users point at visor: each one runs a
+//! short tool loop through an in-process visor against a scripted upstream
+//! that speaks its protocol, and the test checks what reached the upstream.
+//!
+//! | client | wire | tools the model calls |
+//! | --- | --- | --- |
+//! | `openai` (Node SDK), own loop | Chat Completions SSE | screenshot (image), read_notes ×2 |
+//! | Vercel AI SDK + `@ai-sdk/openai` `.chat()` | Chat Completions SSE | same |
+//! | Vercel AI SDK + `@ai-sdk/openai` `.responses()` | Responses SSE | same |
+//! | Vercel AI SDK + `@ai-sdk/anthropic` | Messages SSE | same |
+//! | OpenAI Agents SDK (Python), default model | Responses SSE | same |
+//! | OpenAI Agents SDK, Chat Completions model | Chat Completions SSE | same |
+//! | `anthropic` (Python SDK), own loop | Messages SSE | same |
+//! | Codex CLI, `codex exec`, a custom provider, a session | Responses SSE | view_image, exec_command `cat` ×2 |
+//! | Claude Code, `claude -p`, a session | Messages SSE | Read (a PNG), Bash `cat` ×2 |
+//!
+//! Every test: the model is text-only (`[[model]] vision = false`, `[images]
+//! non_vision = "strip"`), so no base64 image may reach the upstream and the
+//! image's tool result carries visor's placeholder; every tool result keeps
+//! its call (no result without a call, no id twice, results in order); the
+//! second, identical notes result is deduped (`[omitted: …`) while the first
+//! is sent whole; the client finishes its loop (exit 0, the final text
+//! printed). Codex and Claude Code also send `x-visor-session`: the header
+//! never reaches the upstream, no request doubles a tool call, and
+//! `GET /visor/sessions/ID` holds each turn once.
+//!
+//! The clients are pinned in `tests/clients/package.json` (+ lock) and
+//! `tests/clients/requirements.txt`, installed under `target/tmp` (npm into
+//! `node-clients`, pip into the `py-venv` that tests/sdk_openai.rs uses) on
+//! first use; `.ci/run` installs them up front. Without npm, Python or the
+//! registries a test prints `SKIPPED …` and passes, except under `CI=true`,
+//! where it fails.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use serde_json::{Value, json};
+use support::*;
+
+// ------------------------------------------------------------ environment
+
+fn ci() -> bool {
+    std::env::var("CI").as_deref() == Ok("true")
+}
+
+/// The value, or: print why the test is skipped and return — a panic
+/// under `CI=true`, where everything must run.
+macro_rules! need {
+    ($test:expr, $r:expr) => {
+        match $r {
+            Ok(v) => v,
+            Err(why) if !ci() => {
+                println!("SKIPPED {}: {why}", $test);
+                return;
+            }
+            Err(why) => panic!("CI=true and {} cannot run: {why}", $test),
+        }
+    };
+}
+
+fn tmp() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+}
+
+fn clients_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
+}
+
+/// A command's combined output, or why it could not run or failed.
+fn run_ok(cmd: &mut Command, what: &str) -> Result<String, String> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("{what}: not runnable: {e}"))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(format!("{what} failed ({}):\n{text}", out.status))
+    }
+}
+
+/// `target/tmp/node-clients` with `npm ci` done from the committed lock
+/// (once per lock: a copy of it marks the install) and the test scripts
+/// copied in, so their imports resolve there.
+fn node_clients() -> Result<PathBuf, String> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tmp().join("node-clients");
+        let lock =
+            std::fs::read(clients_dir().join("package-lock.json")).map_err(|e| e.to_string())?;
+        let stamp = dir.join(".installed-lock.json");
+        if std::fs::read(&stamp).ok().as_deref() != Some(&lock[..]) {
+            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+            for f in ["package.json", "package-lock.json"] {
+                std::fs::copy(clients_dir().join(f), dir.join(f)).map_err(|e| e.to_string())?;
+            }
+            let started = Instant::now();
+            run_ok(
+                Command::new("npm")
+                    .args(["ci", "--no-audit", "--no-fund", "--loglevel=error"])
+                    .env("npm_config_cache", tmp().join("npm-cache"))
+                    .current_dir(&dir),
+                "npm ci",
+            )?;
+            println!("npm ci in {:.1} s", started.elapsed().as_secs_f64());
+            std::fs::write(&stamp, &lock).map_err(|e| e.to_string())?;
+        }
+        for f in ["openai_node.mjs", "vercel_ai.mjs"] {
+            std::fs::copy(clients_dir().join(f), dir.join(f)).map_err(|e| e.to_string())?;
+        }
+        Ok(dir)
+    })
+    .clone()
+}
+
+/// A CLI installed by npm (`node_modules/.bin/NAME`) that answers `--version`.
+fn node_bin(name: &str) -> Result<PathBuf, String> {
+    let bin = node_clients()?.join("node_modules/.bin").join(name);
+    let v = run_ok(
+        Command::new(&bin).arg("--version"),
+        &format!("{name} --version"),
+    )?;
+    println!("{name} {}", v.trim());
+    Ok(bin)
+}
+
+/// The venv's python with the pins of `tests/clients/requirements.txt`
+/// (installed when a version differs).
+fn venv_python() -> Result<PathBuf, String> {
+    static PY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    PY.get_or_init(|| {
+        let venv = tmp().join("py-venv");
+        let python = venv.join("bin/python");
+        let reqs = clients_dir().join("requirements.txt");
+        let pins: Vec<(String, String)> = std::fs::read_to_string(&reqs)
+            .map_err(|e| e.to_string())?
+            .lines()
+            .filter_map(|l| l.split_once("=="))
+            .map(|(n, v)| (n.trim().to_owned(), v.trim().to_owned()))
+            .collect();
+        let check = format!(
+            "import importlib.metadata as m\nassert [m.version(n) for n in {:?}] == {:?}",
+            pins.iter().map(|p| &p.0).collect::<Vec<_>>(),
+            pins.iter().map(|p| &p.1).collect::<Vec<_>>()
+        );
+        if run_ok(Command::new(&python).args(["-c", &check]), "version check").is_ok() {
+            return Ok(python);
+        }
+        if !python.exists() {
+            run_ok(
+                Command::new("python3").args(["-m", "venv"]).arg(&venv),
+                "python3 -m venv",
+            )?;
+        }
+        run_ok(
+            Command::new(venv.join("bin/pip"))
+                .args(["install", "--quiet", "--disable-pip-version-check", "-r"])
+                .arg(&reqs),
+            "pip install -r tests/clients/requirements.txt",
+        )?;
+        run_ok(Command::new(&python).args(["-c", &check]), "version check")?;
+        Ok(python)
+    })
+    .clone()
+}
+
+/// What a client run left: exit code (`None` when killed at the bound),
+/// stdout, stderr, time taken.
+struct Ran {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    took: Duration,
+}
+
+impl Ran {
+    fn assert_ok(&self, what: &str) {
+        assert_eq!(
+            self.code,
+            Some(0),
+            "{what} did not finish well (took {:?})\n--- stdout\n{}\n--- stderr\n{}",
+            self.took,
+            self.stdout,
+            self.stderr
+        );
+    }
+
+    /// The last stdout line, as JSON (the SDK scripts print one).
+    fn json(&self) -> Value {
+        let line = self.stdout.lines().last().unwrap_or_default();
+        serde_json::from_str(line).unwrap_or_else(|e| {
+            panic!(
+                "last stdout line is not JSON ({e}):\n{}\n--- stderr\n{}",
+                self.stdout, self.stderr
+            )
+        })
+    }
+}
+
+/// Runs a client to its end, killed after `bound`, off the async workers
+/// (visor and the mock run on them).
+async fn run_client(mut cmd: Command, bound: Duration) -> Ran {
+    tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+        let pipe = |mut r: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut s = Vec::new();
+                let _ = r.read_to_end(&mut s);
+                String::from_utf8_lossy(&s).into_owned()
+            })
+        };
+        let out = pipe(Box::new(child.stdout.take().unwrap()));
+        let err = pipe(Box::new(child.stderr.take().unwrap()));
+        let code = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s.code();
+            }
+            if started.elapsed() > bound {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Ran {
+            code,
+            stdout: out.join().unwrap_or_default(),
+            stderr: err.join().unwrap_or_default(),
+            took: started.elapsed(),
+        }
+    })
+    .await
+    .unwrap()
+}
+
+// ------------------------------------------------------ scripted upstream
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Wire {
+    Chat,
+    Responses,
+    Messages,
+}
+
+impl Wire {
+    fn of(path: &str) -> Option<Wire> {
+        if path.ends_with("/chat/completions") {
+            Some(Wire::Chat)
+        } else if path.ends_with("/responses") {
+            Some(Wire::Responses)
+        } else if path.ends_with("/messages") {
+            Some(Wire::Messages)
+        } else {
+            None
+        }
+    }
+
+    /// The id of the model's k-th tool call.
+    fn call_id(self, k: usize) -> String {
+        match self {
+            Wire::Messages => format!("toolu_visor_{k}"),
+            _ => format!("call_visor_{k}"),
+        }
+    }
+}
+
+/// The model's side of the loop: the tool calls to make, one per turn, in
+/// order (turn k answers the request that holds k tool results), then the
+/// final text.
+#[derive(Clone)]
+struct Script {
+    wire: Wire,
+    calls: Vec<(&'static str, Value)>,
+    text: &'static str,
+}
+
+const FINAL: &str = "Done: the app shows a chart and the notes were read twice.";
+
+/// The SDK scripts' tools: a screenshot, then the notes twice.
+fn sdk_script(wire: Wire) -> Script {
+    Script {
+        wire,
+        calls: vec![
+            ("screenshot", json!({})),
+            ("read_notes", json!({})),
+            ("read_notes", json!({})),
+        ],
+        text: FINAL,
+    }
+}
+
+/// Lines long enough to be deduped (≥ 2 lines, ≥ 64 bytes).
+const NOTES: &str = "Release notes for the visor client test\n\
+- the proxy replaces images for text-only models\n\
+- repeated tool output is sent once\n\
+- sessions keep each turn once\n\
+- every tool result keeps its call\n";
+
+fn sse(event: Option<&str>, data: &Value) -> Chunk {
+    Chunk::Data(Bytes::from(match event {
+        Some(e) => format!("event: {e}\ndata: {data}\n\n"),
+        None => format!("data: {data}\n\n"),
+    }))
+}
+
+/// The scripted model as a mock handler. Other endpoints: `GET …/models`
+/// lists the model, `…/count_tokens` counts 42, anything else is 404.
+fn upstream(script: Script, model: &'static str) -> impl Fn(&Recorded) -> Reply + Send + Sync {
+    move |req: &Recorded| {
+        let path = req.uri.path();
+        if path.ends_with("/models") {
+            return Reply::json(
+                200,
+                json!({"object": "list", "data": [{"id": model, "object": "model", "created": 1, "owned_by": "mock", "type": "model", "display_name": model, "created_at": "2025-01-01T00:00:00Z"}]}).to_string(),
+            );
+        }
+        if path.ends_with("/count_tokens") {
+            return Reply::json(200, r#"{"input_tokens":42}"#);
+        }
+        let body: Value = serde_json::from_slice(&req.body).unwrap_or_default();
+        if Wire::of(path) != Some(script.wire) {
+            return Reply::json(
+                404,
+                json!({"error": {"type": "not_found_error", "message": format!("mock: no {path}")}})
+                    .to_string(),
+            );
+        }
+        let k = tool_results(script.wire, &body).len();
+        let has_tools = body["tools"].as_array().is_some_and(|t| !t.is_empty());
+        let call = (has_tools && k < script.calls.len()).then(|| {
+            (
+                script.wire.call_id(k),
+                script.calls[k].0,
+                &script.calls[k].1,
+            )
+        });
+        let stream = body["stream"] == true;
+        match script.wire {
+            Wire::Chat => chat_answer(model, call, script.text, stream),
+            Wire::Responses => responses_answer(model, k, call, script.text, stream),
+            Wire::Messages => messages_answer(model, k, call, script.text, stream),
+        }
+    }
+}
+
+type Call<'a> = Option<(String, &'a str, &'a Value)>;
+
+fn chat_answer(model: &str, call: Call, text: &str, stream: bool) -> Reply {
+    let usage = json!({"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15});
+    let finish = if call.is_some() { "tool_calls" } else { "stop" };
+    if !stream {
+        let message = match &call {
+            Some((id, name, args)) => json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}]}),
+            None => json!({"role": "assistant", "content": text}),
+        };
+        return Reply::json(
+            200,
+            json!({"id": "chatcmpl-visor", "object": "chat.completion", "created": 1_700_000_000, "model": model,
+                   "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}], "usage": usage})
+            .to_string(),
+        );
+    }
+    let chunk = |delta: Value, finish: Value| {
+        sse(
+            None,
+            &json!({"id": "chatcmpl-visor", "object": "chat.completion.chunk", "created": 1_700_000_000,
+                    "model": model, "system_fingerprint": null,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]}),
+        )
+    };
+    let mut chunks = Vec::new();
+    match &call {
+        Some((id, name, args)) => {
+            chunks.push(chunk(
+                json!({"role": "assistant", "content": null, "tool_calls": [
+                    {"index": 0, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+                Value::Null,
+            ));
+            chunks.push(chunk(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": args.to_string()}}]}),
+                Value::Null,
+            ));
+        }
+        None => {
+            chunks.push(chunk(
+                json!({"role": "assistant", "content": ""}),
+                Value::Null,
+            ));
+            chunks.push(chunk(json!({"content": text}), Value::Null));
+        }
+    }
+    chunks.push(chunk(json!({}), json!(finish)));
+    chunks.push(sse(
+        None,
+        &json!({"id": "chatcmpl-visor", "object": "chat.completion.chunk", "created": 1_700_000_000,
+                "model": model, "choices": [], "usage": usage}),
+    ));
+    chunks.push(Chunk::Data(Bytes::from_static(b"data: [DONE]\n\n")));
+    Reply::sse_chunks(chunks)
+}
+
+fn responses_answer(model: &str, k: usize, call: Call, text: &str, stream: bool) -> Reply {
+    let response = |status: &str, output: Value, usage: Value| {
+        json!({"id": format!("resp_visor_{k}"), "object": "response", "created_at": 1_700_000_000,
+               "status": status, "error": null, "incomplete_details": null, "instructions": null,
+               "max_output_tokens": null, "model": model, "output": output,
+               "parallel_tool_calls": true, "previous_response_id": null,
+               "reasoning": {"effort": null, "summary": null}, "store": false, "temperature": 1.0,
+               "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "top_p": 1.0,
+               "truncation": "disabled", "usage": usage, "user": null, "metadata": {}})
+    };
+    let usage = json!({"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0},
+                       "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0},
+                       "total_tokens": 15});
+    let item_id = match &call {
+        Some(_) => format!("fc_visor_{k}"),
+        None => format!("msg_visor_{k}"),
+    };
+    let done_item = match &call {
+        Some((id, name, args)) => json!({"type": "function_call", "id": item_id, "call_id": id,
+            "name": name, "arguments": args.to_string(), "status": "completed"}),
+        None => {
+            json!({"type": "message", "id": item_id, "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+        }
+    };
+    if !stream {
+        return Reply::json(
+            200,
+            response("completed", json!([done_item]), usage).to_string(),
+        );
+    }
+    let mut events: Vec<(&str, Value)> = vec![
+        (
+            "response.created",
+            json!({"response": response("in_progress", json!([]), Value::Null)}),
+        ),
+        (
+            "response.in_progress",
+            json!({"response": response("in_progress", json!([]), Value::Null)}),
+        ),
+    ];
+    match &call {
+        Some((id, name, args)) => {
+            let args = args.to_string();
+            events.push(("response.output_item.added", json!({"output_index": 0, "item":
+                {"type": "function_call", "id": item_id, "call_id": id, "name": name, "arguments": "", "status": "in_progress"}})));
+            events.push((
+                "response.function_call_arguments.delta",
+                json!({"item_id": item_id, "output_index": 0, "delta": args}),
+            ));
+            events.push((
+                "response.function_call_arguments.done",
+                json!({"item_id": item_id, "output_index": 0, "arguments": args}),
+            ));
+        }
+        None => {
+            events.push(("response.output_item.added", json!({"output_index": 0, "item":
+                {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}})));
+            events.push(("response.content_part.added", json!({"item_id": item_id, "output_index": 0,
+                "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})));
+            events.push((
+                "response.output_text.delta",
+                json!({"item_id": item_id, "output_index": 0,
+                "content_index": 0, "delta": text, "logprobs": []}),
+            ));
+            events.push((
+                "response.output_text.done",
+                json!({"item_id": item_id, "output_index": 0,
+                "content_index": 0, "text": text, "logprobs": []}),
+            ));
+            events.push(("response.content_part.done", json!({"item_id": item_id, "output_index": 0,
+                "content_index": 0, "part": {"type": "output_text", "text": text, "annotations": [], "logprobs": []}})));
+        }
+    }
+    events.push((
+        "response.output_item.done",
+        json!({"output_index": 0, "item": done_item}),
+    ));
+    events.push((
+        "response.completed",
+        json!({"response": response("completed", json!([done_item]), usage)}),
+    ));
+    let chunks = events
+        .into_iter()
+        .enumerate()
+        .map(|(n, (name, mut data))| {
+            data["type"] = json!(name);
+            data["sequence_number"] = json!(n);
+            sse(Some(name), &data)
+        })
+        .collect();
+    Reply::sse_chunks(chunks)
+}
+
+fn messages_answer(model: &str, k: usize, call: Call, text: &str, stream: bool) -> Reply {
+    let usage = json!({"input_tokens": 10, "output_tokens": 5, "cache_creation_input_tokens": 0,
+                       "cache_read_input_tokens": 0});
+    let stop = if call.is_some() {
+        "tool_use"
+    } else {
+        "end_turn"
+    };
+    let id = format!("msg_visor_{k}");
+    if !stream {
+        let content = match &call {
+            Some((cid, name, args)) => {
+                json!([{"type": "tool_use", "id": cid, "name": name, "input": args}])
+            }
+            None => json!([{"type": "text", "text": text}]),
+        };
+        return Reply::json(
+            200,
+            json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": content,
+                   "stop_reason": stop, "stop_sequence": null, "usage": usage})
+            .to_string(),
+        );
+    }
+    let mut events: Vec<(&str, Value)> = vec![
+        (
+            "message_start",
+            json!({"message": {"id": id, "type": "message", "role": "assistant",
+            "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": 10, "output_tokens": 1, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}}),
+        ),
+        ("ping", json!({})),
+    ];
+    match &call {
+        Some((cid, name, args)) => {
+            events.push((
+                "content_block_start",
+                json!({"index": 0, "content_block":
+                {"type": "tool_use", "id": cid, "name": name, "input": {}}}),
+            ));
+            events.push((
+                "content_block_delta",
+                json!({"index": 0, "delta":
+                {"type": "input_json_delta", "partial_json": args.to_string()}}),
+            ));
+        }
+        None => {
+            events.push((
+                "content_block_start",
+                json!({"index": 0, "content_block": {"type": "text", "text": ""}}),
+            ));
+            events.push((
+                "content_block_delta",
+                json!({"index": 0, "delta": {"type": "text_delta", "text": text}}),
+            ));
+        }
+    }
+    events.push(("content_block_stop", json!({"index": 0})));
+    events.push((
+        "message_delta",
+        json!({"delta": {"stop_reason": stop, "stop_sequence": null},
+        "usage": {"output_tokens": 5}}),
+    ));
+    events.push(("message_stop", json!({})));
+    let chunks = events
+        .into_iter()
+        .map(|(name, mut data)| {
+            data["type"] = json!(name);
+            sse(Some(name), &data)
+        })
+        .collect();
+    Reply::sse_chunks(chunks)
+}
+
+// ------------------------------------------------- reading what was sent
+
+/// A tool call or result in a request body: its id, its position (message
+/// or item index), and for results the content as JSON text.
+#[derive(Debug)]
+struct Part {
+    id: String,
+    at: usize,
+    content: String,
+}
+
+fn items(wire: Wire, body: &Value) -> Vec<Value> {
+    let list = match wire {
+        Wire::Responses => &body["input"],
+        _ => &body["messages"],
+    };
+    list.as_array().cloned().unwrap_or_default()
+}
+
+fn tool_calls(wire: Wire, body: &Value) -> Vec<Part> {
+    let mut out = Vec::new();
+    for (at, m) in items(wire, body).iter().enumerate() {
+        match wire {
+            Wire::Chat => {
+                for c in m["tool_calls"].as_array().into_iter().flatten() {
+                    out.push(Part {
+                        id: c["id"].as_str().unwrap_or("?").into(),
+                        at,
+                        content: String::new(),
+                    });
+                }
+            }
+            Wire::Responses => {
+                let t = m["type"].as_str().unwrap_or_default();
+                if t.ends_with("_call") && !t.ends_with("_output") {
+                    out.push(Part {
+                        id: m["call_id"].as_str().unwrap_or("?").into(),
+                        at,
+                        content: String::new(),
+                    });
+                }
+            }
+            Wire::Messages => {
+                if m["role"] == "assistant" {
+                    for b in m["content"].as_array().into_iter().flatten() {
+                        if b["type"] == "tool_use" {
+                            out.push(Part {
+                                id: b["id"].as_str().unwrap_or("?").into(),
+                                at,
+                                content: String::new(),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn tool_results(wire: Wire, body: &Value) -> Vec<Part> {
+    let mut out = Vec::new();
+    for (at, m) in items(wire, body).iter().enumerate() {
+        match wire {
+            Wire::Chat => {
+                if m["role"] == "tool" {
+                    out.push(Part {
+                        id: m["tool_call_id"].as_str().unwrap_or("?").into(),
+                        at,
+                        content: m["content"].to_string(),
+                    });
+                }
+            }
+            Wire::Responses => {
+                if m["type"]
+                    .as_str()
+                    .is_some_and(|t| t.ends_with("_call_output"))
+                {
+                    out.push(Part {
+                        id: m["call_id"].as_str().unwrap_or("?").into(),
+                        at,
+                        content: m["output"].to_string(),
+                    });
+                }
+            }
+            Wire::Messages => {
+                if m["role"] == "user" {
+                    for b in m["content"].as_array().into_iter().flatten() {
+                        if b["type"] == "tool_result" {
+                            out.push(Part {
+                                id: b["tool_use_id"].as_str().unwrap_or("?").into(),
+                                at,
+                                content: b["content"].to_string(),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Every tool result follows its own call; no call id and no result id
+/// appears twice.
+fn assert_paired(wire: Wire, body: &Value, what: &str) {
+    let calls = tool_calls(wire, body);
+    let results = tool_results(wire, body);
+    for (i, c) in calls.iter().enumerate() {
+        assert!(
+            calls[..i].iter().all(|d| d.id != c.id),
+            "{what}: tool call {} twice: {calls:?}",
+            c.id
+        );
+    }
+    for (i, r) in results.iter().enumerate() {
+        assert!(
+            results[..i].iter().all(|d| d.id != r.id),
+            "{what}: tool result {} twice",
+            r.id
+        );
+        assert!(
+            calls.iter().any(|c| c.id == r.id && c.at < r.at),
+            "{what}: tool result {} has no call before it (calls {calls:?})",
+            r.id
+        );
+    }
+}
+
+/// The PNG the tools return, and its base64.
+fn png() -> (PathBuf, String) {
+    let path = fixtures().join("chart.png");
+    let b64 = base64_simd::STANDARD.encode_to_string(std::fs::read(&path).unwrap());
+    (path, b64)
+}
+
+/// What a test expects of the loop.
+struct Expect {
+    /// The call whose result is the image.
+    image: usize,
+    /// Two calls whose results are the same text: the second is deduped.
+    repeat: (usize, usize),
+}
+
+/// Checks what the mock received: the main requests (the script's wire,
+/// with tools), one per turn, each holding one more tool result than the
+/// one before, ids paired and in order; no image data anywhere; the image's
+/// result replaced by a placeholder; the repeated result deduped. Returns
+/// the main request bodies.
+fn check_upstream(mock: &MockUpstream, script: &Script, expect: &Expect) -> Vec<Value> {
+    let recs = mock.recorded();
+    let (_, b64) = png();
+    for r in &recs {
+        let text = String::from_utf8_lossy(&r.body);
+        for needle in [&b64[..40], "iVBORw0KGgo", ";base64,", "\"type\":\"base64\""] {
+            assert!(
+                !text.contains(needle),
+                "image data ({needle}) reached the upstream in {} {}:\n{}",
+                r.method,
+                r.uri,
+                &text[..text.len().min(4000)]
+            );
+        }
+        for (name, _) in r.headers.iter() {
+            assert!(
+                !name.as_str().starts_with("x-visor-"),
+                "{name} was forwarded"
+            );
+        }
+    }
+    let main: Vec<Value> = recs
+        .iter()
+        .filter(|r| Wire::of(r.uri.path()) == Some(script.wire))
+        .map(|r| serde_json::from_slice::<Value>(&r.body).unwrap())
+        .filter(|b| b["tools"].as_array().is_some_and(|t| !t.is_empty()))
+        .collect();
+    let paths: Vec<String> = recs
+        .iter()
+        .map(|r| format!("{} {}", r.method, r.uri))
+        .collect();
+    assert_eq!(
+        main.len(),
+        script.calls.len() + 1,
+        "one request per turn; the mock saw {paths:?}"
+    );
+    for (j, body) in main.iter().enumerate() {
+        let what = format!("request {} of {}", j + 1, main.len());
+        assert_paired(script.wire, body, &what);
+        let ids: Vec<String> = tool_results(script.wire, body)
+            .into_iter()
+            .map(|p| p.id)
+            .collect();
+        let want: Vec<String> = (0..j).map(|k| script.wire.call_id(k)).collect();
+        assert_eq!(ids, want, "{what}: the tool results, in order");
+    }
+    let last = tool_results(script.wire, main.last().unwrap());
+    let image = &last[expect.image].content;
+    assert!(
+        image.contains("[image sha256:"),
+        "the image's result: {image}"
+    );
+    let (first, second) = (
+        &last[expect.repeat.0].content,
+        &last[expect.repeat.1].content,
+    );
+    assert!(
+        first.contains("repeated tool output is sent once") && !first.contains("[omitted:"),
+        "the first notes result goes whole: {first}"
+    );
+    assert!(
+        second.contains("[omitted:") && !second.contains("repeated tool output is sent once"),
+        "the repeated notes result is deduped: {second}"
+    );
+    main
+}
+
+/// `GET /visor/sessions/ID`: each turn once (as many assistant turns as
+/// requests, each call and result once, the first user message once).
+async fn check_session(visor: &Visor, id: &str, wire: Wire, main: &[Value], prompt: &str) {
+    let (status, _, body) = send(
+        Request::get(visor.url(&format!("/visor/sessions/{id}")))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    let stored = json!({"messages": v["messages"], "input": v["messages"]});
+    let calls = tool_calls(wire, &stored);
+    let results = tool_results(wire, &stored);
+    assert_paired(wire, &stored, "the session");
+    assert_eq!(calls.len(), main.len() - 1, "each call once: {v:#}");
+    assert_eq!(results.len(), main.len() - 1, "each result once: {v:#}");
+    let msgs = v["messages"].as_array().unwrap();
+    let text = |m: &Value| m.to_string();
+    assert_eq!(
+        msgs.iter().filter(|m| text(m).contains(prompt)).count(),
+        1,
+        "the prompt once: {v:#}"
+    );
+    assert_eq!(
+        msgs.iter().filter(|m| text(m).contains(FINAL)).count(),
+        1,
+        "the final answer once: {v:#}"
+    );
+    if wire == Wire::Messages {
+        let assistants = msgs.iter().filter(|m| m["role"] == "assistant").count();
+        assert_eq!(
+            assistants,
+            main.len(),
+            "one assistant message per turn: {v:#}"
+        );
+    }
+}
+
+/// visor for a text-only `model` in front of the scripted upstream.
+async fn visor_for(mock: &MockUpstream, model: &str) -> Visor {
+    Visor::for_mock(
+        mock,
+        &format!(
+            "[images]\nnon_vision = \"strip\"\n[[model]]\nmatch = \"{model}\"\nvision = false\n"
+        ),
+    )
+    .await
+}
+
+/// A work folder with the notes file (and the PNG beside it).
+fn workdir(what: &str) -> PathBuf {
+    let dir = temp_dir(what);
+    std::fs::write(dir.join("notes.txt"), NOTES).unwrap();
+    std::fs::copy(png().0, dir.join("chart.png")).unwrap();
+    dir
+}
+
+const BOUND: Duration = Duration::from_secs(120);
+
+// ------------------------------------------------------------ SDK tests
+
+/// Runs an SDK script (node or python) against visor for `wire`, and checks
+/// the loop.
+async fn sdk_loop(test: &str, wire: Wire, program: PathBuf, args: &[&str], model: &'static str) {
+    let script = sdk_script(wire);
+    let mock = MockUpstream::start(upstream(script.clone(), model)).await;
+    let visor = visor_for(&mock, model).await;
+    let work = workdir(test);
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .current_dir(&work)
+        .env("VISOR_BASE", visor.url("/v1"))
+        .env("VISOR_ROOT", visor.url(""))
+        .env("VISOR_MODEL", model)
+        .env("VISOR_PNG", work.join("chart.png"))
+        .env("VISOR_NOTES", work.join("notes.txt"))
+        .env("NO_COLOR", "1");
+    for k in [
+        "OPENAI_API_KEY",
+        "OPENAI_BASE_URL",
+        "ANTHROPIC_API_KEY",
+        "ANTHROPIC_BASE_URL",
+    ] {
+        cmd.env_remove(k);
+    }
+    let ran = run_client(cmd, BOUND).await;
+    println!("{test}: client ran in {:.1} s", ran.took.as_secs_f64());
+    ran.assert_ok(test);
+    let out = ran.json();
+    assert_eq!(out["final"], FINAL, "{out}");
+    check_upstream(
+        &mock,
+        &script,
+        &Expect {
+            image: 0,
+            repeat: (1, 2),
+        },
+    );
+    let _ = std::fs::remove_dir_all(work);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_node_sdk_chat_tool_loop() {
+    const T: &str = "openai_node_sdk_chat_tool_loop";
+    let dir = need!(T, tokio::task::spawn_blocking(node_clients).await.unwrap());
+    let script = dir.join("openai_node.mjs");
+    sdk_loop(
+        T,
+        Wire::Chat,
+        "node".into(),
+        &[script.to_str().unwrap()],
+        "visor-test-node",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vercel_ai_sdk_openai_chat_tool_loop() {
+    const T: &str = "vercel_ai_sdk_openai_chat_tool_loop";
+    let dir = need!(T, tokio::task::spawn_blocking(node_clients).await.unwrap());
+    let script = dir.join("vercel_ai.mjs");
+    let args = [script.to_str().unwrap(), "openai-chat"];
+    sdk_loop(
+        T,
+        Wire::Chat,
+        "node".into(),
+        &args,
+        "visor-test-vercel-chat",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vercel_ai_sdk_openai_responses_tool_loop() {
+    const T: &str = "vercel_ai_sdk_openai_responses_tool_loop";
+    let dir = need!(T, tokio::task::spawn_blocking(node_clients).await.unwrap());
+    let script = dir.join("vercel_ai.mjs");
+    let args = [script.to_str().unwrap(), "openai-responses"];
+    sdk_loop(
+        T,
+        Wire::Responses,
+        "node".into(),
+        &args,
+        "visor-test-vercel-responses",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vercel_ai_sdk_anthropic_tool_loop() {
+    const T: &str = "vercel_ai_sdk_anthropic_tool_loop";
+    let dir = need!(T, tokio::task::spawn_blocking(node_clients).await.unwrap());
+    let script = dir.join("vercel_ai.mjs");
+    let args = [script.to_str().unwrap(), "anthropic"];
+    sdk_loop(
+        T,
+        Wire::Messages,
+        "node".into(),
+        &args,
+        "claude-visor-test-vercel",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_agents_sdk_responses_tool_loop() {
+    const T: &str = "openai_agents_sdk_responses_tool_loop";
+    let python = need!(T, tokio::task::spawn_blocking(venv_python).await.unwrap());
+    let script = clients_dir().join("agents_sdk.py");
+    let args = [script.to_str().unwrap(), "responses"];
+    sdk_loop(
+        T,
+        Wire::Responses,
+        python,
+        &args,
+        "visor-test-agents-responses",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_agents_sdk_chat_tool_loop() {
+    const T: &str = "openai_agents_sdk_chat_tool_loop";
+    let python = need!(T, tokio::task::spawn_blocking(venv_python).await.unwrap());
+    let script = clients_dir().join("agents_sdk.py");
+    let args = [script.to_str().unwrap(), "chat"];
+    sdk_loop(T, Wire::Chat, python, &args, "visor-test-agents-chat").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_python_sdk_tool_loop() {
+    const T: &str = "anthropic_python_sdk_tool_loop";
+    let python = need!(T, tokio::task::spawn_blocking(venv_python).await.unwrap());
+    let script = clients_dir().join("anthropic_sdk.py");
+    sdk_loop(
+        T,
+        Wire::Messages,
+        python,
+        &[script.to_str().unwrap()],
+        "claude-visor-test-python",
+    )
+    .await;
+}
+
+// ------------------------------------------------------ the coding agents
+
+const AGENT_PROMPT: &str = "Look at chart.png, then print notes.txt twice.";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_cli_exec_with_session() {
+    const T: &str = "codex_cli_exec_with_session";
+    let codex = need!(
+        T,
+        tokio::task::spawn_blocking(|| node_bin("codex"))
+            .await
+            .unwrap()
+    );
+    const MODEL: &str = "visor-test-codex";
+    let work = workdir(T);
+    let script = Script {
+        wire: Wire::Responses,
+        calls: vec![
+            ("view_image", json!({"path": work.join("chart.png")})),
+            ("exec_command", json!({"cmd": "cat notes.txt"})),
+            ("exec_command", json!({"cmd": "cat notes.txt"})),
+        ],
+        text: FINAL,
+    };
+    let mock = MockUpstream::start(upstream(script.clone(), MODEL)).await;
+    let visor = visor_for(&mock, MODEL).await;
+    let home = work.join("codex-home");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::write(
+        home.join("config.toml"),
+        format!(
+            r#"model = "{MODEL}"
+model_provider = "visor"
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+
+[model_providers.visor]
+name = "visor"
+base_url = "{}"
+env_key = "OPENAI_API_KEY"
+wire_api = "responses"
+http_headers = {{ "x-visor-session" = "codex-1" }}
+"#,
+            visor.url("/v1")
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(codex);
+    cmd.args(["exec", "--skip-git-repo-check", AGENT_PROMPT])
+        .current_dir(&work)
+        .env("CODEX_HOME", &home)
+        .env("OPENAI_API_KEY", "sk-client-test")
+        .env("NO_COLOR", "1")
+        .env_remove("OPENAI_BASE_URL");
+    let ran = run_client(cmd, BOUND).await;
+    println!("{T}: codex exec ran in {:.1} s", ran.took.as_secs_f64());
+    ran.assert_ok(T);
+    assert!(
+        ran.stdout.contains(FINAL),
+        "codex printed:\n{}\n{}",
+        ran.stdout,
+        ran.stderr
+    );
+    let main = check_upstream(
+        &mock,
+        &script,
+        &Expect {
+            image: 0,
+            repeat: (1, 2),
+        },
+    );
+    check_session(&visor, "codex-1", Wire::Responses, &main, AGENT_PROMPT).await;
+    let _ = std::fs::remove_dir_all(work);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_print_with_session() {
+    const T: &str = "claude_code_print_with_session";
+    let claude = need!(
+        T,
+        tokio::task::spawn_blocking(|| node_bin("claude"))
+            .await
+            .unwrap()
+    );
+    const MODEL: &str = "claude-visor-test-code";
+    let work = workdir(T);
+    let script = Script {
+        wire: Wire::Messages,
+        calls: vec![
+            ("Read", json!({"file_path": work.join("chart.png")})),
+            (
+                "Bash",
+                json!({"command": "cat notes.txt", "description": "Print the notes"}),
+            ),
+            (
+                "Bash",
+                json!({"command": "cat notes.txt", "description": "Print the notes again"}),
+            ),
+        ],
+        text: FINAL,
+    };
+    let mock = MockUpstream::start(upstream(script.clone(), MODEL)).await;
+    let visor = visor_for(&mock, MODEL).await;
+    let home = work.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let mut cmd = Command::new(claude);
+    cmd.args([
+        "-p",
+        AGENT_PROMPT,
+        "--model",
+        MODEL,
+        "--allowedTools",
+        "Read",
+        "Bash(cat:*)",
+    ])
+    .current_dir(&work)
+    .env("HOME", &home)
+    .env("CLAUDE_CONFIG_DIR", home.join(".claude"))
+    .env("ANTHROPIC_BASE_URL", visor.url(""))
+    .env("ANTHROPIC_API_KEY", "sk-ant-client-test")
+    .env("ANTHROPIC_CUSTOM_HEADERS", "x-visor-session: claude-1")
+    .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+    .env("DISABLE_TELEMETRY", "1")
+    .env("DISABLE_ERROR_REPORTING", "1")
+    .env("DISABLE_AUTOUPDATER", "1")
+    .env("NO_COLOR", "1")
+    .env_remove("ANTHROPIC_AUTH_TOKEN");
+    let ran = run_client(cmd, BOUND).await;
+    println!("{T}: claude -p ran in {:.1} s", ran.took.as_secs_f64());
+    ran.assert_ok(T);
+    assert!(
+        ran.stdout.contains(FINAL),
+        "claude printed:\n{}\n{}",
+        ran.stdout,
+        ran.stderr
+    );
+    let main = check_upstream(
+        &mock,
+        &script,
+        &Expect {
+            image: 0,
+            repeat: (1, 2),
+        },
+    );
+    check_session(&visor, "claude-1", Wire::Messages, &main, AGENT_PROMPT).await;
+    let _ = std::fs::remove_dir_all(work);
+}
