@@ -1136,3 +1136,46 @@ proptest! {
         prop_assert_eq!(&b[..a.len()], &a[..], "no exception: every earlier message stays byte for byte");
     }
 }
+
+/// A computer-use agent on the Responses API: its screenshots come back as
+/// `computer_call_output` items and are capped like any tool image.
+#[test]
+fn computer_use_screenshots_are_capped_and_deduped() {
+    let (_, pngs) = screenshots();
+    let mut input = vec![json!({"role": "user", "content": "book a flight"})];
+    for i in 0..6 {
+        let mut png = pngs[1].clone();
+        png.extend_from_slice(format!("screen {i}").as_bytes());
+        let url = format!(
+            "data:image/png;base64,{}",
+            base64_simd::STANDARD.encode_to_string(&png)
+        );
+        input.push(json!({"type": "computer_call", "call_id": format!("c{i}"), "action": {"type": "screenshot"}}));
+        input.push(json!({"type": "computer_call_output", "call_id": format!("c{i}"), "output": {"type": "computer_screenshot", "image_url": url}}));
+    }
+    // The same screen twice in a row: the later copy refers to the first.
+    let again = input[12]["output"].clone();
+    input.push(json!({"type": "computer_call", "call_id": "c9", "action": {"type": "screenshot"}}));
+    input.push(json!({"type": "computer_call_output", "call_id": "c9", "output": again}));
+    let body = json!({"model": "computer-use-preview", "input": input});
+    let rules = Rules {
+        max_images: 3,
+        hard_max_images: Some(3),
+        ..DEFAULTS
+    };
+    let (out, report) = run(&body, &plan(Shape::Responses, true, rules));
+    let kept = out["input"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["output"]["type"] == "computer_screenshot")
+        .count();
+    assert!(kept <= 3, "{kept} screenshots sent");
+    assert!(report.images_replaced >= 4, "{report:?}");
+    let last = &out["input"][out["input"].as_array().unwrap().len() - 1];
+    assert_eq!(
+        last["output"]["type"], "input_text",
+        "the repeat is a reference"
+    );
+    assert_eq!(last["call_id"], "c9");
+}
