@@ -442,9 +442,32 @@ pub struct Config {
     pub dedup: RawDedup,
     pub sessions: RawSessions,
     pub store: RawStore,
+    /// `images.non_vision`, checked.
+    pub non_vision: NonVision,
+    /// `describer.on_miss`, checked.
+    pub on_miss: OnMiss,
     /// Keys that still load but no longer do anything: said once at start
     /// (`visor serve` logs them, `visor check` prints them).
     pub warnings: Vec<String>,
+}
+
+/// What replaces an image a model cannot see (`images.non_vision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NonVision {
+    /// A description by the `[describer]` model.
+    Describe,
+    /// A placeholder.
+    Strip,
+}
+
+/// What a request does when a description is not cached yet
+/// (`describer.on_miss`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnMiss {
+    /// Waits up to `timeout_secs` for it.
+    Wait,
+    /// Answers with a placeholder at once; describes in the background.
+    Placeholder,
 }
 
 #[derive(Debug)]
@@ -898,7 +921,17 @@ impl RawConfig {
         if !p.is_empty() {
             return Err(p);
         }
+        let non_vision = match self.images.non_vision.as_str() {
+            "strip" => NonVision::Strip,
+            _ => NonVision::Describe,
+        };
+        let on_miss = match self.describer.on_miss.as_str() {
+            "placeholder" => OnMiss::Placeholder,
+            _ => OnMiss::Wait,
+        };
         Ok(Config {
+            non_vision,
+            on_miss,
             server,
             upstreams,
             models: self.model,

@@ -195,7 +195,7 @@ impl Describer {
             upstream,
             model: d.model.clone(),
             timeout: Duration::from_secs_f64(d.timeout_secs),
-            in_background: d.on_miss == "placeholder",
+            in_background: config.on_miss == crate::config::OnMiss::Placeholder,
             calls: Semaphore::new(d.concurrency.max(1) as usize),
             cache,
             backoff: Mutex::new(Backoff::default()),

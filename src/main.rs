@@ -357,7 +357,7 @@ fn explain(
     let plan = Plan {
         shape,
         vision: resolved.vision,
-        describe: cfg.images.non_vision == "describe",
+        describe: cfg.non_vision == visor::config::NonVision::Describe,
         rules: visor::transform::Rules::from_config(&cfg, resolved.caps.max_images),
     };
     // Descriptions come from the store only: explain never calls the

@@ -152,7 +152,7 @@ pub async fn prepare(
 
 /// `images.non_vision = "describe"`
 fn describes(state: &AppState) -> bool {
-    state.config.images.non_vision == "describe"
+    state.config.non_vision == crate::config::NonVision::Describe
 }
 
 /// After an upstream refused images for a model of unknown vision: when its
