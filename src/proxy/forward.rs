@@ -47,7 +47,7 @@ use tokio::time::Sleep;
 use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
 use super::probe::{FormScanner, JsonScanner, WholeBody};
-use super::router::refuse;
+use super::answer::refuse;
 use super::session;
 use super::transform::{self, Options, Prepared};
 use super::usage::UsageObserver;

@@ -1,5 +1,6 @@
 //! The service stack: what happens to a request, in order.
 
+mod answer;
 pub mod body;
 mod forward;
 pub mod headers;

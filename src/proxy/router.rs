@@ -9,9 +9,9 @@ use hyper::body::Incoming;
 
 use super::AppState;
 use super::body::ProxyBody;
+use super::answer::refuse;
 use super::forward;
 use crate::error::VisorError;
-use crate::metrics::NO_UPSTREAM;
 
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
     if let Err(e) = check_target(&req) {
@@ -147,16 +147,6 @@ async fn session_endpoint(
     }
 }
 
-/// An error answered before any upstream was chosen.
-pub fn refuse(state: &AppState, e: VisorError) -> Response<ProxyBody> {
-    tracing::info!(error = e.label(), status = e.status().as_u16(), "refused");
-    state
-        .metrics
-        .requests
-        .with_label_values(&[NO_UPSTREAM, "", e.status().as_str()])
-        .inc();
-    e.into_response()
-}
 
 fn json(status: StatusCode, body: &'static str) -> Response<ProxyBody> {
     json_owned(status, body)

@@ -39,7 +39,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
 use super::body::ProxyBody;
 use super::headers::upstream_request_headers;
-use super::router::refuse;
+use super::answer::refuse;
 use super::transform::{self, Options};
 use super::usage::Usage;
 use super::{AppState, RequestIdExt};
