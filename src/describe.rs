@@ -38,9 +38,9 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::proxy::AppState;
-use crate::proxy::headers::{X_API_KEY, own_credential};
 use crate::transform::{Subject, SubjectImage};
 use crate::upstream::UpstreamBody;
+use crate::upstream::{X_API_KEY, own_credential};
 
 /// The prompt's version: part of every description's key, so a new prompt
 /// makes new descriptions instead of mixing with the old ones.

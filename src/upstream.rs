@@ -36,6 +36,27 @@ use tokio::time::Instant;
 
 pub type BoxError = Box<dyn StdError + Send + Sync>;
 
+/// Anthropic's credential header.
+pub static X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
+
+/// The upstream's own `api_key` as the header its `auth` mode names
+/// (marked sensitive), when it has one.
+pub fn own_credential(
+    upstream: &crate::config::Upstream,
+) -> Option<(http::HeaderName, http::HeaderValue)> {
+    let key = upstream.api_key.as_ref()?;
+    let (name, value) = match upstream.auth {
+        crate::config::AuthMode::Bearer => (
+            http::header::AUTHORIZATION,
+            format!("Bearer {}", key.expose()),
+        ),
+        crate::config::AuthMode::XApiKey => (X_API_KEY.clone(), key.expose().to_owned()),
+    };
+    let mut v = http::HeaderValue::from_str(&value).ok()?;
+    v.set_sensitive(true);
+    Some((name, v))
+}
+
 /// The one client type: pooled, TLS-capable, over [`UpstreamBody`].
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
 

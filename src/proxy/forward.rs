@@ -44,10 +44,10 @@ use std::pin::Pin;
 use bytes::Bytes;
 use tokio::time::Sleep;
 
+use super::answer::refuse;
 use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
 use super::probe::{FormScanner, JsonScanner, WholeBody};
-use super::answer::refuse;
 use super::session;
 use super::transform::{self, Options, Prepared};
 use super::usage::UsageObserver;

@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
 
-use crate::config::{AuthMode, Secret, Upstream};
+use crate::config::{Secret, Upstream};
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
-pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+pub use crate::upstream::{X_API_KEY, own_credential};
 
 /// Headers that belong to one connection, never forwarded (RFC 9110 §7.6.1).
 const HOP_BY_HOP: &[&str] = &[
@@ -79,19 +79,6 @@ pub fn upstream_request_headers(
         }
     }
     headers.insert(X_REQUEST_ID.clone(), request_id.clone());
-}
-
-/// The upstream's own `api_key` as the header its `auth` mode names
-/// (marked sensitive), when it has one.
-pub fn own_credential(upstream: &Upstream) -> Option<(HeaderName, HeaderValue)> {
-    let key = upstream.api_key.as_ref()?;
-    let (name, value) = match upstream.auth {
-        AuthMode::Bearer => (header::AUTHORIZATION, format!("Bearer {}", key.expose())),
-        AuthMode::XApiKey => (X_API_KEY.clone(), key.expose().to_owned()),
-    };
-    let mut v = HeaderValue::from_str(&value).ok()?;
-    v.set_sensitive(true);
-    Some((name, v))
 }
 
 /// The proxy's own keys, held as SHA-256 digests and compared in constant

@@ -8,8 +8,8 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, Version, header};
 use hyper::body::Incoming;
 
 use super::AppState;
-use super::body::ProxyBody;
 use super::answer::refuse;
+use super::body::ProxyBody;
 use super::forward;
 use crate::error::VisorError;
 
@@ -146,7 +146,6 @@ async fn session_endpoint(
         Err(e) => refuse(state, VisorError::StoreUnavailable(e.to_string())),
     }
 }
-
 
 fn json(status: StatusCode, body: &'static str) -> Response<ProxyBody> {
     json_owned(status, body)

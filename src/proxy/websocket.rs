@@ -37,9 +37,9 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
+use super::answer::refuse;
 use super::body::ProxyBody;
 use super::headers::upstream_request_headers;
-use super::answer::refuse;
 use super::transform::{self, Options};
 use super::usage::Usage;
 use super::{AppState, RequestIdExt};
