@@ -178,6 +178,7 @@ fn new_request_id() -> HeaderValue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::AuthMode;
 
     fn upstream(key: Option<&str>, auth: AuthMode) -> Upstream {
         Upstream {
