@@ -170,7 +170,7 @@ fn truncate(s: &str, max: usize) -> String {
 
 /// No open relay: only origin-form targets under our own prefixes, without
 /// `.` / `..` segments (also percent-encoded, also with `\`).
-pub fn check_target<B>(req: &Request<B>) -> Result<(), VisorError> {
+fn check_target<B>(req: &Request<B>) -> Result<(), VisorError> {
     if req.method() == Method::CONNECT {
         return Err(VisorError::BadRequest(
             "CONNECT is not supported: visor is not a forward proxy",
