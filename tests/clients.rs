@@ -12,6 +12,7 @@
 //! | OpenAI Agents SDK, Chat Completions model | Chat Completions SSE | same |
 //! | `anthropic` (Python SDK), own loop | Messages SSE | same |
 //! | Codex CLI, `codex exec`, a custom provider, a session | Responses SSE | view_image, exec_command `cat` ×2 |
+//! | Codex CLI, `supports_websockets = true` | Responses WebSocket | same (no dedup, no session there) |
 //! | Claude Code, `claude -p`, a session | Messages SSE | Read (a PNG), Bash `cat` ×2 |
 //!
 //! Every test: the model is text-only (`[[model]] vision = false`, `[images]
@@ -31,20 +32,27 @@
 //! registries a test prints `SKIPPED …` and passes, except under `CI=true`,
 //! where it fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+// tungstenite's handshake callback returns its own large error type.
+#![allow(clippy::result_large_err)]
 
 mod support;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
 use http::Request;
 use http_body_util::Full;
 use serde_json::{Value, json};
 use support::*;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::handshake::server::{
+    Request as WsRequest, Response as WsResponse,
+};
 
 // ------------------------------------------------------------ environment
 
@@ -421,6 +429,18 @@ fn chat_answer(model: &str, call: Call, text: &str, stream: bool) -> Reply {
 }
 
 fn responses_answer(model: &str, k: usize, call: Call, text: &str, stream: bool) -> Reply {
+    let events = responses_events(model, k, call, text);
+    if !stream {
+        let done = &events.last().unwrap()["response"];
+        return Reply::json(200, done.to_string());
+    }
+    let chunks = events.iter().map(|e| sse(e["type"].as_str(), e)).collect();
+    Reply::sse_chunks(chunks)
+}
+
+/// The Responses stream events of one answer (`type` and
+/// `sequence_number` set), the last one `response.completed`.
+fn responses_events(model: &str, k: usize, call: Call, text: &str) -> Vec<Value> {
     let response = |status: &str, output: Value, usage: Value| {
         json!({"id": format!("resp_visor_{k}"), "object": "response", "created_at": 1_700_000_000,
                "status": status, "error": null, "incomplete_details": null, "instructions": null,
@@ -445,12 +465,6 @@ fn responses_answer(model: &str, k: usize, call: Call, text: &str, stream: bool)
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
         }
     };
-    if !stream {
-        return Reply::json(
-            200,
-            response("completed", json!([done_item]), usage).to_string(),
-        );
-    }
     let mut events: Vec<(&str, Value)> = vec![
         (
             "response.created",
@@ -502,16 +516,15 @@ fn responses_answer(model: &str, k: usize, call: Call, text: &str, stream: bool)
         "response.completed",
         json!({"response": response("completed", json!([done_item]), usage)}),
     ));
-    let chunks = events
+    events
         .into_iter()
         .enumerate()
         .map(|(n, (name, mut data))| {
             data["type"] = json!(name);
             data["sequence_number"] = json!(n);
-            sse(Some(name), &data)
+            data
         })
-        .collect();
-    Reply::sse_chunks(chunks)
+        .collect()
 }
 
 fn messages_answer(model: &str, k: usize, call: Call, text: &str, stream: bool) -> Reply {
@@ -890,12 +903,15 @@ async fn check_session(visor: &Visor, id: &str, wire: Wire, main: &[Value], prom
 
 /// visor for a text-only `model` in front of the scripted upstream.
 async fn visor_for(mock: &MockUpstream, model: &str) -> Visor {
-    Visor::for_mock(
-        mock,
-        &format!(
-            "[images]\nnon_vision = \"strip\"\n[[model]]\nmatch = \"{model}\"\nvision = false\n"
-        ),
-    )
+    visor_at(&mock.url(), model).await
+}
+
+/// visor for a text-only `model` in front of the upstream at `url`.
+async fn visor_at(url: &str, model: &str) -> Visor {
+    Visor::start(&format!(
+        "[images]\nnon_vision = \"strip\"\n[[model]]\nmatch = \"{model}\"\nvision = false\n\
+         [[upstream]]\nname = \"mock\"\nbase_url = \"{url}/v1\"\nmodels = [\"*\"]\n"
+    ))
     .await
 }
 
@@ -1087,18 +1103,9 @@ async fn anthropic_python_sdk_tool_loop() {
 
 const AGENT_PROMPT: &str = "Look at chart.png, then print notes.txt twice.";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn codex_cli_exec_with_session() {
-    const T: &str = "codex_cli_exec_with_session";
-    let codex = need!(
-        T,
-        tokio::task::spawn_blocking(|| node_bin("codex"))
-            .await
-            .unwrap()
-    );
-    const MODEL: &str = "visor-test-codex";
-    let work = workdir(T);
-    let script = Script {
+/// Codex's side of the loop: view the PNG, then `cat` the notes twice.
+fn codex_script(work: &Path) -> Script {
+    Script {
         wire: Wire::Responses,
         calls: vec![
             ("view_image", json!({"path": work.join("chart.png")})),
@@ -1106,15 +1113,32 @@ async fn codex_cli_exec_with_session() {
             ("exec_command", json!({"cmd": "cat notes.txt"})),
         ],
         text: FINAL,
-    };
-    let mock = MockUpstream::start(upstream(script.clone(), MODEL)).await;
-    let visor = visor_for(&mock, MODEL).await;
+    }
+}
+
+/// Runs `codex exec` in `work` with a `CODEX_HOME` of its own whose
+/// config.toml has visor (`base`, …/v1) as a custom Responses provider —
+/// the README's block — over HTTP/SSE or the Responses WebSocket, with an
+/// `x-visor-session` header or none. Checks it finished with the final
+/// text and that Codex knew every key of the config.
+async fn run_codex(
+    test: &str,
+    codex: PathBuf,
+    work: &Path,
+    model: &str,
+    base: &str,
+    websockets: bool,
+    session: Option<&str>,
+) {
     let home = work.join("codex-home");
     std::fs::create_dir_all(&home).unwrap();
+    let headers = session
+        .map(|id| format!("http_headers = {{ \"x-visor-session\" = \"{id}\" }}\n"))
+        .unwrap_or_default();
     std::fs::write(
         home.join("config.toml"),
         format!(
-            r#"model = "{MODEL}"
+            r#"model = "{model}"
 model_provider = "visor"
 approval_policy = "never"
 sandbox_mode = "danger-full-access"
@@ -1125,29 +1149,27 @@ enabled = false
 
 [model_providers.visor]
 name = "visor"
-base_url = "{}"
+base_url = "{base}"
 env_key = "OPENAI_API_KEY"
 wire_api = "responses"
-supports_websockets = false
+supports_websockets = {websockets}
 request_max_retries = 0
 stream_max_retries = 0
-http_headers = {{ "x-visor-session" = "codex-1" }}
-"#,
-            visor.url("/v1")
+{headers}"#
         ),
     )
     .unwrap();
     let mut cmd = Command::new(codex);
     cmd.args(["exec", "--skip-git-repo-check", AGENT_PROMPT])
-        .current_dir(&work)
+        .current_dir(work)
         .env("CODEX_HOME", &home)
         .env("GIT_CEILING_DIRECTORIES", work.parent().unwrap())
         .env("OPENAI_API_KEY", "sk-client-test")
         .env("NO_COLOR", "1")
         .env_remove("OPENAI_BASE_URL");
     let ran = run_client(cmd, BOUND).await;
-    println!("{T}: codex exec ran in {:.1} s", ran.took.as_secs_f64());
-    ran.assert_ok(T);
+    println!("{test}: codex exec ran in {:.1} s", ran.took.as_secs_f64());
+    ran.assert_ok(test);
     assert!(
         ran.stdout.contains(FINAL),
         "codex printed:\n{}\n{}",
@@ -1161,6 +1183,24 @@ http_headers = {{ "x-visor-session" = "codex-1" }}
         "{}",
         ran.stderr
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_cli_exec_with_session() {
+    const T: &str = "codex_cli_exec_with_session";
+    let codex = need!(
+        T,
+        tokio::task::spawn_blocking(|| node_bin("codex"))
+            .await
+            .unwrap()
+    );
+    const MODEL: &str = "visor-test-codex";
+    let work = workdir(T);
+    let script = codex_script(&work);
+    let mock = MockUpstream::start(upstream(script.clone(), MODEL)).await;
+    let visor = visor_for(&mock, MODEL).await;
+    let base = visor.url("/v1");
+    run_codex(T, codex, &work, MODEL, &base, false, Some("codex-1")).await;
     let main = check_upstream(
         T,
         &mock,
@@ -1171,6 +1211,166 @@ http_headers = {{ "x-visor-session" = "codex-1" }}
         },
     );
     check_session(&visor, "codex-1", Wire::Responses, &main, AGENT_PROMPT).await;
+    let _ = std::fs::remove_dir_all(work);
+}
+
+/// What the WebSocket upstream saw: the handshake paths and every client
+/// event, in order.
+#[derive(Default)]
+struct WsSeen {
+    handshakes: Vec<String>,
+    events: Vec<Value>,
+}
+
+/// A Responses WebSocket upstream playing `script`. Each `response.create`
+/// is answered with the events of the next turn, counted by the tool
+/// outputs this socket has carried so far (after its first request Codex
+/// sends only new items, with `previous_response_id`); one with
+/// `generate: false` (Codex's warm-up) gets an empty completed response.
+async fn ws_upstream(script: Script, model: &'static str) -> (String, Arc<Mutex<WsSeen>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let seen = Arc::new(Mutex::new(WsSeen::default()));
+    let s = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (s, script) = (s.clone(), script.clone());
+            tokio::spawn(async move {
+                let s2 = s.clone();
+                let callback = move |req: &WsRequest, resp: WsResponse| {
+                    s2.lock()
+                        .unwrap()
+                        .handshakes
+                        .push(req.uri().path().to_owned());
+                    Ok(resp)
+                };
+                let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, callback).await else {
+                    return;
+                };
+                let mut outputs = 0;
+                while let Some(Ok(m)) = ws.next().await {
+                    let Message::Text(t) = m else {
+                        if matches!(m, Message::Close(_)) {
+                            break;
+                        }
+                        continue;
+                    };
+                    let ev: Value = serde_json::from_str(&t).unwrap_or_default();
+                    s.lock().unwrap().events.push(ev.clone());
+                    if ev["type"] != "response.create" {
+                        continue;
+                    }
+                    let events = if ev["generate"] == false {
+                        let r = json!({"id": "resp_visor_warmup", "object": "response",
+                            "created_at": 1_700_000_000, "status": "completed", "model": model,
+                            "output": [], "usage": {"input_tokens": 0, "output_tokens": 0,
+                            "total_tokens": 0}});
+                        vec![
+                            json!({"type": "response.created", "sequence_number": 0, "response": r}),
+                            json!({"type": "response.completed", "sequence_number": 1, "response": r}),
+                        ]
+                    } else {
+                        outputs += tool_results(Wire::Responses, &ev).len();
+                        let call = (outputs < script.calls.len()).then(|| {
+                            let (name, args) = &script.calls[outputs];
+                            (Wire::Responses.call_id(outputs), *name, args)
+                        });
+                        responses_events(model, outputs, call, script.text)
+                    };
+                    for e in events {
+                        if ws.send(Message::text(e.to_string())).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (url, seen)
+}
+
+/// Codex over the Responses WebSocket (`supports_websockets = true`):
+/// visor's WebSocket mode replaces the image in the event that carries it,
+/// no image data reaches the upstream, each tool output arrives once, after
+/// its call, and the loop finishes. (Each event carries only the new
+/// output, so the repeated `cat` is not deduped here, and sessions do not
+/// apply on a WebSocket.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_cli_exec_over_websocket() {
+    const T: &str = "codex_cli_exec_over_websocket";
+    let codex = need!(
+        T,
+        tokio::task::spawn_blocking(|| node_bin("codex"))
+            .await
+            .unwrap()
+    );
+    const MODEL: &str = "visor-test-codex-ws";
+    let work = workdir(T);
+    let script = codex_script(&work);
+    let (url, seen) = ws_upstream(script.clone(), MODEL).await;
+    let visor = visor_at(&url, MODEL).await;
+    let base = visor.url("/v1");
+    run_codex(T, codex, &work, MODEL, &base, true, None).await;
+
+    let seen = seen.lock().unwrap();
+    if let Ok(dir) = std::env::var("VISOR_CLIENTS_DUMP") {
+        let _ = std::fs::create_dir_all(&dir);
+        let _ = std::fs::write(
+            format!("{dir}/{T}-events.json"),
+            json!(seen.events).to_string(),
+        );
+    }
+    assert!(!seen.handshakes.is_empty(), "Codex opened no WebSocket");
+    assert!(
+        seen.handshakes.iter().all(|p| p == "/v1/responses"),
+        "{:?}",
+        seen.handshakes
+    );
+    let (_, b64) = png();
+    for ev in &seen.events {
+        let text = ev.to_string();
+        for needle in [&b64[..40], "iVBORw0KGgo", ";base64,"] {
+            assert!(
+                !text.contains(needle),
+                "image data ({needle}) reached the upstream: {text}"
+            );
+        }
+    }
+    let turns: Vec<&Value> = seen
+        .events
+        .iter()
+        .filter(|e| e["type"] == "response.create" && e["generate"] != false)
+        .collect();
+    assert_eq!(
+        turns.len(),
+        script.calls.len() + 1,
+        "one response.create per turn"
+    );
+    let outputs: Vec<Part> = turns
+        .iter()
+        .flat_map(|e| tool_results(Wire::Responses, e))
+        .collect();
+    let ids: Vec<&str> = outputs.iter().map(|p| p.id.as_str()).collect();
+    let want: Vec<String> = (0..script.calls.len())
+        .map(|k| Wire::Responses.call_id(k))
+        .collect();
+    assert_eq!(ids, want, "each tool output once, in order");
+    for (j, e) in turns.iter().enumerate() {
+        // Turn j's event carries outputs only for calls already made.
+        for p in tool_results(Wire::Responses, e) {
+            let k: usize = p.id.trim_start_matches("call_visor_").parse().unwrap();
+            assert!(
+                k < j,
+                "turn {j} carries the output of call {k}, not made yet"
+            );
+        }
+    }
+    assert!(
+        outputs[0].content.contains("[image sha256:"),
+        "the image's output: {}",
+        outputs[0].content
+    );
+    drop(seen);
     let _ = std::fs::remove_dir_all(work);
 }
 
