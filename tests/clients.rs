@@ -743,13 +743,6 @@ enum Image {
     /// The client itself sends this instead of the image: no image reaches
     /// visor at all.
     DroppedByClient(&'static str),
-    /// A shape visor does not replace yet (an open visor issue): while the
-    /// image still arrives in exactly this shape the test says so and checks
-    /// the rest; once visor replaces it, the test wants the placeholder.
-    KnownGap {
-        shape: &'static str,
-        issue: &'static str,
-    },
 }
 
 /// What a test expects of the loop.
@@ -779,16 +772,8 @@ fn check_upstream(test: &str, mock: &MockUpstream, script: &Script, expect: &Exp
         }
     }
     let (_, b64) = png();
-    let mut gap = None;
     for r in &recs {
         let text = String::from_utf8_lossy(&r.body);
-        if let Image::KnownGap { shape, issue } = &expect.image.1
-            && text.contains(&b64[..40])
-            && text.contains(shape)
-        {
-            gap = Some(*issue);
-            continue;
-        }
         for needle in [&b64[..40], "iVBORw0KGgo", ";base64,", "\"type\":\"base64\""] {
             assert!(
                 !text.contains(needle),
@@ -832,14 +817,11 @@ fn check_upstream(test: &str, mock: &MockUpstream, script: &Script, expect: &Exp
     }
     let last = tool_results(script.wire, main.last().unwrap());
     let image = &last[expect.image.0].content;
-    match (&expect.image.1, gap) {
-        (Image::DroppedByClient(instead), _) => {
+    match &expect.image.1 {
+        Image::DroppedByClient(instead) => {
             assert!(image.contains(instead), "the image's result: {image}");
         }
-        (Image::KnownGap { .. }, Some(issue)) => {
-            println!("{test}: KNOWN VISOR GAP, the image reached the upstream as it was: {issue}");
-        }
-        _ => assert!(
+        Image::Replaced => assert!(
             image.contains("[image sha256:"),
             "the image's result: {image}"
         ),
@@ -1003,11 +985,8 @@ async fn vercel_ai_sdk_openai_chat_tool_loop() {
         "node".into(),
         &args,
         "visor-test-vercel-chat",
-        Image::KnownGap {
-            shape: r#"\"type\":\"file\",\"mediaType\":\"image/png\",\"data\":{\"type\":\"data\""#,
-            issue: "AI SDK v7 tool-output `file` parts ({type:file, mediaType, data:{type:data, data}}) \
-                    sent as JSON text of a Chat tool message are not replaced",
-        },
+        // A v7 `file` part in the JSON text of the tool message.
+        Image::Replaced,
     )
     .await;
 }

@@ -327,6 +327,19 @@ impl PartFields {
             }
         } else if string && (k("data") || k("base64")) {
             self.data = Some(c.string()?);
+        } else if kind == Kind::Object && k("data") {
+            // Vercel AI SDK v7 `file` parts: `"data": {"type": "data",
+            // "data": "…"}` or `{"type": "url", "url": "…"}`.
+            c.object(|c, key| {
+                if c.kind()? == Kind::String && key.is(src, "data") {
+                    self.data = Some(c.string()?);
+                } else if c.kind()? == Kind::String && key.is(src, "url") {
+                    self.url = Some(c.string()?);
+                } else {
+                    c.skip()?;
+                }
+                Ok(())
+            })?;
         } else if string && k("url") {
             self.url = Some(c.string()?);
         } else if kind == Kind::Object && k("resource") {
@@ -764,6 +777,14 @@ fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
         return Some(match &f.data {
             Some(d) => Raw::Base64(d.clone(), f.media_type.clone()),
             None => Raw::Broken("image data part without data"),
+        });
+    }
+    // v7 `file` parts of an image type: data inline or by URL.
+    if ty.is(src, "file") && image_media(&f.media_type) {
+        return Some(match (&f.data, &f.url) {
+            (Some(d), _) => Raw::Base64(d.clone(), f.media_type.clone()),
+            (None, Some(u)) => url_like(u),
+            (None, None) => Raw::Broken("image file part without data or url"),
         });
     }
     if ty.is(src, "image-url") {

@@ -313,7 +313,9 @@ fn image_shapes_of_real_sdks_are_found() {
         {"type": "media", "data": png, "mediaType": "image/png"},
         {"type": "file-data", "data": png, "mediaType": "image/png"},
         {"type": "image-url", "url": "https://example.com/a.png"},
-        {"type": "file-data", "data": "JVBERi0=", "mediaType": "application/pdf"}
+        {"type": "file-data", "data": "JVBERi0=", "mediaType": "application/pdf"},
+        {"type": "file", "mediaType": "image/png", "data": {"type": "data", "data": png}},
+        {"type": "file", "mediaType": "image/png", "data": {"type": "url", "url": "https://example.com/f.png"}}
     ]);
     let mcp = json!({"content": [
         {"type": "resource", "resource": {"uri": "file:///s.png", "mimeType": "image/png", "blob": png}},
@@ -332,7 +334,7 @@ fn image_shapes_of_real_sdks_are_found() {
         {"role": "tool", "tool_call_id": "m", "content": mcp.to_string()}
     ]});
     let out = strip(&serde_json::to_vec(&chat).unwrap(), Shape::Chat);
-    assert_eq!(out.report.images_replaced, 3 + 4 + 1, "{:?}", out.report);
+    assert_eq!(out.report.images_replaced, 3 + 6 + 1, "{:?}", out.report);
     let new = parse(out.body.as_deref().unwrap());
     assert_no_images(&new);
     assert!(!String::from_utf8_lossy(out.body.as_deref().unwrap()).contains(&png[100..160]));
