@@ -1,0 +1,1473 @@
+#!/usr/bin/env python3
+"""Soak test for visor (issue 14, hardening): mixed load with injected faults
+against the release binary, on loopback only.
+
+    python3 scripts/soak.py                 # 10 minutes (builds target/release/visor first)
+    python3 scripts/soak.py --seconds 60    # a short run to try it
+    python3 scripts/soak.py --help
+
+What runs (all on 127.0.0.1, ports chosen free):
+
+* a mock upstream (HTTP/1.1, keep-alive) answering /v1/chat/completions as
+  JSON or as SSE (OpenAI chunks, `data: [DONE]`), each answer derived from
+  its request: "ECHO <nonce> hdr=.. img=.. hist=..", the nonce taken from the
+  last user message. It injects faults a request asks for in `x-soak-fault`:
+  `head` (socket closed, sometimes reset, before the response head), `mid`
+  (closed in the middle of the body), `stall` (silent past visor's idle
+  deadline), `slowhead` (head later than the first-byte deadline), `500`.
+  It also plays the describer model (slow: 1-2.5 s, a quarter 4-6 s, past
+  describer.timeout_secs = 3) and checks what visor sent: no image left for
+  the text-only model, the description that of the right image, the previous
+  turn of a session present in the history;
+* visor A: `[store] backend = "redis://…"` on a redis-server this script
+  starts (`--save '' --appendonly no`); a few times in the run Redis is
+  stopped (`SHUTDOWN SAVE`, so what it held comes back) for ~20 s and started
+  again, once frozen (SIGSTOP) for ~20 s instead;
+* visor B: the disk store, its data_dir on an 8 MB tmpfs this script mounts,
+  filled to the last byte by a filler file every ~90 s and freed ~15 s later;
+* 8 workers sending plain chat (JSON, SSE), session turns (x-visor-session),
+  images to a text-only model (gpt-oss-120b) and to a vision model,
+  /healthz, /readyz, /metrics, and bad inputs, to both instances.
+
+It counts wrong answers (a 200 with content not for its request, a status
+not allowed for the situation, a connection error, a stream cut with no
+fault injected and no store down), lost turns (a turn answered 200 in full
+that GET /visor/sessions/<id> does not hold, user message then reply, in
+order), duplicated turns and hangs (30 s bound per request); samples VmRSS
+of both visors every 5 s; measures how long session requests take to succeed
+after each store recovery; SIGTERMs both visors at the end (exit 0 within the
+drain timeout). Output, visor logs and every wrong answer go to
+target/soak/<run>/. Exit status 0 only if all of it held.
+
+Python 3.11 standard library only. Needs root (tmpfs) and redis-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+REQUEST_BOUND = 30.0  # seconds: a request not done by then is a hang
+NONVISION_MODEL = "gpt-oss-120b"  # built-in row gpt-oss*: vision=false
+VISION_MODEL = "gpt-4o-mini"
+TEXT_MODEL = "gpt-4o-mini"
+DESCRIBER_MODEL = "soak-describer"
+DESCRIBER_TIMEOUT = 3
+IDLE_TIMEOUT = 3
+FIRST_BYTE_TIMEOUT = 6
+DRAIN_DELAY = 2
+DRAIN_TIMEOUT = 10
+RECOVERY_GRACE = 10.0  # seconds after a store is back in which 503 / cut are still allowed
+RECOVERY_LIMIT = 10.0  # a session request must succeed within this after recovery
+TURNS_PER_SESSION = 40  # rotate session ids well below max_depth
+NONCE_RE = re.compile(r"N:([0-9a-f]{16})")
+ECHO_RE = re.compile(r"^ECHO ([0-9a-f]{16}) hdr=(\w+) img=(\w+) hist=(\w+)$")
+
+T0 = time.monotonic()
+
+
+def now() -> float:
+    return time.monotonic() - T0
+
+
+def log(msg: str) -> None:
+    print(f"[{now():7.1f}s] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def nonce() -> str:
+    return os.urandom(8).hex()
+
+
+# ---------------------------------------------------------------- images
+
+
+def png(width: int, height: int, seed: bytes) -> bytes:
+    """A valid RGB PNG whose pixels come from `seed` (distinct seeds, distinct images)."""
+    rows = []
+    stream = hashlib.shake_256(seed).digest(width * height * 3)
+    for y in range(height):
+        rows.append(b"\x00" + stream[y * width * 3 : (y + 1) * width * 3])
+    raw = b"".join(rows)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw, 1)) + chunk(b"IEND", b"")
+
+
+@dataclass
+class Image:
+    data: bytes
+    sha: str
+    b64: str
+    w: int
+    h: int
+
+
+def make_image(big: bool = False) -> Image:
+    if big:
+        w, h = 320, 320  # ~300 KB of noise: bodies over 256 KiB go to visor's blocking pool
+    else:
+        w, h = random.randint(4, 24), random.randint(4, 24)
+    data = png(w, h, os.urandom(16))
+    return Image(data, hashlib.sha256(data).hexdigest(), base64.b64encode(data).decode(), w, h)
+
+
+# ---------------------------------------------------------------- mock upstream
+
+
+class Mock:
+    """The upstream and the describer, in a thread of its own with its own loop."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.stats: Counter = Counter()
+        self.describer_inflight = 0
+        self.describer_max_inflight = 0
+        self.problems: list[str] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mock", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        if not self.ready.wait(10):
+            raise RuntimeError("mock upstream did not start")
+
+    def stop(self) -> None:
+        if self.loop and self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(
+            asyncio.start_server(self._conn, HOST, self.port, limit=1 << 20, backlog=512)
+        )
+        self.ready.set()
+        try:
+            self.loop.run_forever()
+        finally:
+            server.close()
+            for t in asyncio.all_tasks(self.loop):
+                t.cancel()
+            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.close()
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for _ in range(100_000):  # keep-alive, bounded
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                body = b""
+                if headers.get("transfer-encoding", "").lower() == "chunked":
+                    parts = []
+                    while True:
+                        size = int((await reader.readline()).split(b";")[0], 16)
+                        if size == 0:
+                            while (await reader.readline()) not in (b"\r\n", b""):
+                                pass
+                            break
+                        parts.append((await reader.readexactly(size + 2))[:-2])
+                    body = b"".join(parts)
+                elif "content-length" in headers:
+                    body = await reader.readexactly(int(headers["content-length"]))
+                keep = await self._handle(method, path, headers, body, writer)
+                if not keep:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, OSError):
+            return
+        except Exception:  # a bug in the mock: say so, never hide it
+            self.problems.append(traceback.format_exc())
+        finally:
+            try:
+                writer.close()
+            except Exception:
+                pass
+
+    @staticmethod
+    def _reset(writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None and random.random() < 0.5:  # half of them a TCP reset
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        writer.close()
+
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        writer.write(data)
+        await writer.drain()
+
+    async def _handle(self, method, path, headers, body, writer) -> bool:
+        if method != "POST" or not path.endswith("/chat/completions"):
+            self.stats["other"] += 1
+            msg = b'{"error":{"message":"mock: unknown path"}}'
+            await self._send(writer, b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(msg), msg))
+            return True
+        req = json.loads(body)
+        model = req.get("model")
+        if model == DESCRIBER_MODEL:
+            return await self._describer(req, writer)
+        self.stats["chat"] += 1
+        fault = headers.get("x-soak-fault", "none")
+        self.stats["fault:" + fault] += 1
+        content = self._answer(req, headers, body)
+        stream = bool(req.get("stream"))
+        if fault == "head":
+            self._reset(writer)
+            return False
+        if fault == "slowhead":
+            await asyncio.sleep(FIRST_BYTE_TIMEOUT + 2)
+            self._reset(writer)
+            return False
+        if fault == "500":
+            msg = b'{"error":{"message":"soak injected 500","type":"server_error","code":null}}'
+            await self._send(writer, b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(msg), msg))
+            return True
+        cid = "chatcmpl-" + nonce()
+        if not stream:
+            out = json.dumps({
+                "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": len(body) // 4, "completion_tokens": 8, "total_tokens": len(body) // 4 + 8},
+            }).encode()
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(out)
+            if fault in ("mid", "stall"):
+                await self._send(writer, head + out[: len(out) // 2])
+                if fault == "stall":
+                    await asyncio.sleep(IDLE_TIMEOUT + 2)
+                self._reset(writer)
+                return False
+            await self._send(writer, head + out)
+            return True
+        # SSE, chunked
+        await self._send(writer, b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
+
+        def ev(obj) -> bytes:
+            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+            return b"%x\r\n%s\r\n" % (len(data), data)
+
+        def chunk(delta, finish=None):
+            return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        pieces = [content[i : i + 12] for i in range(0, len(content), 12)]
+        events = [chunk({"role": "assistant", "content": ""})] + [chunk({"content": p}) for p in pieces]
+        events.append(chunk({}, "stop"))
+        events.append({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                       "choices": [], "usage": {"prompt_tokens": len(body) // 4, "completion_tokens": len(pieces), "total_tokens": len(body) // 4 + len(pieces)}})
+        pace = 0.15 if fault == "slowstream" else random.choice((0, 0, 0.002, 0.01))
+        for i, e in enumerate(events):
+            if fault in ("mid", "stall") and i == 2:
+                if fault == "stall":
+                    await asyncio.sleep(IDLE_TIMEOUT + 2)
+                self._reset(writer)
+                return False
+            await self._send(writer, ev(e))
+            if pace:
+                await asyncio.sleep(pace)
+        await self._send(writer, ev(b"[DONE]") + b"0\r\n\r\n")
+        return True
+
+    def _answer(self, req, headers, body: bytes) -> str:
+        msgs = req.get("messages") or []
+        last_user = None
+        for m in reversed(msgs):
+            if isinstance(m, dict) and m.get("role") == "user":
+                last_user = m
+                break
+        text = ""
+        if last_user is not None:
+            c = last_user.get("content")
+            if isinstance(c, str):
+                text = c
+            elif isinstance(c, list):
+                text = "\n".join(p.get("text", "") for p in c if isinstance(p, dict))
+        m = NONCE_RE.search(text)
+        n = m.group(1) if m else "0" * 16
+        hdr = "ok" if headers.get("x-soak-nonce") == n else "MISMATCH"
+        img = "none"
+        sha = headers.get("x-soak-img-sha")
+        if sha:
+            raw = body.decode("utf-8", "replace")
+            if headers.get("x-soak-img-mode") == "keep":
+                img = "kept" if self._kept_sha(last_user) == sha else "ALTERED"
+            elif "data:image" in raw or ";base64," in raw:
+                img = "RAW"
+            elif f"sha256:{sha[:12]}" not in text:
+                img = "NOSHA"
+            elif "described: DESC-" in text:
+                img = "described" if f"described: DESC-{sha[:16]} soak image" in text else "WRONGDESC"
+            elif "not shown" in text:
+                img = "placeholder"
+            else:
+                img = "UNKNOWN"
+        hist = "na"
+        prev = headers.get("x-soak-prev")
+        if prev:
+            hist = "MISSING"
+            for mm in msgs[:-1]:
+                if isinstance(mm, dict) and mm.get("role") == "assistant" and isinstance(mm.get("content"), str) \
+                        and mm["content"].startswith(f"ECHO {prev} "):
+                    hist = "ok"
+                    break
+        return f"ECHO {n} hdr={hdr} img={img} hist={hist}"
+
+    @staticmethod
+    def _kept_sha(user_msg) -> str | None:
+        try:
+            for p in user_msg["content"]:
+                if p.get("type") == "image_url":
+                    url = p["image_url"]["url"]
+                    return hashlib.sha256(base64.b64decode(url.split(",", 1)[1])).hexdigest()
+        except Exception:
+            return None
+        return None
+
+    async def _describer(self, req, writer) -> bool:
+        self.stats["describer"] += 1
+        self.describer_inflight += 1
+        self.describer_max_inflight = max(self.describer_max_inflight, self.describer_inflight)
+        try:
+            url = req["messages"][-1]["content"][1]["image_url"]["url"]
+            sha = hashlib.sha256(base64.b64decode(url.split(",", 1)[1])).hexdigest()
+            slow = random.random() < 0.25
+            await asyncio.sleep(random.uniform(4, 6) if slow else random.uniform(1, 2.5))
+            if slow:
+                self.stats["describer_slow"] += 1
+            out = json.dumps({"id": "d-" + nonce(), "object": "chat.completion", "model": DESCRIBER_MODEL,
+                              "choices": [{"index": 0, "message": {"role": "assistant", "content": f"DESC-{sha[:16]} soak image"},
+                                           "finish_reason": "stop"}]}).encode()
+            await self._send(writer, b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(out), out))
+            return True
+        finally:
+            self.describer_inflight -= 1
+
+
+# ---------------------------------------------------------------- HTTP client
+
+
+@dataclass
+class Resp:
+    status: int | None = None
+    headers: dict = field(default_factory=dict)
+    body: bytes = b""
+    complete: bool = False
+    error: str | None = None  # connection error / hang
+    hang: bool = False
+    elapsed: float = 0.0
+
+
+class Conn:
+    def __init__(self, reader, writer):
+        self.reader, self.writer, self.last = reader, writer, time.monotonic()
+
+
+async def _exchange(conn: Conn, port: int, method: str, path: str, headers: dict, body: bytes | None,
+                    abort_after_first: bool) -> Resp:
+    h = [f"{method} {path} HTTP/1.1", f"host: {HOST}:{port}"]
+    for k, v in headers.items():
+        h.append(f"{k}: {v}")
+    if body is not None:
+        h.append(f"content-length: {len(body)}")
+    conn.writer.write(("\r\n".join(h) + "\r\n\r\n").encode() + (body or b""))
+    await conn.writer.drain()
+    r = Resp()
+    try:
+        head = await conn.reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as e:
+        r.error = f"connection closed before the response head ({len(e.partial)} bytes)"
+        return r
+    lines = head.decode("latin-1").split("\r\n")
+    r.status = int(lines[0].split(" ")[1])
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            r.headers[k.strip().lower()] = v.strip()
+    parts = []
+    try:
+        if method == "HEAD" or r.status in (204, 304):
+            r.complete = True
+        elif r.headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                line = await conn.reader.readline()
+                if not line.endswith(b"\r\n"):
+                    break  # cut
+                size = int(line.split(b";")[0], 16)
+                if size == 0:
+                    while True:
+                        t = await conn.reader.readline()
+                        if t == b"\r\n":
+                            r.complete = True
+                            break
+                        if not t:
+                            break
+                    break
+                data = await conn.reader.readexactly(size + 2)
+                parts.append(data[:-2])
+                if abort_after_first:
+                    r.error = "client aborted"
+                    break
+        elif "content-length" in r.headers:
+            parts.append(await conn.reader.readexactly(int(r.headers["content-length"])))
+            r.complete = True
+        else:
+            parts.append(await conn.reader.read())
+            r.complete = True
+    except asyncio.IncompleteReadError as e:
+        parts.append(e.partial)
+    except ConnectionError:
+        pass
+    r.body = b"".join(parts)
+    return r
+
+
+class Client:
+    """One keep-alive connection per instance, reused only within 2 s of its last use."""
+
+    def __init__(self) -> None:
+        self.conns: dict[int, Conn] = {}
+
+    async def request(self, port: int, method: str, path: str, headers: dict | None = None,
+                      body: bytes | None = None, abort_after_first: bool = False) -> Resp:
+        headers = dict(headers or {})
+        start = time.monotonic()
+        conn = self.conns.pop(port, None)
+        if conn is not None and (time.monotonic() - conn.last > 2.0 or conn.writer.is_closing()):
+            conn.writer.close()
+            conn = None
+        reused = conn is not None
+        try:
+            if conn is None:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, port, limit=1 << 22), 5)
+                conn = Conn(reader, writer)
+            r = await asyncio.wait_for(_exchange(conn, port, method, path, headers, body, abort_after_first), REQUEST_BOUND)
+        except asyncio.TimeoutError:
+            r = Resp(error=f"no complete response in {REQUEST_BOUND:.0f} s", hang=True)
+        except (ConnectionError, OSError) as e:
+            r = Resp(error=f"{type(e).__name__}: {e}" + (" (reused connection)" if reused else ""))
+        r.elapsed = time.monotonic() - start
+        if conn is not None:
+            if r.complete and r.error is None and r.headers.get("connection", "").lower() != "close":
+                conn.last = time.monotonic()
+                self.conns[port] = conn
+            else:
+                conn.writer.close()
+        return r
+
+    def close(self) -> None:
+        for c in self.conns.values():
+            c.writer.close()
+        self.conns.clear()
+
+
+def sse_content(body: bytes) -> tuple[str | None, bool]:
+    """(content, ended with [DONE] as its last event) of an SSE body; content None if unreadable."""
+    text = body.decode("utf-8", "replace")
+    content = []
+    done = False
+    for event in text.split("\n\n"):
+        for line in event.split("\n"):
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if done:
+                return None, False  # something after [DONE]
+            if data == "[DONE]":
+                done = True
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                return None, False
+            for ch in obj.get("choices") or []:
+                c = (ch.get("delta") or {}).get("content")
+                if c:
+                    content.append(c)
+    return "".join(content), done
+
+
+def json_content(body: bytes) -> str | None:
+    try:
+        return json.loads(body)["choices"][0]["message"]["content"]
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------- processes
+
+
+class Redis:
+    def __init__(self, out: Path) -> None:
+        self.port = free_port()
+        self.dir = out / "redis"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.logf = open(out / "redis.log", "ab")
+        self.proc: subprocess.Popen | None = None
+        self.frozen = False
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir), "--dbfilename", "dump.rdb", "--protected-mode", "yes"],
+            stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.command("PING") == b"+PONG\r\n":
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start (see redis.log)")
+
+    def command(self, *args: str, timeout: float = 2.0) -> bytes | None:
+        msg = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in args)
+        try:
+            with socket.create_connection((HOST, self.port), timeout=timeout) as s:
+                s.sendall(msg)
+                return s.recv(4096)
+        except OSError:
+            return None
+
+    def stop_saving(self) -> None:
+        """SHUTDOWN SAVE: what Redis held is written to dump.rdb and read back at the next start."""
+        self.command("SHUTDOWN", "SAVE", timeout=10)
+        if self.proc is not None:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                raise RuntimeError("redis-server did not stop on SHUTDOWN SAVE")
+
+    def freeze(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.frozen = False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            if self.frozen:
+                self.thaw()
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class Disk:
+    """An 8 MB tmpfs, mounted by this script (root), with a filler file to make it full."""
+
+    def __init__(self, path: Path, size: str) -> None:
+        self.path = path
+        self.size = size
+        self.mounted = False
+        self.filler = path / "filler"
+
+    def mount(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"mount -t tmpfs failed (root needed): {out.stderr.strip()}")
+        self.mounted = True
+
+    def fill(self) -> int:
+        """Writes the filler until not one byte more fits; returns the bytes written."""
+        written = 0
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for size in (64 * 1024, 4096, 1):
+                block = b"\0" * size
+                for _ in range(1 << 13):  # bounded: 8 MB in 64 KiB blocks, then the tail
+                    try:
+                        n = os.write(fd, block)
+                    except OSError:
+                        break
+                    if n <= 0:
+                        break
+                    written += n
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+        return written
+
+    def free(self) -> None:
+        try:
+            self.filler.unlink()
+        except FileNotFoundError:
+            pass
+
+    def usage(self) -> str:
+        st = os.statvfs(self.path)
+        return f"{(st.f_blocks - st.f_bfree) * st.f_frsize // 1024} KB used of {st.f_blocks * st.f_frsize // 1024} KB"
+
+    def unmount(self) -> None:
+        if self.mounted:
+            r = subprocess.run(["umount", str(self.path)], capture_output=True, text=True)
+            if r.returncode != 0:
+                subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+            self.mounted = False
+
+
+@dataclass
+class Window:
+    start: float
+    end: float | None = None  # when the store was given back; None while it is down
+
+    def covers(self, a: float, b: float) -> bool:
+        end = (self.end if self.end is not None else float("inf")) + RECOVERY_GRACE
+        return a <= end and b >= self.start
+
+
+class Visor:
+    def __init__(self, name: str, binary: Path, out: Path, config: str) -> None:
+        self.name = name
+        self.binary = binary
+        self.port = free_port()
+        self.config_path = out / f"visor-{name}.toml"
+        self.config_path.write_text(config.replace("@PORT@", str(self.port)))
+        self.log_path = out / f"visor-{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.windows: list[Window] = []
+        self.rss: list[tuple[float, int]] = []  # (t, VmRSS kB)
+        self.rss_anon: list[tuple[float, int]] = []  # (t, RssAnon kB): the heap, without the mapped binary
+        self.exit: dict = {}
+
+    def check(self) -> None:
+        r = subprocess.run([str(self.binary), "check", "--config", str(self.config_path)],
+                           capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"visor check failed for {self.name}:\n{r.stdout}{r.stderr}")
+
+    def start(self) -> None:
+        env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "info"))
+        self.logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([str(self.binary), "serve", "--config", str(self.config_path)],
+                                     stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"visor {self.name} exited {self.proc.returncode} at start; see {self.log_path}")
+            try:
+                with socket.create_connection((HOST, self.port), timeout=1) as s:
+                    s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                    if s.recv(100).startswith(b"HTTP/1.1 200"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"visor {self.name} not healthy in 20 s; see {self.log_path}")
+
+    def in_window(self, a: float, b: float) -> bool:
+        return any(w.covers(a, b) for w in self.windows)
+
+    def sample_rss(self, csv) -> int | None:
+        try:
+            fields = {}
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "RssAnon", "RssFile"):
+                    fields[k] = int(v.split()[0])
+        except (OSError, ValueError):
+            return None
+        if "VmRSS" not in fields:
+            return None
+        t = now()
+        self.rss.append((t, fields["VmRSS"]))
+        self.rss_anon.append((t, fields.get("RssAnon", 0)))
+        csv.write(f"{t:.1f},{self.name},{fields['VmRSS']},{fields.get('RssAnon', '')},{fields.get('RssFile', '')}\n")
+        csv.flush()
+        return fields["VmRSS"]
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+# ---------------------------------------------------------------- the soak
+
+
+@dataclass
+class Turn:
+    user: str
+    reply: str
+    nonce: str
+
+
+@dataclass
+class Session:
+    sid: str
+    visor: Visor
+    turns: list[Turn] = field(default_factory=list)  # complete 200 turns, in order
+    attempts: int = 0
+    prev: str | None = None
+    retired: bool = False
+    verified: bool = False
+
+
+class Soak:
+    def __init__(self, args, out: Path, mock: Mock, a: Visor, b: Visor, redis: Redis, disk: Disk) -> None:
+        self.args = args
+        self.out = out
+        self.mock = mock
+        self.a, self.b = a, b
+        self.visors = [a, b]
+        self.redis = redis
+        self.disk = disk
+        self.deadline = args.seconds
+        self.table: dict[str, Counter] = defaultdict(Counter)
+        self.wrong: list[dict] = []
+        self.hangs = 0
+        self.lost: set[tuple[str, str]] = set()
+        self.duplicated: set[tuple[str, str]] = set()
+        self.sessions: list[Session] = []
+        self.turns_checked = 0
+        self.redis_restarts = 0
+        self.redis_freezes = 0
+        self.disk_fills = 0
+        self.recoveries: list[tuple[str, float | None]] = []
+        self.crashes: list[str] = []
+        self.image_pool = [make_image() for _ in range(20)]
+        self.img_results: Counter = Counter()
+        self.wrong_file = open(out / "wrong.jsonl", "a")
+        self.run_tag = nonce()[:6]
+
+    # -- bookkeeping
+
+    def record(self, kind: str, label: str) -> None:
+        self.table[kind][label] += 1
+
+    def bad(self, kind: str, why: str, visor: Visor, req: dict, r: Resp) -> None:
+        item = {"t": round(now(), 2), "kind": kind, "why": why, "visor": visor.name, "request": req,
+                "status": r.status, "complete": r.complete, "error": r.error,
+                "request_id": r.headers.get("x-request-id"), "body": r.body[:600].decode("utf-8", "replace")}
+        self.wrong.append(item)
+        self.wrong_file.write(json.dumps(item) + "\n")
+        self.wrong_file.flush()
+        log(f"WRONG {kind} on {visor.name}: {why} (status {r.status}, request id {item['request_id']})")
+
+    def label(self, r: Resp) -> str:
+        if r.hang:
+            return "hang"
+        if r.status is None:
+            return "closed-no-head" if r.error and r.error.startswith("connection closed before") else "conn-error"
+        if r.error == "client aborted":
+            return "aborted"
+        return str(r.status) + ("" if r.complete else "-cut")
+
+    # -- one chat request (plain, session, image)
+
+    async def chat(self, client: Client, kind: str, visor: Visor, *, stream: bool, session: Session | None = None,
+                   image: Image | None = None, image_mode: str | None = None, fault: str = "none") -> None:
+        n = nonce()
+        text = f"N:{n} {kind} question {random.randint(0, 10**6)}"
+        if image is not None:
+            content = [{"type": "text", "text": text},
+                       {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image.b64}}]
+        else:
+            content = text
+        model = NONVISION_MODEL if image_mode == "replace" else (VISION_MODEL if image_mode == "keep" else TEXT_MODEL)
+        req = {"model": model, "messages": [{"role": "user", "content": content}]}
+        if stream:
+            req["stream"] = True
+            req["stream_options"] = {"include_usage": True}
+        headers = {"content-type": "application/json", "authorization": "Bearer soak-client-key",
+                   "x-request-id": f"soak-{n}", "x-soak-nonce": n}
+        if fault != "none":
+            headers["x-soak-fault"] = fault
+        if image is not None:
+            headers["x-soak-img-sha"] = image.sha
+            headers["x-soak-img-mode"] = image_mode
+        if session is not None:
+            headers["x-visor-session"] = session.sid
+            if session.prev:
+                headers["x-soak-prev"] = session.prev
+            session.attempts += 1
+        desc = {"nonce": n, "model": model, "stream": stream, "fault": fault,
+                "session": session.sid if session else None, "prev": session.prev if session else None,
+                "image_sha": image.sha[:12] if image else None}
+        t_start = now()
+        r = await client.request(visor.port, "POST", "/v1/chat/completions", headers, json.dumps(req).encode(),
+                                 abort_after_first=(fault == "slowstream"))
+        t_end = now()
+        self.record(kind, self.label(r))
+        if r.hang:
+            self.hangs += 1
+            self.bad(kind, "hang", visor, desc, r)
+            return
+        if fault == "slowstream":  # the client left mid-stream: anything goes but a connection error before the head
+            if r.status is None:
+                self.bad(kind, f"connection error: {r.error}", visor, desc, r)
+            return
+        store_fault = session is not None and visor.in_window(t_start, t_end)
+        if r.status is None:
+            # A response visor had to cut before its head left (a session turn it could not store,
+            # with the whole short body withheld) reaches the client as a connection closed
+            # without a head: an error the client sees, allowed where a cut is allowed.
+            if r.error and r.error.startswith("connection closed before") and (fault in ("mid", "stall") or store_fault):
+                return
+            self.bad(kind, f"connection error: {r.error}", visor, desc, r)
+            return
+        if r.status == 200:
+            if not r.complete:
+                if fault in ("mid", "stall") or store_fault:
+                    return  # a cut stream: what must happen (or allowed while the store is down)
+                self.bad(kind, "200 cut with no fault injected and no store down", visor, desc, r)
+                return
+            if stream:
+                got, done = sse_content(r.body)
+                if not done:
+                    self.bad(kind, "200 stream complete but not ending with data: [DONE]", visor, desc, r)
+                    return
+            else:
+                got = json_content(r.body)
+            if fault != "none":
+                self.bad(kind, f"200 in full although the upstream was made to fail ({fault})", visor, desc, r)
+                return
+            m = ECHO_RE.match(got or "")
+            if not m:
+                self.bad(kind, f"200 with unreadable content {got!r}", visor, desc, r)
+                return
+            gn, hdr, img, hist = m.groups()
+            if gn != n or hdr != "ok":
+                self.bad(kind, f"200 answering another request: {got!r}", visor, desc, r)
+                return
+            allowed_img = {"replace": {"described", "placeholder"}, "keep": {"kept"}}.get(image_mode, {"none"})
+            if img not in allowed_img:
+                self.bad(kind, f"image not handled as it must be: img={img}", visor, desc, r)
+                return
+            if image is not None:
+                self.img_results[f"{visor.name}:{img}"] += 1
+            want_hist = "ok" if (session is not None and session.prev) else "na"
+            if hist != want_hist:
+                self.bad(kind, f"the previous complete turn {session.prev if session else None} was not in the history sent upstream (hist={hist})", visor, desc, r)
+                return
+            if session is not None:
+                session.turns.append(Turn(text, got, n))
+                session.prev = n
+            return
+        # not 200
+        allowed = set()
+        if fault in ("head", "mid", "stall", "slowhead", "500"):
+            allowed |= {502, 504}
+        if fault == "500":
+            allowed.add(500)
+        if store_fault:
+            allowed.add(503)
+        if r.status not in allowed:
+            self.bad(kind, f"status {r.status} not allowed here (fault={fault}, store down={store_fault})", visor, desc, r)
+            return
+        if not r.complete:
+            # An error answer is a session turn too (the request's messages, stored without a reply);
+            # when the store cannot take it, visor withholds the answer's last bytes, as for a 200.
+            if not store_fault:
+                self.bad(kind, f"{r.status} answer cut with no store down", visor, desc, r)
+            return
+        if r.status == 503 and b"store_unavailable" not in r.body:
+            self.bad(kind, "503 without store_unavailable", visor, desc, r)
+        if r.status == 500 and b"soak injected 500" not in r.body:
+            self.bad(kind, "500 that is not the upstream's", visor, desc, r)
+
+    # -- the other kinds
+
+    async def health(self, client: Client, visor: Visor) -> None:
+        path = random.choice(["/healthz", "/readyz", "/metrics"])
+        kind = "get" + path
+        r = await client.request(visor.port, "GET", path)
+        self.record(kind, self.label(r))
+        desc = {"path": path}
+        if r.hang:
+            self.hangs += 1
+            self.bad(kind, "hang", visor, desc, r)
+        elif r.status != 200 or not r.complete:
+            self.bad(kind, f"status {r.status} complete={r.complete}", visor, desc, r)
+        elif path == "/healthz" and b'"ok"' not in r.body:
+            self.bad(kind, "healthz body", visor, desc, r)
+        elif path == "/readyz":
+            st = json.loads(r.body).get("status")
+            self.record("readyz-status", st)
+            if st not in ("ready", "degraded"):
+                self.bad(kind, f"readyz status {st}", visor, desc, r)
+        elif path == "/metrics" and b"# TYPE visor_" not in r.body:
+            self.bad(kind, "metrics without visor_ families", visor, desc, r)
+
+    BAD_INPUTS = [
+        ("invalid-json", "POST", "/v1/chat/completions", {}, b'{"model":"gpt-4o-mini","messages":[', 400, b"invalid_json"),
+        ("model-null", "POST", "/v1/chat/completions", {}, b'{"model":null,"messages":[]}', 400, b"invalid_json"),
+        ("not-utf8", "POST", "/v1/chat/completions", {}, b'{"model":"gpt-4o-mini","x":"\xff\xfe"}', 400, b"invalid_json"),
+        ("bad-session-id", "POST", "/v1/chat/completions", {"x-visor-session": "bad id!"},
+         b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"x"}]}', 400, b""),
+        ("bad-vision-header", "POST", "/v1/chat/completions", {"x-visor-vision": "maybe"},
+         b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"x"}]}', 400, b""),
+        ("traversal", "GET", "/v1/%2e%2e/etc/passwd", {}, None, 400, b""),
+        ("unknown-path", "GET", "/nope", {}, None, 404, b"unknown_url"),
+        ("bad-artifact-id", "GET", "/visor/artifacts/XYZ", {}, None, 400, b""),
+    ]
+
+    async def bad_input(self, client: Client, visor: Visor) -> None:
+        name, method, path, h, body, want, code = random.choice(self.BAD_INPUTS)
+        headers = {"content-type": "application/json", **h}
+        r = await client.request(visor.port, method, path, headers, body)
+        kind = "bad-input"
+        self.record(kind, self.label(r))
+        desc = {"case": name}
+        if r.hang:
+            self.hangs += 1
+            self.bad(kind, "hang", visor, desc, r)
+        elif r.status != want or not r.complete or (code and code not in r.body):
+            self.bad(kind, f"{name}: wanted {want} {code.decode()}", visor, desc, r)
+
+    # -- workers
+
+    def pick_fault(self, stream: bool, rate: float) -> str:
+        if random.random() >= rate:
+            return "none"
+        faults = ["head"] * 30 + ["mid"] * 35 + ["stall"] * 8 + ["slowhead"] * 4 + ["500"] * 18
+        if stream:
+            faults += ["slowstream"] * 5  # the client leaves mid-stream
+        return random.choice(faults)
+
+    def new_session(self, w: int, visor: Visor) -> Session:
+        s = Session(f"soak-{self.run_tag}-{visor.name}-w{w}-{len(self.sessions)}", visor)
+        self.sessions.append(s)
+        return s
+
+    async def worker(self, w: int) -> None:
+        client = Client()
+        sessions = {v.name: self.new_session(w, v) for v in self.visors}
+        kinds = (["chat-json"] * 18 + ["chat-sse"] * 18 + ["session-json"] * 14 + ["session-sse"] * 14
+                 + ["image-nonvision"] * 10 + ["image-vision"] * 4 + ["health"] * 14 + ["bad-input"] * 8)
+        try:
+            for _ in range(10_000_000):
+                if now() >= self.deadline:
+                    break
+                kind = random.choice(kinds)
+                visor = random.choice(self.visors)
+                try:
+                    if kind in ("chat-json", "chat-sse"):
+                        stream = kind == "chat-sse"
+                        await self.chat(client, kind, visor, stream=stream, fault=self.pick_fault(stream, 0.10))
+                    elif kind in ("session-json", "session-sse"):
+                        stream = kind == "session-sse"
+                        s = sessions[visor.name]
+                        if s.attempts >= TURNS_PER_SESSION:
+                            s.retired = True
+                            s = sessions[visor.name] = self.new_session(w, visor)
+                        await self.chat(client, kind, visor, stream=stream, session=s,
+                                        fault=self.pick_fault(stream, 0.10))
+                    elif kind == "image-nonvision":
+                        stream = random.random() < 0.5
+                        r = random.random()
+                        img = random.choice(self.image_pool) if r < 0.5 else make_image(big=r > 0.93)
+                        await self.chat(client, kind, visor, stream=stream, image=img, image_mode="replace",
+                                        fault=self.pick_fault(stream, 0.05))
+                    elif kind == "image-vision":
+                        await self.chat(client, kind, visor, stream=random.random() < 0.5,
+                                        image=random.choice(self.image_pool), image_mode="keep")
+                    elif kind == "health":
+                        await self.health(client, visor)
+                    else:
+                        await self.bad_input(client, visor)
+                except Exception:
+                    self.crashes.append(f"worker {w} {kind}: {traceback.format_exc()}")
+                    log(f"worker {w} raised: {traceback.format_exc()}")
+                await asyncio.sleep(random.uniform(0.02, 0.12))
+        finally:
+            client.close()
+            for s in sessions.values():
+                s.retired = True
+
+    # -- faults over time
+
+    async def wait_until(self, t: float) -> None:
+        while now() < t:
+            await asyncio.sleep(min(0.5, max(0.01, t - now())))
+
+    async def recovery_probe(self, visor: Visor, what: str) -> None:
+        """Session requests every 0.25 s from the moment the store is back until one succeeds."""
+        client = Client()
+        s = Session(f"soak-{self.run_tag}-{visor.name}-probe-{len(self.sessions)}", visor)
+        self.sessions.append(s)
+        t0 = now()
+        took = None
+        for _ in range(int(RECOVERY_LIMIT * 3 / 0.25)):
+            before = len(s.turns)
+            await self.chat(client, "recovery-probe", visor, stream=False, session=s)
+            if len(s.turns) > before:
+                took = now() - t0
+                break
+            await asyncio.sleep(0.25)
+        client.close()
+        s.retired = True
+        self.recoveries.append((f"{visor.name} {what}", took))
+        log(f"{visor.name}: session requests succeed again {took:.2f} s after {what}" if took is not None
+            else f"{visor.name}: session requests still failing {now() - t0:.0f} s after {what}")
+
+    async def redis_faults(self) -> None:
+        d = self.deadline
+        n = max(1, int(d // 120))
+        down = min(20.0, d / 5)
+        for i in range(n):
+            t = d * (i + 0.4) / n
+            if t + down + RECOVERY_GRACE > d:
+                break
+            await self.wait_until(t)
+            freeze = (i % 3 == 2)
+            w = Window(now())
+            self.a.windows.append(w)
+            if freeze:
+                log(f"redis: frozen (SIGSTOP) for {down:.0f} s")
+                self.redis.freeze()
+            else:
+                log(f"redis: SHUTDOWN SAVE, down for {down:.0f} s")
+                await asyncio.to_thread(self.redis.stop_saving)
+            await asyncio.sleep(down)
+            if freeze:
+                self.redis.thaw()
+                self.redis_freezes += 1
+            else:
+                await asyncio.to_thread(self.redis.start)
+                self.redis_restarts += 1
+            w.end = now()
+            log("redis: back")
+            await self.recovery_probe(self.a, "redis " + ("thawed" if freeze else "restarted"))
+
+    async def disk_faults(self) -> None:
+        d = self.deadline
+        n = max(1, int(d // 90))
+        hold = min(15.0, d / 6)
+        for i in range(n):
+            t = d * (i + 0.6) / n
+            if t + hold + RECOVERY_GRACE > d:
+                break
+            await self.wait_until(t)
+            w = Window(now())
+            self.b.windows.append(w)
+            written = await asyncio.to_thread(self.disk.fill)
+            self.disk_fills += 1
+            log(f"disk: filled ({written // 1024} KB filler; {self.disk.usage()}), held {hold:.0f} s")
+            await asyncio.sleep(hold)
+            self.disk.free()
+            w.end = now()
+            log(f"disk: freed ({self.disk.usage()})")
+            await self.recovery_probe(self.b, "disk freed")
+
+    async def sampler(self) -> None:
+        csv = open(self.out / "rss.csv", "a")
+        csv.write("t_seconds,visor,vmrss_kb,rssanon_kb,rssfile_kb\n")
+        for _ in range(100_000):
+            for v in self.visors:
+                if not v.alive():
+                    msg = f"visor {v.name} died (exit {v.proc.returncode}); see {v.log_path}"
+                    if msg not in self.crashes:
+                        self.crashes.append(msg)
+                        log(msg)
+                else:
+                    v.sample_rss(csv)
+            if now() >= self.deadline:
+                break
+            await asyncio.sleep(5)
+
+    async def progress(self) -> None:
+        for _ in range(100_000):
+            await asyncio.sleep(30)
+            if now() >= self.deadline:
+                break
+            total = sum(sum(c.values()) for c in self.table.values())
+            rss = " ".join(f"{v.name}={v.rss[-1][1] // 1024}MB" for v in self.visors if v.rss)
+            log(f"progress: {total} requests, wrong {len(self.wrong)}, lost {len(self.lost)}, hangs {self.hangs}, rss {rss}")
+
+    # -- lost turns
+
+    async def verify(self, client: Client, s: Session) -> bool:
+        """Checks one session; False when it could not be read now (store down)."""
+        if not s.turns:
+            s.verified = True
+            return True
+        r = await client.request(s.visor.port, "GET", f"/visor/sessions/{s.sid}")
+        if r.status == 503 or r.hang or r.status is None:
+            return False
+        msgs = []
+        if r.status == 200 and r.complete:
+            msgs = json.loads(r.body).get("messages", [])
+        elif r.status != 404:
+            self.bad("session-read", f"GET session {s.sid}: {r.status}", s.visor, {"session": s.sid}, r)
+            return True
+        users = [(i, m) for i, m in enumerate(msgs) if m.get("role") == "user"]
+        pos = 0
+        for t in s.turns:
+            self.turns_checked += 1
+            hits = [i for i, m in users if m.get("content") == t.user]
+            if len(hits) > 1:
+                self.duplicated.add((s.sid, t.nonce))
+            found = None
+            for i in hits:
+                if i >= pos and i + 1 < len(msgs) and msgs[i + 1].get("role") == "assistant" \
+                        and msgs[i + 1].get("content") == t.reply:
+                    found = i
+                    break
+            if found is None:
+                if (s.sid, t.nonce) not in self.lost:
+                    self.lost.add((s.sid, t.nonce))
+                    log(f"LOST turn {t.nonce} of session {s.sid} on {s.visor.name} "
+                        f"({len(msgs)} messages stored, user message {'present' if hits else 'absent'})")
+                    (self.out / "lost.jsonl").open("a").write(json.dumps(
+                        {"t": round(now(), 2), "session": s.sid, "visor": s.visor.name, "nonce": t.nonce,
+                         "user": t.user, "reply": t.reply, "stored": msgs}) + "\n")
+            else:
+                pos = found + 2
+        s.verified = True
+        return True
+
+    async def verifier(self) -> None:
+        client = Client()
+        for _ in range(100_000):
+            await asyncio.sleep(20)
+            if now() >= self.deadline:
+                break
+            for s in list(self.sessions):
+                if s.retired and not s.verified and not s.visor.in_window(now(), now()):
+                    await self.verify(client, s)
+        client.close()
+
+    async def final_verify(self) -> None:
+        client = Client()
+        pending = list(self.sessions)
+        self.turns_checked = 0
+        for _ in range(20):
+            for s in pending:
+                s.verified = False
+            again = []
+            for s in pending:
+                if not await self.verify(client, s):
+                    again.append(s)
+            pending = again
+            if not pending:
+                break
+            await asyncio.sleep(2)
+        for s in pending:
+            self.crashes.append(f"session {s.sid} on {s.visor.name} could not be read at the end")
+        client.close()
+
+    async def run(self) -> None:
+        global T0
+        T0 = time.monotonic()  # the load's clock: deadline, fault windows and RSS samples count from here
+        tasks = [asyncio.create_task(self.worker(w)) for w in range(self.args.workers)]
+        tasks += [asyncio.create_task(x) for x in (self.redis_faults(), self.disk_faults(), self.sampler(),
+                                                   self.progress(), self.verifier())]
+        bound = self.deadline + 3 * REQUEST_BOUND + 60
+        done, pending = await asyncio.wait(tasks, timeout=bound)
+        for t in pending:
+            t.cancel()
+            self.crashes.append(f"task not finished {bound:.0f} s after the start: {t.get_coro().__name__}")
+        for t in done:
+            if t.exception():
+                self.crashes.append(f"task failed: {t.exception()!r}")
+        # a clean end state: Redis up, disk free, then every session read back
+        if self.redis.frozen:
+            self.redis.thaw()
+        if self.redis.proc.poll() is not None:
+            self.redis.start()
+        self.disk.free()
+        await asyncio.sleep(2)
+        log("verifying every session")
+        await self.final_verify()
+
+
+# ---------------------------------------------------------------- summary
+
+
+def rss_summary(v: Visor, duration: float) -> tuple[str, bool]:
+    window = min(60.0, duration / 3)
+    first = [kb for t, kb in v.rss if t <= window]
+    last = [kb for t, kb in v.rss if t >= duration - window]
+    if not first or not last:
+        return f"{v.name}: too few RSS samples ({len(v.rss)})", False
+    fm, lm = statistics.median(first), statistics.median(last)
+    mx = max(kb for _, kb in v.rss)
+    allowed = max(0.20 * fm, 20 * 1024)
+    flat = lm - fm <= allowed
+    per_minute = []
+    for m in range(int(duration // 60) + 1):
+        xs = [kb for t, kb in v.rss if m * 60 <= t < (m + 1) * 60]
+        if xs:
+            per_minute.append(f"{statistics.median(xs) / 1024:.1f}")
+    anon_first = [kb for t, kb in v.rss_anon if t <= window]
+    anon_last = [kb for t, kb in v.rss_anon if t >= duration - window]
+    anon = (f"; RssAnon (heap) first median {statistics.median(anon_first) / 1024:.1f} MB, last median "
+            f"{statistics.median(anon_last) / 1024:.1f} MB" if anon_first and anon_last else "")
+    return (f"visor {v.name}: {len(v.rss)} samples; first {window:.0f} s median {fm / 1024:.1f} MB, last {window:.0f} s "
+            f"median {lm / 1024:.1f} MB ({(lm - fm) / 1024:+.1f} MB), max {mx / 1024:.1f} MB -> "
+            f"{'flat' if flat else 'NOT FLAT'}{anon}\n    VmRSS median per minute (MB): {' '.join(per_minute)}"), flat
+
+
+def metric_lines(text: str, names: tuple[str, ...]) -> list[str]:
+    return [l for l in text.splitlines() if l.startswith(names) and not l.endswith(" 0")]
+
+
+async def shutdown(v: Visor) -> None:
+    """SIGTERM: /readyz must say 503 during the drain delay, and visor must exit 0 in time."""
+    t0 = time.monotonic()
+    v.proc.send_signal(signal.SIGTERM)
+    client = Client()
+    ready = None
+    for _ in range(10):
+        r = await client.request(v.port, "GET", "/readyz", {"connection": "close"})
+        ready = r.status
+        if ready == 503:
+            break
+        await asyncio.sleep(0.1)
+    client.close()
+    bound = DRAIN_DELAY + DRAIN_TIMEOUT + 5
+    code = None
+    for _ in range(int(bound * 20)):
+        code = v.proc.poll()
+        if code is not None:
+            break
+        await asyncio.sleep(0.05)
+    took = time.monotonic() - t0
+    if code is None:
+        v.proc.kill()
+        v.proc.wait(5)
+    v.exit = {"code": code, "seconds": round(took, 2), "readyz_after_sigterm": ready}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=600, help="load duration (default 600)")
+    ap.add_argument("--workers", type=int, default=8, help="concurrent client workers (default 8)")
+    ap.add_argument("--binary", default=str(REPO / "target/release/visor"))
+    ap.add_argument("--no-build", action="store_true", help="do not run cargo build --release first")
+    ap.add_argument("--out", help="output folder (default target/soak/<timestamp>)")
+    ap.add_argument("--seed", type=int, help="random seed (default: from the clock)")
+    args = ap.parse_args()
+    if args.seconds < 30:
+        ap.error("--seconds must be at least 30")
+    seed = args.seed if args.seed is not None else int(time.time())
+    random.seed(seed)
+    out = Path(args.out) if args.out else REPO / "target/soak" / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        print("soak: needs root (it mounts a tmpfs)", file=sys.stderr)
+        return 2
+    if shutil.which("redis-server") is None:
+        print("soak: redis-server not found (apt-get install redis-server)", file=sys.stderr)
+        return 2
+    if not args.no_build:
+        log("cargo build --release")
+        r = subprocess.run(["cargo", "build", "--release", "--bin", "visor"], cwd=REPO)
+        if r.returncode != 0:
+            print("soak: cargo build --release failed", file=sys.stderr)
+            return 2
+    binary = Path(args.binary)
+    log(f"output in {out} (seed {seed}); binary {binary} built {time.ctime(binary.stat().st_mtime)}")
+
+    mock = Mock()
+    redis = Redis(out)
+    disk = Disk(out / "tmpfs", "8m")
+    visors: list[Visor] = []
+    soak = None
+    try:
+        mock.start()
+        redis.start()
+        disk.mount()
+        common = f"""
+[server]
+listen = "{HOST}:@PORT@"
+workers = 2
+request_timeout_secs = 60
+first_byte_timeout_secs = {FIRST_BYTE_TIMEOUT}
+idle_timeout_secs = {IDLE_TIMEOUT}
+drain_delay_secs = {DRAIN_DELAY}
+drain_timeout_secs = {DRAIN_TIMEOUT}
+header_timeout_secs = 10
+data_dir = "@DATA@"
+
+[[upstream]]
+name = "mock"
+base_url = "http://{HOST}:{mock.port}/v1"
+models = ["*"]
+
+[describer]
+upstream = "mock"
+model = "{DESCRIBER_MODEL}"
+timeout_secs = {DESCRIBER_TIMEOUT}
+concurrency = 4
+on_miss = "@ONMISS@"
+
+[sessions]
+max_depth = 400
+"""
+        a_cfg = (common.replace("@DATA@", str(out / "A-data")).replace("@ONMISS@", "wait")
+                 + f'\n[store]\nbackend = "redis://{HOST}:{redis.port}/0"\nprefix = "soak:"\n')
+        b_cfg = (common.replace("@DATA@", str(disk.path)).replace("@ONMISS@", "placeholder")
+                 + f'\n[images]\nartifacts_dir = "{out / "B-artifacts"}"\n\n[store]\nbackend = "disk"\n')
+        a = Visor("A", binary, out, a_cfg)
+        b = Visor("B", binary, out, b_cfg)
+        visors = [a, b]
+        for v in visors:
+            v.check()
+            v.start()
+            log(f"visor {v.name} on {HOST}:{v.port} (pid {v.proc.pid}), config {v.config_path}, log {v.log_path}")
+        log(f"mock upstream on {HOST}:{mock.port}, redis on {HOST}:{redis.port}, tmpfs {disk.path} ({disk.usage()})")
+        soak = Soak(args, out, mock, a, b, redis, disk)
+        asyncio.run(soak.run())
+        duration = now()
+        metrics = {}
+        for v in visors:
+            if v.alive():
+                try:
+                    with socket.create_connection((HOST, v.port), timeout=5) as s:
+                        s.sendall(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                        data = b""
+                        for _ in range(10_000):
+                            chunk = s.recv(65536)
+                            if not chunk:
+                                break
+                            data += chunk
+                    metrics[v.name] = data.decode("utf-8", "replace")
+                    (out / f"metrics-{v.name}.txt").write_text(metrics[v.name])
+                except OSError as e:
+                    metrics[v.name] = f"unreadable: {e}"
+        for v in visors:
+            if v.alive():
+                asyncio.run(shutdown(v))
+            else:
+                v.exit = {"code": v.proc.returncode, "seconds": None, "readyz_after_sigterm": None, "died": True}
+        return summary(soak, args, out, duration, metrics)
+    except KeyboardInterrupt:
+        print("soak: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for v in visors:
+            v.kill()
+        redis.kill()
+        disk.unmount()
+        mock.stop()
+
+
+def summary(soak: Soak, args, out: Path, duration: float, metrics: dict) -> int:
+    lines = []
+    p = lines.append
+    p("")
+    p(f"== visor soak: {args.seconds:.0f} s of load, {duration:.0f} s in all, {args.workers} workers, output {out}")
+    labels = sorted({l for c in soak.table.values() for l in c}, key=lambda s: (not s[:3].isdigit(), s))
+    labels = [l for l in labels if l not in ("ready", "degraded")]
+    kinds = [k for k in soak.table if k != "readyz-status"]
+    w = max(len(k) for k in kinds + ["kind"]) + 2
+    cw = [max(7, len(l)) + 2 for l in labels]
+    p("requests by kind and outcome (status; -cut: body or stream cut; closed-no-head: connection closed before a head)")
+    p("kind".ljust(w) + "".join(l.rjust(c) for l, c in zip(labels, cw)) + "total".rjust(9))
+    for k in sorted(kinds):
+        c = soak.table[k]
+        p(k.ljust(w) + "".join(str(c.get(l, "")).rjust(x) for l, x in zip(labels, cw)) + str(sum(c.values())).rjust(9))
+    tot = Counter()
+    for k in kinds:
+        tot.update(soak.table[k])
+    p("all".ljust(w) + "".join(str(tot.get(l, "")).rjust(x) for l, x in zip(labels, cw)) + str(sum(tot.values())).rjust(9))
+    rs = soak.table.get("readyz-status", Counter())
+    p(f"readyz: {dict(rs)}; images to {NONVISION_MODEL}: {dict(sorted(soak.img_results.items()))}")
+    p(f"mock upstream: {dict(sorted(soak.mock.stats.items()))}, describer calls open at the mock at most {soak.mock.describer_max_inflight} (both visors, calls visor gave up on included)")
+    complete_turns = sum(len(s.turns) for s in soak.sessions)
+    p(f"sessions: {len(soak.sessions)}, turns answered 200 in full: {complete_turns}, checked at the end: {soak.turns_checked}")
+    p(f"redis restarts (SHUTDOWN SAVE, ~20 s down): {soak.redis_restarts}; redis freezes (SIGSTOP): {soak.redis_freezes}; "
+      f"disk fills: {soak.disk_fills}")
+    slow = False
+    for what, took in soak.recoveries:
+        ok = took is not None and took <= RECOVERY_LIMIT
+        slow |= not ok
+        p(f"  recovery after {what}: {'%.2f s' % took if took is not None else 'NEVER'}{'' if ok else '  <-- over ' + str(RECOVERY_LIMIT) + ' s'}")
+    flat_all = True
+    for v in soak.visors:
+        text, flat = rss_summary(v, soak.deadline)
+        flat_all &= flat
+        p("RSS " + text)
+    p("RSS rule: flat when last-window median - first-window median <= max(20 % of the first, 20 MB); window = min(60 s, duration/3)")
+    clean = True
+    for v in soak.visors:
+        e = v.exit
+        ok = e.get("code") == 0 and e.get("readyz_after_sigterm") == 503
+        clean &= ok
+        p(f"shutdown {v.name}: exit {e.get('code')} in {e.get('seconds')} s (bound {DRAIN_DELAY + DRAIN_TIMEOUT + 5} s), "
+          f"/readyz after SIGTERM {e.get('readyz_after_sigterm')}{'' if ok else '  <-- NOT CLEAN'}")
+    for name, text in metrics.items():
+        for l in metric_lines(text, ("visor_session_turns_total", "visor_describe_total", "visor_store_errors_total",
+                                     "visor_upstream_errors_total", "visor_artifact_write_errors_total")):
+            p(f"  metrics {name}: {l}")
+    panics = []
+    for v in soak.visors:
+        for l in v.log_path.read_text(errors="replace").splitlines():
+            if "panicked" in l or "PANIC" in l:
+                panics.append(f"{v.name}: {l}")
+    if soak.mock.problems:
+        soak.crashes += ["mock: " + x for x in soak.mock.problems]
+    p(f"wrong answers: {len(soak.wrong)}   lost turns: {len(soak.lost)}   duplicated turns: {len(soak.duplicated)}   "
+      f"hangs: {soak.hangs}   panics in logs: {len(panics)}   other failures: {len(soak.crashes)}")
+    for x in soak.wrong[:10]:
+        p(f"  wrong: {json.dumps(x)[:400]}")
+    for x in panics[:5] + soak.crashes[:5]:
+        p(f"  failure: {x[:600]}")
+    passed = not (soak.wrong or soak.lost or soak.duplicated or soak.hangs or panics or soak.crashes) \
+        and flat_all and clean and not slow
+    p(f"RESULT: {'PASS' if passed else 'FAIL'}")
+    text = "\n".join(lines)
+    print(text)
+    (out / "summary.txt").write_text(text + "\n")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
