@@ -2,9 +2,9 @@
 //! sending a request, and which one is closed to make room.
 //!
 //! - [`Gate`]: `server.max_connections` permits shared by every worker. At
-//!   the limit the accept loop waits (new peers wait in the kernel's
-//!   backlog) and asks the connection idle the longest — nothing in flight —
-//!   to close, so a new peer (a `/healthz` probe) gets in while silent or
+//!   the limit a peer just accepted waits for a slot (the next ones wait in
+//!   the kernel's backlog) and the connection idle the longest — nothing in
+//!   flight — is asked to close, so a new peer (a `/healthz` probe) gets in while silent or
 //!   idle peers hold every slot. Connections with requests in flight are
 //!   never closed to make room.
 //! - [`sniff`]: the first bytes decide HTTP/1.1 or HTTP/2 (the preface),

@@ -233,9 +233,9 @@ const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// One worker: accepts on its listener until told to stop, then drains its
 /// connections for up to `server.drain_timeout_secs`.
 ///
-/// Each connection takes a slot of the shared [`Gate`] before it is
-/// accepted (at `max_connections` the accept waits and the longest-idle
-/// connection is asked to close). Accept errors (out of file descriptors)
+/// Each accepted connection takes a slot of the shared [`Gate`] before it
+/// is served (at `max_connections` it waits while the longest-idle
+/// connection is asked to close, and the worker accepts no other meanwhile). Accept errors (out of file descriptors)
 /// back off, doubling, and ask an idle connection to close too.
 async fn serve(
     state: Arc<AppState>,
@@ -263,11 +263,6 @@ async fn serve(
     let tracker = TaskTracker::new();
     let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
-        let permit = tokio::select! {
-            p = gate.admit(crate::connections::SHED_RETRY) => p,
-            () = stopped(&mut stop) => break,
-        };
-        let Some(permit) = permit else { break };
         let accepted = tokio::select! {
             a = listener.accept() => a,
             () = stopped(&mut stop) => break,
@@ -281,7 +276,6 @@ async fn serve(
                 // Out of file descriptors and the like: make room, back off,
                 // keep serving.
                 tracing::warn!(error = %e, backoff_ms = backoff.as_millis() as u64, "accept failed");
-                drop(permit);
                 gate.shed_one();
                 tokio::select! {
                     () = tokio::time::sleep(backoff) => {}
@@ -291,6 +285,14 @@ async fn serve(
                 continue;
             }
         };
+        // A slot for this peer, now that there is one: at the limit the
+        // connection idle the longest is asked to close while this one waits
+        // (and the next peers wait in the listen backlog).
+        let permit = tokio::select! {
+            p = gate.admit(crate::connections::SHED_RETRY) => p,
+            () = stopped(&mut stop) => break,
+        };
+        let Some(permit) = permit else { break };
         let _ = stream.set_nodelay(true);
         let registered = gate.register();
         let conn = Connection {

@@ -111,6 +111,13 @@ pub fn merge(messages: &[Value], stored: &[Value], depth: usize) -> Merged {
         .take_while(|m| matches!(role(m), "system" | "developer"))
         .count();
     let rest = &messages[system..];
+    // A trailing assistant message is a prefill (the start of the answer
+    // the client wants), not history it carries: left out of the matching
+    // and not stored (the reply continues it).
+    let rest = match rest.split_last() {
+        Some((last, before)) if role(last) == "assistant" => before,
+        _ => rest,
+    };
     let compared = |ms: &[Value]| -> (Vec<usize>, Vec<String>) {
         ms.iter()
             .enumerate()
@@ -661,6 +668,19 @@ mod tests {
             m.messages(&[user("c")]),
             vec![user("b"), assistant("B"), user("c")],
             "depth"
+        );
+    }
+
+    #[test]
+    fn a_prefill_is_not_history() {
+        let stored = [user("a"), assistant("A")];
+        let client = [user("b"), assistant("Sure, ")];
+        let m = merge(&client, &stored, 25);
+        assert_eq!(m.history, stored.to_vec(), "the history goes in");
+        assert_eq!(m.new, vec![user("b")], "the question is stored");
+        assert_eq!(
+            m.messages(&client),
+            vec![user("a"), assistant("A"), user("b"), assistant("Sure, ")]
         );
     }
 

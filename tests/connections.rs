@@ -278,3 +278,44 @@ async fn an_idle_keep_alive_http1_connection_is_closed_at_the_header_timeout() {
         "an idle keep-alive connection stayed open"
     );
 }
+
+/// Two connections under a limit of two: nobody is waiting, so neither is
+/// closed to make room (a slot is taken only for a peer that came).
+#[tokio::test]
+async fn no_connection_is_shed_while_nobody_waits() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(
+        &mock,
+        "[server]\nmax_connections = 2\nworkers = 1\nheader_timeout_secs = 30\n",
+    )
+    .await;
+    let (a, b) = (client(), client());
+    let get = || {
+        Request::get(visor.url("/healthz"))
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    assert_eq!(send_on(&a, get()).await.0, 200);
+    assert_eq!(send_on(&b, get()).await.0, 200);
+    // Well past the 200 ms grace: still nobody shed.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(send_on(&a, get()).await.0, 200);
+    // Read on `a`'s own connection: a third one would be a peer waiting.
+    let (_, _, body) = send_on(
+        &a,
+        Request::get(visor.url("/metrics"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    let m = String::from_utf8(body.to_vec()).unwrap();
+    assert_eq!(
+        metric(
+            &m,
+            "visor_client_connections_closed_total",
+            &[("reason", "shed")]
+        ),
+        None,
+        "{m}"
+    );
+}

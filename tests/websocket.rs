@@ -81,7 +81,8 @@ async fn ws_mock() -> (String, Arc<Mutex<Seen>>, mpsc::UnboundedReceiver<()>) {
                     let v: Value = serde_json::from_str(&t).unwrap_or_default();
                     if v["type"] == "response.create" {
                         for e in [
-                            json!({"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}}),
+                            // As OpenAI sends it: `error: null` early in the event.
+                            json!({"response": {"id": "resp_1", "status": "in_progress", "error": null}, "type": "response.created"}),
                             json!({"type": "response.output_text.delta", "delta": "hi"}),
                             json!({"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "usage": {"input_tokens": 11, "output_tokens": 3, "input_tokens_details": {"cached_tokens": 4}}}}),
                         ] {
@@ -236,6 +237,18 @@ async fn responses_websocket_mode_is_transformed_relayed_and_counted() {
     drop(ws);
     let gone = tokio::time::timeout(BOUND, closed.recv()).await;
     assert!(gone.is_ok(), "the upstream socket stayed open");
+
+    // A client that closes properly gets visor's close frame back.
+    let (mut ws, _) = connect(format!("ws://{}/v1/responses", visor.addr))
+        .await
+        .unwrap();
+    ws.close(None).await.unwrap();
+    let end = tokio::time::timeout(BOUND, ws.next()).await.unwrap();
+    assert!(
+        matches!(end, Some(Ok(Message::Close(_))) | None),
+        "no close handshake: {end:?}"
+    );
+    assert!(tokio::time::timeout(BOUND, closed.recv()).await.is_ok());
 }
 
 #[tokio::test]

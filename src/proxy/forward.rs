@@ -620,6 +620,11 @@ async fn scan_model(
     let model = match &mut scanner {
         ModelScan::Form(s) => {
             s.finish();
+            if s.too_long() {
+                return Err(VisorError::Unroutable(
+                    "the form's `model` is longer than 1024 bytes".to_owned(),
+                ));
+            }
             s.model().map(str::to_owned)
         }
         ModelScan::Json(s) => match (s.model(), s.error()) {

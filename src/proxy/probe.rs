@@ -472,6 +472,7 @@ pub struct FormScanner {
     /// Bytes before this offset have been searched for the delimiter.
     searched: usize,
     model: Option<String>,
+    too_long: bool,
     done: bool,
 }
 
@@ -504,6 +505,7 @@ impl FormScanner {
             part: None,
             searched: 0,
             model: None,
+            too_long: false,
             done: false,
         })
     }
@@ -527,6 +529,7 @@ impl FormScanner {
             let Some(at) = memchr::memmem::find(&self.buf[from..], &self.delimiter) else {
                 let tail = self.buf.len().saturating_sub(self.delimiter.len());
                 self.searched = from.max(tail);
+                self.forget_skipped();
                 return;
             };
             let at = from + at;
@@ -534,7 +537,11 @@ impl FormScanner {
             if let Some(start) = self.part
                 && let Some(value) = form_value(&self.buf[start..at], b"model")
             {
-                self.model = std::str::from_utf8(value).ok().map(str::to_owned);
+                self.too_long = value.len() > MAX_MODEL;
+                self.model = std::str::from_utf8(value)
+                    .ok()
+                    .filter(|_| !self.too_long)
+                    .map(str::to_owned);
                 self.done = true;
                 self.buf = Vec::new();
                 return;
@@ -554,6 +561,37 @@ impl FormScanner {
             self.part = Some(after + 2);
             self.searched = after + 2;
         }
+    }
+
+    /// True when the form's `model` field is longer than a model name may
+    /// be (1024 bytes): the body cannot be routed.
+    pub fn too_long(&self) -> bool {
+        self.too_long
+    }
+
+    /// Drops what is no longer needed: a part whose headers show it is not
+    /// the model field (a file, say) is skipped to its end, so an upload is
+    /// not held twice while the form is scanned.
+    fn forget_skipped(&mut self) {
+        let Some(start) = self.part else {
+            // Before the first delimiter (a preamble): nothing to keep.
+            let keep = self.buf.len().saturating_sub(self.delimiter.len());
+            self.buf.drain(..keep);
+            self.searched = 0;
+            return;
+        };
+        let Some(head_end) = memchr::memmem::find(&self.buf[start..], b"\r\n\r\n") else {
+            return;
+        };
+        let head = &self.buf[start..start + head_end + 4];
+        if form_value(head, b"model").is_some() {
+            return; // the model's value is still coming
+        }
+        // Keep only what may begin the next delimiter.
+        let keep = self.buf.len().saturating_sub(self.delimiter.len());
+        self.buf.drain(..keep);
+        self.part = None;
+        self.searched = 0;
     }
 
     /// Ends the scan: the body is over.
@@ -734,6 +772,25 @@ mod tests {
         for piece in [1, 3, 1000] {
             assert_eq!(form_model(none, piece), None);
         }
+        // A big file before the model is not kept while it passes.
+        let mut f = FormScanner::for_content_type(b"multipart/form-data; boundary=XyZ").unwrap();
+        f.feed(
+            b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n",
+        );
+        for _ in 0..100 {
+            f.feed(&[b'x'; 10_000]);
+            assert!(f.buf.len() < 20_000, "{}", f.buf.len());
+        }
+        f.feed(b"\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--XyZ--\r\n");
+        assert_eq!(f.model(), Some("whisper-1"));
+        // A model longer than a model name may be: refused.
+        let long = format!(
+            "--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n{}\r\n--XyZ--\r\n",
+            "m".repeat(2000)
+        );
+        let mut f = FormScanner::for_content_type(b"multipart/form-data; boundary=XyZ").unwrap();
+        f.feed(long.as_bytes());
+        assert!(f.too_long() && f.model().is_none());
         assert!(FormScanner::for_content_type(b"application/json").is_none());
         assert!(FormScanner::for_content_type(b"multipart/form-data").is_none());
     }

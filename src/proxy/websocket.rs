@@ -269,53 +269,73 @@ impl Relay {
         let idle = self.state.config.server.idle_timeout;
         let mut inflight: Option<InFlight> = None;
         let mut last_upstream = Instant::now();
+        let mut last_any = Instant::now();
+        // Nothing in flight and nothing either way this long: the socket is
+        // closed (1001), so an idle or half-open one frees its slot.
+        let quiet = self.state.config.server.request_timeout;
         let mut model = String::new();
         loop {
-            let deadline = inflight.as_ref().map(|_| last_upstream + idle);
+            let deadline = match inflight {
+                Some(_) => last_upstream + idle,
+                None => last_any + quiet,
+            };
             tokio::select! {
-                m = c_rx.next() => match m {
-                    Some(Ok(Message::Text(text))) => {
-                        let (out, started) = self.client_event(text.as_str(), &mut model).await;
-                        if let Some(f) = started {
-                            last_upstream = Instant::now();
-                            inflight = Some(f);
+                m = c_rx.next() => {
+                    last_any = Instant::now();
+                    match m {
+                        Some(Ok(Message::Text(text))) => {
+                            let (out, started) = self.client_event(text.as_str(), &mut model).await;
+                            if let Some(f) = started {
+                                last_upstream = Instant::now();
+                                inflight = Some(f);
+                            }
+                            if u_tx.send(out).await.is_err() {
+                                let _ = c_tx.send(close(CloseCode::Away, "upstream went away")).await;
+                                let _ = c_tx.close().await;
+                                self.finish(&mut inflight, "reset", None);
+                                break;
+                            }
                         }
-                        if u_tx.send(out).await.is_err() {
-                            let _ = c_tx.send(close(CloseCode::Away, "upstream went away")).await;
+                        Some(Ok(Message::Close(frame))) => {
+                            let _ = u_tx.send(Message::Close(frame)).await;
+                            let _ = u_tx.close().await;
+                            // The reply to the client's close, queued by
+                            // tungstenite, goes out now.
+                            let _ = c_tx.close().await;
+                            self.finish(&mut inflight, "client_cancelled", None);
+                            break;
+                        }
+                        Some(Ok(other)) => {
+                            if u_tx.send(other).await.is_err() {
+                                let _ = c_tx.close().await;
+                                break;
+                            }
+                        }
+                        // The client went away: close the upstream socket.
+                        Some(Err(_)) | None => {
+                            let _ = u_tx.send(close(CloseCode::Away, "client went away")).await;
+                            let _ = u_tx.close().await;
+                            self.finish(&mut inflight, "client_cancelled", None);
                             break;
                         }
                     }
-                    Some(Ok(Message::Close(frame))) => {
-                        let _ = u_tx.send(Message::Close(frame)).await;
-                        let _ = u_tx.close().await;
-                        break;
-                    }
-                    Some(Ok(other)) => {
-                        if u_tx.send(other).await.is_err() {
-                            break;
-                        }
-                    }
-                    // The client went away: close the upstream socket.
-                    Some(Err(_)) | None => {
-                        let _ = u_tx.send(close(CloseCode::Away, "client went away")).await;
-                        let _ = u_tx.close().await;
-                        self.finish(&mut inflight, "client_cancelled", None);
-                        break;
-                    }
-                },
+                }
                 m = u_rx.next() => {
                     last_upstream = Instant::now();
+                    last_any = last_upstream;
                     match m {
                         Some(Ok(Message::Text(text))) => {
                             self.server_event(text.as_str(), &mut inflight);
                             if c_tx.send(Message::Text(text)).await.is_err() {
                                 let _ = u_tx.close().await;
+                                self.finish(&mut inflight, "client_cancelled", None);
                                 break;
                             }
                         }
                         Some(Ok(Message::Close(frame))) => {
                             let _ = c_tx.send(Message::Close(frame)).await;
                             let _ = c_tx.close().await;
+                            let _ = u_tx.close().await;
                             self.finish(&mut inflight, "reset", None);
                             break;
                         }
@@ -333,8 +353,12 @@ impl Relay {
                         }
                     }
                 }
-                () = sleep_until_or_forever(deadline) => {
-                    let _ = c_tx.send(close(CloseCode::Error, "upstream idle timeout")).await;
+                () = tokio::time::sleep_until(deadline) => {
+                    let (code, why) = match inflight {
+                        Some(_) => (CloseCode::Error, "upstream idle timeout"),
+                        None => (CloseCode::Away, "idle socket closed"),
+                    };
+                    let _ = c_tx.send(close(code, why)).await;
                     let _ = c_tx.close().await;
                     let _ = u_tx.send(close(CloseCode::Away, "idle timeout")).await;
                     let _ = u_tx.close().await;
@@ -406,21 +430,22 @@ impl Relay {
         if inflight.is_none() || !self.responses {
             return;
         }
-        let head = &text.as_bytes()[..text.len().min(256)];
-        let ty = [
-            "response.completed",
-            "response.failed",
-            "response.incomplete",
-            "\"error\"",
-        ]
-        .into_iter()
-        .find(|t| memchr::memmem::find(head, t.as_bytes()).is_some());
-        let Some(ty) = ty else { return };
-        let usage = Usage::of_event(text.as_bytes());
-        let outcome = match ty {
-            "response.completed" | "response.incomplete" => "complete",
-            _ => "upstream_error",
+        // The event's own top-level `type` (a `"status"` or `"error": null`
+        // inside `response` says nothing).
+        #[derive(serde::Deserialize)]
+        struct Event<'a> {
+            #[serde(rename = "type", borrow)]
+            ty: Option<std::borrow::Cow<'a, str>>,
+        }
+        let Ok(Event { ty: Some(ty) }) = serde_json::from_str::<Event<'_>>(text) else {
+            return;
         };
+        let outcome = match ty.as_ref() {
+            "response.completed" | "response.incomplete" => "complete",
+            "response.failed" | "error" => "upstream_error",
+            _ => return,
+        };
+        let usage = Usage::of_event(text.as_bytes());
         self.finish(inflight, outcome, usage);
     }
 
@@ -475,11 +500,4 @@ fn close(code: CloseCode, reason: &'static str) -> Message {
         code,
         reason: reason.into(),
     }))
-}
-
-async fn sleep_until_or_forever(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }

@@ -1177,6 +1177,11 @@ fn json_images(c: &mut Cursor<'_>, out: &mut Vec<InTextFound>, depth: usize) -> 
                 }
                 Ok(())
             })?;
+            // A part's `text` (read as a field) may itself be JSON holding
+            // images, stringified once more.
+            if let Some(text) = &f.text {
+                out.extend(images_in_string(src, text, depth));
+            }
             if let Some(ty) = &f.ty
                 && let Some(raw) = classify(src, ty, &f)
             {

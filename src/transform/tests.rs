@@ -250,6 +250,8 @@ fn images_in_json_strings_inside_tool_text_and_bare_part_content_are_found() {
         {"type": "text", "text": "a \"quoted\" caption é"},
         {"type": "image", "data": b64, "mimeType": "image/png"}
     ]});
+    // A text part whose text is the stringified MCP output.
+    let in_text = json!({"content": [{"type": "text", "text": mcp.to_string()}]}).to_string();
     // json.dumps({"result": json.dumps(mcp)}), and once more around that.
     let twice = json!({"result": mcp.to_string(), "n": 1}).to_string();
     let thrice = json!({"outer": twice.clone()}).to_string();
@@ -258,14 +260,16 @@ fn images_in_json_strings_inside_tool_text_and_bare_part_content_are_found() {
         {"role": "assistant", "content": null, "tool_calls": [
             {"id": "t1", "type": "function", "function": {"name": "s", "arguments": "{}"}},
             {"id": "t2", "type": "function", "function": {"name": "s", "arguments": "{}"}},
-            {"id": "t3", "type": "function", "function": {"name": "s", "arguments": "{}"}}]},
+            {"id": "t3", "type": "function", "function": {"name": "s", "arguments": "{}"}},
+            {"id": "t4", "type": "function", "function": {"name": "s", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "t1", "content": twice},
         {"role": "tool", "tool_call_id": "t2", "content": thrice},
-        {"role": "tool", "tool_call_id": "t3", "content": {"type": "image", "data": b64, "mimeType": "image/png"}}
+        {"role": "tool", "tool_call_id": "t3", "content": {"type": "image", "data": b64, "mimeType": "image/png"}},
+        {"role": "tool", "tool_call_id": "t4", "content": in_text}
     ]});
     let body = serde_json::to_vec(&body).unwrap();
     let out = strip(&body, Shape::Chat);
-    assert_eq!(out.report.images_replaced, 3);
+    assert_eq!(out.report.images_replaced, 4);
     let new = parse(out.body.as_deref().unwrap());
     assert_no_images(&new);
     assert!(!String::from_utf8_lossy(out.body.as_deref().unwrap()).contains(&b64[..64]));
