@@ -29,11 +29,16 @@ What runs (all on 127.0.0.1, ports chosen free):
   images to a text-only model (gpt-oss-120b) and to a vision model,
   /healthz, /readyz, /metrics, and bad inputs, to both instances.
 
-It counts wrong answers (a 200 with content not for its request, a status
-not allowed for the situation, a connection error, a stream cut with no
-fault injected and no store down), lost turns (a turn answered 200 in full
-that GET /visor/sessions/<id> does not hold, user message then reply, in
-order), duplicated turns and hangs (30 s bound per request); samples VmRSS
+Allowed: 200 in full; for an injected upstream fault 502/504, the upstream's
+500, or a 200 cut (never a 200 in full); for a session request while its
+store is down or within 10 s after it is back, 503 store_unavailable, or any
+answer cut, or the connection closed before a response head (a turn visor
+could not store: it withholds the last bytes, and a short answer's whole
+body). Everything else is a wrong answer: a 200 with content not for its
+request, a status not allowed for the situation, a connection error, a
+stream cut with no fault injected and no store down. It counts lost turns
+(a turn answered 200 in full that GET /visor/sessions/<id> does not hold,
+user message then reply, in order), duplicated turns and hangs (30 s bound per request); samples VmRSS
 of both visors every 5 s; measures how long session requests take to succeed
 after each store recovery; SIGTERMs both visors at the end (exit 0 within the
 drain timeout). Output, visor logs and every wrong answer go to
@@ -1287,15 +1292,15 @@ async def shutdown(v: Visor) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=600, help="load duration (default 600)")
+    ap.add_argument("--seconds", type=float, default=600, help="load duration, at least 60 (default 600)")
     ap.add_argument("--workers", type=int, default=8, help="concurrent client workers (default 8)")
     ap.add_argument("--binary", default=str(REPO / "target/release/visor"))
     ap.add_argument("--no-build", action="store_true", help="do not run cargo build --release first")
     ap.add_argument("--out", help="output folder (default target/soak/<timestamp>)")
     ap.add_argument("--seed", type=int, help="random seed (default: from the clock)")
     args = ap.parse_args()
-    if args.seconds < 30:
-        ap.error("--seconds must be at least 30")
+    if args.seconds < 60:
+        ap.error("--seconds must be at least 60 (one Redis restart and one disk fill)")
     seed = args.seed if args.seed is not None else int(time.time())
     random.seed(seed)
     out = Path(args.out) if args.out else REPO / "target/soak" / time.strftime("%Y%m%d-%H%M%S")
@@ -1449,9 +1454,14 @@ def summary(soak: Soak, args, out: Path, duration: float, metrics: dict) -> int:
             p(f"  metrics {name}: {l}")
     panics = []
     for v in soak.visors:
-        for l in v.log_path.read_text(errors="replace").splitlines():
+        logtext = v.log_path.read_text(errors="replace")
+        for l in logtext.splitlines():
             if "panicked" in l or "PANIC" in l:
                 panics.append(f"{v.name}: {l}")
+        counts = [logtext.count(x) for x in ("store unavailable: going on", "store is back",
+                                             'outcome="session_not_stored"', 'refused error="store_unavailable"')]
+        p(f"log {v.name}: 'store unavailable' {counts[0]}, 'store is back' {counts[1]}, "
+          f"outcome session_not_stored {counts[2]}, refused store_unavailable {counts[3]}")
     if soak.mock.problems:
         soak.crashes += ["mock: " + x for x in soak.mock.problems]
     p(f"wrong answers: {len(soak.wrong)}   lost turns: {len(soak.lost)}   duplicated turns: {len(soak.duplicated)}   "
