@@ -63,6 +63,9 @@ const SESSION_MESSAGES: TableDefinition<(&str, u64), &[u8]> =
 /// A session's next sequence number and when it was last written (Unix
 /// seconds).
 const SESSION_META: TableDefinition<&str, (u64, u64)> = TableDefinition::new("session_meta");
+/// When the store last took a write probe (Unix seconds): a down disk store
+/// comes back only once it can be written again.
+const HEALTH: TableDefinition<&str, u64> = TableDefinition::new("health");
 
 /// The seconds since the Unix epoch.
 fn unix_now() -> u64 {
@@ -161,7 +164,10 @@ impl Store {
     /// Checks the store now (the first operation, or a `/readyz` probe
     /// while down and due for a retry). Returns the problem, if any.
     pub async fn check(&self) -> Option<String> {
-        let _ = self.guarded("ping", self.ping()).await;
+        // A store that is down must show it can be written again (a disk
+        // that is still full reads fine).
+        let write = self.problem().is_some();
+        let _ = self.guarded("ping", self.ping(write)).await;
         self.problem()
     }
 
@@ -171,10 +177,14 @@ impl Store {
     /// rather than up to [`RETRY_AFTER`] later). A failed probe is not
     /// counted as an error. True when the store came back.
     pub async fn probe_if_down(&self) -> bool {
-        if self.problem().is_none() {
+        // Redis only: the disk store is retried at the normal pace (each
+        // try after an I/O error reopens the file, which redb repairs and
+        // caches anew — measured: every half second on a full disk, the heap
+        // grew by tens of MB).
+        if self.problem().is_none() || !matches!(self.backend, Backend::Redis(_)) {
             return false;
         }
-        match tokio::time::timeout(OP_TIMEOUT, self.ping()).await {
+        match tokio::time::timeout(OP_TIMEOUT, self.ping(true)).await {
             Ok(Ok(())) => {
                 self.mark_up();
                 true
@@ -596,9 +606,20 @@ impl Store {
         self.guarded("put", op).await
     }
 
-    async fn ping(&self) -> Result<(), String> {
+    /// Asks the store whether it answers; `write`: whether it takes a write
+    /// (the disk store commits a one-row transaction).
+    async fn ping(&self, write: bool) -> Result<(), String> {
         match &self.backend {
             Backend::Memory(_) => Ok(()),
+            Backend::Disk(d) if write => {
+                d.run(|db| {
+                    let txn = db.begin_write()?;
+                    txn.open_table(HEALTH)?.insert("written", unix_now())?;
+                    txn.commit()?;
+                    Ok(())
+                })
+                .await
+            }
             Backend::Disk(d) => d.run(|_| Ok(())).await,
             Backend::Redis(r) => r.query::<String>(&mut redis::cmd("PING")).await.map(drop),
         }
@@ -622,7 +643,12 @@ impl Store {
         };
         match result {
             Ok(v) => {
-                self.mark_up();
+                // A disk store that went down (a full disk) is back only
+                // when a write succeeds: reads work on a full disk.
+                let read = matches!(op, "get" | "list");
+                if !(read && matches!(self.backend, Backend::Disk(_))) {
+                    self.mark_up();
+                }
                 Ok(v)
             }
             Err(reason) => {
