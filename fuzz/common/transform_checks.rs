@@ -1,0 +1,296 @@
+//! The invariants of `visor::transform::rewrite` that the transform fuzz
+//! targets check (`transform_bytes`, `transform_json`): those that
+//! `src/transform/tests.rs`, `src/transform/tests_context.rs` and the
+//! README state.
+
+use serde_json::Value;
+use visor::transform::{Plan, Rules, Shape, rewrite};
+
+pub fn items_key(shape: Shape) -> &'static str {
+    match shape {
+        Shape::Responses => "input",
+        _ => "messages",
+    }
+}
+
+/// The plans a request goes through, with what each promises.
+pub struct Check {
+    pub plan: Plan,
+    /// The model's own image limit, held for a model that can see.
+    pub hard: Option<usize>,
+    /// Run on its own output it changes nothing.
+    pub idempotent: bool,
+    /// No image is left.
+    pub no_images: bool,
+}
+
+/// Four plans: the strip of a model that cannot see (no rule); the rules
+/// for a model that can see (not re-applicable: an image kept because a
+/// later copy refers to it, or because replacing it did not pay, may go
+/// once the copy is text — so no idempotence there); line dedup alone for
+/// a model that can see; the rules for a model that cannot see.
+pub fn checks(shape: Shape, rules: Rules) -> Vec<Check> {
+    let plan = |vision: bool, rules: Rules| Plan {
+        shape,
+        vision,
+        describe: false,
+        rules,
+    };
+    let dedup_only = Rules {
+        dedup: rules.dedup,
+        ..Rules::NONE
+    };
+    vec![
+        Check {
+            plan: Plan::images_only(shape, false, false),
+            hard: None,
+            idempotent: true,
+            no_images: true,
+        },
+        Check {
+            plan: plan(true, rules),
+            hard: rules.hard_max_images,
+            idempotent: false,
+            no_images: false,
+        },
+        Check {
+            plan: plan(true, dedup_only),
+            hard: None,
+            idempotent: true,
+            no_images: false,
+        },
+        Check {
+            plan: plan(false, rules),
+            hard: None,
+            idempotent: true,
+            no_images: true,
+        },
+    ]
+}
+
+/// No image part and no base64 data URL left anywhere (as
+/// `src/transform/tests.rs` checks it).
+pub fn assert_no_images(v: &Value) {
+    match v {
+        Value::Object(m) => {
+            if let Some(Value::String(t)) = m.get("type") {
+                assert!(
+                    !matches!(t.as_str(), "image_url" | "input_image" | "image"),
+                    "image part left: {v}"
+                );
+            }
+            m.values().for_each(assert_no_images);
+        }
+        Value::Array(a) => a.iter().for_each(assert_no_images),
+        Value::String(s) => {
+            assert!(!s.contains(";base64,"), "data URL left in {s:.200}");
+            if let Ok(inner) = serde_json::from_str::<Value>(s)
+                && (inner.is_object() || inner.is_array())
+            {
+                assert_no_images(&inner);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Role, type and ids of each message.
+fn ids(v: &Value, key: &str) -> Vec<String> {
+    let Some(items) = v[key].as_array() else {
+        return Vec::new();
+    };
+    items
+        .iter()
+        .map(|m| {
+            format!(
+                "{}|{}|{}|{}|{}",
+                m["role"],
+                m["type"],
+                m["tool_call_id"],
+                m["call_id"],
+                m["content"][0]["tool_use_id"]
+            )
+        })
+        .collect()
+}
+
+fn untouchable(m: &Value) -> bool {
+    matches!(
+        m["role"].as_str(),
+        Some("system" | "developer" | "assistant")
+    ) || m["type"] == "function_call"
+}
+
+fn empty(c: &Value) -> bool {
+    match c {
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Null => true,
+        _ => false,
+    }
+}
+
+/// The known ways a second pass changes a rewrite, tolerated unless
+/// `VISOR_FUZZ_STRICT` is set so the rest can be fuzzed (each has a seed in
+/// `fuzz/seeds/`, see `fuzz/seeds/README.md`). All come
+/// from visor's image texts not being recognised as its own on a second
+/// pass (`src/transform/dedup.rs` `is_own` spares a line that *starts* with
+/// `[image `):
+///
+/// 1. a text joined from a text part and a replaced image, identical to an
+///    earlier one, becomes `[omitted: same as message N]`
+///    (`dedup-image-text.json`);
+/// 2. a text part's head (its first short lines, never part of a run) is
+///    no head once the parts and the image text before it are joined into
+///    one string, so those lines join a run note
+///    (`dedup-head-after-image.json`);
+/// 3. a line holding an image text that replaced a data URL in text
+///    (`![shot]([image …]) end`) joins a run
+///    (`transform_json/dedup-inline-image-text.bin`);
+/// 4. an image text that carries a URL with line breaks spans lines, and
+///    those lines join runs (`dedup-multiline-image-url.json`).
+fn known_difference(a: &Value, b: &Value, multiline: bool) -> bool {
+    if std::env::var_os("VISOR_FUZZ_STRICT").is_some() {
+        return false;
+    }
+    match (a, b) {
+        (Value::String(x), Value::String(y)) => {
+            x == y
+                || whole_reference(x, y)
+                || head_after_image(x, y)
+                || inline_image_text(x, y)
+                || (multiline && new_note(x, y))
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .zip(y)
+                    .all(|(p, q)| known_difference(p, q, multiline))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| known_difference(v, w, multiline)))
+        }
+        _ => a == b,
+    }
+}
+
+/// `y` has a run note that `x` had not.
+fn new_note(x: &str, y: &str) -> bool {
+    let xl: Vec<&str> = x.split('\n').collect();
+    y.split('\n')
+        .any(|l| l.starts_with("[omitted: ") && !xl.contains(&l))
+}
+
+/// Known difference 3: a line with an image text inside it is gone, and a
+/// note came.
+fn inline_image_text(x: &str, y: &str) -> bool {
+    let yl: Vec<&str> = y.split('\n').collect();
+    new_note(x, y)
+        && x.split('\n')
+            .any(|l| l.contains("[image ") && !l.starts_with("[image ") && !yl.contains(&l))
+}
+
+/// Known difference 4 is possible: some text holds an image text that does
+/// not close on its line.
+fn multiline_image_text(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s
+            .split('\n')
+            .any(|l| l.find("[image ").is_some_and(|i| !l[i..].contains(']'))),
+        Value::Array(a) => a.iter().any(multiline_image_text),
+        Value::Object(m) => m.values().any(multiline_image_text),
+        _ => false,
+    }
+}
+
+/// Known difference 1: `x` became a reference, and it held an image text
+/// after its first line.
+fn whole_reference(x: &str, y: &str) -> bool {
+    y.starts_with("[omitted: same as message ")
+        && !y.contains('\n')
+        && x.split('\n').skip(1).any(|l| l.starts_with("[image "))
+}
+
+/// Known difference 2: an image text among `x`'s lines, everything up to
+/// it unchanged in `y`, and a run note after it in `y`.
+fn head_after_image(x: &str, y: &str) -> bool {
+    let xl: Vec<&str> = x.split('\n').collect();
+    let yl: Vec<&str> = y.split('\n').collect();
+    let Some(k) = xl.iter().position(|l| l.starts_with("[image ")) else {
+        return false;
+    };
+    yl.len() > k
+        && xl[..=k] == yl[..=k]
+        && yl[k + 1..]
+            .iter()
+            .any(|l| l.starts_with("[omitted: ") && !xl.contains(l))
+}
+
+/// Runs `c.plan` on `body` (whose value is `before`) and checks the
+/// invariants.
+pub fn check(body: &[u8], before: &Value, shape: Shape, c: &Check) {
+    let plan = &c.plan;
+    let out = rewrite(body, plan);
+    let again = rewrite(body, plan);
+    assert_eq!(out.body, again.body, "not deterministic");
+    let r = &out.report;
+    assert!(r.images_replaced <= r.images_found && r.images_described == 0);
+    let sent = out.body.as_deref().unwrap_or(body);
+    let after: Value = match serde_json::from_slice(sent) {
+        Ok(v) => v,
+        Err(e) => panic!(
+            "rewrite is not JSON ({e}): {}",
+            String::from_utf8_lossy(sent)
+        ),
+    };
+    if out.body.is_some() {
+        assert_eq!(r.bytes_saved, body.len() as i64 - sent.len() as i64);
+    }
+    let key = items_key(shape);
+    // Everything but the messages stays as it was.
+    let (mut a, mut b) = (before.clone(), after.clone());
+    if let (Some(a), Some(b)) = (a.as_object_mut(), b.as_object_mut()) {
+        a.remove(key);
+        b.remove(key);
+    }
+    assert_eq!(a, b, "fields other than the messages changed");
+    assert_eq!(
+        ids(&after, key),
+        ids(before, key),
+        "messages, roles or ids changed"
+    );
+    if let (Some(old), Some(new)) = (before[key].as_array(), after[key].as_array()) {
+        for (o, n) in old.iter().zip(new) {
+            if untouchable(o) {
+                assert_eq!(o, n, "a system, developer or assistant message changed");
+            }
+            assert!(
+                empty(&o["content"]) || !empty(&n["content"]),
+                "{o} left empty: {n}"
+            );
+        }
+    }
+    if c.no_images {
+        assert_no_images(&after[key]);
+    }
+    if let Some(h) = c.hard {
+        let kept = r.images.iter().filter(|n| n.action == "kept").count();
+        assert!(kept <= h, "{kept} images kept over the model's limit {h}");
+    }
+    if !c.idempotent {
+        return;
+    }
+    let twice = rewrite(sent, plan);
+    if plan.rules == Rules::NONE {
+        // The strip: a second pass finds nothing to do.
+        assert!(twice.body.is_none(), "strip is not idempotent");
+    }
+    if let Some(t) = &twice.body {
+        let t: Value = serde_json::from_slice(t).unwrap_or(Value::Null);
+        if !known_difference(&after, &t, multiline_image_text(&after)) {
+            assert_eq!(t, after, "a second pass changed the rewrite");
+        }
+    }
+}
