@@ -140,10 +140,10 @@ fn empty(c: &Value) -> bool {
 /// 1. a text joined from a text part and a replaced image, identical to an
 ///    earlier one, becomes `[omitted: same as message N]`
 ///    (`dedup-image-text.json`);
-/// 2. a text part's head (its first short lines, never part of a run) is
-///    no head once the parts and the image text before it are joined into
-///    one string, so those lines join a run note
-///    (`dedup-head-after-image.json`);
+/// 2. a text part's head (its first short lines, never part of a run) and
+///    last line read differently once the parts and an image text are
+///    joined into one string, so those lines join a run note
+///    (`dedup-head-after-image.json`, `transform_json/dedup-joined-parts.bin`);
 /// 3. a text that held a data URL (`![shot]([image …]) end` once
 ///    replaced) is deduped on the second pass: its lines, that line too,
 ///    join runs
@@ -214,19 +214,15 @@ fn whole_reference(x: &str, y: &str) -> bool {
         && x.split('\n').skip(1).any(|l| l.starts_with("[image "))
 }
 
-/// Known difference 2: an image text among `x`'s lines, everything up to
-/// it unchanged in `y`, and a run note after it in `y`.
+/// Known difference 2: `x` was joined from text parts and an image text
+/// (a line of its own, kept in `y`), and a note came: the first pass dedups
+/// each text part on its own (its head, its last line), the second the
+/// joined string.
 fn head_after_image(x: &str, y: &str) -> bool {
-    let xl: Vec<&str> = x.split('\n').collect();
     let yl: Vec<&str> = y.split('\n').collect();
-    let Some(k) = xl.iter().position(|l| l.starts_with("[image ")) else {
-        return false;
-    };
-    yl.len() > k
-        && xl[..=k] == yl[..=k]
-        && yl[k + 1..]
-            .iter()
-            .any(|l| l.starts_with("[omitted: ") && !xl.contains(l))
+    new_note(x, y)
+        && x.split('\n')
+            .any(|l| l.starts_with("[image ") && yl.contains(&l))
 }
 
 /// Runs `c.plan` on `body` (whose value is `before`) and checks the
