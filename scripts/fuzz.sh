@@ -20,8 +20,6 @@
 #   FUZZ_SANITIZER  none (default; debug assertions and overflow checks are
 #                   on either way) or address
 #   FUZZ_BUILD_JOBS cargo build jobs (default 2)
-#   VISOR_FUZZ_STRICT=1  also fail on the two known findings the targets
-#                   otherwise tolerate (fuzz/seeds/README.md)
 # Corpora grow in fuzz/corpus/<target> (seeded from fuzz/seeds/,
 # tests/fixtures/*.json and config/*.toml), findings land in
 # fuzz/artifacts/<target>/, logs in fuzz/target/fuzz-logs/. A finding is

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use globset::{Glob, GlobSet, GlobSetBuilder};
+use globset::{Glob, GlobBuilder, GlobSet, GlobSetBuilder};
 use http::Uri;
 use serde::Deserialize;
 
@@ -841,7 +841,7 @@ impl RawConfig {
         }
 
         for (i, m) in self.model.iter().enumerate() {
-            if let Err(e) = Glob::new(&m.pattern) {
+            if let Err(e) = model_glob(&m.pattern) {
                 p.push(format!(
                     "model[{i}].match: {:?} — not a valid glob: {e}",
                     m.pattern
@@ -975,6 +975,15 @@ fn parse_base_url(s: &str) -> Result<Uri, &'static str> {
     Ok(uri)
 }
 
+/// A `[[model]]` pattern as the model table matches it: case-insensitive
+/// (the pattern lower-cased, as each model name is), `*` across `/`.
+/// Validation checks patterns with it, so a pattern it accepts builds.
+pub fn model_glob(pattern: &str) -> Result<Glob, globset::Error> {
+    GlobBuilder::new(&pattern.to_ascii_lowercase())
+        .literal_separator(false)
+        .build()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1047,6 +1056,22 @@ mod tests {
             e.contains("dedup.min_run_lines: 1 — must be at least 2"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn model_pattern_is_checked_as_the_table_matches_it() {
+        let up = "[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\n";
+        // Valid as written, not once lower-cased (`[z-a]`): found by the
+        // config fuzz target (fuzz/seeds/config/model-glob-upper-range.toml).
+        let e = problems(&format!(
+            "{up}[[model]]\nmatch = \"[Z-a]\"\nvision = false\n"
+        ));
+        assert!(e.contains("model[0].match: \"[Z-a]\""), "{e}");
+        let cfg = load(&format!(
+            "{up}[[model]]\nmatch = \"GPT-*\"\nvision = false\n"
+        ))
+        .unwrap();
+        assert!(crate::models::ModelTable::new(&cfg.models, Default::default()).is_ok());
     }
 
     #[test]

@@ -19,10 +19,10 @@ use std::fmt;
 use std::path::Path;
 use std::sync::RwLock;
 
-use globset::{Glob, GlobBuilder, GlobSet, GlobSetBuilder};
+use globset::{GlobSet, GlobSetBuilder};
 use serde::Deserialize;
 
-use crate::config::RawModel;
+use crate::config::{RawModel, model_glob};
 
 /// The built-in table, compiled in.
 const BUILT_IN: &str = include_str!("../config/models.toml");
@@ -111,7 +111,7 @@ impl Layer {
     fn new(rows: &[RawModel]) -> Result<Self, TableError> {
         let mut b = GlobSetBuilder::new();
         for (i, r) in rows.iter().enumerate() {
-            b.add(glob(&r.pattern).map_err(|_| TableError::Glob(i, r.pattern.clone()))?);
+            b.add(model_glob(&r.pattern).map_err(|_| TableError::Glob(i, r.pattern.clone()))?);
         }
         Ok(Self {
             patterns: rows.iter().map(|r| r.pattern.clone()).collect(),
@@ -132,12 +132,6 @@ impl Layer {
         hits.dedup();
         hits
     }
-}
-
-fn glob(pattern: &str) -> Result<Glob, globset::Error> {
-    GlobBuilder::new(&pattern.to_ascii_lowercase())
-        .literal_separator(false)
-        .build()
 }
 
 /// Models learned to refuse images, held in memory for the table lookup.

@@ -130,101 +130,6 @@ fn empty(c: &Value) -> bool {
     }
 }
 
-/// The known ways a second pass changes a rewrite, tolerated unless
-/// `VISOR_FUZZ_STRICT` is set so the rest can be fuzzed (each has a seed in
-/// `fuzz/seeds/`, see `fuzz/seeds/README.md`). All come
-/// from visor's image texts not being recognised as its own on a second
-/// pass (`src/transform/dedup.rs` `is_own` spares a line that *starts* with
-/// `[image `):
-///
-/// 1. a text joined from a text part and a replaced image, identical to an
-///    earlier one, becomes `[omitted: same as message N]`
-///    (`dedup-image-text.json`);
-/// 2. a text part's head (its first short lines, never part of a run) and
-///    last line read differently once the parts and an image text are
-///    joined into one string, so those lines join a run note
-///    (`dedup-head-after-image.json`, `transform_json/dedup-joined-parts.bin`);
-/// 3. a text that held a data URL (`![shot]([image …]) end` once
-///    replaced) is deduped on the second pass: its lines, that line too,
-///    join runs
-///    (`transform_json/dedup-inline-image-text.bin`);
-/// 4. an image text that carries a URL with line breaks spans lines, and
-///    those lines join runs (`dedup-multiline-image-url.json`).
-fn known_difference(a: &Value, b: &Value, multiline: bool) -> bool {
-    if std::env::var_os("VISOR_FUZZ_STRICT").is_some() {
-        return false;
-    }
-    match (a, b) {
-        (Value::String(x), Value::String(y)) => {
-            x == y
-                || whole_reference(x, y)
-                || head_after_image(x, y)
-                || inline_image_text(x, y)
-                || (multiline && new_note(x, y))
-        }
-        (Value::Array(x), Value::Array(y)) => {
-            x.len() == y.len()
-                && x.iter()
-                    .zip(y)
-                    .all(|(p, q)| known_difference(p, q, multiline))
-        }
-        (Value::Object(x), Value::Object(y)) => {
-            x.len() == y.len()
-                && x.iter()
-                    .all(|(k, v)| y.get(k).is_some_and(|w| known_difference(v, w, multiline)))
-        }
-        _ => a == b,
-    }
-}
-
-/// `y` has a run note that `x` had not.
-fn new_note(x: &str, y: &str) -> bool {
-    let xl: Vec<&str> = x.split('\n').collect();
-    y.split('\n')
-        .any(|l| l.starts_with("[omitted: ") && !xl.contains(&l))
-}
-
-/// Known difference 3: `x` holds an image text inside a line (where a data
-/// URL was in the text: the first pass does not dedup such a text, the
-/// second reads it as plain text), and a note came.
-fn inline_image_text(x: &str, y: &str) -> bool {
-    new_note(x, y)
-        && x.split('\n')
-            .any(|l| l.contains("[image ") && !l.starts_with("[image "))
-}
-
-/// Known difference 4 is possible: some text holds an image text that does
-/// not close on its line.
-fn multiline_image_text(v: &Value) -> bool {
-    match v {
-        Value::String(s) => s
-            .split('\n')
-            .any(|l| l.find("[image ").is_some_and(|i| !l[i..].contains(']'))),
-        Value::Array(a) => a.iter().any(multiline_image_text),
-        Value::Object(m) => m.values().any(multiline_image_text),
-        _ => false,
-    }
-}
-
-/// Known difference 1: `x` became a reference, and it held an image text
-/// after its first line.
-fn whole_reference(x: &str, y: &str) -> bool {
-    y.starts_with("[omitted: same as message ")
-        && !y.contains('\n')
-        && x.split('\n').skip(1).any(|l| l.starts_with("[image "))
-}
-
-/// Known difference 2: `x` was joined from text parts and an image text
-/// (a line of its own, kept in `y`), and a note came: the first pass dedups
-/// each text part on its own (its head, its last line), the second the
-/// joined string.
-fn head_after_image(x: &str, y: &str) -> bool {
-    let yl: Vec<&str> = y.split('\n').collect();
-    new_note(x, y)
-        && x.split('\n')
-            .any(|l| l.starts_with("[image ") && yl.contains(&l))
-}
-
 /// Runs `c.plan` on `body` (whose value is `before`) and checks the
 /// invariants.
 pub fn check(body: &[u8], before: &Value, shape: Shape, c: &Check) {
@@ -286,8 +191,6 @@ pub fn check(body: &[u8], before: &Value, shape: Shape, c: &Check) {
     }
     if let Some(t) = &twice.body {
         let t: Value = serde_json::from_slice(t).unwrap_or(Value::Null);
-        if !known_difference(&after, &t, multiline_image_text(&after)) {
-            assert_eq!(t, after, "a second pass changed the rewrite");
-        }
+        assert_eq!(t, after, "a second pass changed the rewrite");
     }
 }

@@ -11,13 +11,7 @@
 //!   non-zero limits, `default_depth <= max_depth`, `min_run_lines >= 2`, a
 //!   known store backend, a describer upstream that exists; and what is
 //!   built from it at start does not fail: the model table from its
-//!   `[[model]]` rows (one known exception, see below), the transform
-//!   rules, the upstream globs.
-//!
-//! Known: a `[[model]] match` with upper case can pass validation and fail
-//! the model table (`"[Z-a]"`: `src/config.rs` checks `Glob::new(pattern)`,
-//! `src/models.rs` builds the lower-cased pattern, `[z-a]`, an invalid
-//! range); tolerated unless `VISOR_FUZZ_STRICT` is set.
+//!   `[[model]]` rows, the transform rules, the upstream globs.
 //!
 //! Inputs naming `ca_file` are skipped: that key reads a file (a device
 //! such as /dev/stdin would hang the fuzzer, not visor's parser).
@@ -27,7 +21,7 @@ use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
 use visor::config::{Config, ConfigError};
-use visor::models::{Learned, ModelTable, TableError};
+use visor::models::{Learned, ModelTable};
 use visor::transform::Rules;
 
 fn env(name: &str) -> Option<String> {
@@ -105,14 +99,8 @@ fuzz_target!(|data: &[u8]| {
         .iter()
         .any(|m| m.pattern.bytes().any(|b| b.is_ascii_uppercase()))
     {
-        match ModelTable::new(&cfg.models, Learned::default()) {
-            Ok(_) => {}
-            // Known (see the report of scripts/fuzz.sh): validation checks
-            // the pattern as written, the table lower-cased, so
-            // `match = "[Z-a]"` passes one and fails the other. Tolerated
-            // unless VISOR_FUZZ_STRICT is set, so the rest can be fuzzed.
-            Err(TableError::Glob(..)) if std::env::var_os("VISOR_FUZZ_STRICT").is_none() => {}
-            Err(e) => panic!("accepted config, but its model table fails: {e}"),
+        if let Err(e) = ModelTable::new(&cfg.models, Learned::default()) {
+            panic!("accepted config, but its model table fails: {e}");
         }
     }
 });

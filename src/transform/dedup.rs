@@ -98,6 +98,10 @@ struct Sent<'a> {
     /// Its lines across its texts; `None` for visor's own lines.
     lines: Vec<Option<&'a str>>,
     hashes: Vec<u64>,
+    /// Its lines so far but the texts that replaced images (parts of their
+    /// own on a second pass, no lines on the first): where a tool result's
+    /// head stands.
+    counted: usize,
 }
 
 /// A stretch of lines an earlier message sent: 1-based message and line.
@@ -242,19 +246,72 @@ struct Dedup<'a> {
     items: HashMap<String, usize>,
 }
 
+/// Where a text dedup reads comes from, and where its rewrite goes.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    /// A text string of the request (`spot_text[s]` when images were
+    /// replaced in it).
+    Spot(usize),
+    /// The string a Chat tool message becomes when its parts are joined
+    /// (`joined[c]`): read as it is sent, so a second pass reads the same.
+    Joined(usize),
+}
+
+/// One text dedup reads, in request order.
+struct Input<'b> {
+    item: usize,
+    unit: u32,
+    tool: bool,
+    target: Target,
+    text: Option<Cow<'b, str>>,
+}
+
 /// Removes repeated blocks, whole repeated results and JSON array elements
 /// from the request's texts. `spot_text[s]` is the text of spot `s` when an
-/// earlier step changed it (images replaced in it); the new texts are
-/// written there.
-pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: Blocks) -> Omitted {
-    let texts: Vec<Option<Cow<'_, str>>> = scan
+/// earlier step changed it (images replaced in it), `joined[c]` the string
+/// collapsible tool message `c` becomes (its parts joined, see
+/// [`Scan::joined`]); the new texts are written there. A joined message is
+/// read as the one string it is sent as, never part by part, so dedup of
+/// visor's own output changes nothing.
+pub fn run(
+    scan: &Scan,
+    body: &[u8],
+    spot_text: &mut [Option<String>],
+    joined: &mut [Option<String>],
+    blocks: Blocks,
+) -> Omitted {
+    let collapsed: HashMap<usize, usize> = joined
+        .iter()
+        .enumerate()
+        .filter(|(_, j)| j.is_some())
+        .map(|(c, _)| (scan.joined_item(c), c))
+        .collect();
+    let mut inputs: Vec<Input<'_>> = scan
         .texts
         .iter()
-        .map(|t| match spot_text.get(t.spot).and_then(Option::as_ref) {
-            Some(s) => Some(Cow::Borrowed(s.as_str())),
-            None => scan.spot_decoded(t.spot, body),
+        .filter(|t| !collapsed.contains_key(&t.item))
+        .map(|t| Input {
+            item: t.item,
+            unit: t.unit,
+            tool: t.tool,
+            target: Target::Spot(t.spot),
+            text: match spot_text.get(t.spot).and_then(Option::as_ref) {
+                Some(s) => Some(Cow::Borrowed(s.as_str())),
+                None => scan.spot_decoded(t.spot, body),
+            },
         })
         .collect();
+    for (&item, &c) in &collapsed {
+        inputs.push(Input {
+            item,
+            unit: 0,
+            tool: true,
+            target: Target::Joined(c),
+            text: joined.get(c).and_then(Option::as_deref).map(Cow::Borrowed),
+        });
+    }
+    // Stable: the texts of one message keep their order.
+    inputs.sort_by_key(|t| t.item);
     let mut d = Dedup {
         blocks,
         hasher: RandomState::new(),
@@ -265,7 +322,7 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
         items: HashMap::new(),
     };
     let mut out = Omitted::default();
-    let mut new_texts: Vec<(usize, String)> = Vec::new();
+    let mut new_texts: Vec<(Target, String)> = Vec::new();
     let call_ids: HashMap<(usize, u32), String> = scan
         .call_ids
         .iter()
@@ -274,20 +331,20 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
             plain_id(&id).then(|| ((*item, *unit), id.into_owned()))
         })
         .collect();
-    let groups = units(scan);
+    let groups = units(&inputs);
     let mut units_of: HashMap<usize, usize> = HashMap::new();
     for g in &groups {
         if let Some(&j) = g.first() {
-            *units_of.entry(scan.texts[j].item).or_default() += 1;
+            *units_of.entry(inputs[j].item).or_default() += 1;
         }
     }
     for group in groups {
         let Some(&first) = group.first() else {
             continue;
         };
-        let at = &scan.texts[first];
+        let at = &inputs[first];
         let role = scan.items.get(at.item).map_or(Role::Other, |i| i.role);
-        let tool = role == Role::Tool || group.iter().any(|&j| scan.texts[j].tool);
+        let tool = role == Role::Tool || group.iter().any(|&j| inputs[j].tool);
         let eligible = tool || role == Role::User;
         let me = d.sent.len();
         let call_id = call_ids.get(&(at.item, at.unit)).cloned();
@@ -298,10 +355,23 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
             call_id,
             lines: Vec::new(),
             hashes: Vec::new(),
+            counted: 0,
         });
+        // A result may become a reference when it holds one text of the
+        // client's: the texts that replaced its images (parts on a second
+        // pass, absent on the first) do not count.
+        let plain = group
+            .iter()
+            .filter(|&&j| {
+                inputs[j]
+                    .text
+                    .as_deref()
+                    .is_some_and(|t| !is_own(t.trim_end()))
+            })
+            .count();
         let mut changed = false;
         for &j in &group {
-            let Some(text) = texts[j].as_deref() else {
+            let Some(text) = inputs[j].text.as_deref() else {
                 continue;
             };
             let rendered = if !eligible {
@@ -309,30 +379,37 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
                 None
             } else {
                 let split = d.split(text);
-                match group.len() == 1 {
+                match plain == 1 {
                     true => d.reference(text, &split, me, &mut out),
                     false => None,
                 }
                 .or_else(|| d.rewrite(text, split, me, tool, &mut out))
             };
             if let Some(r) = rendered {
-                let spot = scan.texts[j].spot;
-                let before = match spot_text.get(spot).and_then(Option::as_ref) {
-                    Some(s) => literal_len(s),
-                    None => scan.spot_literal_len(spot),
+                let target = inputs[j].target;
+                let before = match target {
+                    Target::Spot(s) => match spot_text.get(s).and_then(Option::as_ref) {
+                        Some(t) => literal_len(t),
+                        None => scan.spot_literal_len(s),
+                    },
+                    Target::Joined(_) => literal_len(text),
                 };
                 out.bytes += before as i64 - literal_len(&r) as i64;
                 changed = true;
-                new_texts.push((spot, r));
+                new_texts.push((target, r));
             }
         }
         out.messages += usize::from(changed);
         d.index(me);
     }
     drop(d);
-    drop(texts);
-    for (spot, text) in new_texts {
-        if let Some(slot) = spot_text.get_mut(spot) {
+    drop(inputs);
+    for (target, text) in new_texts {
+        let slot = match target {
+            Target::Spot(s) => spot_text.get_mut(s),
+            Target::Joined(c) => joined.get_mut(c),
+        };
+        if let Some(slot) = slot {
             *slot = Some(text);
         }
     }
@@ -341,20 +418,15 @@ pub fn run(scan: &Scan, body: &[u8], spot_text: &mut [Option<String>], blocks: B
 
 /// The texts of each message, unit by unit (an Anthropic message's own
 /// content, then each `tool_result` block), in request order.
-fn units(scan: &Scan) -> Vec<Vec<usize>> {
+fn units(inputs: &[Input<'_>]) -> Vec<Vec<usize>> {
     let mut out = Vec::new();
     let mut k = 0;
-    while k < scan.texts.len() {
-        let item = scan.texts[k].item;
-        let end = k + scan.texts[k..]
-            .iter()
-            .take_while(|t| t.item == item)
-            .count();
+    while k < inputs.len() {
+        let item = inputs[k].item;
+        let end = k + inputs[k..].iter().take_while(|t| t.item == item).count();
         let mut at: HashMap<u32, usize> = HashMap::new();
-        let first = out.len();
-        for j in k..end {
-            let unit = scan.texts[j].unit;
-            let slot = *at.entry(unit).or_insert_with(|| {
+        for (j, input) in inputs.iter().enumerate().take(end).skip(k) {
+            let slot = *at.entry(input.unit).or_insert_with(|| {
                 out.push(Vec::new());
                 out.len() - 1
             });
@@ -362,7 +434,6 @@ fn units(scan: &Scan) -> Vec<Vec<usize>> {
                 group.push(j);
             }
         }
-        debug_assert!(out.len() > first);
         k = end;
     }
     out
@@ -421,11 +492,13 @@ impl<'a> Dedup<'a> {
     fn push_line(&mut self, me: usize, line: &'a str, hash: u64) {
         let own = is_own(line);
         let sent = &mut self.sent[me];
+        sent.counted += usize::from(!is_image_text(line));
         sent.lines.push((!own).then_some(line));
         sent.hashes.push(if own { 0 } else { hash });
     }
 
     fn push_note(&mut self, me: usize) {
+        self.sent[me].counted += 1;
         self.sent[me].lines.push(None);
         self.sent[me].hashes.push(0);
     }
@@ -456,15 +529,26 @@ impl<'a> Dedup<'a> {
         out: &mut Omitted,
     ) -> Option<String> {
         let Split { lines, hashes } = split;
-        let base = self.sent[me].lines.len();
+        let base = self.sent[me].counted;
         // Lines that never join a run: visor's own, and a tool result's
         // short head lines.
+        // visor's image texts (a joined message's images) neither count
+        // nor end it.
         let head = match tool {
-            true => lines
-                .iter()
-                .take(HEAD_LINES.saturating_sub(base))
-                .take_while(|l| l.len() < HEAD_CHARS)
-                .count(),
+            true => {
+                let mut budget = HEAD_LINES.saturating_sub(base);
+                lines
+                    .iter()
+                    .take_while(|l| match is_image_text(l) {
+                        true => true,
+                        false if budget > 0 && l.len() < HEAD_CHARS => {
+                            budget -= 1;
+                            true
+                        }
+                        false => false,
+                    })
+                    .count()
+            }
             false => 0,
         };
         let barrier: Vec<bool> = lines
@@ -709,7 +793,13 @@ fn items_note(removed: usize, seen_in: &[usize]) -> String {
 /// `images.dedupe`). Never removed, never counted as seen, so dedup of
 /// visor's own output changes nothing.
 pub fn is_own(line: &str) -> bool {
-    line.starts_with("[image ") || is_note(line)
+    is_image_text(line) || is_note(line)
+}
+
+/// A line visor wrote in place of an image (always one line: see
+/// `images::placeholder`).
+fn is_image_text(line: &str) -> bool {
+    line.starts_with("[image ")
 }
 
 /// One of the notes this module writes.

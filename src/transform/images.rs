@@ -141,6 +141,8 @@ struct Spot {
 /// tool content stay valid).
 #[derive(Debug, Clone)]
 struct Collapsible {
+    /// The message.
+    item: usize,
     range: Range<usize>,
     parts: Vec<PartRef>,
 }
@@ -508,7 +510,11 @@ impl Walker<'_> {
             && let Some((range, parts, true)) = content
             && parts.iter().any(|p| matches!(p, PartRef::Image(_)))
         {
-            self.out.collapsible.push(Collapsible { range, parts });
+            self.out.collapsible.push(Collapsible {
+                item: index,
+                range,
+                parts,
+            });
         }
         Ok(())
     }
@@ -1250,6 +1256,14 @@ pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> St
         }
     };
     match description {
+        // One line, so it stays visor's own on a second pass.
+        Some(d) if d.contains(['\n', '\r']) => {
+            let d: String = d
+                .chars()
+                .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
+                .collect();
+            format!("[{what}, described: {d}]")
+        }
         Some(d) => format!("[{what}, described: {d}]"),
         None => format!("[{what}: not shown, {}]", reason.words()),
     }
@@ -1257,9 +1271,13 @@ pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> St
 
 /// Whether a URL is kept in the text that replaces its image: not when it
 /// is long or carries inline data (the text would then hold the image it
-/// replaces, or be found again as one).
+/// replaces, or be found again as one), nor when it holds a control
+/// character (a line break would split visor's one-line text).
 fn keepable(url: &str) -> bool {
-    url.len() <= 2048 && !url.contains("data:") && !url.contains("base64,")
+    url.len() <= 2048
+        && !url.contains("data:")
+        && !url.contains("base64,")
+        && !url.contains(char::is_control)
 }
 
 impl Scan {
@@ -1382,14 +1400,53 @@ impl Scan {
         spot_text
     }
 
+    /// The string each collapsible Chat tool message becomes when all its
+    /// images are replaced (`texts[i]` set): its parts, images as their
+    /// texts, joined by line breaks. `None` for one that keeps its parts.
+    pub fn joined(
+        &self,
+        body: &[u8],
+        texts: &[Option<String>],
+        spot_text: &[Option<String>],
+    ) -> Vec<Option<String>> {
+        self.collapsible
+            .iter()
+            .map(|col| {
+                let mut parts = Vec::with_capacity(col.parts.len());
+                for p in &col.parts {
+                    parts.push(match p {
+                        PartRef::Image(i) => texts.get(*i)?.clone()?,
+                        PartRef::Text(s) => match spot_text.get(*s).and_then(Option::as_ref) {
+                            Some(t) => t.clone(),
+                            None => self
+                                .spot_decoded(*s, body)
+                                .map(Cow::into_owned)
+                                .unwrap_or_default(),
+                        },
+                    });
+                }
+                Some(parts.join("\n"))
+            })
+            .collect()
+    }
+
+    /// The message collapsible `c` (an index into [`Scan::joined`]'s
+    /// answer) is.
+    pub fn joined_item(&self, c: usize) -> usize {
+        self.collapsible.get(c).map_or(usize::MAX, |col| col.item)
+    }
+
     /// Rewrites `body`: image `i` replaced by `texts[i]` when set, spot `s`
-    /// by `spot_text[s]` when set. `None` when nothing is to change.
+    /// by `spot_text[s]` when set, collapsible Chat tool message `c` by
+    /// `joined[c]` when set (see [`Scan::joined`]). `None` when nothing is
+    /// to change.
     pub fn assemble(
         &self,
         body: &[u8],
         shape: Shape,
         texts: &[Option<String>],
         spot_text: &[Option<String>],
+        joined: &[Option<String>],
     ) -> Option<Vec<u8>> {
         if texts.iter().all(Option::is_none) && spot_text.iter().all(Option::is_none) {
             return None;
@@ -1416,30 +1473,11 @@ impl Scan {
             }
         }
         // A Chat tool message whose images are all replaced becomes a string.
-        for col in &self.collapsible {
-            let all = col.parts.iter().all(|p| match p {
-                PartRef::Image(i) => texts[*i].is_some(),
-                PartRef::Text(_) => true,
-            });
-            if !all {
-                continue;
+        for (col, text) in self.collapsible.iter().zip(joined) {
+            if let Some(text) = text {
+                edits.retain(|(r, _)| !(col.range.start <= r.start && r.end <= col.range.end));
+                edits.push((col.range.clone(), quote(text)));
             }
-            let mut joined = Vec::new();
-            for p in &col.parts {
-                joined.push(match p {
-                    PartRef::Image(i) => texts[*i].clone().unwrap_or_default(),
-                    PartRef::Text(s) => match &spot_text[*s] {
-                        Some(t) => t.clone(),
-                        None => self.spots[*s]
-                            .lit
-                            .decode(body)
-                            .map(|c| c.into_owned())
-                            .unwrap_or_default(),
-                    },
-                });
-            }
-            edits.retain(|(r, _)| !(col.range.start <= r.start && r.end <= col.range.end));
-            edits.push((col.range.clone(), quote(&joined.join("\n"))));
         }
         edits.sort_by_key(|(r, _)| r.start);
         Some(splice_compact(body, &edits))

@@ -644,11 +644,12 @@ impl Scanned {
             })
             .collect();
         let mut spot_text = scan.spot_texts(&texts);
+        let mut joined = scan.joined(body, &texts, &spot_text);
         let omitted = match plan.rules.dedup {
-            Some(blocks) => dedup::run(&scan, body, &mut spot_text, blocks),
+            Some(blocks) => dedup::run(&scan, body, &mut spot_text, &mut joined, blocks),
             None => dedup::Omitted::default(),
         };
-        let new = scan.assemble(body, plan.shape, &texts, &spot_text);
+        let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined);
         let artifacts = scan.artifacts(|i| fates[i] != Fate::Kept);
         let mut report = Report {
             images_found: scan.images.len(),

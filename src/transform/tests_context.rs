@@ -1179,3 +1179,104 @@ fn computer_use_screenshots_are_capped_and_deduped() {
     );
     assert_eq!(last["call_id"], "c9");
 }
+
+/// Each case a fuzzer found where a second pass changed the rewrite of a
+/// conversation with images replaced in it (`fuzz/seeds/`): a Chat tool
+/// message's parts joined after dedup read them one by one, a tool result's
+/// head counted from visor's image texts, image texts over several lines.
+#[test]
+fn a_second_pass_over_replaced_images_changes_nothing() {
+    let png = base64_simd::STANDARD.encode_to_string(fixture("chart.png"));
+    let data = format!("data:image/png;base64,{png}");
+    let image = json!({"type": "image_url", "image_url": {"url": data}});
+    let array = "[\"0123456789abcdefgh\", \"0123456789abcdefgh\"]";
+    let step = "fn step_1(input: &str) -> Result<usize, Error> {";
+    let chat_cases = [
+        // A tool text part that is a JSON array, joined with an image.
+        json!([
+            {"role": "assistant", "content": null, "tool_calls": [call("call_0")]},
+            {"role": "tool", "tool_call_id": "call_0", "content": [
+                {"type": "text", "text": format!("\n{array}")}, image]},
+            {"role": "user", "content": format!("\n{array}\n![shot]({data}) end")},
+        ]),
+        // A tool text part whose lines repeat, joined with an image.
+        json!([
+            {"role": "user", "content": format!("{step}\n")},
+            {"role": "assistant", "content": null, "tool_calls": [call("call_2")]},
+            {"role": "tool", "tool_call_id": "call_2", "content": [
+                {"type": "text", "text": format!("\n{step}\n{step}\n")}, image]},
+        ]),
+        // Two tool results, each a text part and the same image.
+        json!([
+            {"role": "assistant", "content": null, "tool_calls": [call("a"), call("b")]},
+            {"role": "tool", "tool_call_id": "a", "content": [
+                {"type": "text", "text": "Rendered attempt 2."}, image]},
+            {"role": "tool", "tool_call_id": "b", "content": [
+                {"type": "text", "text": "Rendered attempt 2."}, image]},
+        ]),
+    ];
+    let long = "[10:01] bob: section 4 keeps personal data for three years";
+    let anthropic = json!([
+        {"role": "user", "content": format!("{long}\n![shot]({data}) end")},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "t", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+            {"type": "text", "text": format!("\n\n\n\n{long}\n![shot]({data}) end")},
+        ]}]},
+    ]);
+    let responses = json!([
+        {"role": "user", "content": [
+            {"type": "input_image", "image_url": format!("https://example.com/a.png?\n{long}\n{long}")},
+            {"type": "input_text", "text": format!("{long}\n{long}")},
+        ]},
+    ]);
+    let mut cases: Vec<(Shape, Value)> = chat_cases
+        .into_iter()
+        .map(|m| (Shape::Chat, json!({"model": "m", "messages": m})))
+        .collect();
+    cases.push((
+        Shape::Messages,
+        json!({"model": "m", "max_tokens": 9, "messages": anthropic}),
+    ));
+    cases.push((Shape::Responses, json!({"model": "m", "input": responses})));
+    for min_bytes in [0, 16, 64] {
+        let rules = Rules {
+            dedup: Some(dedup::Blocks {
+                min_lines: 2,
+                min_bytes,
+            }),
+            ..DEFAULTS
+        };
+        for (k, (shape, body)) in cases.iter().enumerate() {
+            let p = plan(*shape, false, rules);
+            let (once, report) = run(body, &p);
+            assert!(report.images_replaced > 0, "case {k}");
+            let (twice, _) = run(&once, &p);
+            assert_eq!(twice, once, "case {k} at {min_bytes} bytes");
+        }
+    }
+}
+
+/// A tool result whose image comes before its text keeps its head when its
+/// parts are joined: the image text neither counts nor ends it.
+#[test]
+fn a_joined_tool_result_keeps_its_head_after_an_image_text() {
+    let png = base64_simd::STANDARD.encode_to_string(fixture("chart.png"));
+    let image =
+        json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{png}")}});
+    let out: Vec<String> = file(12);
+    let text = format!("Exit code 0\nWall time: 2s\n{}", out.join("\n"));
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": format!("Exit code 0\nWall time: 2s\n{}", out.join("\n"))},
+        {"role": "assistant", "content": null, "tool_calls": [call("c1")]},
+        {"role": "tool", "tool_call_id": "c1", "content": [image, {"type": "text", "text": text}]},
+    ]});
+    let p = plan(Shape::Chat, false, DEFAULTS);
+    let (once, _) = run(&body, &p);
+    let sent = content(&once, 2);
+    let lines: Vec<&str> = sent.split('\n').collect();
+    assert!(lines[0].starts_with("[image sha256:"), "{sent}");
+    assert_eq!(lines[1..3], ["Exit code 0", "Wall time: 2s"], "{sent}");
+    assert_eq!(lines[3], "[omitted: message 1 lines 3-14]", "{sent}");
+    assert_eq!(run(&once, &p).0, once);
+}
