@@ -366,7 +366,7 @@ pub fn run(
                 inputs[j]
                     .text
                     .as_deref()
-                    .is_some_and(|t| !is_own(t.trim_end()))
+                    .is_some_and(|t| !is_image_text(t.trim_end()))
             })
             .count();
         let mut changed = false;

@@ -1191,6 +1191,7 @@ fn a_second_pass_over_replaced_images_changes_nothing() {
     let image = json!({"type": "image_url", "image_url": {"url": data}});
     let array = "[\"0123456789abcdefgh\", \"0123456789abcdefgh\"]";
     let step = "fn step_1(input: &str) -> Result<usize, Error> {";
+    let short5 = ["ünïcödé line, long enough to matter here"; 5].join("\n");
     let chat_cases = [
         // A tool text part that is a JSON array, joined with an image.
         json!([
@@ -1213,6 +1214,16 @@ fn a_second_pass_over_replaced_images_changes_nothing() {
                 {"type": "text", "text": "Rendered attempt 2."}, image]},
             {"role": "tool", "tool_call_id": "b", "content": [
                 {"type": "text", "text": "Rendered attempt 2."}, image]},
+        ]),
+        // A result of two text parts, the second all a note: never a
+        // reference on a second pass (it was not on the first).
+        json!([
+            {"role": "user", "content": [{"type": "text", "text": short5}, image]},
+            {"role": "assistant", "content": null, "tool_calls": [call("c3")]},
+            {"role": "tool", "tool_call_id": "c3", "content": [
+                {"type": "text", "text": short5}, {"type": "text", "text": format!("{step}\n{step}")}]},
+            {"role": "tool", "tool_call_id": "c3", "content": [
+                {"type": "text", "text": short5}, {"type": "text", "text": format!("{step}\n{step}")}]},
         ]),
     ];
     let long = "[10:01] bob: section 4 keeps personal data for three years";
