@@ -499,7 +499,12 @@ impl StreamedReply {
                 while self.blocks.len() <= index {
                     self.blocks.push((Value::Null, String::new()));
                 }
-                self.blocks[index].0 = event["content_block"].clone();
+                // Only an object is a block (anything else is skipped).
+                let block = &event["content_block"];
+                self.blocks[index].0 = match block.is_object() {
+                    true => block.clone(),
+                    false => Value::Null,
+                };
             }
             Some("content_block_delta") => {
                 let Some((block, json)) = self.blocks.get_mut(index) else {
@@ -508,9 +513,16 @@ impl StreamedReply {
                 let delta = &event["delta"];
                 match delta["type"].as_str() {
                     Some("text_delta") => {
+                        let Some(block) = block.as_object_mut() else {
+                            return;
+                        };
                         let text = delta["text"].as_str().unwrap_or("");
-                        let old = block["text"].as_str().unwrap_or("").to_owned();
-                        block["text"] = Value::String(old + text);
+                        match block.get_mut("text") {
+                            Some(Value::String(old)) => old.push_str(text),
+                            _ => {
+                                block.insert("text".to_owned(), Value::String(text.to_owned()));
+                            }
+                        }
                     }
                     Some("input_json_delta") => {
                         json.push_str(delta["partial_json"].as_str().unwrap_or(""));
@@ -818,6 +830,22 @@ mod tests {
                 {"type": "text", "text": "Let me look."},
                 {"type": "tool_use", "id": "t1", "name": "f", "input": {"q": 1}}
             ]})]
+        );
+        // A block that is not an object (found by the stream fuzz target:
+        // the text delta used to panic on a string block) is skipped.
+        let mut odd = StreamedReply::new(Shape::Messages);
+        for e in [
+            json!({"type": "content_block_start", "index": 0, "content_block": "text"}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}),
+            json!({"type": "content_block_start", "index": 1, "content_block": {"type": "text"}}),
+            json!({"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "ok"}}),
+            json!({"type": "message_stop"}),
+        ] {
+            odd.observe(format!("data: {e}\n").as_bytes());
+        }
+        assert_eq!(
+            odd.reply(),
+            vec![json!({"role": "assistant", "content": [{"type": "text", "text": "ok"}]})]
         );
         let done = json!({"type": "response.completed", "response": {"output": [
             {"id": "rs_1", "type": "reasoning", "summary": []},
