@@ -89,7 +89,7 @@ async fn rewrite(state: &Arc<AppState>, body: &[u8], plan: &Plan) -> usize {
         Err(done) => done.report.images_replaced,
         Ok(scanned) => {
             let subjects = scanned.subjects().into_iter().map(|(_, s)| s).collect();
-            let descriptions = describe(state, subjects, &Credential::default()).await;
+            let descriptions = describe(&state.describer, subjects, &Credential::default()).await;
             scanned.finish(body, &descriptions).report.images_described
         }
     }
@@ -109,14 +109,19 @@ fn bench(c: &mut Criterion) {
     let key = mem.describer.key(&one.sha256);
     rt.block_on(mem.store.put_description(&key, "A bar chart: 42% / 58%."))
         .unwrap();
-    let warm = rt.block_on(describe(&mem, vec![one.clone()], &Credential::default()));
+    let warm = rt.block_on(describe(
+        &mem.describer,
+        vec![one.clone()],
+        &Credential::default(),
+    ));
     assert_eq!(warm.len(), 1);
     c.bench_function("describe/hit-memory", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {
                 let started = Instant::now();
                 for _ in 0..iters {
-                    let d = describe(&mem, vec![one.clone()], &Credential::default()).await;
+                    let d =
+                        describe(&mem.describer, vec![one.clone()], &Credential::default()).await;
                     black_box(d);
                 }
                 started.elapsed()

@@ -37,10 +37,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::proxy::AppState;
+use crate::metrics::Metrics;
+use crate::store::Store;
 use crate::transform::{Subject, SubjectImage};
-use crate::upstream::UpstreamBody;
-use crate::upstream::{X_API_KEY, own_credential};
+use crate::upstream::{UpstreamBody, Upstreams, X_API_KEY, own_credential};
 
 /// The prompt's version: part of every description's key, so a new prompt
 /// makes new descriptions instead of mixing with the old ones.
@@ -75,6 +75,12 @@ const BACKOFF_MAX: Duration = Duration::from_secs(60);
 pub struct Describer {
     /// Index of the describer's upstream in `[[upstream]]`.
     upstream: usize,
+    /// That upstream's own `api_key`, as the header it is sent in.
+    own_credential: Option<(HeaderName, HeaderValue)>,
+    upstreams: Arc<Upstreams>,
+    /// Descriptions beyond one process.
+    store: Arc<Store>,
+    metrics: Arc<Metrics>,
     model: String,
     timeout: Duration,
     /// `on_miss = "placeholder"`
@@ -96,14 +102,15 @@ pub struct Describer {
 pub struct Credential(Vec<(HeaderName, HeaderValue)>);
 
 impl Credential {
-    pub fn for_request(state: &AppState, headers: &HeaderMap, request_upstream: usize) -> Self {
-        let d = &state.describer;
-        let own_key = state
-            .config
-            .upstreams
-            .get(d.upstream)
-            .is_some_and(|u| u.api_key.is_some());
-        if own_key || state.keys.is_set() || request_upstream != d.upstream {
+    /// `proxy_keys`: visor checks keys of its own (`server.api_keys`), so
+    /// the client's header is not a provider key.
+    pub fn for_request(
+        d: &Describer,
+        proxy_keys: bool,
+        headers: &HeaderMap,
+        request_upstream: usize,
+    ) -> Self {
+        if d.own_credential.is_some() || proxy_keys || request_upstream != d.upstream {
             return Credential::default();
         }
         let mut out = Vec::new();
@@ -178,7 +185,14 @@ impl Backoff {
 }
 
 impl Describer {
-    pub fn new(config: &Config) -> Self {
+    /// The describer of `config.describer`, calling through `upstreams`,
+    /// keeping descriptions in `store`, counted in `metrics`.
+    pub fn new(
+        config: &Config,
+        upstreams: Arc<Upstreams>,
+        store: Arc<Store>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let d = &config.describer;
         let upstream = d
             .upstream
@@ -193,6 +207,10 @@ impl Describer {
             .build();
         Self {
             upstream,
+            own_credential: config.upstreams.get(upstream).and_then(own_credential),
+            upstreams,
+            store,
+            metrics,
             model: d.model.clone(),
             timeout: Duration::from_secs_f64(d.timeout_secs),
             in_background: config.on_miss == crate::config::OnMiss::Placeholder,
@@ -234,11 +252,11 @@ impl Describer {
 
     /// The memory cache, then the store; the store's answer is kept in
     /// memory. A store that fails counts as a miss.
-    async fn lookup(&self, state: &AppState, key: &str) -> Option<Arc<str>> {
+    async fn lookup(&self, key: &str) -> Option<Arc<str>> {
         if let Some(d) = self.cache.get(key).await {
             return Some(d);
         }
-        let text = state.store.description(key).await.ok().flatten()?;
+        let text = self.store.description(key).await.ok().flatten()?;
         let text: Arc<str> = Arc::from(text);
         self.cache.insert(key.to_owned(), text.clone()).await;
         Some(text)
@@ -248,7 +266,6 @@ impl Describer {
     /// shared by every concurrent lookup of the same key.
     async fn get_or_make(
         &self,
-        state: &AppState,
         key: &str,
         subject: &Subject,
         cred: &Credential,
@@ -260,14 +277,14 @@ impl Describer {
         let made = self
             .cache
             .try_get_with(key.to_owned(), async {
-                if let Ok(Some(text)) = state.store.description(key).await {
+                if let Ok(Some(text)) = self.store.description(key).await {
                     return Ok(Arc::from(text));
                 }
                 called.store(true, Ordering::Relaxed);
-                let text = self.call(state, subject, cred).await?;
+                let text = self.call(subject, cred).await?;
                 // A store that is down was logged and counted by the store;
                 // the description still serves from memory.
-                let _ = state.store.put_description(key, &text).await;
+                let _ = self.store.put_description(key, &text).await;
                 Ok::<_, Failure>(text)
             })
             .await?;
@@ -280,12 +297,7 @@ impl Describer {
     }
 
     /// One describer call, within the concurrency bound and the back-off.
-    async fn call(
-        &self,
-        state: &AppState,
-        subject: &Subject,
-        cred: &Credential,
-    ) -> Result<Arc<str>, Failure> {
+    async fn call(&self, subject: &Subject, cred: &Credential) -> Result<Arc<str>, Failure> {
         if self.backing_off() {
             return Err(Failure::new(
                 "describer paused after failures (back-off)",
@@ -305,9 +317,8 @@ impl Describer {
             ));
         }
         let started = Instant::now();
-        let result = tokio::time::timeout(self.timeout, self.request(state, subject, cred)).await;
-        state
-            .metrics
+        let result = tokio::time::timeout(self.timeout, self.request(subject, cred)).await;
+        self.metrics
             .describe_duration
             .observe(started.elapsed().as_secs_f64());
         let result = result.unwrap_or_else(|_| {
@@ -348,16 +359,11 @@ impl Describer {
     }
 
     /// Sends the describer request and reads its answer.
-    async fn request(
-        &self,
-        state: &AppState,
-        subject: &Subject,
-        cred: &Credential,
-    ) -> Result<Arc<str>, Failure> {
+    async fn request(&self, subject: &Subject, cred: &Credential) -> Result<Arc<str>, Failure> {
         let i = self.upstream;
-        let upstream = &state.config.upstreams[i];
-        let uri = state.targets[i]
-            .uri("/chat/completions", None)
+        let uri = self
+            .upstreams
+            .uri(i, "/chat/completions", None)
             .ok_or_else(|| {
                 Failure::new(
                     "the describer upstream's base_url has no usable path",
@@ -382,9 +388,9 @@ impl Describer {
             header::USER_AGENT,
             HeaderValue::from_static(concat!("visor/", env!("CARGO_PKG_VERSION"), " (describer)")),
         );
-        match own_credential(upstream) {
+        match &self.own_credential {
             Some((name, value)) => {
-                h.insert(name, value);
+                h.insert(name.clone(), value.clone());
             }
             None => {
                 for (name, value) in &cred.0 {
@@ -393,9 +399,9 @@ impl Describer {
             }
         }
         let no_limit = AtomicBool::new(false);
-        let resp = state
+        let resp = self
             .upstreams
-            .send(i, &state.routes[i], req, &no_limit)
+            .send(i, req, &no_limit)
             .await
             .map_err(|f| Failure::new(format!("describer unreachable: {}", f.cause), true))?;
         let status = resp.status();
@@ -435,25 +441,24 @@ pub fn description_key(sha256: &str, describer_model: &str) -> String {
 /// Descriptions for `subjects` (each a distinct image), as pairs of full
 /// SHA-256 hex and text; images without one get the placeholder.
 pub async fn describe(
-    state: &Arc<AppState>,
+    d: &Arc<Describer>,
     subjects: Vec<Subject>,
     cred: &Credential,
 ) -> Vec<(String, Arc<str>)> {
     let (lookups, calls): (Vec<Subject>, Vec<Subject>) =
         subjects.into_iter().partition(|s| s.lookup_only);
     let (mut found, made) =
-        futures_util::future::join(cached_only(state, lookups), make(state, calls, cred)).await;
+        futures_util::future::join(cached_only(d, lookups), make(d, calls, cred)).await;
     found.extend(made);
     found
 }
 
 /// Cached descriptions only (aged-out and capped images): the describer is
 /// never called for these.
-async fn cached_only(state: &Arc<AppState>, subjects: Vec<Subject>) -> Vec<(String, Arc<str>)> {
-    let d = &state.describer;
+async fn cached_only(d: &Describer, subjects: Vec<Subject>) -> Vec<(String, Arc<str>)> {
     let found = futures_util::future::join_all(subjects.into_iter().map(|s| async move {
-        let text = d.lookup(state, &d.key(&s.sha256)).await?;
-        state.metrics.describe.with_label_values(&["hit"]).inc();
+        let text = d.lookup(&d.key(&s.sha256)).await?;
+        d.metrics.describe.with_label_values(&["hit"]).inc();
         Some((s.sha256, text))
     }))
     .await;
@@ -464,25 +469,24 @@ async fn cached_only(state: &Arc<AppState>, subjects: Vec<Subject>) -> Vec<(Stri
 /// describer (waited for, or in the background with `on_miss =
 /// "placeholder"`).
 async fn make(
-    state: &Arc<AppState>,
+    d: &Arc<Describer>,
     subjects: Vec<Subject>,
     cred: &Credential,
 ) -> Vec<(String, Arc<str>)> {
-    let d = &state.describer;
-    let m = &state.metrics;
+    let m = &d.metrics;
     if subjects.is_empty() {
         return Vec::new();
     }
     if d.in_background {
         let found = futures_util::future::join_all(subjects.into_iter().map(|s| async move {
             let key = d.key(&s.sha256);
-            match d.lookup(state, &key).await {
+            match d.lookup(&key).await {
                 Some(text) => {
                     m.describe.with_label_values(&["hit"]).inc();
                     Some((s.sha256, text))
                 }
                 None => {
-                    spawn_background(state, key, s, cred.clone());
+                    spawn_background(d, key, s, cred.clone());
                     None
                 }
             }
@@ -493,7 +497,7 @@ async fn make(
     let deadline = Instant::now() + d.timeout;
     let results = futures_util::future::join_all(subjects.iter().map(|s| async move {
         let key = d.key(&s.sha256);
-        tokio::time::timeout_at(deadline, d.get_or_make(state, &key, s, cred)).await
+        tokio::time::timeout_at(deadline, d.get_or_make(&key, s, cred)).await
     }))
     .await;
     let mut out = Vec::new();
@@ -529,8 +533,7 @@ async fn make(
 }
 
 /// Makes a description in the background for a later request.
-fn spawn_background(state: &Arc<AppState>, key: String, subject: Subject, cred: Credential) {
-    let d = &state.describer;
+fn spawn_background(d: &Arc<Describer>, key: String, subject: Subject, cred: Credential) {
     if d.cancel.is_cancelled() {
         return;
     }
@@ -542,15 +545,15 @@ fn spawn_background(state: &Arc<AppState>, key: String, subject: Subject, cred: 
             return;
         }
     }
-    state.metrics.describe_background.inc();
-    let state = state.clone();
+    d.metrics.describe_background.inc();
     let cancel = d.cancel.clone();
+    let d2 = d.clone();
     d.background.spawn(async move {
-        let d = &state.describer;
-        let m = &state.metrics;
+        let d = &d2;
+        let m = &d.metrics;
         tokio::select! {
             () = cancel.cancelled() => {}
-            r = tokio::time::timeout(d.timeout, d.get_or_make(&state, &key, &subject, &cred)) => {
+            r = tokio::time::timeout(d.timeout, d.get_or_make(&key, &subject, &cred)) => {
                 let result = match r {
                     Ok(Ok((_, Origin::Described))) => "miss",
                     Ok(Ok((_, Origin::Cached))) => "hit",

@@ -24,7 +24,7 @@ use http_body::{Body, Frame, SizeHint};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use http::{Request, Response};
+use http::{Request, Response, Uri};
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_rustls::HttpsConnector;
@@ -412,8 +412,47 @@ impl Drop for Pool {
     }
 }
 
+/// An upstream's base URL split once, at startup.
+struct Target {
+    scheme: http::uri::Scheme,
+    authority: http::uri::Authority,
+    /// The base path without a trailing slash (`/v1`, or empty).
+    base_path: String,
+}
+
+impl Target {
+    fn new(base: &Uri) -> Option<Self> {
+        Some(Self {
+            scheme: base.scheme()?.clone(),
+            authority: base.authority()?.clone(),
+            base_path: base.path().trim_end_matches('/').to_owned(),
+        })
+    }
+
+    /// `base_url` + the path after `/v1` + the query, as sent by the client.
+    fn uri(&self, rest: &str, query: Option<&str>) -> Option<Uri> {
+        let mut pq = String::with_capacity(self.base_path.len() + rest.len() + 64);
+        pq.push_str(&self.base_path);
+        pq.push_str(rest);
+        if pq.is_empty() {
+            pq.push('/');
+        }
+        if let Some(q) = query {
+            pq.push('?');
+            pq.push_str(q);
+        }
+        let pq = http::uri::PathAndQuery::try_from(pq).ok()?;
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(pq)
+            .build()
+            .ok()
+    }
+}
+
 /// Where one upstream is reached.
-pub enum Route {
+enum Route {
     /// `http://host:port`: inline HTTP/1.1 connections to this address.
     Plain {
         authority: String,
@@ -432,6 +471,10 @@ pub struct Upstreams {
     raw: Vec<HttpsConnector<HttpConnector>>,
     pool: Arc<Pool>,
     connect_timeout: Duration,
+    /// One per upstream: its base URL, split once.
+    targets: Vec<Target>,
+    /// One per upstream: how it is reached (plain HTTP/1.1 inline, or TLS).
+    routes: Vec<Route>,
 }
 
 /// What a failed send tells.
@@ -445,8 +488,32 @@ impl Upstreams {
     pub fn new(
         connect_timeout: Duration,
         upstreams: &[crate::config::Upstream],
-    ) -> Result<Self, rustls::Error> {
-        let shared = client(connect_timeout, &[])?;
+    ) -> Result<Self, String> {
+        let tls_error = |e: rustls::Error| format!("TLS client: {e}");
+        let targets = upstreams
+            .iter()
+            .map(|u| {
+                Target::new(&u.base_url)
+                    .ok_or_else(|| format!("upstream {}: base_url has no host", u.name))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let routes = upstreams
+            .iter()
+            .map(
+                |u| match (u.base_url.scheme_str(), u.base_url.authority()) {
+                    (Some("http"), Some(a)) => Ok(Route::Plain {
+                        authority: match a.port_u16() {
+                            Some(_) => a.as_str().to_owned(),
+                            None => format!("{}:80", a.host()),
+                        },
+                        host: http::HeaderValue::from_str(a.as_str())
+                            .map_err(|_| format!("upstream {}: invalid host", u.name))?,
+                    }),
+                    _ => Ok(Route::Tls),
+                },
+            )
+            .collect::<Result<Vec<_>, String>>()?;
+        let shared = client(connect_timeout, &[]).map_err(tls_error)?;
         let tls = upstreams
             .iter()
             .map(|u| {
@@ -456,17 +523,27 @@ impl Upstreams {
                     client(connect_timeout, &u.ca_certs)
                 }
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(tls_error)?;
         let raw = upstreams
             .iter()
             .map(|u| connector(connect_timeout, &u.ca_certs, false))
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(tls_error)?;
         Ok(Self {
             tls,
             raw,
             pool: Arc::new(Pool::new()),
             connect_timeout,
+            targets,
+            routes,
         })
+    }
+
+    /// Upstream `index`'s `base_url` + the path after `/v1` + the query, as
+    /// the client sent them; `None` when that is no valid URI.
+    pub fn uri(&self, index: usize, rest: &str, query: Option<&str>) -> Option<Uri> {
+        self.targets.get(index)?.uri(rest, query)
     }
 
     /// Opens a connection of its own to upstream `index` at `uri`'s host
@@ -489,10 +566,15 @@ impl Upstreams {
     pub async fn send(
         &self,
         index: usize,
-        route: &Route,
         req: Request<UpstreamBody>,
         exceeded: &AtomicBool,
     ) -> Result<Response<ResponseBody>, Failed> {
+        let Some(route) = self.routes.get(index) else {
+            return Err(Failed {
+                failure: SendFailure::Connect,
+                cause: "no such upstream",
+            });
+        };
         match route {
             Route::Tls => match self.tls[index].request(req).await {
                 Ok(resp) => Ok(resp.map(|body| ResponseBody::new(body, None))),
@@ -752,5 +834,29 @@ impl Body for ResponseBody {
             return SizeHint::default();
         }
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_joins_base_path_rest_and_query() {
+        let t = Target::new(&Uri::from_static("https://api.example.com/v1")).unwrap();
+        assert_eq!(
+            t.uri("/chat/completions", None).unwrap(),
+            "https://api.example.com/v1/chat/completions"
+        );
+        assert_eq!(
+            t.uri("/models", Some("limit=2&after=x")).unwrap(),
+            "https://api.example.com/v1/models?limit=2&after=x"
+        );
+        let root = Target::new(&Uri::from_static("http://127.0.0.1:9000")).unwrap();
+        assert_eq!(
+            root.uri("/embeddings", None).unwrap(),
+            "http://127.0.0.1:9000/embeddings"
+        );
+        assert_eq!(root.uri("", None).unwrap(), "http://127.0.0.1:9000/");
     }
 }

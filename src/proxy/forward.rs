@@ -33,8 +33,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use http::uri::PathAndQuery;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, Version, header};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Version, header};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::time::Instant;
@@ -131,7 +130,6 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         return refuse(&state, VisorError::NoRoute(m));
     };
     let upstream = &state.config.upstreams[index];
-    let target = &state.targets[index];
     let upstream_name = state.upstream_names[index].clone();
     let model_label = state.metrics.model_label(model.as_deref().unwrap_or(""));
     tracing::debug!(upstream = %upstream_name, model = %model_label, "routed");
@@ -172,7 +170,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     };
 
     // 6. send
-    let uri = match target.uri(&rest, parts.uri.query()) {
+    let uri = match state.upstreams.uri(index, &rest, parts.uri.query()) {
         Some(u) => u,
         None => {
             return refuse(
@@ -367,9 +365,7 @@ impl Exchange<'_> {
     ) -> Result<(Response<ResponseBody>, Pin<Box<Sleep>>), Refused> {
         let state = self.state;
         let idle = state.config.server.idle_timeout;
-        let sending = state
-            .upstreams
-            .send(self.index, &state.routes[self.index], req, exceeded);
+        let sending = state.upstreams.send(self.index, req, exceeded);
         // The request's one timer, armed once at the earlier of the head
         // deadline and one idle gap from now. A head that comes sooner (the
         // usual case) hands it to the body as is, already right for the
@@ -643,67 +639,9 @@ async fn scan_model(
     Ok((model, UpstreamBody { prefix, rest }))
 }
 
-/// An upstream's base URL split once, at startup.
-pub struct Target {
-    scheme: http::uri::Scheme,
-    authority: http::uri::Authority,
-    /// The base path without a trailing slash (`/v1`, or empty).
-    base_path: String,
-}
-
-impl Target {
-    pub fn new(base: &Uri) -> Option<Self> {
-        Some(Self {
-            scheme: base.scheme()?.clone(),
-            authority: base.authority()?.clone(),
-            base_path: base.path().trim_end_matches('/').to_owned(),
-        })
-    }
-
-    /// `base_url` + the path after `/v1` + the query, as sent by the client.
-    pub fn uri(&self, rest: &str, query: Option<&str>) -> Option<Uri> {
-        let mut pq = String::with_capacity(self.base_path.len() + rest.len() + 64);
-        pq.push_str(&self.base_path);
-        pq.push_str(rest);
-        if pq.is_empty() {
-            pq.push('/');
-        }
-        if let Some(q) = query {
-            pq.push('?');
-            pq.push_str(q);
-        }
-        let pq = PathAndQuery::try_from(pq).ok()?;
-        Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(pq)
-            .build()
-            .ok()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn target_joins_base_path_rest_and_query() {
-        let t = Target::new(&Uri::from_static("https://api.example.com/v1")).unwrap();
-        assert_eq!(
-            t.uri("/chat/completions", None).unwrap(),
-            "https://api.example.com/v1/chat/completions"
-        );
-        assert_eq!(
-            t.uri("/models", Some("limit=2&after=x")).unwrap(),
-            "https://api.example.com/v1/models?limit=2&after=x"
-        );
-        let root = Target::new(&Uri::from_static("http://127.0.0.1:9000")).unwrap();
-        assert_eq!(
-            root.uri("/embeddings", None).unwrap(),
-            "http://127.0.0.1:9000/embeddings"
-        );
-        assert_eq!(root.uri("", None).unwrap(), "http://127.0.0.1:9000/");
-    }
 
     #[test]
     fn transformed_endpoints() {

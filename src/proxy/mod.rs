@@ -30,7 +30,7 @@ use crate::error::VisorError;
 use crate::metrics::{Metrics, NO_UPSTREAM};
 use crate::models::{Learned, ModelTable};
 use crate::store::Store;
-use crate::upstream::{Route, Upstreams};
+use crate::upstream::Upstreams;
 use body::ProxyBody;
 use headers::{ProxyKeys, X_REQUEST_ID};
 
@@ -38,16 +38,12 @@ use headers::{ProxyKeys, X_REQUEST_ID};
 pub struct AppState {
     pub config: Config,
     pub metrics: Arc<Metrics>,
-    pub upstreams: Upstreams,
+    pub upstreams: Arc<Upstreams>,
     pub keys: ProxyKeys,
     /// Set at shutdown: `/readyz` answers 503.
     pub draining: AtomicBool,
     /// Upstream names, shared into response bodies for their metrics.
     pub upstream_names: Vec<Arc<str>>,
-    /// Each upstream's base URL, split once.
-    pub targets: Vec<forward::Target>,
-    /// How each upstream is reached (plain HTTP/1.1 inline, or TLS).
-    pub routes: Vec<Route>,
     /// False when the first upstream takes every model: then the route never
     /// depends on the body, and bodies visor does not transform are not read.
     pub route_by_model: bool,
@@ -58,9 +54,9 @@ pub struct AppState {
     /// `images.refusal_phrases`, lower case.
     pub refusal_phrases: Vec<String>,
     /// Descriptions and learned models beyond one request (`[store]`).
-    pub store: Store,
+    pub store: Arc<Store>,
     /// The vision model that describes images, and its cache.
-    pub describer: Describer,
+    pub describer: Arc<Describer>,
 }
 
 impl AppState {
@@ -75,44 +71,25 @@ impl AppState {
             .iter()
             .map(|u| Arc::from(u.name.as_str()))
             .collect();
-        let targets = config
-            .upstreams
-            .iter()
-            .map(|u| {
-                forward::Target::new(&u.base_url)
-                    .ok_or_else(|| format!("upstream {}: base_url has no host", u.name))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let routes = config
-            .upstreams
-            .iter()
-            .map(
-                |u| match (u.base_url.scheme_str(), u.base_url.authority()) {
-                    (Some("http"), Some(a)) => Ok(Route::Plain {
-                        authority: match a.port_u16() {
-                            Some(_) => a.as_str().to_owned(),
-                            None => format!("{}:80", a.host()),
-                        },
-                        host: http::HeaderValue::from_str(a.as_str())
-                            .map_err(|_| format!("upstream {}: invalid host", u.name))?,
-                    }),
-                    _ => Ok(Route::Tls),
-                },
-            )
-            .collect::<Result<Vec<_>, String>>()?;
         let route_by_model = !config.upstreams.first().is_some_and(|u| u.matches_all());
         if config.upstreams.is_empty() {
             return Err("no upstream configured".to_owned());
         }
         let models =
             ModelTable::new(&config.models, Learned::default()).map_err(|e| e.to_string())?;
-        let store = Store::open(
+        let upstreams = Arc::new(upstreams);
+        let store = Arc::new(Store::open(
             &config.store.backend,
             &config.store.prefix,
             &config.server.data_dir,
             metrics.clone(),
-        )?;
-        let describer = Describer::new(&config);
+        )?);
+        let describer = Arc::new(Describer::new(
+            &config,
+            upstreams.clone(),
+            store.clone(),
+            metrics.clone(),
+        ));
         let artifacts = Artifacts::new(config.artifacts_dir());
         let refusal_phrases = config
             .images
@@ -132,8 +109,6 @@ impl AppState {
             keys,
             draining: AtomicBool::new(false),
             upstream_names,
-            targets,
-            routes,
             route_by_model,
         })
     }

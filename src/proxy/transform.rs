@@ -131,7 +131,12 @@ pub async fn prepare(
         rules: Rules::from_config(&state.config, resolved.caps.max_images),
     };
     let credential = match plan.describe {
-        true => Credential::for_request(state, asker.headers, asker.upstream),
+        true => Credential::for_request(
+            &state.describer,
+            state.keys.is_set(),
+            asker.headers,
+            asker.upstream,
+        ),
         false => Credential::default(),
     };
     // A model of unknown vision: an upstream refusal of its images can be
@@ -224,7 +229,7 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
     let rewrite = match scanned {
         Err(done) => *done,
         Ok((scanned, subjects)) => {
-            let descriptions = describe(state, subjects, credential).await;
+            let descriptions = describe(&state.describer, subjects, credential).await;
             let finishing = Instant::now();
             let b = body.clone();
             let rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))

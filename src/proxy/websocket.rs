@@ -82,7 +82,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<Incoming>) -> Response
     let index = 0;
     let upstream = &state.config.upstreams[index];
     let name = state.upstream_names[index].clone();
-    let Some(http_uri) = state.targets[index].uri(&rest, req.uri().query()) else {
+    let Some(http_uri) = state.upstreams.uri(index, &rest, req.uri().query()) else {
         return refuse(
             &state,
             VisorError::BadRequest("the request target is not a valid URL path"),
