@@ -20,6 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use serde_json::{Value, json};
+use visor::config::StoreBackend;
 use visor::metrics::Metrics;
 use visor::sessions;
 use visor::store::Store;
@@ -64,7 +65,7 @@ fn bench(c: &mut Criterion) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tmp/bench-sessions");
     let _ = std::fs::remove_dir_all(&dir);
     let disk = rt.block_on(async {
-        let s = Store::open("disk", "visor:", &dir, metrics.clone()).unwrap();
+        let s = Store::open(&StoreBackend::Disk, "visor:", &dir, metrics.clone()).unwrap();
         s.append_session("bench", history(), 200, DAY)
             .await
             .unwrap();
@@ -85,7 +86,13 @@ fn bench(c: &mut Criterion) {
 
     let redis = std::env::var("VISOR_BENCH_REDIS").ok().map(|url| {
         rt.block_on(async {
-            let s = Store::open(&url, "visor-bench:", &dir, metrics.clone()).unwrap();
+            let s = Store::open(
+                &StoreBackend::Redis(url.clone()),
+                "visor-bench:",
+                &dir,
+                metrics.clone(),
+            )
+            .unwrap();
             s.delete_session("bench", DAY).await.unwrap();
             s.append_session("bench", history(), 200, DAY)
                 .await

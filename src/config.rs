@@ -441,7 +441,8 @@ pub struct Config {
     pub describer: RawDescriber,
     pub dedup: RawDedup,
     pub sessions: RawSessions,
-    pub store: RawStore,
+    /// `[store]`, checked.
+    pub store: StoreConfig,
     /// `images.non_vision`, checked.
     pub non_vision: NonVision,
     /// `describer.on_miss`, checked.
@@ -449,6 +450,46 @@ pub struct Config {
     /// Keys that still load but no longer do anything: said once at start
     /// (`visor serve` logs them, `visor check` prints them).
     pub warnings: Vec<String>,
+}
+
+/// `[store]`, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreConfig {
+    pub backend: StoreBackend,
+    /// Key prefix (Redis).
+    pub prefix: String,
+}
+
+/// Where descriptions, learned models and sessions are kept
+/// (`store.backend`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreBackend {
+    /// This process only.
+    Memory,
+    /// A file under `server.data_dir`.
+    Disk,
+    /// A `redis://` or `rediss://` URL (shared by replicas).
+    Redis(String),
+}
+
+impl fmt::Display for StoreBackend {
+    /// `memory`, `disk`, or the Redis URL without its password.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreBackend::Memory => f.write_str("memory"),
+            StoreBackend::Disk => f.write_str("disk"),
+            StoreBackend::Redis(url) => f.write_str(&redacted_url(url)),
+        }
+    }
+}
+
+/// A URL without its password (`redis://:pw@host` → `redis://…@host`), for
+/// logs, `/readyz` and the CLI.
+pub fn redacted_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://…@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
 }
 
 /// What replaces an image a model cannot see (`images.non_vision`).
@@ -908,15 +949,20 @@ impl RawConfig {
             ));
         }
         let b = self.store.backend.as_str();
-        if !(b == "memory"
-            || b == "disk"
-            || b.starts_with("redis://")
-            || b.starts_with("rediss://"))
-        {
-            p.push(format!(
-                "store.backend: {b:?} — must be \"memory\", \"disk\" or a redis://host:port/db URL"
-            ));
-        }
+        let backend = match b {
+            "memory" => Some(StoreBackend::Memory),
+            "disk" => Some(StoreBackend::Disk),
+            url if url.starts_with("redis://") || url.starts_with("rediss://") => {
+                Some(StoreBackend::Redis(url.to_owned()))
+            }
+            _ => {
+                p.push(format!(
+                    "store.backend: {:?} — must be \"memory\", \"disk\" or a redis://host:port/db URL",
+                    redacted_url(b)
+                ));
+                None
+            }
+        };
 
         if !p.is_empty() {
             return Err(p);
@@ -939,7 +985,10 @@ impl RawConfig {
             describer: self.describer,
             dedup: self.dedup,
             sessions: self.sessions,
-            store: self.store,
+            store: StoreConfig {
+                backend: backend.unwrap_or(StoreBackend::Memory),
+                prefix: self.store.prefix,
+            },
             warnings,
         })
     }

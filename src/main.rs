@@ -21,7 +21,7 @@ macro_rules! out {
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::sync::Arc;
-use visor::config::Config;
+use visor::config::{Config, StoreBackend};
 
 use visor::describe::{PROMPT_VERSION, description_key};
 use visor::metrics::Metrics;
@@ -147,10 +147,10 @@ fn offline(cfg: &Config, network: bool) -> Option<Offline> {
     let mut names = legacy_learned(&cfg.learned_path());
     let mut note = None;
     let disk_file = cfg.server.data_dir.join(visor::store::DISK_FILE);
-    let store = if cfg.store.backend.starts_with("redis") && !network {
+    let store = if matches!(cfg.store.backend, StoreBackend::Redis(_)) && !network {
         note = Some("not read: the store is Redis, and explain makes no network call".to_owned());
         None
-    } else if cfg.store.backend == "disk" && !disk_file.exists() {
+    } else if cfg.store.backend == StoreBackend::Disk && !disk_file.exists() {
         // Nothing stored yet; the CLI does not create the file.
         note = Some(format!(
             "empty ({} does not exist yet)",
@@ -397,7 +397,7 @@ fn explain(
             "images_replaced": rewrite.report.images_replaced,
             "images_described": rewrite.report.images_described,
             "store": match &off.note {
-                None => cfg.store.backend.clone(),
+                None => cfg.store.backend.to_string(),
                 Some(n) => format!("{} ({n})", cfg.store.backend),
             },
             "bytes_saved": rewrite.report.bytes_saved,

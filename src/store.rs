@@ -36,6 +36,7 @@ use bytes::Bytes;
 use redb::{ReadableTable as _, TableDefinition};
 use tokio::time::Instant;
 
+use crate::config::StoreBackend;
 use crate::metrics::Metrics;
 
 /// How long one store operation may take before the store counts as down.
@@ -108,14 +109,14 @@ impl Store {
     /// reached yet starts down (and is retried), so visor still serves.
     /// Must be called inside a Tokio runtime (the Redis client needs one).
     pub fn open(
-        backend: &str,
+        backend: &StoreBackend,
         prefix: &str,
         data_dir: &Path,
         metrics: Arc<Metrics>,
     ) -> Result<Store, String> {
         let (backend, label) = match backend {
-            "memory" => (Backend::Memory(Memory::default()), "memory".to_owned()),
-            "disk" => {
+            StoreBackend::Memory => (Backend::Memory(Memory::default()), "memory".to_owned()),
+            StoreBackend::Disk => {
                 let path = data_dir.join(DISK_FILE);
                 let label = format!("disk {}", path.display());
                 (
@@ -126,9 +127,9 @@ impl Store {
                     label,
                 )
             }
-            url => {
+            StoreBackend::Redis(url) => {
                 let redis = Redis::new(url, prefix)?;
-                (Backend::Redis(redis), redacted(url))
+                (Backend::Redis(redis), backend.to_string())
             }
         };
         metrics.store_up.set(1);
@@ -874,14 +875,6 @@ fn connection_failed(e: &redis::RedisError) -> bool {
         || e.is_unrecoverable_error()
 }
 
-/// A Redis URL without its password, for logs and `/readyz`.
-fn redacted(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://…@{}", &url[..s], &url[at + 1..]),
-        _ => url.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -889,11 +882,12 @@ mod tests {
 
     #[test]
     fn redis_urls_lose_their_password_in_labels() {
+        let label = |url: &str| StoreBackend::Redis(url.to_owned()).to_string();
         assert_eq!(
-            redacted("redis://:s3cret@cache:6379/0"),
+            label("redis://:s3cret@cache:6379/0"),
             "redis://…@cache:6379/0"
         );
-        assert_eq!(redacted("redis://cache:6379/2"), "redis://cache:6379/2");
+        assert_eq!(label("redis://cache:6379/2"), "redis://cache:6379/2");
     }
 
     #[tokio::test]
@@ -902,12 +896,12 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let metrics = Arc::new(Metrics::new().unwrap());
         {
-            let s = Store::open("disk", "visor:", &dir, metrics.clone()).unwrap();
+            let s = Store::open(&StoreBackend::Disk, "visor:", &dir, metrics.clone()).unwrap();
             assert_eq!(s.description("k").await.unwrap(), None);
             s.put_description("k", "a chart").await.unwrap();
             s.learn("gpt-oss").await.unwrap();
         }
-        let s = Store::open("disk", "visor:", &dir, metrics).unwrap();
+        let s = Store::open(&StoreBackend::Disk, "visor:", &dir, metrics).unwrap();
         assert_eq!(
             s.description("k").await.unwrap().as_deref(),
             Some("a chart")
@@ -922,9 +916,9 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("visor-store-busy-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let metrics = Arc::new(Metrics::new().unwrap());
-        let first = Store::open("disk", "visor:", &dir, metrics.clone()).unwrap();
+        let first = Store::open(&StoreBackend::Disk, "visor:", &dir, metrics.clone()).unwrap();
         first.put_description("k", "v").await.unwrap();
-        let second = Store::open("disk", "visor:", &dir, metrics.clone()).unwrap();
+        let second = Store::open(&StoreBackend::Disk, "visor:", &dir, metrics.clone()).unwrap();
         assert!(matches!(
             second.description("k").await,
             Err(StoreError::Failed(_))

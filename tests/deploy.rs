@@ -200,7 +200,7 @@ fn kubernetes_manifests_probe_secure_and_drain() {
         configmap_toml(&yaml("k8s/configmap.yaml")[0]),
     );
     assert!(
-        cfg.store.backend.starts_with("redis://"),
+        matches!(&cfg.store.backend, visor::config::StoreBackend::Redis(u) if u.starts_with("redis://")),
         "replicas share the store through Redis"
     );
     let dep = &yaml("k8s/deployment.yaml")[0];
@@ -277,7 +277,9 @@ fn compose_and_dockerfile() {
         assert!(!compose["services"][service].is_badvalue(), "{service}");
     }
     let cfg = config_loads("deploy/visor.compose.toml", &read("visor.compose.toml"));
-    assert!(cfg.store.backend.starts_with("redis://"));
+    assert!(
+        matches!(&cfg.store.backend, visor::config::StoreBackend::Redis(u) if u.starts_with("redis://"))
+    );
     let grace = compose["services"]["visor"]["stop_grace_period"]
         .as_str()
         .unwrap();

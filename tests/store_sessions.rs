@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use support::*;
+use visor::config::StoreBackend;
 use visor::metrics::Metrics;
 use visor::store::Store;
 
@@ -97,13 +98,13 @@ async fn sessions_in_memory() {
 async fn sessions_on_disk_survive_a_reopen() {
     let dir = temp_dir("sessions-disk");
     {
-        let s = Arc::new(Store::open("disk", "visor:", &dir, metrics()).unwrap());
+        let s = Arc::new(Store::open(&StoreBackend::Disk, "visor:", &dir, metrics()).unwrap());
         sessions_behave(s.clone(), "d").await;
         s.append_session("kept", vec![b("m")], 10, DAY)
             .await
             .unwrap();
     }
-    let s = Store::open("disk", "visor:", &dir, metrics()).unwrap();
+    let s = Store::open(&StoreBackend::Disk, "visor:", &dir, metrics()).unwrap();
     assert_eq!(
         s.session("kept", 10, DAY).await.unwrap(),
         Some(vec![b("m")])
@@ -132,10 +133,11 @@ async fn sessions_on_redis_are_shared_and_expire() {
     };
     let prefix = format!("visor-sessions-{}:", std::process::id());
     let dir = temp_dir("sessions-redis");
-    let s = Arc::new(Store::open(&redis.url(), &prefix, &dir, metrics()).unwrap());
+    let s =
+        Arc::new(Store::open(&StoreBackend::Redis(redis.url()), &prefix, &dir, metrics()).unwrap());
     sessions_behave(s.clone(), "r").await;
     // A second client (another replica) sees the same history.
-    let other = Store::open(&redis.url(), &prefix, &dir, metrics()).unwrap();
+    let other = Store::open(&StoreBackend::Redis(redis.url()), &prefix, &dir, metrics()).unwrap();
     s.append_session("shared", vec![b("x")], 10, DAY)
         .await
         .unwrap();
