@@ -121,6 +121,39 @@ fn untouchable(m: &Value) -> bool {
     ) || m["type"] == "function_call"
 }
 
+/// `n` is `o` but for image parts that became visor's text (a model that
+/// cannot see takes no image anywhere, a system message included); their
+/// texts are never looked into or deduped.
+fn same_but_images(o: &Value, n: &Value) -> bool {
+    let image = |p: &Value| {
+        matches!(
+            p["type"].as_str(),
+            Some("image_url" | "input_image" | "image" | "file" | "image-data" | "image-url")
+        )
+    };
+    let replaced = |p: &Value| {
+        p["text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("[image ") && !t.contains('\n'))
+    };
+    match (o, n) {
+        (Value::Object(a), Value::Object(b)) => {
+            a.len() == b.len()
+                && a
+                    .iter()
+                    .all(|(k, v)| b.get(k).is_some_and(|w| same_but_images(v, w)))
+        }
+        (Value::Array(a), Value::Array(b)) => {
+            a.len() == b.len()
+                && a
+                    .iter()
+                    .zip(b)
+                    .all(|(p, q)| p == q || (image(p) && replaced(q)) || same_but_images(p, q))
+        }
+        _ => o == n,
+    }
+}
+
 fn empty(c: &Value) -> bool {
     match c {
         Value::String(s) => s.is_empty(),
@@ -166,7 +199,10 @@ pub fn check(body: &[u8], before: &Value, shape: Shape, c: &Check) {
     if let (Some(old), Some(new)) = (before[key].as_array(), after[key].as_array()) {
         for (o, n) in old.iter().zip(new) {
             if untouchable(o) {
-                assert_eq!(o, n, "a system, developer or assistant message changed");
+                assert!(
+                    same_but_images(o, n),
+                    "a system, developer or assistant message changed: {o} -> {n}"
+                );
             }
             assert!(
                 empty(&o["content"]) || !empty(&n["content"]),
