@@ -1,6 +1,11 @@
 //! The proxy path: read (or stream) the body, route by model, forward, and
 //! hand back the upstream's response through an [`ObservedBody`].
 //!
+//! Each phase is a function returning `Result<_, Stop>`; [`handle`] joins
+//! them in order. A request that stops is answered at one edge
+//! ([`Edge::answer`]: logged, counted, the OpenAI error shape); one that
+//! gets an upstream answer is counted when that answer's body ends.
+//!
 //! Phases of one request:
 //! 1. limit     — `Content-Length` over `max_body_bytes` → 413 before reading.
 //! 2. body      — transformed endpoints (`POST` chat/completions, responses,
@@ -47,11 +52,12 @@ use super::answer::refuse;
 use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
 use super::probe::{FormScanner, JsonScanner, WholeBody};
-use super::session;
+use super::session::{self, Recorder};
 use super::transform::{self, Options, Prepared};
 use super::usage::UsageObserver;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
+use crate::metrics::NO_UPSTREAM;
 use crate::transform::{Report, Shape};
 use crate::upstream::{LimitedIncoming, ResponseBody, SendFailure, UpstreamBody};
 
@@ -59,136 +65,415 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     if super::websocket::is_upgrade(&req) {
         return super::websocket::proxy(state, req).await;
     }
-    let started = Instant::now();
-    let inflight = InflightGuard::new(state.metrics.clone());
-    let request_id = req
-        .extensions()
-        .get::<RequestIdExt>()
-        .map(|r| r.0.clone())
-        .unwrap_or_else(|| HeaderValue::from_static("req_unknown"));
-    let (mut parts, body) = req.into_parts();
-    let rest = parts.uri.path()["/v1".len()..].to_owned();
-    let limit = state.config.server.max_body_bytes;
-    let shape = if parts.method == Method::POST {
-        Shape::of_path(&rest)
-    } else {
-        None
-    };
-    let opts = match shape.map(|_| Options::from_headers(&parts.headers)) {
-        Some(Err(e)) => return refuse(&state, e),
-        Some(Ok(o)) => o,
-        None => Options::default(),
-    };
+    let mut edge = Edge::new(&state);
+    match handle(&state, req, &mut edge).await {
+        Ok(resp) => resp,
+        Err(stop) => edge.answer(stop),
+    }
+}
 
-    // 1. limit
-    if content_length(&parts.headers).is_some_and(|n| n > limit) {
-        return refuse(&state, VisorError::BodyTooLarge { limit });
+/// The phases, in order (see the module's list). Each returns what the next
+/// needs, or a [`Stop`] that [`Edge::answer`] turns into visor's answer.
+async fn handle(
+    state: &Arc<AppState>,
+    req: Request<Incoming>,
+    edge: &mut Edge<'_>,
+) -> Result<Response<ProxyBody>, Stop> {
+    let (mut call, parts, body) = Call::new(state, req)?; // 1. limit
+    let (model, held) = read_body(state, &call, &parts, body).await?; // 2. body
+    let index = route(state, model.as_deref())?; // 3. route
+    edge.routed(index, model.as_deref());
+    let (held, mut session) = open_session(state, &call, &parts, held).await?; // 4. session
+    let mut prepared = prepare(state, &mut call, &parts, index, &model, held, &session).await; // 5. transform
+    edge.prepared(prepared.as_ref());
+    let (up_req, retry_head) =
+        upstream_request(state, &call, parts, index, &prepared, &mut session)?; // 6. send
+    let exchange = Exchange::new(state, &call, index);
+    let (resp, timer) = exchange.run(up_req, &call.exceeded, exchange.sent).await?;
+    let learned = learn(
+        state,
+        &exchange,
+        &call,
+        edge,
+        &model,
+        &mut prepared,
+        retry_head,
+        resp,
+        timer,
+    )
+    .await?; // 7. learn
+    let (resp, timer) = match learned {
+        Learned::Answer(resp, timer) => (resp, timer),
+        Learned::Passed(head, body) => return Ok(edge.passed(head, body)),
+    };
+    Ok(respond(
+        state,
+        call,
+        &exchange,
+        edge,
+        prepared,
+        session.recorder,
+        resp,
+        timer,
+    )
+    .await) // 8. respond
+}
+
+/// Why a request stops before an upstream answer streams back.
+enum Stop {
+    /// Refused by visor itself: counted with no upstream.
+    Refused(VisorError),
+    /// The upstream failed: the error and its `visor_upstream_errors_total`
+    /// kind; counted with the upstream.
+    Upstream(VisorError, &'static str),
+}
+
+impl From<VisorError> for Stop {
+    fn from(e: VisorError) -> Self {
+        Stop::Refused(e)
+    }
+}
+
+impl From<(VisorError, &'static str)> for Stop {
+    fn from((e, kind): (VisorError, &'static str)) -> Self {
+        Stop::Upstream(e, kind)
+    }
+}
+
+/// Where visor's own answers to a proxied request leave: each is logged and
+/// counted here, once. (An upstream answer that streams back is counted
+/// once when its body ends, by [`Finish`].)
+struct Edge<'a> {
+    state: &'a AppState,
+    started: Instant,
+    /// Once routed: the upstream's name and the model's metric label.
+    routed: Option<(Arc<str>, String)>,
+    /// Once transformed: the `x-visor-*` counts.
+    counts: Option<Counts>,
+}
+
+/// What the transforms did to a request, for the `x-visor-*` headers and the
+/// log line.
+#[derive(Clone, Copy)]
+struct Counts {
+    images_replaced: usize,
+    bytes_saved: i64,
+    history_used: usize,
+}
+
+impl Counts {
+    fn of(report: &Report) -> Self {
+        Counts {
+            images_replaced: report.images_replaced,
+            bytes_saved: report.bytes_saved,
+            history_used: report.history_used,
+        }
+    }
+}
+
+impl<'a> Edge<'a> {
+    fn new(state: &'a AppState) -> Self {
+        Edge {
+            state,
+            started: Instant::now(),
+            routed: None,
+            counts: None,
+        }
     }
 
-    // 2. body
-    // A body visor reads before forwarding must arrive within the request's
-    // total deadline (no slow-loris uploads holding a worker's memory).
-    let deadline = started + state.config.server.request_timeout;
-    let exceeded = Arc::new(AtomicBool::new(false));
-    let mut whole = None;
-    let (model, up_body) = if shape.is_some() {
-        let hint = content_length(&parts.headers).unwrap_or(0);
-        match tokio::time::timeout_at(deadline, read_validated(body, limit, hint)).await {
-            Ok(Ok((model, bytes))) => {
-                whole = Some(bytes);
-                (model, None)
+    fn routed(&mut self, index: usize, model: Option<&str>) {
+        let name = self.state.upstream_names[index].clone();
+        let label = self.state.metrics.model_label(model.unwrap_or(""));
+        tracing::debug!(upstream = %name, model = %label, "routed");
+        self.routed = Some((name, label));
+    }
+
+    fn prepared(&mut self, prepared: Option<&Prepared>) {
+        self.counts = prepared.map(|p| Counts::of(&p.report));
+    }
+
+    /// The model's metric label (empty before routing).
+    fn model_label(&self) -> String {
+        self.routed
+            .as_ref()
+            .map(|(_, m)| m.clone())
+            .unwrap_or_default()
+    }
+
+    fn count(&self, status: http::StatusCode) {
+        let (upstream, model) = match &self.routed {
+            Some((u, m)) => (&**u, m.as_str()),
+            None => (NO_UPSTREAM, ""),
+        };
+        self.state
+            .metrics
+            .requests
+            .with_label_values(&[upstream, model, status.as_str()])
+            .inc();
+    }
+
+    /// Visor's answer to a request that stopped.
+    fn answer(self, stop: Stop) -> Response<ProxyBody> {
+        match stop {
+            Stop::Refused(e) => refuse(self.state, e),
+            Stop::Upstream(e, kind) => {
+                let upstream = self.routed.as_ref().map_or("", |(u, _)| &**u);
+                self.state.metrics.upstream_error(upstream, kind);
+                self.count(e.status());
+                let counts = self.counts;
+                tracing::warn!(
+                    upstream = %upstream,
+                    error = e.label(),
+                    kind,
+                    images_replaced = counts.map_or(0, |c| c.images_replaced),
+                    bytes_saved = counts.map_or(0, |c| c.bytes_saved),
+                    "upstream request failed"
+                );
+                let mut resp = e.into_response();
+                if let Some(c) = counts {
+                    visor_counts(resp.headers_mut(), c);
+                }
+                resp
             }
-            Ok(Err(e)) => return refuse(&state, e),
-            Err(_) => return refuse(&state, VisorError::BodyTimeout),
         }
-    } else if state.route_by_model {
-        // The route depends on the model: read it from the body whatever the
-        // Content-Type says (a JSON object, or a multipart form's `model`
-        // field); a body that cannot be read is refused, never guessed.
-        let form = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| FormScanner::for_content_type(v.as_bytes()));
-        let scan = scan_model(body, limit, exceeded.clone(), form);
-        match tokio::time::timeout_at(deadline, scan).await {
-            Ok(Ok((model, b))) => (model, Some(b)),
-            Ok(Err(e)) => return refuse(&state, e),
-            Err(_) => return refuse(&state, VisorError::BodyTimeout),
+    }
+
+    /// An upstream 4xx read whole to look for an image refusal, and passed
+    /// back as it was.
+    fn passed(&self, mut head: http::response::Parts, body: Bytes) -> Response<ProxyBody> {
+        strip_hop_by_hop(&mut head.headers);
+        if let Some(c) = self.counts {
+            visor_counts(&mut head.headers, c);
         }
-    } else {
-        let rest = LimitedIncoming::new(body, limit, exceeded.clone());
+        self.count(head.status);
+        if let Some((upstream, _)) = &self.routed {
+            self.state
+                .metrics
+                .request_duration
+                .with_label_values(&[&**upstream])
+                .observe(self.started.elapsed().as_secs_f64());
+        }
+        Response::from_parts(head, ProxyBody::from(body))
+    }
+}
+
+/// One request on its way, as the phases pass it on.
+struct Call {
+    started: Instant,
+    inflight: InflightGuard,
+    request_id: HeaderValue,
+    /// The path after `/v1`.
+    rest: String,
+    /// The API shape of a transformed endpoint (`POST` only).
+    shape: Option<Shape>,
+    opts: Options,
+    /// The request's total deadline.
+    deadline: Instant,
+    /// Set when a streamed body runs over `max_body_bytes`.
+    exceeded: Arc<AtomicBool>,
+}
+
+impl Call {
+    /// Phase 1: the request's head read, its options checked, a declared
+    /// length over `max_body_bytes` refused before any byte is read.
+    fn new(
+        state: &AppState,
+        req: Request<Incoming>,
+    ) -> Result<(Call, http::request::Parts, Incoming), Stop> {
+        let started = Instant::now();
+        let inflight = InflightGuard::new(state.metrics.clone());
+        let request_id = req
+            .extensions()
+            .get::<RequestIdExt>()
+            .map(|r| r.0.clone())
+            .unwrap_or_else(|| HeaderValue::from_static("req_unknown"));
+        let (parts, body) = req.into_parts();
+        let rest = parts.uri.path()["/v1".len()..].to_owned();
+        let shape = match parts.method == Method::POST {
+            true => Shape::of_path(&rest),
+            false => None,
+        };
+        let opts = match shape {
+            Some(_) => Options::from_headers(&parts.headers)?,
+            None => Options::default(),
+        };
+        let limit = state.config.server.max_body_bytes;
+        if content_length(&parts.headers).is_some_and(|n| n > limit) {
+            return Err(VisorError::BodyTooLarge { limit }.into());
+        }
+        let call = Call {
+            started,
+            inflight,
+            request_id,
+            rest,
+            shape,
+            opts,
+            // A body visor reads before forwarding must arrive within the
+            // request's total deadline (no slow-loris uploads holding a
+            // worker's memory).
+            deadline: started + state.config.server.request_timeout,
+            exceeded: Arc::new(AtomicBool::new(false)),
+        };
+        Ok((call, parts, body))
+    }
+}
+
+/// The request body as phase 2 leaves it.
+enum Held {
+    /// Read whole and validated (a transformed endpoint).
+    Whole(Bytes),
+    /// Streamed through (its first chunks held while the model was looked
+    /// for).
+    Streamed(UpstreamBody),
+}
+
+/// Phase 2: a transformed endpoint's body read whole and validated; any
+/// other streamed, its model read from the first chunks when the route
+/// depends on it.
+async fn read_body(
+    state: &AppState,
+    call: &Call,
+    parts: &http::request::Parts,
+    body: Incoming,
+) -> Result<(Option<String>, Held), Stop> {
+    let limit = state.config.server.max_body_bytes;
+    if call.shape.is_some() {
+        let hint = content_length(&parts.headers).unwrap_or(0);
+        return match tokio::time::timeout_at(call.deadline, read_validated(body, limit, hint)).await
+        {
+            Ok(Ok((model, bytes))) => Ok((model, Held::Whole(bytes))),
+            Ok(Err(e)) => Err(e.into()),
+            Err(_) => Err(VisorError::BodyTimeout.into()),
+        };
+    }
+    if !state.route_by_model {
+        let rest = LimitedIncoming::new(body, limit, call.exceeded.clone());
         let b = UpstreamBody {
             prefix: VecDeque::new(),
             rest: Some(rest),
         };
-        (None, Some(b))
-    };
-
-    // 3. route
-    let Some(index) = route(&state, model.as_deref()) else {
-        let m = model.unwrap_or_default();
-        return refuse(&state, VisorError::NoRoute(m));
-    };
-    let upstream = &state.config.upstreams[index];
-    let upstream_name = state.upstream_names[index].clone();
-    let model_label = state.metrics.model_label(model.as_deref().unwrap_or(""));
-    tracing::debug!(upstream = %upstream_name, model = %model_label, "routed");
-
-    // 4. session: the stored history merged in.
-    let mut recorder = None;
-    let mut history_used = 0;
-    if let (Some(shape), Some(bytes)) = (shape, whole.as_ref()) {
-        let id = match session::requested(&parts.headers) {
-            Ok(id) => id,
-            Err(e) => return refuse(&state, e),
-        };
-        if let Some(id) = id {
-            match session::open(&state, shape, &parts.headers, &id, bytes).await {
-                Ok(opened) => {
-                    whole = Some(opened.body);
-                    history_used = opened.history_used;
-                    recorder = Some(opened.recorder);
-                }
-                Err(e) => return refuse(&state, e),
-            }
-        }
+        return Ok((None, Held::Streamed(b)));
     }
+    // The route depends on the model: read it from the body whatever the
+    // Content-Type says (a JSON object, or a multipart form's `model`
+    // field); a body that cannot be read is refused, never guessed.
+    let form = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| FormScanner::for_content_type(v.as_bytes()));
+    let scan = scan_model(body, limit, call.exceeded.clone(), form);
+    match tokio::time::timeout_at(call.deadline, scan).await {
+        Ok(Ok((model, b))) => Ok((model, Held::Streamed(b))),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Err(VisorError::BodyTimeout.into()),
+    }
+}
 
-    // 5. transform: the pure rewrite of the body visor holds whole.
-    let mut prepared = match (shape, whole) {
-        (Some(shape), Some(bytes)) => {
-            let asker = transform::Asker {
-                headers: &parts.headers,
-                upstream: index,
+/// Phase 3: the first upstream whose globs match; no model → the first
+/// upstream; a model nobody takes → 404.
+fn route(state: &AppState, model: Option<&str>) -> Result<usize, Stop> {
+    let index = match model {
+        None => Some(0),
+        Some(m) => state.config.upstreams.iter().position(|u| u.matches(m)),
+    };
+    index.ok_or_else(|| VisorError::NoRoute(model.unwrap_or_default().to_owned()).into())
+}
+
+/// What phase 4 found of a session.
+#[derive(Default)]
+struct Session {
+    history_used: usize,
+    recorder: Option<Recorder>,
+    /// The body, when it is streamed (no session applies then).
+    streamed: Option<UpstreamBody>,
+}
+
+/// Phase 4: with `x-visor-session`, the stored history merged into a body
+/// held whole; a store that cannot be read → 503.
+async fn open_session(
+    state: &Arc<AppState>,
+    call: &Call,
+    parts: &http::request::Parts,
+    held: Held,
+) -> Result<(Option<Bytes>, Session), Stop> {
+    let bytes = match held {
+        Held::Streamed(b) => {
+            let s = Session {
+                streamed: Some(b),
+                ..Session::default()
             };
-            let mut p =
-                transform::prepare(&state, shape, model.as_deref(), bytes, opts, asker).await;
-            p.report.history_used = history_used;
-            Some(p)
+            return Ok((None, s));
         }
-        _ => None,
+        Held::Whole(bytes) => bytes,
     };
+    let Some(shape) = call.shape else {
+        return Ok((Some(bytes), Session::default()));
+    };
+    let Some(id) = session::requested(&parts.headers)? else {
+        return Ok((Some(bytes), Session::default()));
+    };
+    let opened = session::open(state, shape, &parts.headers, &id, &bytes).await?;
+    let s = Session {
+        history_used: opened.history_used,
+        recorder: Some(opened.recorder),
+        streamed: None,
+    };
+    Ok((Some(opened.body), s))
+}
 
-    // 6. send
-    let uri = match state.upstreams.uri(index, &rest, parts.uri.query()) {
-        Some(u) => u,
-        None => {
-            return refuse(
-                &state,
-                VisorError::BadRequest("the request target is not a valid URL path"),
-            );
-        }
+/// Phase 5: the pure rewrite of a body visor holds whole.
+async fn prepare(
+    state: &Arc<AppState>,
+    call: &mut Call,
+    parts: &http::request::Parts,
+    index: usize,
+    model: &Option<String>,
+    held: Option<Bytes>,
+    session: &Session,
+) -> Option<Prepared> {
+    let (Some(shape), Some(bytes)) = (call.shape, held) else {
+        return None;
     };
+    let asker = transform::Asker {
+        headers: &parts.headers,
+        upstream: index,
+    };
+    let opts = std::mem::take(&mut call.opts);
+    let mut p = transform::prepare(state, shape, model.as_deref(), bytes, opts, asker).await;
+    p.report.history_used = session.history_used;
+    Some(p)
+}
+
+/// The method, URI and headers of the upstream request, kept while an
+/// upstream refusal may still be learned from (the retry reuses them).
+type RetryHead = (Method, http::Uri, HeaderMap);
+
+/// Phase 6 (first half): the upstream request — its URI under the
+/// upstream's base URL, headers rewritten, the body as held (byte for byte
+/// when nothing changed).
+fn upstream_request(
+    state: &AppState,
+    call: &Call,
+    mut parts: http::request::Parts,
+    index: usize,
+    prepared: &Option<Prepared>,
+    session: &mut Session,
+) -> Result<(Request<UpstreamBody>, Option<RetryHead>), Stop> {
+    let uri = state
+        .upstreams
+        .uri(index, &call.rest, parts.uri.query())
+        .ok_or(VisorError::BadRequest(
+            "the request target is not a valid URL path",
+        ))?;
     upstream_request_headers(
         &mut parts.headers,
-        upstream,
+        &state.config.upstreams[index],
         state.keys.is_set(),
-        &request_id,
+        &call.request_id,
     );
     parts.uri = uri;
     parts.version = Version::HTTP_11;
     parts.extensions = http::Extensions::new();
-    // Kept only while an upstream refusal may still be learned from.
     let retry_head = prepared
         .as_ref()
         .is_some_and(|p| p.learn.is_some())
@@ -199,108 +484,95 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
                 parts.headers.clone(),
             )
         });
-    let up_body = match &prepared {
+    let body = match prepared {
         Some(p) => {
             set_content_length(&mut parts.headers, p.body.len());
             p.upstream_body()
         }
-        None => up_body.unwrap_or_default(),
+        None => session.streamed.take().unwrap_or_default(),
     };
-    let up_req = Request::from_parts(parts, up_body);
+    Ok((Request::from_parts(parts, body), retry_head))
+}
 
-    let server = &state.config.server;
-    let sent = Instant::now();
-    let head_deadline = (sent + server.first_byte_timeout).min(deadline);
-    // For the log line (the retry after a refusal may replace more images).
-    let (images_replaced, bytes_saved) = prepared
-        .as_ref()
-        .map_or((0, 0), |p| (p.report.images_replaced, p.report.bytes_saved));
-    let fail = |e: VisorError, kind: &'static str| {
-        state.metrics.upstream_error(&upstream_name, kind);
-        state
-            .metrics
-            .requests
-            .with_label_values(&[&*upstream_name, model_label.as_str(), e.status().as_str()])
-            .inc();
-        tracing::warn!(
-            upstream = %upstream_name,
-            error = e.label(),
-            kind,
-            images_replaced,
-            bytes_saved,
-            "upstream request failed"
-        );
-        e.into_response()
-    };
-    let exchange = Exchange {
-        state: &state,
-        index,
-        head_deadline,
-        deadline,
-        limit,
-        upstream: &upstream_name,
-    };
-    let (mut resp, mut timer) = match exchange.run(up_req, &exceeded, sent).await {
-        Ok(r) => r,
-        Err(Refused::Limit(r)) => return r,
-        Err(Refused::Failed(e, kind)) => return counted(fail(e, kind), prepared.as_ref()),
-    };
+/// What phase 7 leaves (one value, moved once: its size does not matter).
+#[allow(clippy::large_enum_variant)]
+enum Learned {
+    /// The upstream's answer to stream back (to the retry, if there was one).
+    Answer(Response<ResponseBody>, Pin<Box<Sleep>>),
+    /// An upstream 4xx read whole that was not about images: passed back as
+    /// it was.
+    Passed(http::response::Parts, Bytes),
+}
 
-    // 7. learn: a model of unknown vision whose upstream refuses images is
-    // retried once with them replaced, and remembered as non-vision.
-    if let Some(p) = prepared.as_mut()
-        && let Some(learn) = p.learn.take()
-        && let Some((method, uri, mut headers)) = retry_head
-        && may_be_refusal(resp.status(), resp.headers())
-    {
-        let (head, incoming) = resp.into_parts();
-        let error_body = match read_error_body(incoming, head_deadline, &upstream_name).await {
-            Ok(b) => b,
-            Err((e, kind)) => return counted(fail(e, kind), Some(p)),
-        };
-        let retry =
-            transform::after_refusal(&state, &learn, model.as_deref().unwrap_or(""), &error_body)
-                .await;
-        let Some(retry) = retry else {
-            // Not about images: the upstream's answer, as it was.
-            let mut head = head;
-            strip_hop_by_hop(&mut head.headers);
-            visor_counts(&mut head.headers, &p.report);
-            let status = head.status.as_str().to_owned();
-            state
-                .metrics
-                .requests
-                .with_label_values(&[&*upstream_name, model_label.as_str(), status.as_str()])
-                .inc();
-            state
-                .metrics
-                .request_duration
-                .with_label_values(&[&upstream_name])
-                .observe(started.elapsed().as_secs_f64());
-            return Response::from_parts(head, ProxyBody::from(error_body));
-        };
-        set_content_length(&mut headers, retry.body.len());
-        let mut req = Request::new(retry.upstream_body());
-        *req.method_mut() = method;
-        *req.uri_mut() = uri;
-        *req.headers_mut() = headers;
-        *p = retry;
-        p.report.history_used = history_used;
-        (resp, timer) = match exchange.run(req, &exceeded, Instant::now()).await {
-            Ok(r) => r,
-            Err(Refused::Limit(r)) => return r,
-            Err(Refused::Failed(e, kind)) => return counted(fail(e, kind), Some(p)),
-        };
+/// Phase 7: a model of unknown vision whose upstream answers with an
+/// "images not supported" 4xx is retried once with the images replaced, and
+/// remembered as non-vision.
+#[allow(clippy::too_many_arguments)]
+async fn learn(
+    state: &Arc<AppState>,
+    exchange: &Exchange<'_>,
+    call: &Call,
+    edge: &mut Edge<'_>,
+    model: &Option<String>,
+    prepared: &mut Option<Prepared>,
+    retry_head: Option<RetryHead>,
+    resp: Response<ResponseBody>,
+    timer: Pin<Box<Sleep>>,
+) -> Result<Learned, Stop> {
+    let Some(p) = prepared.as_mut() else {
+        return Ok(Learned::Answer(resp, timer));
+    };
+    let (Some((method, uri, mut headers)), true) = (retry_head, p.learn.is_some()) else {
+        return Ok(Learned::Answer(resp, timer));
+    };
+    if !may_be_refusal(resp.status(), resp.headers()) {
+        return Ok(Learned::Answer(resp, timer));
     }
+    let Some(learn) = p.learn.take() else {
+        return Ok(Learned::Answer(resp, timer));
+    };
+    let (head, incoming) = resp.into_parts();
+    let error_body = read_error_body(incoming, exchange.head_deadline, &exchange.upstream).await?;
+    let model = model.as_deref().unwrap_or("");
+    let Some(retry) = transform::after_refusal(state, &learn, model, &error_body).await else {
+        // Not about images: the upstream's answer, as it was.
+        return Ok(Learned::Passed(head, error_body));
+    };
+    set_content_length(&mut headers, retry.body.len());
+    let mut req = Request::new(retry.upstream_body());
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    let history_used = p.report.history_used;
+    *p = retry;
+    p.report.history_used = history_used;
+    edge.prepared(Some(p));
+    let (resp, timer) = exchange.run(req, &call.exceeded, Instant::now()).await?;
+    Ok(Learned::Answer(resp, timer))
+}
 
-    // 8. respond
+/// Phase 8: status and headers passed through (plus the `x-visor-*`
+/// counts); once the replaced originals are on disk, the body streams back
+/// through an [`ObservedBody`] that counts the request when it ends.
+#[allow(clippy::too_many_arguments)]
+async fn respond(
+    state: &Arc<AppState>,
+    call: Call,
+    exchange: &Exchange<'_>,
+    edge: &Edge<'_>,
+    mut prepared: Option<Prepared>,
+    recorder: Option<Recorder>,
+    resp: Response<ResponseBody>,
+    timer: Pin<Box<Sleep>>,
+) -> Response<ProxyBody> {
+    let upstream = exchange.upstream.clone();
     let (mut head, incoming) = resp.into_parts();
     if head.status.is_server_error() {
-        state.metrics.upstream_error(&upstream_name, "status_5xx");
+        state.metrics.upstream_error(&upstream, "status_5xx");
     }
     strip_hop_by_hop(&mut head.headers);
     if let Some(p) = prepared.as_mut() {
-        visor_counts(&mut head.headers, &p.report);
+        visor_counts(&mut head.headers, Counts::of(&p.report));
         // The replaced images are on disk before the response is returned
         // (the write overlapped the upstream call).
         if let Some(saving) = p.saving.take() {
@@ -308,26 +580,29 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
         }
     }
     let usage = UsageObserver::for_response(&head.headers);
+    let mut recorder = recorder;
     if let Some(rec) = recorder.as_mut() {
         rec.head(head.status, &head.headers);
     }
+    // For the log line (the retry after a refusal may replace more images).
+    let counts = prepared.as_ref().map(|p| Counts::of(&p.report));
     let finish = Finish {
         metrics: state.metrics.clone(),
-        upstream: upstream_name,
-        model: model_label,
+        upstream,
+        model: edge.model_label(),
         status: head.status.as_u16(),
-        request_id,
-        started,
-        sent,
-        inflight,
-        images_replaced: prepared.as_ref().map_or(0, |p| p.report.images_replaced),
-        bytes_saved: prepared.as_ref().map_or(0, |p| p.report.bytes_saved),
+        request_id: call.request_id,
+        started: call.started,
+        sent: exchange.sent,
+        inflight: call.inflight,
+        images_replaced: counts.map_or(0, |c| c.images_replaced),
+        bytes_saved: counts.map_or(0, |c| c.bytes_saved),
     };
     let mut observed = ObservedBody::new(
         incoming,
         usage,
-        server.idle_timeout,
-        deadline,
+        state.config.server.idle_timeout,
+        call.deadline,
         timer,
         finish,
     );
@@ -337,32 +612,41 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
     Response::from_parts(head, ProxyBody::Upstream(Box::new(observed)))
 }
 
-/// Why an exchange gave no response head.
-enum Refused {
-    /// Answered already (413 when a streamed body ran over the limit).
-    Limit(Response<ProxyBody>),
-    /// An upstream failure: the error and its metric kind.
-    Failed(VisorError, &'static str),
-}
-
 /// One request/response-head exchange with the chosen upstream, under the
 /// first-byte and total deadlines.
 struct Exchange<'a> {
     state: &'a Arc<AppState>,
     index: usize,
+    upstream: Arc<str>,
+    /// When the request was first sent upstream.
+    sent: Instant,
     head_deadline: Instant,
     deadline: Instant,
     limit: u64,
-    upstream: &'a Arc<str>,
 }
 
-impl Exchange<'_> {
+impl<'a> Exchange<'a> {
+    fn new(state: &'a Arc<AppState>, call: &Call, index: usize) -> Self {
+        let server = &state.config.server;
+        let sent = Instant::now();
+        Exchange {
+            state,
+            index,
+            upstream: state.upstream_names[index].clone(),
+            sent,
+            head_deadline: (sent + server.first_byte_timeout).min(call.deadline),
+            deadline: call.deadline,
+            limit: server.max_body_bytes,
+        }
+    }
+
+    /// Phase 6 (second half): sends `req` and waits for the response head.
     async fn run(
         &self,
         req: Request<UpstreamBody>,
         exceeded: &AtomicBool,
         sent: Instant,
-    ) -> Result<(Response<ResponseBody>, Pin<Box<Sleep>>), Refused> {
+    ) -> Result<(Response<ResponseBody>, Pin<Box<Sleep>>), Stop> {
         let state = self.state;
         let idle = state.config.server.idle_timeout;
         let sending = state.upstreams.send(self.index, req, exceeded);
@@ -395,10 +679,7 @@ impl Exchange<'_> {
                 let e = match failure {
                     SendFailure::BodyTooLarge => {
                         let limit = self.limit;
-                        return Err(Refused::Limit(refuse(
-                            state,
-                            VisorError::BodyTooLarge { limit },
-                        )));
+                        return Err(Stop::Refused(VisorError::BodyTooLarge { limit }));
                     }
                     SendFailure::Connect | SendFailure::Reset => VisorError::UpstreamUnreachable {
                         upstream,
@@ -409,7 +690,7 @@ impl Exchange<'_> {
                         which: "connect timeout",
                     },
                 };
-                Err(Refused::Failed(e, failure.label()))
+                Err(Stop::Upstream(e, failure.label()))
             }
             Err(()) => {
                 let (which, kind) = if self.head_deadline >= self.deadline {
@@ -418,23 +699,14 @@ impl Exchange<'_> {
                     ("first byte timeout", "first_byte_timeout")
                 };
                 let e = VisorError::UpstreamTimeout { upstream, which };
-                Err(Refused::Failed(e, kind))
+                Err(Stop::Upstream(e, kind))
             }
         }
     }
 }
 
-/// An error visor answers after the transform ran: it still carries the
-/// `x-visor-*` counts of what was done to the request.
-fn counted(mut resp: Response<ProxyBody>, prepared: Option<&Prepared>) -> Response<ProxyBody> {
-    if let Some(p) = prepared {
-        visor_counts(resp.headers_mut(), &p.report);
-    }
-    resp
-}
-
 /// The three `x-visor-*` counts of a transformed endpoint.
-fn visor_counts(headers: &mut HeaderMap, report: &Report) {
+fn visor_counts(headers: &mut HeaderMap, report: Counts) {
     let num = |n: i64| HeaderValue::from(n);
     headers.insert(
         header::HeaderName::from_static("x-visor-images-replaced"),
@@ -502,14 +774,6 @@ async fn read_error_body(
             },
             "first_byte_timeout",
         )),
-    }
-}
-
-/// The first upstream whose globs match; no model → the first upstream.
-fn route(state: &AppState, model: Option<&str>) -> Option<usize> {
-    match model {
-        None => Some(0),
-        Some(m) => state.config.upstreams.iter().position(|u| u.matches(m)),
     }
 }
 
