@@ -119,7 +119,7 @@ pub type RawConn = TokioIo<hyper_rustls::MaybeHttpsStream<TokioIo<TcpStream>>>;
 #[derive(Default)]
 pub struct UpstreamBody {
     pub prefix: std::collections::VecDeque<Bytes>,
-    pub rest: Option<LimitedIncoming>,
+    pub rest: Option<LimitedBody>,
 }
 
 impl Body for UpstreamBody {
@@ -166,16 +166,73 @@ impl Body for UpstreamBody {
 #[error("request body exceeds the configured limit")]
 pub struct BodyLimitExceeded;
 
+/// A client's request body as the proxy takes it: hyper's, read from a
+/// socket, or any other body (a request built in process, e.g. a test
+/// calling the service stack with `tower::ServiceExt::oneshot`).
+pub enum RequestBody {
+    Incoming(Incoming),
+    Other(http_body_util::combinators::BoxBody<Bytes, BoxError>),
+}
+
+impl RequestBody {
+    /// Any body of bytes.
+    pub fn new<B>(body: B) -> Self
+    where
+        B: Body<Data = Bytes> + Send + Sync + 'static,
+        B::Error: Into<BoxError>,
+    {
+        use http_body_util::BodyExt as _;
+        RequestBody::Other(body.map_err(Into::into).boxed())
+    }
+}
+
+impl From<Incoming> for RequestBody {
+    fn from(b: Incoming) -> Self {
+        RequestBody::Incoming(b)
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            RequestBody::Incoming(b) => Pin::new(b)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(Into::into))),
+            RequestBody::Other(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Incoming(b) => b.is_end_stream(),
+            RequestBody::Other(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RequestBody::Incoming(b) => b.size_hint(),
+            RequestBody::Other(b) => b.size_hint(),
+        }
+    }
+}
+
 /// The client's body, streamed, failing once more than `remaining` bytes pass.
 /// `exceeded` lets the proxy tell "too large" (413) from a broken upstream.
-pub struct LimitedIncoming {
-    inner: Incoming,
+pub struct LimitedBody {
+    inner: RequestBody,
     remaining: u64,
     exceeded: Arc<AtomicBool>,
 }
 
-impl LimitedIncoming {
-    pub fn new(inner: Incoming, remaining: u64, exceeded: Arc<AtomicBool>) -> Self {
+impl LimitedBody {
+    pub fn new(inner: RequestBody, remaining: u64, exceeded: Arc<AtomicBool>) -> Self {
         Self {
             inner,
             remaining,
@@ -184,7 +241,7 @@ impl LimitedIncoming {
     }
 }
 
-impl Body for LimitedIncoming {
+impl Body for LimitedBody {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -204,7 +261,7 @@ impl Body for LimitedIncoming {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
         }

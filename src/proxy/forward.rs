@@ -40,7 +40,6 @@ use std::sync::atomic::AtomicBool;
 
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Version, header};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use std::pin::Pin;
@@ -59,9 +58,9 @@ use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
 use crate::metrics::NO_UPSTREAM;
 use crate::transform::{Report, Shape};
-use crate::upstream::{LimitedIncoming, ResponseBody, SendFailure, UpstreamBody};
+use crate::upstream::{LimitedBody, RequestBody, ResponseBody, SendFailure, UpstreamBody};
 
-pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
+pub async fn proxy(state: Arc<AppState>, req: Request<RequestBody>) -> Response<ProxyBody> {
     if super::websocket::is_upgrade(&req) {
         return super::websocket::proxy(state, req).await;
     }
@@ -76,7 +75,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pro
 /// needs, or a [`Stop`] that [`Edge::answer`] turns into visor's answer.
 async fn handle(
     state: &Arc<AppState>,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
     edge: &mut Edge<'_>,
 ) -> Result<Response<ProxyBody>, Stop> {
     let (mut call, parts, body) = Call::new(state, req)?; // 1. limit
@@ -278,8 +277,8 @@ impl Call {
     /// length over `max_body_bytes` refused before any byte is read.
     fn new(
         state: &AppState,
-        req: Request<Incoming>,
-    ) -> Result<(Call, http::request::Parts, Incoming), Stop> {
+        req: Request<RequestBody>,
+    ) -> Result<(Call, http::request::Parts, RequestBody), Stop> {
         let started = Instant::now();
         let inflight = InflightGuard::new(state.metrics.clone());
         let request_id = req
@@ -334,7 +333,7 @@ async fn read_body(
     state: &AppState,
     call: &Call,
     parts: &http::request::Parts,
-    body: Incoming,
+    body: RequestBody,
 ) -> Result<(Option<String>, Held), Stop> {
     let limit = state.config.server.max_body_bytes;
     if call.shape.is_some() {
@@ -347,7 +346,7 @@ async fn read_body(
         };
     }
     if !state.route_by_model {
-        let rest = LimitedIncoming::new(body, limit, call.exceeded.clone());
+        let rest = LimitedBody::new(body, limit, call.exceeded.clone());
         let b = UpstreamBody {
             prefix: VecDeque::new(),
             rest: Some(rest),
@@ -792,7 +791,7 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// one place a request body is held whole: the transformed endpoints need
 /// all of it before the request may leave.
 async fn read_validated(
-    mut body: Incoming,
+    mut body: RequestBody,
     limit: u64,
     hint: u64,
 ) -> Result<(Option<String>, Bytes), VisorError> {
@@ -843,7 +842,7 @@ impl ModelScan {
 /// a non-empty body that is not a JSON object, or whose `model` is not a
 /// string, cannot be routed: [`VisorError::Unroutable`].
 async fn scan_model(
-    mut body: Incoming,
+    mut body: RequestBody,
     limit: u64,
     exceeded: Arc<AtomicBool>,
     form: Option<FormScanner>,
@@ -899,7 +898,7 @@ async fn scan_model(
             },
         },
     };
-    let rest = (!ended).then(|| LimitedIncoming::new(body, limit - held, exceeded));
+    let rest = (!ended).then(|| LimitedBody::new(body, limit - held, exceeded));
     Ok((model, UpstreamBody { prefix, rest }))
 }
 

@@ -19,7 +19,6 @@ use std::sync::atomic::AtomicBool;
 use std::task::{Context, Poll};
 
 use http::{HeaderValue, Request, Response};
-use hyper::body::Incoming;
 use tower::{Layer, Service, ServiceBuilder};
 use tracing::Instrument;
 
@@ -30,7 +29,7 @@ use crate::error::VisorError;
 use crate::metrics::{Metrics, NO_UPSTREAM};
 use crate::models::{Learned, ModelTable};
 use crate::store::Store;
-use crate::upstream::Upstreams;
+use crate::upstream::{RequestBody, Upstreams};
 use body::ProxyBody;
 use headers::{ProxyKeys, X_REQUEST_ID};
 
@@ -173,13 +172,22 @@ type BoxFut = Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible
 ///    (the model-spec table in [`AppState::models`]), forward, and answer
 ///    with the upstream's response passed through an observing body
 ///    (metrics, usage, deadlines). It also serves `/visor/artifacts/<sha256>`.
-pub fn stack(
+///
+/// The stack takes any request body that converts into a [`RequestBody`]:
+/// hyper's `Incoming` from a socket (the server), or a body built in
+/// process ([`RequestBody::new`]: tests call the stack with
+/// `tower::ServiceExt::oneshot`).
+pub fn stack<B>(
     state: Arc<AppState>,
-) -> impl Service<Request<Incoming>, Response = Response<ProxyBody>, Error = Infallible, Future = BoxFut>
+) -> impl Service<Request<B>, Response = Response<ProxyBody>, Error = Infallible, Future = BoxFut>
 + Clone
 + Send
-+ 'static {
++ 'static
+where
+    B: Into<RequestBody> + 'static,
+{
     ServiceBuilder::new()
+        .map_request(|req: Request<B>| req.map(Into::into))
         .layer(tower::layer::layer_fn(|inner| RequestId { inner }))
         .layer(tower::layer::layer_fn(|inner| Trace { inner }))
         .layer(AuthLayer {
@@ -194,10 +202,10 @@ pub struct RequestId<S> {
     inner: S,
 }
 
-impl<S> Service<Request<Incoming>> for RequestId<S>
+impl<S> Service<Request<RequestBody>> for RequestId<S>
 where
     S: Service<
-            Request<Incoming>,
+            Request<RequestBody>,
             Response = Response<ProxyBody>,
             Error = Infallible,
             Future = BoxFut,
@@ -211,7 +219,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut req: Request<Incoming>) -> BoxFut {
+    fn call(&mut self, mut req: Request<RequestBody>) -> BoxFut {
         let id = headers::request_id(req.headers());
         req.extensions_mut().insert(RequestIdExt(id.clone()));
         let fut = self.inner.call(req);
@@ -229,10 +237,10 @@ pub struct Trace<S> {
     inner: S,
 }
 
-impl<S> Service<Request<Incoming>> for Trace<S>
+impl<S> Service<Request<RequestBody>> for Trace<S>
 where
     S: Service<
-            Request<Incoming>,
+            Request<RequestBody>,
             Response = Response<ProxyBody>,
             Error = Infallible,
             Future = BoxFut,
@@ -246,7 +254,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<Incoming>) -> BoxFut {
+    fn call(&mut self, req: Request<RequestBody>) -> BoxFut {
         let id = req
             .extensions()
             .get::<RequestIdExt>()
@@ -293,10 +301,10 @@ pub struct Auth<S> {
     state: Arc<AppState>,
 }
 
-impl<S> Service<Request<Incoming>> for Auth<S>
+impl<S> Service<Request<RequestBody>> for Auth<S>
 where
     S: Service<
-            Request<Incoming>,
+            Request<RequestBody>,
             Response = Response<ProxyBody>,
             Error = Infallible,
             Future = BoxFut,
@@ -310,7 +318,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<Incoming>) -> BoxFut {
+    fn call(&mut self, req: Request<RequestBody>) -> BoxFut {
         let path = req.uri().path();
         let guarded = path == "/v1"
             || path.starts_with("/v1/")
@@ -336,7 +344,7 @@ pub struct Router {
     state: Arc<AppState>,
 }
 
-impl Service<Request<Incoming>> for Router {
+impl Service<Request<RequestBody>> for Router {
     type Response = Response<ProxyBody>;
     type Error = Infallible;
     type Future = BoxFut;
@@ -345,7 +353,7 @@ impl Service<Request<Incoming>> for Router {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Incoming>) -> BoxFut {
+    fn call(&mut self, req: Request<RequestBody>) -> BoxFut {
         let state = self.state.clone();
         Box::pin(async move { Ok(router::handle(state, req).await) })
     }

@@ -5,15 +5,15 @@ use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, Version, header};
-use hyper::body::Incoming;
 
 use super::AppState;
 use super::answer::refuse;
 use super::body::ProxyBody;
 use super::forward;
 use crate::error::VisorError;
+use crate::upstream::RequestBody;
 
-pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
+pub async fn handle(state: Arc<AppState>, req: Request<RequestBody>) -> Response<ProxyBody> {
     if let Err(e) = check_target(&req) {
         return refuse(&state, e);
     }

@@ -26,7 +26,6 @@ use std::sync::Arc;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use tokio::time::Instant;
@@ -45,6 +44,7 @@ use super::usage::Usage;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
 use crate::transform::Shape;
+use crate::upstream::RequestBody;
 
 /// True for an HTTP/1.1 WebSocket upgrade request.
 pub fn is_upgrade<B>(req: &Request<B>) -> bool {
@@ -60,7 +60,7 @@ pub fn is_upgrade<B>(req: &Request<B>) -> bool {
 }
 
 /// Answers a WebSocket upgrade: connects upstream, then relays.
-pub async fn proxy(state: Arc<AppState>, mut req: Request<Incoming>) -> Response<ProxyBody> {
+pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Response<ProxyBody> {
     let Some(key) = req.headers().get(header::SEC_WEBSOCKET_KEY).cloned() else {
         return refuse(
             &state,
