@@ -212,8 +212,20 @@ async fn serve_then_wait(
     all_drained: Arc<Barrier>,
 ) -> io::Result<()> {
     let bound = state.config.server.drain_timeout + Duration::from_secs(5);
-    let result = serve(state, gate, listener, stop).await;
+    let result = serve(state.clone(), gate, listener, stop).await;
     let _ = tokio::time::timeout(bound, all_drained.wait()).await;
+    // Work requests left behind (turns being stored) runs on the workers'
+    // runtimes: each stays up until all of it is done, within the bound.
+    state.tasks.close();
+    if tokio::time::timeout(bound, state.tasks.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            left = state.tasks.len(),
+            "shutting down with background work unfinished"
+        );
+    }
     result
 }
 

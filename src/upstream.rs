@@ -387,8 +387,6 @@ pub fn classify(err: &hyper_util::client::legacy::Error, body_exceeded: bool) ->
 const MAX_IDLE_PER_UPSTREAM: usize = 512;
 /// An idle connection older than this is closed instead of reused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Chunks that are already there are merged up to this size per write.
-const COALESCE_MAX: usize = 64 * 1024;
 
 /// An HTTP/1.1 connection whose driver is polled by whoever holds it.
 struct InlineConn {
@@ -751,24 +749,17 @@ struct Inline {
 }
 
 /// An upstream response body. Polling it drives its connection (inline
-/// transport) and merges chunks that are already there into one frame, so
-/// a burst of SSE events becomes one write to the client, never a wait.
+/// transport); read to its end, the connection goes back to the pool.
+/// Merging ready frames for the client is a step of its own
+/// (`proxy::coalesce`).
 pub struct ResponseBody {
     body: Incoming,
     inline: Option<Inline>,
-    /// An error or end seen while merging, reported on the next poll.
-    pending_end: Option<Option<BoxError>>,
-    yielded: bool,
 }
 
 impl ResponseBody {
     fn new(body: Incoming, inline: Option<Inline>) -> Self {
-        Self {
-            body,
-            inline,
-            pending_end: None,
-            yielded: false,
-        }
+        Self { body, inline }
     }
 
     /// The body ended cleanly: its connection can serve the next request.
@@ -785,7 +776,7 @@ impl Drop for ResponseBody {
     fn drop(&mut self) {
         // A body read to its end gives its connection back; one dropped
         // early (the client left) closes it, cancelling the upstream request.
-        if self.pending_end.is_none() && self.body.is_end_stream() {
+        if self.body.is_end_stream() {
             self.release();
         }
     }
@@ -800,96 +791,34 @@ impl Body for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if let Some(end) = this.pending_end.take() {
-            if end.is_some() && !this.yielded {
-                // Let hyper flush the data merged before the error first: on
-                // a body error it closes the connection without flushing.
-                this.yielded = true;
-                this.pending_end = Some(end);
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
-            }
-            return Poll::Ready(end.map(Err));
+        if let Some(i) = this.inline.as_mut() {
+            let _ = i.conn.drive(cx);
         }
-        let mut merged: Option<bytes::BytesMut> = None;
-        let mut first: Option<Bytes> = None;
-        loop {
-            if let Some(i) = this.inline.as_mut() {
-                let _ = i.conn.drive(cx);
-            }
-            let have =
-                first.as_ref().map_or(0, Bytes::len) + merged.as_ref().map_or(0, |m| m.len());
-            match Pin::new(&mut this.body).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) => {
-                        let total = have + data.len();
-                        if let Some(m) = merged.as_mut() {
-                            m.extend_from_slice(&data);
-                        } else if let Some(f) = first.take() {
-                            let mut m = bytes::BytesMut::with_capacity(total + 1024);
-                            m.extend_from_slice(&f);
-                            m.extend_from_slice(&data);
-                            merged = Some(m);
-                        } else {
-                            first = Some(data);
-                        }
-                        if this.body.is_end_stream() {
-                            // hyper may not poll a finished body again.
-                            this.release();
-                            break;
-                        }
-                        if total >= COALESCE_MAX {
-                            break;
-                        }
-                    }
-                    Err(trailers) => {
-                        if have == 0 {
-                            return Poll::Ready(Some(Ok(trailers)));
-                        }
-                        // Trailers after merged data: rare; dropped rather
-                        // than reordered (HTTP/1.1 clients ignore them).
-                        break;
-                    }
-                },
-                Poll::Ready(Some(Err(e))) => {
-                    this.inline = None; // a broken connection is not reused
-                    if have == 0 {
-                        return Poll::Ready(Some(Err(Box::new(e))));
-                    }
-                    this.pending_end = Some(Some(Box::new(e)));
-                    break;
-                }
-                Poll::Ready(None) => {
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if this.body.is_end_stream() {
+                    // hyper may not poll a finished body again.
                     this.release();
-                    if have == 0 {
-                        return Poll::Ready(None);
-                    }
-                    this.pending_end = Some(None);
-                    break;
                 }
-                Poll::Pending => {
-                    if have == 0 {
-                        return Poll::Pending;
-                    }
-                    break;
-                }
+                Poll::Ready(Some(Ok(frame)))
             }
+            Poll::Ready(Some(Err(e))) => {
+                this.inline = None; // a broken connection is not reused
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            Poll::Ready(None) => {
+                this.release();
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
         }
-        let data = match merged {
-            Some(m) => m.freeze(),
-            None => first.unwrap_or_default(),
-        };
-        Poll::Ready(Some(Ok(Frame::data(data))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.pending_end.is_none() && self.body.is_end_stream()
+        self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.pending_end.is_some() {
-            return SizeHint::default();
-        }
         self.body.size_hint()
     }
 }

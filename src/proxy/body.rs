@@ -19,9 +19,11 @@ use http_body_util::Full;
 use tokio::time::{Instant, Sleep};
 
 use crate::metrics::Metrics;
+use crate::proxy::coalesce::Coalesced;
 use crate::proxy::session::{Recorder, Storing};
 use crate::proxy::usage::UsageObserver;
 use crate::upstream::{BoxError, ResponseBody};
+use tokio_util::task::TaskTracker;
 
 /// Every response visor writes.
 pub enum ProxyBody {
@@ -127,7 +129,9 @@ pub struct Finish {
 pub struct StreamCut(&'static str);
 
 pub struct ObservedBody {
-    inner: ResponseBody,
+    /// The upstream's body, its ready frames merged (see
+    /// [`crate::proxy::coalesce`]).
+    inner: Coalesced<ResponseBody>,
     /// Fires at the idle or total deadline. It is not reset per chunk (that
     /// would touch the timer wheel for every SSE event): chunks only stamp
     /// `last_data`, and when the timer fires it is re-armed if data came.
@@ -143,6 +147,9 @@ pub struct ObservedBody {
     /// The turn being stored, and the frame held until it is (`None`: the
     /// end of the body).
     storing: Option<(Storing, Option<Frame<Bytes>>)>,
+    /// Where a turn still being stored when the client goes away is
+    /// finished (the session's tracked tasks).
+    tasks: Option<TaskTracker>,
 }
 
 impl ObservedBody {
@@ -164,7 +171,7 @@ impl ObservedBody {
             timer.as_mut().reset(due);
         }
         Self {
-            inner,
+            inner: Coalesced::new(inner),
             timer,
             idle,
             deadline,
@@ -174,12 +181,14 @@ impl ObservedBody {
             finish: Some(finish),
             session: None,
             storing: None,
+            tasks: None,
         }
     }
 
     /// Records the reply into its session; the response's last bytes are
     /// held until the turn is stored.
     pub fn with_session(mut self, recorder: Recorder) -> Self {
+        self.tasks = Some(recorder.tasks());
         self.session = Some(recorder);
         self
     }
@@ -357,11 +366,10 @@ impl Drop for ObservedBody {
     fn drop(&mut self) {
         // A turn being stored is stored, whether or not the client waits.
         if let Some((storing, _)) = self.storing.take()
-            && let Ok(rt) = tokio::runtime::Handle::try_current()
+            && let Some(tasks) = &self.tasks
+            && tokio::runtime::Handle::try_current().is_ok()
         {
-            rt.spawn(async move {
-                storing.await;
-            });
+            tasks.spawn(storing);
         }
         if self.finish.is_some() {
             // hyper stops polling a body whose length is known once it has

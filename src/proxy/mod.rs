@@ -2,6 +2,7 @@
 
 mod answer;
 pub mod body;
+pub mod coalesce;
 mod forward;
 pub mod headers;
 pub mod probe;
@@ -32,6 +33,7 @@ use crate::store::Store;
 use crate::upstream::{RequestBody, Upstreams};
 use body::ProxyBody;
 use headers::{ProxyKeys, X_REQUEST_ID};
+use tokio_util::task::TaskTracker;
 
 /// What every request handler shares.
 pub struct AppState {
@@ -41,6 +43,10 @@ pub struct AppState {
     pub keys: ProxyKeys,
     /// Set at shutdown: `/readyz` answers 503.
     pub draining: AtomicBool,
+    /// Work a request leaves behind (a session turn still being stored when
+    /// its client went away): waited for at shutdown, within the drain
+    /// timeout.
+    pub tasks: TaskTracker,
     /// Upstream names, shared into response bodies for their metrics.
     pub upstream_names: Vec<Arc<str>>,
     /// False when the first upstream takes every model: then the route never
@@ -107,6 +113,7 @@ impl AppState {
             upstreams,
             keys,
             draining: AtomicBool::new(false),
+            tasks: TaskTracker::new(),
             upstream_names,
             route_by_model,
         })

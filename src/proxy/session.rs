@@ -20,6 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::HeaderMap;
 use serde_json::Value;
+use tokio_util::task::TaskTracker;
 
 use super::AppState;
 use crate::error::VisorError;
@@ -173,6 +174,11 @@ pub struct Recorder {
 pub type Storing = Pin<Box<dyn Future<Output = bool> + Send>>;
 
 impl Recorder {
+    /// Where work this turn leaves behind runs (tracked until shutdown).
+    pub fn tasks(&self) -> TaskTracker {
+        self.state.tasks.clone()
+    }
+
     /// The response head: what kind of body carries the reply.
     pub fn head(&mut self, status: http::StatusCode, headers: &HeaderMap) {
         let sse = headers
@@ -265,11 +271,9 @@ impl Drop for Recorder {
     /// stored: its new messages are stored without a reply.
     fn drop(&mut self) {
         if let Some(storing) = self.finish(false)
-            && let Ok(rt) = tokio::runtime::Handle::try_current()
+            && tokio::runtime::Handle::try_current().is_ok()
         {
-            rt.spawn(async move {
-                storing.await;
-            });
+            self.state.tasks.spawn(storing);
         }
     }
 }
