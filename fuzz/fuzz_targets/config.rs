@@ -20,7 +20,7 @@
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use visor::config::{Config, ConfigError};
+use visor::config::{Config, ConfigError, StoreBackend};
 use visor::models::{Learned, ModelTable};
 use visor::transform::Rules;
 
@@ -79,10 +79,9 @@ fuzz_target!(|data: &[u8]| {
     assert!(cfg.sessions.max_depth >= 1 && cfg.sessions.default_depth <= cfg.sessions.max_depth);
     assert!(cfg.dedup.min_run_lines >= 2 && cfg.images.max_per_request >= 1);
     assert!(cfg.describer.concurrency >= 1);
-    let b = cfg.store.backend.as_str();
-    assert!(
-        b == "memory" || b == "disk" || b.starts_with("redis://") || b.starts_with("rediss://")
-    );
+    if let StoreBackend::Redis(url) = &cfg.store.backend {
+        assert!(url.starts_with("redis://") || url.starts_with("rediss://"));
+    }
     if let Some(d) = &cfg.describer.upstream {
         assert!(cfg.upstreams.iter().any(|u| &u.name == d));
     }
