@@ -61,13 +61,8 @@ async fn invalid_json_on_chat_completions_is_400_and_never_forwarded() {
         b"[{\"model\":\"m\"}]",
         b"{\"model\":42}",
     ] {
-        let (status, _, resp) = send(post_json(
-            &visor.url("/v1/chat/completions"),
-            Bytes::copy_from_slice(body),
-        ))
-        .await;
-        assert_eq!(status, 400, "{}", String::from_utf8_lossy(body));
-        assert_eq!(error_code(&resp), "invalid_json");
+        let got = post_chat(&visor, Bytes::copy_from_slice(body)).await;
+        assert_error(&got, 400, "invalid_json");
     }
     assert_eq!(mock.count(), 0);
 }
@@ -168,35 +163,20 @@ async fn a_model_no_upstream_matches_is_404() {
         mock.url()
     ))
     .await;
-    let (status, _, body) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        r#"{"model":"llama-3-70b","messages":[]}"#,
-    ))
-    .await;
-    assert_eq!(status, 404);
-    assert_eq!(error_code(&body), "model_not_found");
-    assert!(String::from_utf8_lossy(&body).contains("llama-3-70b"));
+    let got = post_chat(&visor, r#"{"model":"llama-3-70b","messages":[]}"#).await;
+    let text = assert_error(&got, 404, "model_not_found");
+    assert!(text.contains("llama-3-70b"), "{text}");
     assert_eq!(mock.count(), 0);
 }
 
 #[tokio::test]
 async fn a_closed_upstream_port_is_502() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    }; // closed again here
-    let visor = Visor::start(&format!(
-        "[[upstream]]\nname=\"dead\"\nbase_url=\"http://127.0.0.1:{port}/v1\"\n"
-    ))
-    .await;
-    let (status, _, body) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        r#"{"model":"m","messages":[]}"#,
-    ))
-    .await;
-    assert_eq!(status, 502);
-    assert_eq!(error_code(&body), "upstream_unreachable");
-    let text = String::from_utf8_lossy(&body);
+    let mock = MockUpstream::builder()
+        .fault(Fault::RefuseConnect)
+        .start()
+        .await;
+    let visor = Visor::start(&mock.upstream_toml("dead")).await;
+    let text = assert_error(&post_chat(&visor, CHAT).await, 502, "upstream_unreachable");
     assert!(
         text.contains("`dead` is unreachable: connection refused"),
         "{text}"
@@ -222,15 +202,12 @@ async fn a_closed_upstream_port_is_502() {
 
 #[tokio::test]
 async fn an_upstream_that_never_answers_is_504() {
-    let mock = MockUpstream::start(|_| Reply::Hang).await;
+    let mock = MockUpstream::builder()
+        .fault(Fault::NeverAnswer)
+        .start()
+        .await;
     let visor = Visor::for_mock(&mock, "[server]\nfirst_byte_timeout_secs = 0.3\n").await;
-    let (status, _, body) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        r#"{"model":"m","messages":[]}"#,
-    ))
-    .await;
-    assert_eq!(status, 504);
-    assert_eq!(error_code(&body), "upstream_timeout");
+    assert_error(&post_chat(&visor, CHAT).await, 504, "upstream_timeout");
     // The abandoned upstream request is closed, not left hanging.
     assert!(mock.wait_closed(1, BOUND).await);
     let m = visor.metrics().await;
@@ -246,29 +223,15 @@ async fn an_upstream_that_never_answers_is_504() {
 
 #[tokio::test]
 async fn an_upstream_that_closes_without_answering_is_502() {
-    // A raw listener that reads the request and closes the socket.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            let mut buf = [0u8; 1024];
-            let _ = s.read(&mut buf).await;
-            drop(s);
-        }
-    });
-    let visor = Visor::start(&format!(
-        "[[upstream]]\nname=\"rude\"\nbase_url=\"http://{addr}/v1\"\n"
-    ))
-    .await;
-    let (status, _, body) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        r#"{"model":"m","messages":[]}"#,
-    ))
-    .await;
-    assert_eq!(status, 502);
-    assert_eq!(error_code(&body), "upstream_unreachable");
-    let text = String::from_utf8_lossy(&body);
+    let mock = MockUpstream::builder()
+        .fault(Fault::CloseBeforeHead)
+        .start()
+        .await;
+    let visor = Visor::start(&mock.upstream_toml("rude")).await;
+    let text = assert_error(&post_chat(&visor, CHAT).await, 502, "upstream_unreachable");
     assert!(text.contains("closed before a response"), "{text}");
+    // It did read the request before it closed.
+    assert_eq!(mock.count(), 1);
 }
 
 #[tokio::test]
@@ -281,17 +244,13 @@ async fn odd_but_valid_requests_still_pass() {
         "[".repeat(100),
         "]".repeat(100)
     );
-    let (status, _, _) = send(post_json(&visor.url("/v1/chat/completions"), deep.clone())).await;
+    let (status, _, _) = post_chat(&visor, deep.clone()).await;
     assert_eq!(status, 200);
     assert_eq!(mock.recorded()[0].body, deep.as_bytes());
     // Nesting far deeper than any recursion limit: validated without
     // recursion, so no stack overflow, and forwarded as is.
     let deeper = format!("{{\"m\":{}1{}}}", "[".repeat(100_000), "]".repeat(100_000));
-    let (status, _, _) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        deeper.clone(),
-    ))
-    .await;
+    let (status, _, _) = post_chat(&visor, deeper.clone()).await;
     assert_eq!(status, 200);
     assert_eq!(mock.recorded()[1].body, deeper.as_bytes());
 }

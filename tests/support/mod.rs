@@ -2,23 +2,22 @@
 //! real loopback sockets (port 0), plus a small HTTP client.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::convert::Infallible;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Frame;
-use http_body_util::{BodyExt, Full};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc, oneshot};
 
@@ -29,6 +28,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct Recorded {
     pub method: http::Method,
     pub uri: http::Uri,
+    pub version: http::Version,
     pub headers: HeaderMap,
     pub body: Bytes,
 }
@@ -38,6 +38,9 @@ pub enum Chunk {
     Data(Bytes),
     /// Break the response here (the connection is cut mid-body).
     Fail,
+    /// Say nothing more and keep the stream open, until the client side
+    /// goes away (the mock counts it in `cancelled`).
+    Stall,
 }
 
 /// What the mock answers.
@@ -56,6 +59,9 @@ pub enum Reply {
     },
     /// Accept the request and never answer.
     Hang,
+    /// Close without answering: over HTTP/1 the connection closes before a
+    /// byte of the response; over HTTP/2 the stream is reset.
+    Close,
     /// Wait, then answer as the inner reply does.
     After(Duration, Box<Reply>),
 }
@@ -85,76 +91,315 @@ impl Reply {
         }
         Reply::sse(rx)
     }
+
+    /// A 200 SSE stream of `n` events ([`sse_event`] `0..n`), then `end`.
+    fn events_then(n: usize, end: Chunk) -> Reply {
+        let mut chunks: Vec<_> = (0..n).map(|i| Chunk::Data(sse_event(i))).collect();
+        chunks.push(end);
+        Reply::sse_chunks(chunks)
+    }
+
+    /// [`Fault::CutAfterChunks`] as one answer.
+    pub fn cut_after(n: usize) -> Reply {
+        Reply::events_then(n, Chunk::Fail)
+    }
+
+    /// [`Fault::StallAfterChunks`] as one answer.
+    pub fn stall_after(n: usize) -> Reply {
+        Reply::events_then(n, Chunk::Stall)
+    }
+}
+
+/// The `i`th event of a scripted SSE stream: a Chat chunk whose delta is
+/// `t{i}`.
+pub fn sse_event(i: usize) -> Bytes {
+    Bytes::from(format!(
+        "data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n"
+    ))
+}
+
+/// A fault the mock upstream plays, by name (see [`MockUpstream::builder`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Nothing listens on the mock's port (it stays bound, so nothing else
+    /// takes it while the mock lives): every connection is refused.
+    RefuseConnect,
+    /// Reads each request, then closes the connection before a byte of the
+    /// response.
+    CloseBeforeHead,
+    /// Reads each request and never answers; the connection stays open.
+    NeverAnswer,
+    /// Answers every request with this status and JSON body.
+    Status(u16, &'static str),
+    /// A 200 SSE stream of `n` events ([`sse_event`] `0..n`), then the
+    /// connection is cut mid-body.
+    CutAfterChunks(usize),
+    /// A 200 SSE stream of `n` events, then silence: the stream stays open
+    /// until the client side goes away (counted in `cancelled`).
+    StallAfterChunks(usize),
+    /// Answers each request whole (the handler's [`Reply::Full`]) and then
+    /// closes the connection without saying so (no `Connection: close`).
+    CloseAfterResponse,
+    /// https on a self-signed certificate that nobody trusts: every TLS
+    /// handshake fails, no request is read.
+    UntrustedTls,
+}
+
+impl Fault {
+    /// The answer this fault gives each request, for the faults that are an
+    /// answer.
+    fn reply(self) -> Option<Reply> {
+        match self {
+            Fault::CloseBeforeHead => Some(Reply::Close),
+            Fault::NeverAnswer => Some(Reply::Hang),
+            Fault::Status(status, body) => Some(Reply::json(status, body)),
+            Fault::CutAfterChunks(n) => Some(Reply::cut_after(n)),
+            Fault::StallAfterChunks(n) => Some(Reply::stall_after(n)),
+            Fault::RefuseConnect | Fault::CloseAfterResponse | Fault::UntrustedTls => None,
+        }
+    }
 }
 
 type Handler = Arc<dyn Fn(&Recorded) -> Reply + Send + Sync>;
 
-/// A mock upstream on 127.0.0.1:0.
+/// What the mock saw, shared with its connection tasks.
+#[derive(Clone, Default)]
+struct Book {
+    requests: Arc<Mutex<Vec<Recorded>>>,
+    connections: Arc<AtomicUsize>,
+    closed: Arc<AtomicUsize>,
+    cancelled: Arc<AtomicUsize>,
+    /// Woken on every change above.
+    changed: Arc<Notify>,
+}
+
+impl Book {
+    fn count(&self, counter: &AtomicUsize) {
+        counter.fetch_add(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+
+    fn record(&self, rec: Recorded) {
+        self.requests.lock().unwrap().push(rec);
+        self.changed.notify_waiters();
+    }
+}
+
+/// Counts a connection's close when its task ends (the socket is dropped
+/// with it).
+struct CountsClose(Book);
+
+impl Drop for CountsClose {
+    fn drop(&mut self) {
+        self.0.count(&self.0.closed);
+    }
+}
+
+/// Counts a response body dropped before its end (the client side left).
+struct Unfinished(Option<Book>);
+
+impl Unfinished {
+    fn finish(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if let Some(book) = self.0.take() {
+            book.count(&book.cancelled);
+        }
+    }
+}
+
+/// A mock upstream on 127.0.0.1:0: plain HTTP/1.1, or https (h2 or
+/// http/1.1 by ALPN); answers as its handler or its [`Fault`] says.
 pub struct MockUpstream {
     pub addr: SocketAddr,
     pub requests: Arc<Mutex<Vec<Recorded>>>,
     pub connections: Arc<AtomicUsize>,
     pub closed: Arc<AtomicUsize>,
-    closed_notify: Arc<Notify>,
-    received: Arc<Notify>,
-    _stop: oneshot::Sender<()>,
+    /// Response bodies dropped before their end: the client side left (or
+    /// reset its HTTP/2 stream).
+    pub cancelled: Arc<AtomicUsize>,
+    /// The CA of an https mock made with [`MockBuilder::tls`].
+    pub ca_file: Option<PathBuf>,
+    https: bool,
+    changed: Arc<Notify>,
+    _stop: Option<oneshot::Sender<()>>,
+    /// [`Fault::RefuseConnect`]: the port, bound and never listened on.
+    _bound: Option<tokio::net::TcpSocket>,
 }
 
-impl MockUpstream {
-    pub async fn start(handler: impl Fn(&Recorded) -> Reply + Send + Sync + 'static) -> Self {
-        let handler: Handler = Arc::new(handler);
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let requests = Arc::new(Mutex::new(Vec::new()));
-        let connections = Arc::new(AtomicUsize::new(0));
-        let closed = Arc::new(AtomicUsize::new(0));
-        let closed_notify = Arc::new(Notify::new());
-        let received = Arc::new(Notify::new());
+/// Builds a [`MockUpstream`]: `MockUpstream::builder().fault(..).start()`.
+#[derive(Default)]
+pub struct MockBuilder {
+    handler: Option<Handler>,
+    fault: Option<Fault>,
+    tls: bool,
+}
+
+impl MockBuilder {
+    /// Answers each request as `handler` says (without: [`chat_ok`]).
+    pub fn reply(mut self, handler: impl Fn(&Recorded) -> Reply + Send + Sync + 'static) -> Self {
+        self.handler = Some(Arc::new(handler));
+        self
+    }
+
+    /// Plays `fault`. A fault that is an answer (a status, a cut or stalled
+    /// stream, no answer, a close before the head) is every request's.
+    pub fn fault(mut self, fault: Fault) -> Self {
+        self.fault = Some(fault);
+        self
+    }
+
+    /// https with a CA of its own, written to `ca_file` (which
+    /// [`MockUpstream::upstream_toml`] passes on to visor).
+    pub fn tls(mut self) -> Self {
+        self.tls = true;
+        self
+    }
+
+    pub async fn start(self) -> MockUpstream {
+        let book = Book::default();
+        let mut mock = MockUpstream {
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            requests: book.requests.clone(),
+            connections: book.connections.clone(),
+            closed: book.closed.clone(),
+            cancelled: book.cancelled.clone(),
+            ca_file: None,
+            https: self.tls || self.fault == Some(Fault::UntrustedTls),
+            changed: book.changed.clone(),
+            _stop: None,
+            _bound: None,
+        };
+        if self.fault == Some(Fault::RefuseConnect) {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(mock.addr).unwrap();
+            mock.addr = socket.local_addr().unwrap();
+            mock._bound = Some(socket);
+            return mock;
+        }
+        let handler: Handler = match self.fault {
+            Some(fault) if fault.reply().is_some() => Arc::new(move |_| fault.reply().unwrap()),
+            _ => self.handler.unwrap_or_else(|| Arc::new(|_| chat_ok())),
+        };
+        let acceptor = if mock.https {
+            let (acceptor, ca_file) = tls_acceptor(self.tls);
+            mock.ca_file = ca_file;
+            Some(acceptor)
+        } else {
+            None
+        };
+        let close_after_response = self.fault == Some(Fault::CloseAfterResponse);
+        let listener = TcpListener::bind(mock.addr).await.unwrap();
+        mock.addr = listener.local_addr().unwrap();
         let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
-        let (reqs, conns, clo, cn, rcv) = (
-            requests.clone(),
-            connections.clone(),
-            closed.clone(),
-            closed_notify.clone(),
-            received.clone(),
-        );
+        mock._stop = Some(stop_tx);
         tokio::spawn(async move {
             loop {
-                let (stream, _) = tokio::select! {
-                    a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
+                let stream = tokio::select! {
+                    a = listener.accept() => match a { Ok((s, _)) => s, Err(_) => continue },
                     _ = &mut stop_rx => return,
                 };
-                conns.fetch_add(1, Ordering::SeqCst);
-                let io = Tracked {
-                    io: TokioIo::new(stream),
-                    closed: clo.clone(),
-                    notify: cn.clone(),
-                };
-                let (h, reqs, rcv) = (handler.clone(), reqs.clone(), rcv.clone());
+                book.count(&book.connections);
+                let (h, book, acceptor) = (handler.clone(), book.clone(), acceptor.clone());
                 tokio::spawn(async move {
+                    let _close = CountsClose(book.clone());
+                    if close_after_response {
+                        return answer_then_close(stream, &h, &book).await;
+                    }
                     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let (h, reqs, rcv) = (h.clone(), reqs.clone(), rcv.clone());
-                        async move { Ok::<_, Infallible>(answer(req, h, reqs, rcv).await) }
+                        let (h, book) = (h.clone(), book.clone());
+                        async move { answer(req, &h, &book).await }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(io, svc)
-                        .await;
+                    match acceptor {
+                        None => {
+                            let _ = hyper::server::conn::http1::Builder::new()
+                                .serve_connection(TokioIo::new(stream), svc)
+                                .await;
+                        }
+                        Some(acceptor) => {
+                            let Ok(tls) = acceptor.accept(stream).await else {
+                                return;
+                            };
+                            let _ =
+                                hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                                    .serve_connection(TokioIo::new(tls), svc)
+                                    .await;
+                        }
+                    }
                 });
             }
         });
-        MockUpstream {
-            addr,
-            requests,
-            connections,
-            closed,
-            closed_notify,
-            received,
-            _stop: stop_tx,
+        mock
+    }
+}
+
+/// A TLS acceptor for `localhost` and 127.0.0.1, offering h2 and http/1.1.
+/// `trusted`: its certificate is signed by a CA of its own, whose file is
+/// returned; otherwise it is self-signed and no client trusts it.
+fn tls_acceptor(trusted: bool) -> (tokio_rustls::TlsAcceptor, Option<PathBuf>) {
+    let names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+    let key = rcgen::KeyPair::generate().unwrap();
+    let params = rcgen::CertificateParams::new(names).unwrap();
+    let (cert, ca_file) = if trusted {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
+        let ca_file = temp_dir("mock-ca").join("ca.pem");
+        std::fs::write(&ca_file, ca.pem()).unwrap();
+        (params.signed_by(&key, &ca).unwrap(), Some(ca_file))
+    } else {
+        (params.self_signed(&key).unwrap(), None)
+    };
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![cert.der().clone()],
+        rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap(),
+    )
+    .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    (tokio_rustls::TlsAcceptor::from(Arc::new(config)), ca_file)
+}
+
+impl MockUpstream {
+    /// A plain HTTP/1.1 mock answering as `handler` says.
+    pub async fn start(handler: impl Fn(&Recorded) -> Reply + Send + Sync + 'static) -> Self {
+        MockUpstream::builder().reply(handler).start().await
+    }
+
+    pub fn builder() -> MockBuilder {
+        MockBuilder::default()
+    }
+
+    /// `http://127.0.0.1:PORT`, or `https://localhost:PORT` for an https mock.
+    pub fn url(&self) -> String {
+        if self.https {
+            format!("https://localhost:{}", self.addr.port())
+        } else {
+            format!("http://{}", self.addr)
         }
     }
 
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+    /// An `[[upstream]]` named `name` for this mock (`base_url` its `/v1`,
+    /// and its CA file when it has one); `models` and more keys may follow.
+    pub fn upstream_toml(&self, name: &str) -> String {
+        let mut toml = format!(
+            "[[upstream]]\nname = \"{name}\"\nbase_url = \"{}/v1\"\n",
+            self.url()
+        );
+        if let Some(ca) = &self.ca_file {
+            toml.push_str(&format!("ca_file = \"{}\"\n", ca.display()));
+        }
+        toml
     }
 
     pub fn recorded(&self) -> Vec<Recorded> {
@@ -170,14 +415,25 @@ impl MockUpstream {
         wait_for(
             bound,
             || self.closed.load(Ordering::SeqCst) >= n,
-            &self.closed_notify,
+            &self.changed,
         )
         .await
     }
 
     /// Waits (bounded) until the mock has received `n` requests.
     pub async fn wait_requests(&self, n: usize, bound: Duration) -> bool {
-        wait_for(bound, || self.count() >= n, &self.received).await
+        wait_for(bound, || self.count() >= n, &self.changed).await
+    }
+
+    /// Waits (bounded) until `n` response bodies were dropped before their
+    /// end.
+    pub async fn wait_cancelled(&self, n: usize, bound: Duration) -> bool {
+        wait_for(
+            bound,
+            || self.cancelled.load(Ordering::SeqCst) >= n,
+            &self.changed,
+        )
+        .await
     }
 }
 
@@ -194,48 +450,50 @@ async fn wait_for(bound: Duration, cond: impl Fn() -> bool, notify: &Notify) -> 
     }
 }
 
-type MockBody = http_body_util::Either<Full<Bytes>, ChannelBody>;
+type MockBody = UnsyncBoxBody<Bytes, BoxError>;
 
 /// A response body fed by the test, piece by piece.
-pub struct ChannelBody {
-    rx: mpsc::Receiver<Chunk>,
-    /// After each data frame the body says "not yet" once, so hyper flushes
-    /// what it has before the next piece (a scripted failure included) is
-    /// taken: each piece really goes out on its own.
-    flushed: bool,
+fn channel_body(rx: mpsc::Receiver<Chunk>, book: &Book) -> MockBody {
+    let state = (rx, Unfinished(Some(book.clone())));
+    let frames = futures_util::stream::unfold(state, |(mut rx, mut end)| async move {
+        // "Not yet" once before each piece, so hyper flushes what it has
+        // before the next one (a scripted failure included) is taken: each
+        // piece really goes out on its own.
+        tokio::task::yield_now().await;
+        match rx.recv().await {
+            Some(Chunk::Data(b)) => Some((Ok(Frame::data(b)), (rx, end))),
+            Some(Chunk::Fail) => {
+                end.finish();
+                Some((Err(BoxError::from("scripted failure")), (rx, end)))
+            }
+            Some(Chunk::Stall) => std::future::pending().await,
+            None => {
+                end.finish();
+                None
+            }
+        }
+    });
+    StreamBody::new(frames).boxed_unsync()
 }
 
-impl http_body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if !self.flushed {
-            self.flushed = true;
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
-        }
-        match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(Chunk::Data(b))) => {
-                self.flushed = false;
-                Poll::Ready(Some(Ok(Frame::data(b))))
-            }
-            Poll::Ready(Some(Chunk::Fail)) => Poll::Ready(Some(Err("scripted failure".into()))),
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-        }
+fn response(
+    status: u16,
+    headers: Vec<(&'static str, String)>,
+    body: MockBody,
+) -> Response<MockBody> {
+    let mut r = Response::new(body);
+    *r.status_mut() = StatusCode::from_u16(status).unwrap();
+    for (k, v) in headers {
+        r.headers_mut().append(k, v.parse().unwrap());
     }
+    r
 }
 
 async fn answer(
     req: Request<Incoming>,
-    handler: Handler,
-    reqs: Arc<Mutex<Vec<Recorded>>>,
-    received: Arc<Notify>,
-) -> Response<MockBody> {
+    handler: &Handler,
+    book: &Book,
+) -> std::io::Result<Response<MockBody>> {
     let (parts, body) = req.into_parts();
     let body = body
         .collect()
@@ -245,86 +503,103 @@ async fn answer(
     let rec = Recorded {
         method: parts.method,
         uri: parts.uri,
+        version: parts.version,
         headers: parts.headers,
         body,
     };
     let mut reply = handler(&rec);
-    reqs.lock().unwrap().push(rec);
-    received.notify_waiters();
+    book.record(rec);
     while let Reply::After(wait, inner) = reply {
         tokio::time::sleep(wait).await;
         reply = *inner;
     }
-    match reply {
+    Ok(match reply {
         Reply::Full {
             status,
             headers,
             body,
-        } => {
-            let mut r = Response::new(http_body_util::Either::Left(Full::new(body)));
-            *r.status_mut() = StatusCode::from_u16(status).unwrap();
-            for (k, v) in headers {
-                r.headers_mut().append(k, v.parse().unwrap());
-            }
-            r
-        }
+        } => response(
+            status,
+            headers,
+            Full::new(body).map_err(|e| match e {}).boxed_unsync(),
+        ),
         Reply::Channel {
             status,
             headers,
             rx,
-        } => {
-            let mut r = Response::new(http_body_util::Either::Right(ChannelBody {
-                rx,
-                flushed: false,
-            }));
-            *r.status_mut() = StatusCode::from_u16(status).unwrap();
-            for (k, v) in headers {
-                r.headers_mut().append(k, v.parse().unwrap());
-            }
-            r
-        }
+        } => response(status, headers, channel_body(rx, book)),
         Reply::Hang => std::future::pending().await,
+        // hyper drops the connection (HTTP/1) or resets the stream (HTTP/2).
+        Reply::Close => return Err(std::io::Error::other("scripted close")),
         Reply::After(..) => unreachable!("unwrapped above"),
-    }
+    })
 }
 
-/// The mock's side of a connection; counts the close when hyper drops it.
-struct Tracked {
-    io: TokioIo<TcpStream>,
-    closed: Arc<AtomicUsize>,
-    notify: Arc<Notify>,
+/// [`Fault::CloseAfterResponse`] on one raw connection: reads a request,
+/// writes the handler's whole answer, and drops the socket.
+async fn answer_then_close(mut stream: TcpStream, handler: &Handler, book: &Book) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let len = loop {
+        if let Some(len) = http_message_len(&buf) {
+            break len;
+        }
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let rec = parse_request(&buf[..len]);
+    let reply = handler(&rec);
+    book.record(rec);
+    let Reply::Full {
+        status,
+        headers,
+        body,
+    } = reply
+    else {
+        panic!("Fault::CloseAfterResponse writes only a Reply::Full");
+    };
+    let mut out = format!("HTTP/1.1 {status} {}\r\n", reason(status));
+    for (k, v) in headers {
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    out.push_str(&format!("content-length: {}\r\n\r\n", body.len()));
+    let mut out = out.into_bytes();
+    out.extend_from_slice(&body);
+    let _ = stream.write_all(&out).await;
+    // Dropped: the connection closes, unannounced.
 }
 
-impl Drop for Tracked {
-    fn drop(&mut self) {
-        self.closed.fetch_add(1, Ordering::SeqCst);
-        self.notify.notify_waiters();
-    }
+fn reason(status: u16) -> &'static str {
+    StatusCode::from_u16(status)
+        .ok()
+        .and_then(|s| s.canonical_reason())
+        .unwrap_or("Unknown")
 }
 
-impl hyper::rt::Read for Tracked {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: hyper::rt::ReadBufCursor<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+/// One whole HTTP/1.1 request (head and `Content-Length` body) as recorded.
+fn parse_request(raw: &[u8]) -> Recorded {
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..end]);
+    let mut lines = head.split("\r\n");
+    let mut first = lines.next().unwrap().split(' ');
+    let method = first.next().unwrap().parse().unwrap();
+    let uri = first.next().unwrap().parse().unwrap();
+    let mut headers = HeaderMap::new();
+    for line in lines {
+        let (k, v) = line.split_once(':').unwrap();
+        headers.append(
+            http::HeaderName::from_bytes(k.trim().as_bytes()).unwrap(),
+            v.trim().parse().unwrap(),
+        );
     }
-}
-
-impl hyper::rt::Write for Tracked {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+    Recorded {
+        method,
+        uri,
+        version: http::Version::HTTP_11,
+        headers,
+        body: Bytes::copy_from_slice(&raw[end + 4..]),
     }
 }
 
@@ -385,8 +660,8 @@ impl Visor {
     /// A config forwarding everything to `mock`, plus `extra` TOML.
     pub async fn for_mock(mock: &MockUpstream, extra: &str) -> Visor {
         Visor::start(&format!(
-            "{extra}\n[[upstream]]\nname = \"mock\"\nbase_url = \"{}/v1\"\nmodels = [\"*\"]\n",
-            mock.url()
+            "{extra}\n{}models = [\"*\"]\n",
+            mock.upstream_toml("mock")
         ))
         .await
     }
@@ -467,6 +742,51 @@ pub fn post_json(url: &str, body: impl Into<Bytes>) -> Request<Full<Bytes>> {
         .header("content-type", "application/json")
         .body(Full::new(body.into()))
         .unwrap()
+}
+
+/// The smallest Chat request visor forwards.
+pub const CHAT: &str = r#"{"model":"m","messages":[]}"#;
+
+/// A streamed Chat request.
+pub const CHAT_STREAM: &str =
+    r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+
+/// POSTs `body` to visor's `/v1/chat/completions` and collects the answer.
+pub async fn post_chat(visor: &Visor, body: impl Into<Bytes>) -> (StatusCode, HeaderMap, Bytes) {
+    send(post_json(&visor.url("/v1/chat/completions"), body)).await
+}
+
+/// Asserts one of visor's own errors, `status` with `error.code` `code`;
+/// returns the body as text.
+pub fn assert_error(got: &(StatusCode, HeaderMap, Bytes), status: u16, code: &str) -> String {
+    let text = String::from_utf8_lossy(&got.2).into_owned();
+    assert_eq!(got.0, status, "{text}");
+    assert_eq!(error_code(&got.2), code, "{text}");
+    text
+}
+
+/// Opens a [`CHAT_STREAM`] request on a new client: the response head,
+/// within 10 s.
+pub async fn open_stream(visor: &Visor) -> Response<Incoming> {
+    let req = post_json(&visor.url("/v1/chat/completions"), CHAT_STREAM);
+    tokio::time::timeout(Duration::from_secs(10), client().request(req))
+        .await
+        .expect("response head within 10 s")
+        .expect("request sent")
+}
+
+/// A mock whose first request gets an SSE stream fed through the returned
+/// sender (each piece goes out the moment it is given, and nothing
+/// before); later requests get [`chat_ok`].
+pub async fn fed_once() -> (MockUpstream, mpsc::Sender<Chunk>) {
+    let (tx, rx) = mpsc::channel(1);
+    let rx = Mutex::new(Some(rx));
+    let mock = MockUpstream::start(move |_| match rx.lock().unwrap().take() {
+        Some(rx) => Reply::sse(rx),
+        None => chat_ok(),
+    })
+    .await;
+    (mock, tx)
 }
 
 /// The next data frame of a streaming response, within `bound`.
