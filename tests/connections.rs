@@ -13,7 +13,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
 
 /// Waits (bounded) until the peer closes `s`; true if it did.
 async fn closed_within(s: &mut TcpStream, bound: Duration) -> bool {
@@ -88,13 +87,7 @@ async fn silent_peers_and_a_partial_preface_are_closed_at_the_header_timeout() {
 
 #[tokio::test]
 async fn an_idle_http2_connection_is_closed_and_a_busy_one_is_not() {
-    let (tx, rx) = mpsc::channel::<Chunk>(4);
-    let rx = std::sync::Mutex::new(Some(rx));
-    let mock = MockUpstream::start(move |_| match rx.lock().unwrap().take() {
-        Some(rx) => Reply::sse(rx),
-        None => chat_ok(),
-    })
-    .await;
+    let (mock, tx) = fed_once().await;
     let visor = Visor::for_mock(&mock, CFG).await;
     let stream = TcpStream::connect(visor.addr).await.unwrap();
     let (mut sender, conn) =
@@ -103,12 +96,7 @@ async fn an_idle_http2_connection_is_closed_and_a_busy_one_is_not() {
             .unwrap();
     let conn = tokio::spawn(conn);
     // A stream that stays open longer than the idle limit keeps it open.
-    let req = Request::post(visor.url("/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from_static(
-            br#"{"model":"m","stream":true,"messages":[]}"#,
-        )))
-        .unwrap();
+    let req = post_json(&visor.url("/v1/chat/completions"), CHAT_STREAM);
     let resp = sender.send_request(req).await.unwrap();
     let mut body = resp.into_body();
     tx.send(Chunk::Data(Bytes::from_static(b"data: {}\n\n")))
@@ -145,13 +133,7 @@ async fn an_idle_http2_connection_is_closed_and_a_busy_one_is_not() {
 
 #[tokio::test]
 async fn at_max_connections_idle_peers_make_room_and_busy_ones_do_not() {
-    let (tx, rx) = mpsc::channel::<Chunk>(4);
-    let rx = std::sync::Mutex::new(Some(rx));
-    let mock = MockUpstream::start(move |_| match rx.lock().unwrap().take() {
-        Some(rx) => Reply::sse(rx),
-        None => chat_ok(),
-    })
-    .await;
+    let (mock, tx) = fed_once().await;
     let visor = Visor::for_mock(
         &mock,
         "[server]\nmax_connections = 3\nheader_timeout_secs = 60\nworkers = 1\n",
@@ -187,18 +169,7 @@ async fn at_max_connections_idle_peers_make_room_and_busy_ones_do_not() {
     drop(silent);
 
     // A connection with a request in flight is never closed to make room.
-    let client = client();
-    let req = Request::post(visor.url("/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from_static(
-            br#"{"model":"m","stream":true,"messages":[]}"#,
-        )))
-        .unwrap();
-    let resp = tokio::time::timeout(Duration::from_secs(5), client.request(req))
-        .await
-        .unwrap()
-        .unwrap();
-    let mut body = resp.into_body();
+    let mut body = open_stream(&visor).await.into_body();
     for _ in 0..8 {
         assert_eq!(
             healthz_on_new_connection(&visor, Duration::from_secs(5)).await,
@@ -242,11 +213,7 @@ async fn at_shutdown_readyz_says_draining_for_the_drain_delay_while_serving() {
     })
     .await;
     assert!(ready.is_ok(), "/readyz never said draining");
-    let (status, _, _) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        r#"{"model":"m","messages":[]}"#,
-    ))
-    .await;
+    let (status, _, _) = post_chat(&visor, CHAT).await;
     assert_eq!(status, 200, "not serving during the drain delay");
     let task = visor.task.take().unwrap();
     let ended = tokio::time::timeout(Duration::from_secs(10), task).await;

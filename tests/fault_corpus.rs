@@ -289,24 +289,29 @@ fn upstream_handler(r: &Recorded) -> Reply {
 async fn every_case_in_the_corpus_gets_its_answer() {
     let a = MockUpstream::start(upstream_handler).await;
     let b = MockUpstream::start(|_| chat_ok()).await;
-    let slow = MockUpstream::start(|_| Reply::Hang).await;
-    let cut = MockUpstream::start(|_| {
-        Reply::sse_chunks(vec![
-            Chunk::Data(Bytes::from_static(b"data: {\"choices\":[]}\n\n")),
-            Chunk::Fail,
-        ])
-    })
-    .await;
+    let dead = MockUpstream::builder()
+        .fault(Fault::RefuseConnect)
+        .start()
+        .await;
+    let slow = MockUpstream::builder()
+        .fault(Fault::NeverAnswer)
+        .start()
+        .await;
+    let cut = MockUpstream::builder()
+        .fault(Fault::CutAfterChunks(1))
+        .start()
+        .await;
     let visor = Visor::start(&format!(
         "[server]\nmax_body_bytes = 65536\nfirst_byte_timeout_secs = 1\nheader_timeout_secs = 3\n\
          [images]\nnon_vision = \"strip\"\n\
          [[upstream]]\nname=\"a\"\nbase_url=\"{}/v1\"\nmodels=[\"gpt-*\",\"m\"]\n\
          [[upstream]]\nname=\"b\"\nbase_url=\"{}/v1\"\nmodels=[\"echo-*\"]\n\
-         [[upstream]]\nname=\"dead\"\nbase_url=\"http://127.0.0.1:1/v1\"\nmodels=[\"dead-*\"]\n\
+         [[upstream]]\nname=\"dead\"\nbase_url=\"{}/v1\"\nmodels=[\"dead-*\"]\n\
          [[upstream]]\nname=\"slow\"\nbase_url=\"{}/v1\"\nmodels=[\"slow-*\"]\n\
          [[upstream]]\nname=\"cut\"\nbase_url=\"{}/v1\"\nmodels=[\"cut-*\"]\n",
         a.url(),
         b.url(),
+        dead.url(),
         slow.url(),
         cut.url()
     ))
@@ -411,6 +416,14 @@ fn check(cond: bool, what: impl Into<String>) -> Result<(), String> {
     if cond { Ok(()) } else { Err(what.into()) }
 }
 
+/// A streamed Chat request on a new client: the response head.
+async fn request_stream(visor: &Visor) -> Result<http::Response<hyper::body::Incoming>, String> {
+    client()
+        .request(post_json(&visor.url("/v1/chat/completions"), CHAT_STREAM))
+        .await
+        .map_err(|e| e.to_string())
+}
+
 /// A client that sends half its body and leaves: nothing reaches the
 /// upstream, visor goes on serving.
 async fn client_leaves_mid_upload() -> Result<(), String> {
@@ -421,11 +434,7 @@ async fn client_leaves_mid_upload() -> Result<(), String> {
         .await
         .unwrap();
     drop(s);
-    let (status, _, _) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        r#"{"model":"m","messages":[]}"#,
-    ))
-    .await;
+    let (status, _, _) = post_chat(&visor, CHAT).await;
     check(status == 200, format!("next request: {status}"))?;
     check(
         mock.count() == 1,
@@ -436,21 +445,9 @@ async fn client_leaves_mid_upload() -> Result<(), String> {
 /// A client that leaves mid-stream: the upstream request is cancelled
 /// (its connection closed).
 async fn client_leaves_mid_stream() -> Result<(), String> {
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let rx = std::sync::Mutex::new(Some(rx));
-    let mock = MockUpstream::start(move |_| Reply::sse(rx.lock().unwrap().take().unwrap())).await;
+    let (mock, tx) = fed_once().await;
     let visor = Visor::for_mock(&mock, "").await;
-    let resp = client()
-        .request(
-            Request::post(visor.url("/v1/chat/completions"))
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from_static(
-                    br#"{"model":"m","stream":true,"messages":[]}"#,
-                )))
-                .unwrap(),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+    let resp = request_stream(&visor).await?;
     let mut body = resp.into_body();
     tx.send(Chunk::Data(Bytes::from_static(b"data: {}\n\n")))
         .await
@@ -479,7 +476,7 @@ async fn describer_down() -> Result<(), String> {
     )
     .await;
     let body = chat_with_images("gpt-oss-120b", &[png_data_url("describer-down").0]);
-    let (status, h, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    let (status, h, _) = post_chat(&visor, body).await;
     check(status == 200, format!("status {status}"))?;
     check(h["x-visor-images-replaced"] == "1", "image not replaced")
 }
@@ -501,7 +498,7 @@ async fn describer_slow() -> Result<(), String> {
     .await;
     let body = chat_with_images("gpt-oss-120b", &[png_data_url("describer-slow").0]);
     let started = tokio::time::Instant::now();
-    let (status, _, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    let (status, _, _) = post_chat(&visor, body).await;
     check(status == 200, format!("status {status}"))?;
     check(
         started.elapsed() < Duration::from_secs(8),
@@ -525,7 +522,7 @@ async fn describer_garbage() -> Result<(), String> {
     )
     .await;
     let body = chat_with_images("gpt-oss-120b", &[png_data_url("describer-garbage").0]);
-    let (status, _, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    let (status, _, _) = post_chat(&visor, body).await;
     check(status == 200, format!("status {status}"))?;
     let sent = mock
         .recorded()
@@ -574,11 +571,7 @@ async fn redis_down() -> Result<(), String> {
         status == 503 && error_code(&body) == "store_unavailable",
         format!("session: {status}"),
     )?;
-    let (status, _, _) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        r#"{"model":"m","messages":[]}"#,
-    ))
-    .await;
+    let (status, _, _) = post_chat(&visor, CHAT).await;
     check(status == 200, format!("plain: {status}"))
 }
 
@@ -600,21 +593,9 @@ async fn redis_restart() -> Result<(), String> {
 /// Shutdown with a stream open: the stream finishes whole, new connections
 /// are refused after the drain delay, visor returns.
 async fn shutdown_mid_stream() -> Result<(), String> {
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let rx = std::sync::Mutex::new(Some(rx));
-    let mock = MockUpstream::start(move |_| Reply::sse(rx.lock().unwrap().take().unwrap())).await;
+    let (mock, tx) = fed_once().await;
     let mut visor = Visor::for_mock(&mock, "").await;
-    let resp = client()
-        .request(
-            Request::post(visor.url("/v1/chat/completions"))
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from_static(
-                    br#"{"model":"m","stream":true,"messages":[]}"#,
-                )))
-                .unwrap(),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+    let resp = request_stream(&visor).await?;
     visor.shutdown();
     tx.send(Chunk::Data(Bytes::from_static(b"data: {\"a\":1}\n\n")))
         .await

@@ -4,82 +4,44 @@
 
 mod support;
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use support::*;
-use tokio::sync::mpsc;
 
 const BOUND: Duration = Duration::from_secs(5);
 
-/// A mock whose SSE bodies are fed by the test: each request hands its
-/// sender to `senders`.
-async fn fed_mock() -> (MockUpstream, Arc<Mutex<Vec<mpsc::Sender<Chunk>>>>) {
-    let senders = Arc::new(Mutex::new(Vec::new()));
-    let s = senders.clone();
-    let mock = MockUpstream::start(move |_| {
-        let (tx, rx) = mpsc::channel(1);
-        s.lock().unwrap().push(tx);
-        Reply::sse(rx)
-    })
-    .await;
-    (mock, senders)
-}
-
-fn sender(senders: &Arc<Mutex<Vec<mpsc::Sender<Chunk>>>>) -> mpsc::Sender<Chunk> {
-    senders
-        .lock()
-        .unwrap()
-        .last()
-        .cloned()
-        .expect("mock got a request")
-}
-
-async fn open_stream(visor: &Visor) -> http::Response<hyper::body::Incoming> {
-    let req = post_json(
-        &visor.url("/v1/chat/completions"),
-        r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
-    );
-    tokio::time::timeout(BOUND, client().request(req))
-        .await
-        .unwrap()
-        .unwrap()
-}
-
 /// An upstream that sends two events and then breaks the connection.
 async fn breaking_mock() -> MockUpstream {
-    MockUpstream::start(|_| {
-        Reply::sse_chunks(vec![
-            Chunk::Data(event(0)),
-            Chunk::Data(event(1)),
-            Chunk::Fail,
-        ])
-    })
-    .await
+    MockUpstream::builder()
+        .fault(Fault::CutAfterChunks(2))
+        .start()
+        .await
 }
 
-fn event(i: usize) -> Bytes {
-    Bytes::from(format!(
-        "data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n"
-    ))
+/// An upstream that sends one event and then nothing, holding the stream
+/// open.
+async fn stalling_mock() -> MockUpstream {
+    MockUpstream::builder()
+        .fault(Fault::StallAfterChunks(1))
+        .start()
+        .await
 }
 
 #[tokio::test]
 async fn each_chunk_reaches_the_client_before_the_next_is_sent() {
-    let (mock, senders) = fed_mock().await;
+    let (mock, tx) = fed_once().await;
     let visor = Visor::for_mock(&mock, "").await;
     let resp = open_stream(&visor).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
-    let tx = sender(&senders);
     let mut body = resp.into_body();
     for i in 0..5 {
-        tx.send(Chunk::Data(event(i))).await.unwrap();
+        tx.send(Chunk::Data(sse_event(i))).await.unwrap();
         // The mock sends nothing more until the client has this one.
         let got = next_data(&mut body, BOUND).await.unwrap().unwrap();
-        assert_eq!(got, event(i));
+        assert_eq!(got, sse_event(i));
     }
     tx.send(Chunk::Data(Bytes::from_static(b"data: [DONE]\n\n")))
         .await
@@ -89,18 +51,14 @@ async fn each_chunk_reaches_the_client_before_the_next_is_sent() {
         Bytes::from_static(b"data: [DONE]\n\n")
     );
     drop(tx);
-    senders.lock().unwrap().clear();
     assert_eq!(next_data(&mut body, BOUND).await, Ok(None), "clean end");
 }
 
 #[tokio::test]
 async fn client_disconnect_cancels_the_upstream_request() {
-    let (mock, senders) = fed_mock().await;
+    let mock = stalling_mock().await;
     let visor = Visor::for_mock(&mock, "").await;
-    let resp = open_stream(&visor).await;
-    let tx = sender(&senders);
-    tx.send(Chunk::Data(event(0))).await.unwrap();
-    let mut body = resp.into_body();
+    let mut body = open_stream(&visor).await.into_body();
     next_data(&mut body, BOUND).await.unwrap().unwrap();
     let closed_before = mock.closed.load(std::sync::atomic::Ordering::SeqCst);
     drop(body); // the client goes away mid-stream
@@ -131,15 +89,12 @@ async fn upstream_failing_mid_stream_cuts_the_client_stream_without_done() {
 
 #[tokio::test]
 async fn idle_gap_deadline_cuts_a_stalled_stream() {
-    let (mock, senders) = fed_mock().await;
+    let mock = stalling_mock().await;
     let visor = Visor::for_mock(&mock, "[server]\nidle_timeout_secs = 0.3\n").await;
-    let resp = open_stream(&visor).await;
-    let tx = sender(&senders);
-    tx.send(Chunk::Data(event(0))).await.unwrap();
-    let mut body = resp.into_body();
+    let mut body = open_stream(&visor).await.into_body();
     assert_eq!(
         next_data(&mut body, BOUND).await.unwrap().unwrap(),
-        event(0)
+        sse_event(0)
     );
     // Nothing more is sent: visor must cut the stream itself.
     let end = next_data(&mut body, BOUND).await;
@@ -153,18 +108,16 @@ async fn idle_gap_deadline_cuts_a_stalled_stream() {
         ),
         Some(1.0)
     );
-    drop(tx);
 }
 
 #[tokio::test]
 async fn total_deadline_cuts_a_stream_that_keeps_talking() {
-    let (mock, senders) = fed_mock().await;
+    let (mock, tx) = fed_once().await;
     let visor = Visor::for_mock(&mock, "[server]\nrequest_timeout_secs = 0.5\n").await;
     let resp = open_stream(&visor).await;
-    let tx = sender(&senders);
     let feeder = tokio::spawn(async move {
         for i in 0..200 {
-            if tx.send(Chunk::Data(event(i))).await.is_err() {
+            if tx.send(Chunk::Data(sse_event(i))).await.is_err() {
                 return i;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -189,10 +142,9 @@ async fn total_deadline_cuts_a_stream_that_keeps_talking() {
 
 #[tokio::test]
 async fn a_client_that_does_not_read_holds_back_the_upstream() {
-    let (mock, senders) = fed_mock().await;
+    let (mock, tx) = fed_once().await;
     let visor = Visor::for_mock(&mock, "").await;
     let resp = open_stream(&visor).await;
-    let tx = sender(&senders);
     const CHUNKS: usize = 1024;
     const SIZE: usize = 64 * 1024; // 64 MiB in all: far more than socket buffers hold
     let mut feeder = tokio::spawn(async move {
@@ -228,11 +180,10 @@ async fn a_client_that_does_not_read_holds_back_the_upstream() {
 
 #[tokio::test]
 async fn shutdown_lets_an_open_stream_finish_then_returns() {
-    let (mock, senders) = fed_mock().await;
+    let (mock, tx) = fed_once().await;
     let mut visor = Visor::for_mock(&mock, "[server]\ndrain_timeout_secs = 10\n").await;
     let resp = open_stream(&visor).await;
-    let tx = sender(&senders);
-    tx.send(Chunk::Data(event(0))).await.unwrap();
+    tx.send(Chunk::Data(sse_event(0))).await.unwrap();
     let mut body = resp.into_body();
     next_data(&mut body, BOUND).await.unwrap().unwrap();
 
@@ -261,17 +212,16 @@ async fn shutdown_lets_an_open_stream_finish_then_returns() {
         "new connections must be refused while draining"
     );
     // …while the open stream goes on to its end.
-    tx.send(Chunk::Data(event(1))).await.unwrap();
+    tx.send(Chunk::Data(sse_event(1))).await.unwrap();
     assert_eq!(
         next_data(&mut body, BOUND).await.unwrap().unwrap(),
-        event(1)
+        sse_event(1)
     );
     tx.send(Chunk::Data(Bytes::from_static(b"data: [DONE]\n\n")))
         .await
         .unwrap();
     next_data(&mut body, BOUND).await.unwrap().unwrap();
     drop(tx);
-    senders.lock().unwrap().clear();
     assert_eq!(next_data(&mut body, BOUND).await, Ok(None));
     let task = visor.task.take().unwrap();
     let done = tokio::time::timeout(BOUND, task).await;
@@ -309,13 +259,8 @@ async fn over_http2_chunks_stream_and_a_mid_stream_failure_resets_the_stream() {
 async fn a_slow_head_within_the_first_byte_deadline_still_gets_the_idle_check() {
     // The head takes longer than one idle gap (allowed: it is under the
     // first-byte deadline); then the body stalls after one event.
-    let senders = Arc::new(Mutex::new(Vec::new()));
-    let s = senders.clone();
-    let mock = MockUpstream::start(move |_| {
-        let (tx, rx) = mpsc::channel(1);
-        let _ = tx.try_send(Chunk::Data(event(0)));
-        s.lock().unwrap().push(tx);
-        Reply::After(Duration::from_millis(600), Box::new(Reply::sse(rx)))
+    let mock = MockUpstream::start(|_| {
+        Reply::After(Duration::from_millis(600), Box::new(Reply::stall_after(1)))
     })
     .await;
     let visor = Visor::for_mock(
@@ -342,5 +287,4 @@ async fn a_slow_head_within_the_first_byte_deadline_still_gets_the_idle_check() 
         ),
         Some(1.0)
     );
-    drop(senders);
 }
