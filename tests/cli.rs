@@ -4,7 +4,8 @@
 
 mod support;
 
-use std::process::Stdio;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use support::{Serving, temp_config, visor};
@@ -45,19 +46,28 @@ fn a_closed_stdout_pipe_ends_check_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// `visor check --config PATH`.
+fn check(path: &Path) -> Command {
+    let mut cmd = visor();
+    cmd.args(["check", "--config"]).arg(path);
+    cmd
+}
+
+/// Runs `cmd`, asserts it exits with 1, and returns its stderr.
+fn fails(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    err
+}
+
 #[test]
 fn check_names_the_key_the_value_and_why() {
     let path = temp_config(
         "bad",
         "[server]\nlisten = \"localhost\"\n[[upstream]]\nname = \"x\"\nbase_url = \"api.openai.com\"\n",
     );
-    let out = visor()
-        .args(["check", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = fails(&mut check(&path));
     assert!(err.contains("server.listen: \"localhost\""), "{err}");
     assert!(
         err.contains("upstream[0].base_url: \"api.openai.com\""),
@@ -72,33 +82,18 @@ fn check_rejects_unknown_keys_and_missing_variables() {
         "unknown",
         "[server]\nlisten = \"127.0.0.1:1\"\ntimeout = 3\n[[upstream]]\nname=\"x\"\nbase_url=\"http://x\"\n",
     );
-    let out = visor()
-        .args(["check", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = fails(&mut check(&path));
     assert!(err.contains("server") && err.contains("timeout"), "{err}");
 
     let path = temp_config(
         "envvar",
         "[[upstream]]\nname=\"x\"\nbase_url=\"http://x\"\napi_key=\"${VISOR_TEST_SURELY_UNSET}\"\n",
     );
-    let out = visor()
-        .args(["check", "--config"])
-        .arg(&path)
-        .env_remove("VISOR_TEST_SURELY_UNSET")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = fails(check(&path).env_remove("VISOR_TEST_SURELY_UNSET"));
     assert!(err.contains("VISOR_TEST_SURELY_UNSET"), "{err}");
 
     // The same file is valid once the variable is set; the value never prints.
-    let out = visor()
-        .args(["check", "--config"])
-        .arg(&path)
+    let out = check(&path)
         .env("VISOR_TEST_SURELY_UNSET", "sk-do-not-print")
         .output()
         .unwrap();
@@ -113,13 +108,12 @@ fn check_rejects_unknown_keys_and_missing_variables() {
 
 #[test]
 fn config_from_env_var_and_missing_file() {
-    let out = visor()
-        .arg("check")
-        .env("VISOR_CONFIG", "/nonexistent/visor.toml")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/visor.toml"));
+    let err = fails(
+        visor()
+            .arg("check")
+            .env("VISOR_CONFIG", "/nonexistent/visor.toml"),
+    );
+    assert!(err.contains("/nonexistent/visor.toml"), "{err}");
 }
 
 #[test]
@@ -223,10 +217,7 @@ fn check_prints_the_model_table_and_resolves_a_model() {
          [[model]]\nmatch = \"house-*\"\nvision = false\nmax_images = 2\n",
     );
     let check_model = |model: &str| {
-        let out = visor()
-            .args(["check", "--config", cfg.to_str().unwrap(), "--model", model])
-            .output()
-            .unwrap();
+        let out = check(&cfg).args(["--model", model]).output().unwrap();
         assert!(out.status.success());
         String::from_utf8(out.stdout).unwrap()
     };
@@ -312,11 +303,6 @@ fn explain_prints_the_rewritten_request_and_the_report() {
 
     // Not JSON: a clear error, exit 1.
     let bad = temp_config("bad-body", "{\"model\": ");
-    let out = visor()
-        .args(["explain", "--model", "m"])
-        .arg(&bad)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not valid JSON"));
+    let err = fails(visor().args(["explain", "--model", "m"]).arg(&bad));
+    assert!(err.contains("not valid JSON"), "{err}");
 }
