@@ -909,22 +909,47 @@ const BOUND: Duration = Duration::from_secs(120);
 
 // ------------------------------------------------------------ SDK tests
 
-/// Runs an SDK script (node or python) against visor for `wire`, and checks
-/// the loop.
+/// What runs an SDK script.
+enum Runtime {
+    /// node, in the npm-installed `node-clients` folder.
+    Node,
+    /// The venv's python, on the script in tests/clients.
+    Python,
+}
+
+/// Runs an SDK script (node or python, with `args` after it) against visor
+/// for `wire`, and checks the loop. Without the runtime: skipped (a
+/// failure under CI).
 async fn sdk_loop(
     test: &str,
+    (runtime, file, args): (Runtime, &str, &[&str]),
     wire: Wire,
-    program: PathBuf,
-    args: &[&str],
     model: &'static str,
     image: Image,
 ) {
+    let (program, file) = match runtime {
+        Runtime::Node => {
+            let dir = need!(
+                test,
+                tokio::task::spawn_blocking(node_clients).await.unwrap()
+            );
+            (PathBuf::from("node"), dir.join(file))
+        }
+        Runtime::Python => {
+            let python = need!(
+                test,
+                tokio::task::spawn_blocking(venv_python).await.unwrap()
+            );
+            (python, clients_dir().join(file))
+        }
+    };
     let script = sdk_script(wire);
     let mock = MockUpstream::start(upstream(script.clone(), model)).await;
     let visor = visor_for(&mock, model).await;
     let work = workdir(test);
     let mut cmd = Command::new(program);
-    cmd.args(args)
+    cmd.arg(file)
+        .args(args)
         .current_dir(&work)
         .env("VISOR_BASE", visor.url("/v1"))
         .env("VISOR_ROOT", visor.url(""))
@@ -957,125 +982,44 @@ async fn sdk_loop(
     let _ = std::fs::remove_dir_all(work);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn openai_node_sdk_chat_tool_loop() {
-    const T: &str = "openai_node_sdk_chat_tool_loop";
-    let dir = need!(T, tokio::task::spawn_blocking(node_clients).await.unwrap());
-    let script = dir.join("openai_node.mjs");
-    sdk_loop(
-        T,
-        Wire::Chat,
-        "node".into(),
-        &[script.to_str().unwrap()],
-        "visor-test-node",
-        Image::Replaced,
-    )
-    .await;
+/// One test per SDK: `name: (runtime, script file, args), wire, model, image`.
+macro_rules! sdk_tests {
+    ($($(#[$doc:meta])* $name:ident: $sdk:expr, $wire:expr, $model:literal, $image:expr;)*) => {
+        $(
+            $(#[$doc])*
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                sdk_loop(stringify!($name), $sdk, $wire, $model, $image).await;
+            }
+        )*
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn vercel_ai_sdk_openai_chat_tool_loop() {
-    const T: &str = "vercel_ai_sdk_openai_chat_tool_loop";
-    let dir = need!(T, tokio::task::spawn_blocking(node_clients).await.unwrap());
-    let script = dir.join("vercel_ai.mjs");
-    let args = [script.to_str().unwrap(), "openai-chat"];
-    sdk_loop(
-        T,
-        Wire::Chat,
-        "node".into(),
-        &args,
-        "visor-test-vercel-chat",
-        // A v7 `file` part in the JSON text of the tool message.
-        Image::Replaced,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn vercel_ai_sdk_openai_responses_tool_loop() {
-    const T: &str = "vercel_ai_sdk_openai_responses_tool_loop";
-    let dir = need!(T, tokio::task::spawn_blocking(node_clients).await.unwrap());
-    let script = dir.join("vercel_ai.mjs");
-    let args = [script.to_str().unwrap(), "openai-responses"];
-    sdk_loop(
-        T,
-        Wire::Responses,
-        "node".into(),
-        &args,
-        "visor-test-vercel-responses",
-        Image::Replaced,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn vercel_ai_sdk_anthropic_tool_loop() {
-    const T: &str = "vercel_ai_sdk_anthropic_tool_loop";
-    let dir = need!(T, tokio::task::spawn_blocking(node_clients).await.unwrap());
-    let script = dir.join("vercel_ai.mjs");
-    let args = [script.to_str().unwrap(), "anthropic"];
-    sdk_loop(
-        T,
-        Wire::Messages,
-        "node".into(),
-        &args,
-        "claude-visor-test-vercel",
-        Image::Replaced,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn openai_agents_sdk_responses_tool_loop() {
-    const T: &str = "openai_agents_sdk_responses_tool_loop";
-    let python = need!(T, tokio::task::spawn_blocking(venv_python).await.unwrap());
-    let script = clients_dir().join("agents_sdk.py");
-    let args = [script.to_str().unwrap(), "responses"];
-    sdk_loop(
-        T,
-        Wire::Responses,
-        python,
-        &args,
-        "visor-test-agents-responses",
-        Image::Replaced,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn openai_agents_sdk_chat_tool_loop() {
-    const T: &str = "openai_agents_sdk_chat_tool_loop";
-    let python = need!(T, tokio::task::spawn_blocking(venv_python).await.unwrap());
-    let script = clients_dir().join("agents_sdk.py");
-    let args = [script.to_str().unwrap(), "chat"];
-    // The SDK's Chat Completions model sends no image in a tool message:
-    // it puts its own placeholder there (openai-agents 0.24,
-    // chatcmpl_converter, unless preserve_tool_output_all_content).
-    sdk_loop(
-        T,
-        Wire::Chat,
-        python,
-        &args,
-        "visor-test-agents-chat",
-        Image::DroppedByClient("[tool output omitted]"),
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn anthropic_python_sdk_tool_loop() {
-    const T: &str = "anthropic_python_sdk_tool_loop";
-    let python = need!(T, tokio::task::spawn_blocking(venv_python).await.unwrap());
-    let script = clients_dir().join("anthropic_sdk.py");
-    sdk_loop(
-        T,
-        Wire::Messages,
-        python,
-        &[script.to_str().unwrap()],
-        "claude-visor-test-python",
-        Image::Replaced,
-    )
-    .await;
+sdk_tests! {
+    openai_node_sdk_chat_tool_loop:
+        (Runtime::Node, "openai_node.mjs", &[]), Wire::Chat, "visor-test-node", Image::Replaced;
+    /// A v7 `file` part in the JSON text of the tool message.
+    vercel_ai_sdk_openai_chat_tool_loop:
+        (Runtime::Node, "vercel_ai.mjs", &["openai-chat"]), Wire::Chat, "visor-test-vercel-chat",
+        Image::Replaced;
+    vercel_ai_sdk_openai_responses_tool_loop:
+        (Runtime::Node, "vercel_ai.mjs", &["openai-responses"]), Wire::Responses,
+        "visor-test-vercel-responses", Image::Replaced;
+    vercel_ai_sdk_anthropic_tool_loop:
+        (Runtime::Node, "vercel_ai.mjs", &["anthropic"]), Wire::Messages,
+        "claude-visor-test-vercel", Image::Replaced;
+    openai_agents_sdk_responses_tool_loop:
+        (Runtime::Python, "agents_sdk.py", &["responses"]), Wire::Responses,
+        "visor-test-agents-responses", Image::Replaced;
+    /// The SDK's Chat Completions model sends no image in a tool message:
+    /// it puts its own placeholder there (openai-agents 0.24,
+    /// chatcmpl_converter, unless preserve_tool_output_all_content).
+    openai_agents_sdk_chat_tool_loop:
+        (Runtime::Python, "agents_sdk.py", &["chat"]), Wire::Chat, "visor-test-agents-chat",
+        Image::DroppedByClient("[tool output omitted]");
+    anthropic_python_sdk_tool_loop:
+        (Runtime::Python, "anthropic_sdk.py", &[]), Wire::Messages, "claude-visor-test-python",
+        Image::Replaced;
 }
 
 // ------------------------------------------------------ the coding agents
