@@ -463,11 +463,11 @@ async fn shutdown_cancels_background_descriptions() {
 #[tokio::test]
 async fn a_store_that_is_down_degrades_to_memory_and_readyz_says_so() {
     // Nothing listens on this port: the Redis store is down from the start.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let down = MockUpstream::builder()
+        .fault(Fault::RefuseConnect)
+        .start()
+        .await;
+    let port = down.addr.port();
     let mock = MockUpstream::start(answers_and_describes()).await;
     let visor = Visor::for_mock(
         &mock,
@@ -617,16 +617,17 @@ async fn describer_calls_stay_within_concurrency_and_run_in_parallel() {
 
 #[tokio::test]
 async fn a_dead_describer_never_fails_the_request() {
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let dead = MockUpstream::builder()
+        .fault(Fault::RefuseConnect)
+        .start()
+        .await;
     let mock = MockUpstream::start(answers_and_describes()).await;
     let visor = Visor::start(&format!(
         "{DESCRIBE}upstream = \"dead\"\n\
          [[upstream]]\nname = \"chat\"\nbase_url = \"{}/v1\"\nmodels = [\"gpt-oss-*\"]\n\
-         [[upstream]]\nname = \"dead\"\nbase_url = \"http://{dead}/v1\"\nmodels = [\"*\"]\n",
-        mock.url()
+         {}models = [\"*\"]\n",
+        mock.url(),
+        dead.upstream_toml("dead")
     ))
     .await;
     let (image, _) = png_data_url("dead");

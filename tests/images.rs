@@ -516,13 +516,11 @@ async fn bad_input_through_the_proxy() {
 #[tokio::test]
 async fn an_error_after_the_transform_still_says_what_was_replaced() {
     // Nothing listens on the upstream's port: 502, with the counts.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = listener.local_addr().unwrap();
-    drop(listener);
-    let visor = Visor::start(&format!(
-        "{STRIP}[[upstream]]\nname = \"dead\"\nbase_url = \"http://{dead}/v1\"\nmodels = [\"*\"]\n"
-    ))
-    .await;
+    let dead = MockUpstream::builder()
+        .fault(Fault::RefuseConnect)
+        .start()
+        .await;
+    let visor = Visor::for_mock(&dead, STRIP).await;
     let body = fixture("chat-image-nonvision.json");
     let (status, headers, resp) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
     assert_eq!(status, 502);

@@ -403,44 +403,13 @@ async fn upstream_connections_are_kept_alive_and_reused() {
 
 #[tokio::test]
 async fn an_upstream_that_closes_after_each_response_is_not_reused_stale() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // Answers one request per connection and closes it, without saying so.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                loop {
-                    let Ok(n) = s.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    if http_message_len(&buf).is_some() {
-                        break;
-                    }
-                }
-                let body = r#"{"ok":true}"#;
-                let resp = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = s.write_all(resp.as_bytes()).await;
-                // dropped: the connection closes
-            });
-        }
-    });
-    let visor = Visor::start(&format!(
-        "[[upstream]]\nname=\"oneshot\"\nbase_url=\"http://{addr}/v1\"\n"
-    ))
-    .await;
+    let mock = MockUpstream::builder()
+        .fault(Fault::CloseAfterResponse)
+        .reply(|_| Reply::json(200, r#"{"ok":true}"#))
+        .start()
+        .await;
+    let visor = Visor::start(&mock.upstream_toml("oneshot")).await;
     let client = client();
     for _ in 0..20 {
         let (status, _, body) = send_on(
@@ -453,7 +422,11 @@ async fn an_upstream_that_closes_after_each_response_is_not_reused_stale() {
         .await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     }
-    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 20);
+    assert_eq!(
+        mock.connections.load(std::sync::atomic::Ordering::SeqCst),
+        20
+    );
+    assert_eq!(mock.count(), 20);
 }
 
 /// A client's key goes only to the upstream its body's model picks, whatever

@@ -281,7 +281,11 @@ async fn other_upgrades_pass_untouched_and_refusals_pass_through() {
     }
 
     // No upstream listening: 502 in the OpenAI error shape.
-    let dead = visor_for("http://127.0.0.1:1").await;
+    let refusing = MockUpstream::builder()
+        .fault(Fault::RefuseConnect)
+        .start()
+        .await;
+    let dead = visor_for(&refusing.url()).await;
     match connect(format!("ws://{}/v1/responses", dead.addr)).await {
         Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
             assert_eq!(resp.status(), 502);
