@@ -460,11 +460,16 @@ async fn client_leaves_mid_stream() -> Result<(), String> {
     )
 }
 
-/// A describer that is down: the image gets a placeholder, the request 200.
-async fn describer_down() -> Result<(), String> {
-    let mock = MockUpstream::start(|r| {
+/// A mock that answers describer calls as `describer` says (and the rest
+/// with [`chat_ok`]), and visor with it as describer; `extra` are more
+/// `[describer]` keys.
+async fn describing(
+    describer: impl Fn(&Recorded) -> Reply + Send + Sync + 'static,
+    extra: &str,
+) -> (MockUpstream, Visor) {
+    let mock = MockUpstream::start(move |r| {
         if is_describer_call(r) {
-            Reply::json(500, r#"{"error":{"message":"down"}}"#)
+            describer(r)
         } else {
             chat_ok()
         }
@@ -472,34 +477,43 @@ async fn describer_down() -> Result<(), String> {
     .await;
     let visor = Visor::for_mock(
         &mock,
-        "[describer]\nupstream = \"mock\"\nmodel = \"gpt-4o-mini\"\n",
+        &format!("[describer]\nupstream = \"mock\"\nmodel = \"{DESCRIBER}\"\n{extra}"),
     )
     .await;
+    (mock, visor)
+}
+
+/// The describer was asked (so its fault is what the scenario met).
+fn asked_describer(mock: &MockUpstream) -> Result<(), String> {
+    check(
+        mock.recorded().iter().any(is_describer_call),
+        "the describer was never called",
+    )
+}
+
+/// A describer that is down: the image gets a placeholder, the request 200.
+async fn describer_down() -> Result<(), String> {
+    let (mock, visor) =
+        describing(|_| Reply::json(500, r#"{"error":{"message":"down"}}"#), "").await;
     let body = chat_with_images("gpt-oss-120b", &[png_data_url("describer-down").0]);
     let (status, h, _) = post_chat(&visor, body).await;
     check(status == 200, format!("status {status}"))?;
+    asked_describer(&mock)?;
     check(h["x-visor-images-replaced"] == "1", "image not replaced")
 }
 
 /// A describer slower than its timeout: a placeholder in time.
 async fn describer_slow() -> Result<(), String> {
-    let mock = MockUpstream::start(|r| {
-        if is_describer_call(r) {
-            Reply::After(Duration::from_secs(30), Box::new(describer_answer(r)))
-        } else {
-            chat_ok()
-        }
-    })
-    .await;
-    let visor = Visor::for_mock(
-        &mock,
-        "[describer]\nupstream = \"mock\"\nmodel = \"gpt-4o-mini\"\ntimeout_secs = 1\n",
+    let (mock, visor) = describing(
+        |r| Reply::After(Duration::from_secs(30), Box::new(describer_answer(r))),
+        "timeout_secs = 1\n",
     )
     .await;
     let body = chat_with_images("gpt-oss-120b", &[png_data_url("describer-slow").0]);
     let started = tokio::time::Instant::now();
     let (status, _, _) = post_chat(&visor, body).await;
     check(status == 200, format!("status {status}"))?;
+    asked_describer(&mock)?;
     check(
         started.elapsed() < Duration::from_secs(8),
         "waited for the slow describer",
@@ -508,22 +522,11 @@ async fn describer_slow() -> Result<(), String> {
 
 /// A describer answering garbage: a placeholder.
 async fn describer_garbage() -> Result<(), String> {
-    let mock = MockUpstream::start(|r| {
-        if is_describer_call(r) {
-            Reply::json(200, "{not json")
-        } else {
-            chat_ok()
-        }
-    })
-    .await;
-    let visor = Visor::for_mock(
-        &mock,
-        "[describer]\nupstream = \"mock\"\nmodel = \"gpt-4o-mini\"\n",
-    )
-    .await;
+    let (mock, visor) = describing(|_| Reply::json(200, "{not json"), "").await;
     let body = chat_with_images("gpt-oss-120b", &[png_data_url("describer-garbage").0]);
     let (status, _, _) = post_chat(&visor, body).await;
     check(status == 200, format!("status {status}"))?;
+    asked_describer(&mock)?;
     let sent = mock
         .recorded()
         .into_iter()
