@@ -210,13 +210,8 @@ async fn an_upstream_that_never_answers_is_504() {
     assert_error(&post_chat(&visor, CHAT).await, 504, "upstream_timeout");
     // The abandoned upstream request is closed, not left hanging.
     assert!(mock.wait_closed(1, BOUND).await);
-    let m = visor.metrics().await;
     assert_eq!(
-        metric(
-            &m,
-            "visor_upstream_errors_total",
-            &[("kind", "first_byte_timeout")]
-        ),
+        upstream_errors(&visor, "first_byte_timeout").await,
         Some(1.0)
     );
 }

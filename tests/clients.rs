@@ -146,6 +146,13 @@ fn node_bin(name: &str) -> Result<PathBuf, String> {
     Ok(bin)
 }
 
+/// [`node_bin`] off the runtime's threads.
+async fn node_cli(name: &'static str) -> Result<PathBuf, String> {
+    tokio::task::spawn_blocking(move || node_bin(name))
+        .await
+        .unwrap()
+}
+
 /// The venv's python with the pins of `tests/clients/requirements.txt`
 /// (installed when a version differs).
 fn venv_python() -> Result<PathBuf, String> {
@@ -1026,9 +1033,11 @@ sdk_tests! {
 
 const AGENT_PROMPT: &str = "Look at chart.png, then print notes.txt twice.";
 
-/// Codex's side of the loop: view the PNG, then `cat` the notes twice.
-fn codex_script(work: &Path) -> Script {
-    Script {
+/// A work folder for `test`, and Codex's side of the loop there: view the
+/// PNG, then `cat` the notes twice.
+fn codex_work(test: &str) -> (PathBuf, Script) {
+    let work = workdir(test);
+    let script = Script {
         wire: Wire::Responses,
         calls: vec![
             ("view_image", json!({"path": work.join("chart.png")})),
@@ -1036,7 +1045,8 @@ fn codex_script(work: &Path) -> Script {
             ("exec_command", json!({"cmd": "cat notes.txt"})),
         ],
         text: FINAL,
-    }
+    };
+    (work, script)
 }
 
 /// Runs `codex exec` in `work` with a `CODEX_HOME` of its own whose
@@ -1111,15 +1121,9 @@ stream_max_retries = 0
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_cli_exec_with_session() {
     const T: &str = "codex_cli_exec_with_session";
-    let codex = need!(
-        T,
-        tokio::task::spawn_blocking(|| node_bin("codex"))
-            .await
-            .unwrap()
-    );
+    let codex = need!(T, node_cli("codex").await);
     const MODEL: &str = "visor-test-codex";
-    let work = workdir(T);
-    let script = codex_script(&work);
+    let (work, script) = codex_work(T);
     let mock = MockUpstream::start(upstream(script.clone(), MODEL)).await;
     let visor = visor_for(&mock, MODEL).await;
     let base = visor.url("/v1");
@@ -1221,15 +1225,9 @@ async fn ws_upstream(script: Script, model: &'static str) -> (String, Arc<Mutex<
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_cli_exec_over_websocket() {
     const T: &str = "codex_cli_exec_over_websocket";
-    let codex = need!(
-        T,
-        tokio::task::spawn_blocking(|| node_bin("codex"))
-            .await
-            .unwrap()
-    );
+    let codex = need!(T, node_cli("codex").await);
     const MODEL: &str = "visor-test-codex-ws";
-    let work = workdir(T);
-    let script = codex_script(&work);
+    let (work, script) = codex_work(T);
     let (url, seen) = ws_upstream(script.clone(), MODEL).await;
     let visor = visor_at(&url, MODEL).await;
     let base = visor.url("/v1");
@@ -1300,12 +1298,7 @@ async fn codex_cli_exec_over_websocket() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claude_code_print_with_session() {
     const T: &str = "claude_code_print_with_session";
-    let claude = need!(
-        T,
-        tokio::task::spawn_blocking(|| node_bin("claude"))
-            .await
-            .unwrap()
-    );
+    let claude = need!(T, node_cli("claude").await);
     const MODEL: &str = "claude-visor-test-code";
     let work = workdir(T);
     let script = Script {

@@ -79,12 +79,7 @@ async fn upstream_failing_mid_stream_cuts_the_client_stream_without_done() {
     assert!(end.is_err(), "the stream must end abnormally, got {end:?}");
     assert!(text.contains("t0") && text.contains("t1"), "{text}");
     assert!(!text.contains("[DONE]"));
-    let m = visor.metrics().await;
-    assert_eq!(
-        metric(&m, "visor_upstream_errors_total", &[("kind", "reset")]),
-        Some(1.0),
-        "{m}"
-    );
+    assert_eq!(upstream_errors(&visor, "reset").await, Some(1.0));
 }
 
 #[tokio::test]
@@ -99,15 +94,7 @@ async fn idle_gap_deadline_cuts_a_stalled_stream() {
     // Nothing more is sent: visor must cut the stream itself.
     let end = next_data(&mut body, BOUND).await;
     assert_cut(&end);
-    let m = visor.metrics().await;
-    assert_eq!(
-        metric(
-            &m,
-            "visor_upstream_errors_total",
-            &[("kind", "idle_timeout")]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(upstream_errors(&visor, "idle_timeout").await, Some(1.0));
 }
 
 #[tokio::test]
@@ -129,15 +116,7 @@ async fn total_deadline_cuts_a_stream_that_keeps_talking() {
     assert_cut(&end);
     let sent = feeder.await.unwrap();
     assert!(sent < 200, "the upstream stream should have been cancelled");
-    let m = visor.metrics().await;
-    assert_eq!(
-        metric(
-            &m,
-            "visor_upstream_errors_total",
-            &[("kind", "request_timeout")]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(upstream_errors(&visor, "request_timeout").await, Some(1.0));
 }
 
 #[tokio::test]
@@ -278,13 +257,5 @@ async fn a_slow_head_within_the_first_byte_deadline_still_gets_the_idle_check() 
     let (text, end) = read_stream(&mut body, BOUND).await;
     assert!(text.contains("t0"), "{text}");
     assert_cut(&end);
-    let m = visor.metrics().await;
-    assert_eq!(
-        metric(
-            &m,
-            "visor_upstream_errors_total",
-            &[("kind", "idle_timeout")]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(upstream_errors(&visor, "idle_timeout").await, Some(1.0));
 }

@@ -706,6 +706,15 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         .reduce(|a, b| a + b)
 }
 
+/// visor's `visor_upstream_errors_total` of this `kind`, all upstreams.
+pub async fn upstream_errors(visor: &Visor, kind: &str) -> Option<f64> {
+    metric(
+        &visor.metrics().await,
+        "visor_upstream_errors_total",
+        &[("kind", kind)],
+    )
+}
+
 // ----------------------------------------------------------------- client
 
 pub type Client = hyper_util::client::legacy::Client<
