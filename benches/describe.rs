@@ -53,7 +53,7 @@ fn png(salt: usize) -> Vec<u8> {
 
 fn subject(bytes: &[u8]) -> Subject {
     Subject {
-        sha256: visor::transform::images::sha256_hex(bytes),
+        sha256: visor::transform::decode::sha256_hex(bytes),
         image: SubjectImage::Inline {
             media_type: "image/png".into(),
             bytes: bytes.to_vec().into(),

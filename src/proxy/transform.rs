@@ -184,7 +184,7 @@ pub async fn after_refusal(
         .report
         .images
         .iter()
-        .any(|n| n.reason == Some(transform::images::Reason::NonVision))
+        .any(|n| n.reason == Some(transform::placeholder::Reason::NonVision))
     {
         return None;
     }

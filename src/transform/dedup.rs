@@ -36,8 +36,8 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 
 use serde_json::Value;
 
-use super::images::{Role, Scan};
 use super::json::{Cursor, is_json, quote};
+use super::walk::{Role, Scan};
 
 /// A tool result's head (its leading short lines) is at most this many
 /// lines long.
@@ -797,7 +797,7 @@ pub fn is_own(line: &str) -> bool {
 }
 
 /// A line visor wrote in place of an image (always one line: see
-/// `images::placeholder`).
+/// `placeholder::placeholder`).
 fn is_image_text(line: &str) -> bool {
     line.starts_with("[image ")
 }

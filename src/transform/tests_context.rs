@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
-use super::images::sha256_hex;
+use super::decode::sha256_hex;
 use super::*;
 
 fn fixture(name: &str) -> Vec<u8> {

@@ -1,38 +1,33 @@
-//! Finding every image in a request, and replacing the chosen ones in place.
+//! The walk: every image in a request, found in one pass over its bytes.
 //!
 //! [`scan`] walks the request once (see [`super::json`]) and returns each
 //! image with where it sits: a content part (Chat `image_url`, MCP-native
 //! `{"type":"image","data","mimeType"}`, Responses `input_image`, Anthropic
 //! `image` blocks — also inside tool results), or hidden in the text of a
-//! user or tool message (a `data:image/…;base64,` URL, or JSON-stringified
-//! MCP output). Base64 images are decoded and hashed here, once.
+//! user or tool message ([`super::in_text`]: a `data:image/…;base64,` URL,
+//! or JSON-stringified MCP output). The walk also records every message's
+//! role and text strings, for the image rules and line dedup.
 //!
-//! Base64 images are not decoded by the walk: [`Scan::resolve`] decodes and
-//! hashes the ones a caller is going to replace, so an image that passes
-//! through (a vision model's) costs the walk over its string and nothing more.
-//! The walk also records every message's role and text strings, for the
-//! image rules and line dedup.
-//!
-//! [`Scan::apply`] then replaces the images a caller chose with one text
-//! part each, splicing only those byte ranges: no message is added or
-//! removed, every other byte (unknown fields included) stays as it was.
+//! Base64 images are not decoded by the walk: [`Scan::resolve`]
+//! ([`super::decode`]) decodes and hashes the ones a caller is going to
+//! replace, so an image that passes through (a vision model's) costs the
+//! walk over its string and nothing more. [`super::assemble`] then writes
+//! the request with the chosen images replaced.
 
-use std::borrow::Cow;
 use std::ops::Range;
 
 use bytes::Bytes;
-use serde::Serialize;
-use sha2::{Digest, Sha256};
 
-use super::json::{Cursor, Kind, Malformed, Result, Str, quote, splice, splice_compact};
+use super::decode::read_lazily;
+use super::in_text::{InTextFound, TextRaw, find_in_text};
+use super::json::{Cursor, Kind, Malformed, Result, Str};
 use super::{Shape, Subject, SubjectImage};
-use crate::artifacts::{Artifact, sniff_media_type};
 
 /// Descent into nested tool results stops here (deeper ones are left as
 /// they are).
-const MAX_NESTING: usize = 8;
+pub(super) const MAX_NESTING: usize = 8;
 /// Depth of the generic walk over JSON found inside a text.
-const MAX_TEXT_JSON_DEPTH: usize = 32;
+pub(super) const MAX_TEXT_JSON_DEPTH: usize = 32;
 
 /// What an image is, once read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,7 +51,7 @@ pub enum Source {
 
 /// Where an image sits in the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Site {
+pub(super) enum Site {
     /// A whole content part (its object's byte range).
     Part(Range<usize>),
     /// Inside the decoded text of text spot `spot`: a JSON object of a
@@ -74,10 +69,10 @@ enum Site {
 
 /// Where the base64 text of an image not decoded yet is.
 #[derive(Debug, Clone)]
-struct Pending {
+pub(super) struct Pending {
     /// In a text spot's decoded text (`Some(spot)`), else in the body.
-    spot: Option<usize>,
-    range: Range<usize>,
+    pub(super) spot: Option<usize>,
+    pub(super) range: Range<usize>,
 }
 
 /// One image found in the request.
@@ -96,13 +91,13 @@ pub struct Found {
     pub in_tool_result: bool,
     /// A readable location, e.g. `messages[3].content[1]`.
     pub path: String,
-    site: Site,
-    bytes: Option<Bytes>,
-    pending: Option<Pending>,
+    pub(super) site: Site,
+    pub(super) bytes: Option<Bytes>,
+    pub(super) pending: Option<Pending>,
     /// Prompt-cache markers of the part (`"cache_control": …`,
     /// `"prompt_cache_breakpoint": …` members, their byte ranges in the
     /// body): the text that replaces the part carries them.
-    markers: Vec<Range<usize>>,
+    pub(super) markers: Vec<Range<usize>>,
 }
 
 impl Found {
@@ -130,29 +125,29 @@ impl Found {
 
 /// A string in the request whose text may hold images or be rewritten.
 #[derive(Debug, Clone)]
-struct Spot {
-    lit: Str,
+pub(super) struct Spot {
+    pub(super) lit: Str,
     /// Decoded text, kept when something was found in it.
-    text: Option<String>,
+    pub(super) text: Option<String>,
 }
 
 /// A Chat tool message's content array: when every image in it is
 /// replaced, it becomes one string (providers that take only a string as
 /// tool content stay valid).
 #[derive(Debug, Clone)]
-struct Collapsible {
+pub(super) struct Collapsible {
     /// The message.
-    item: usize,
-    range: Range<usize>,
-    parts: Vec<PartRef>,
+    pub(super) item: usize,
+    pub(super) range: Range<usize>,
+    pub(super) parts: Vec<PartRef>,
 }
 
 /// A content array: its range, its parts, and whether every part is text
 /// or image.
-type ContentArray = (Range<usize>, Vec<PartRef>, bool);
+pub(super) type ContentArray = (Range<usize>, Vec<PartRef>, bool);
 
 #[derive(Debug, Clone)]
-enum PartRef {
+pub(super) enum PartRef {
     Text(usize),
     Image(usize),
 }
@@ -212,8 +207,8 @@ pub struct Scan {
     /// The call a tool result answers, by (message, unit): Chat
     /// `tool_call_id`, Responses `call_id`, Anthropic `tool_use_id`.
     pub call_ids: Vec<(usize, u32, Str)>,
-    spots: Vec<Spot>,
-    collapsible: Vec<Collapsible>,
+    pub(super) spots: Vec<Spot>,
+    pub(super) collapsible: Vec<Collapsible>,
 }
 
 /// Reads the request once and finds every image in it.
@@ -242,62 +237,62 @@ pub fn scan(body: &[u8], shape: Shape) -> std::result::Result<Scan, Malformed> {
     Ok(w.out)
 }
 
-struct Walker<'a> {
-    src: &'a [u8],
-    shape: Shape,
-    items_key: &'static str,
-    out: Scan,
+pub(super) struct Walker<'a> {
+    pub(super) src: &'a [u8],
+    pub(super) shape: Shape,
+    pub(super) items_key: &'static str,
+    pub(super) out: Scan,
 }
 
 /// Per-message context while walking its content.
-struct Msg {
-    index: usize,
+pub(super) struct Msg {
+    pub(super) index: usize,
     /// Images and spots found in this message, finished at its end when the
     /// role is known: (spot, in a tool result, unit).
-    first_image: usize,
-    spots: Vec<(usize, bool, u32)>,
+    pub(super) first_image: usize,
+    pub(super) spots: Vec<(usize, bool, u32)>,
     /// The unit being walked, and the last one given out.
-    unit: u32,
-    units: u32,
+    pub(super) unit: u32,
+    pub(super) units: u32,
     /// A part of this message carries a prompt-cache marker: its content
     /// array is never collapsed into a string (the marker would go).
-    cache_markers: bool,
+    pub(super) cache_markers: bool,
 }
 
 /// The fields of a content part the classifier needs.
 #[derive(Default)]
-struct PartFields {
-    ty: Option<Str>,
-    image_url: Option<Str>,
-    image_url_bad: bool,
-    data: Option<Str>,
-    media_type: Option<Str>,
-    source_type: Option<Str>,
-    source_media_type: Option<Str>,
-    source_data: Option<Str>,
-    source_url: Option<Str>,
-    source_file: Option<Str>,
-    source_bad: bool,
-    file_id: Option<Str>,
-    text: Option<Str>,
-    tool_use_id: Option<Str>,
+pub(super) struct PartFields {
+    pub(super) ty: Option<Str>,
+    pub(super) image_url: Option<Str>,
+    pub(super) image_url_bad: bool,
+    pub(super) data: Option<Str>,
+    pub(super) media_type: Option<Str>,
+    pub(super) source_type: Option<Str>,
+    pub(super) source_media_type: Option<Str>,
+    pub(super) source_data: Option<Str>,
+    pub(super) source_url: Option<Str>,
+    pub(super) source_file: Option<Str>,
+    pub(super) source_bad: bool,
+    pub(super) file_id: Option<Str>,
+    pub(super) text: Option<Str>,
+    pub(super) tool_use_id: Option<Str>,
     /// `"cache_control": …` and `"prompt_cache_breakpoint": …` members
     /// (key through value).
-    markers: Vec<Range<usize>>,
+    pub(super) markers: Vec<Range<usize>>,
     /// A bare `url` (LangChain standard blocks, Vercel `image-url`).
-    url: Option<Str>,
+    pub(super) url: Option<Str>,
     /// An Anthropic `document` whose `source` is `{"type":"content",
     /// "content":[…]}`: where that content array is (it may hold images).
-    source_content: Option<Range<usize>>,
+    pub(super) source_content: Option<Range<usize>>,
     /// An MCP embedded resource's `blob` and `mimeType`.
-    resource_blob: Option<Str>,
-    resource_mime: Option<Str>,
+    pub(super) resource_blob: Option<Str>,
+    pub(super) resource_mime: Option<Str>,
 }
 
 impl PartFields {
     /// Reads the value of `key` when it is one of the fields an image part
     /// is recognised by; false (nothing consumed) for any other key.
-    fn read(&mut self, c: &mut Cursor<'_>, src: &[u8], key: &Str) -> Result<bool> {
+    pub(super) fn read(&mut self, c: &mut Cursor<'_>, src: &[u8], key: &Str) -> Result<bool> {
         let k = |name: &str| key.is(src, name);
         let kind = c.kind()?;
         let string = kind == Kind::String;
@@ -701,7 +696,7 @@ impl Walker<'_> {
 
 /// Where an image's bytes are, before decoding.
 #[derive(Debug)]
-enum Raw {
+pub(super) enum Raw {
     /// A `data:` URL string literal.
     DataUrl(Str),
     /// A `data:` URL inside a decoded text (a byte range, no quotes).
@@ -714,7 +709,7 @@ enum Raw {
 }
 
 /// Decides whether a part is an image, and where its bytes are.
-fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
+pub(super) fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
     let url_like = |s: &Str| {
         if s.raw(src).starts_with(b"data:") {
             Raw::DataUrl(s.clone())
@@ -818,7 +813,7 @@ fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
 }
 
 /// What a message is, from its `role` and its `type` (Responses items).
-fn role_of(role: Option<&str>, ty: Option<&str>, is_output: bool) -> Role {
+pub(super) fn role_of(role: Option<&str>, ty: Option<&str>, is_output: bool) -> Role {
     if is_output {
         return Role::Tool;
     }
@@ -835,684 +830,4 @@ fn role_of(role: Option<&str>, ty: Option<&str>, is_output: bool) -> Role {
         // what the model produced.
         (None, Some(_)) => Role::Assistant,
     }
-}
-
-fn hex(digest: &[u8]) -> String {
-    use std::fmt::Write;
-    let mut s = String::with_capacity(digest.len() * 2);
-    for b in digest {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
-}
-
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
-}
-
-/// What the walk knows of one image: base64 text without escapes is left
-/// to decode later ([`Scan::resolve`]); everything else is read now.
-type Read = (String, Source, Option<Vec<u8>>, Option<Pending>);
-
-fn read_lazily(src: &[u8], raw: Raw, spot: Option<usize>) -> Read {
-    let text = |s: &Str| s.decode(src).map(|c| c.into_owned()).unwrap_or_default();
-    let encoded = |media_type: String, range: Range<usize>| {
-        (
-            String::new(),
-            Source::Encoded {
-                media_type: media_type.to_ascii_lowercase(),
-            },
-            None,
-            Some(Pending { spot, range }),
-        )
-    };
-    match raw {
-        Raw::Base64(d, mt) if !d.escaped => {
-            let mt = mt.map(|m| text(&m)).unwrap_or_default();
-            encoded(mt, d.range.start + 1..d.range.end - 1)
-        }
-        Raw::DataUrl(s) if !s.escaped => {
-            let start = s.range.start + 1;
-            match data_url_payload(s.raw(src)) {
-                Some((mt, at)) => encoded(mt, start + at..s.range.end - 1),
-                None => eager(src, Raw::DataUrl(s)),
-            }
-        }
-        Raw::DataUrlInText(range) => match src.get(range.clone()).and_then(data_url_payload) {
-            Some((mt, at)) => encoded(mt, range.start + at..range.end),
-            None => eager(src, Raw::DataUrlInText(range)),
-        },
-        raw => eager(src, raw),
-    }
-}
-
-fn eager(src: &[u8], raw: Raw) -> Read {
-    let (sha, source, bytes) = read_image(src, raw);
-    (sha, source, bytes, None)
-}
-
-/// A base64 data URL's media type and where its payload starts.
-fn data_url_payload(url: &[u8]) -> Option<(String, usize)> {
-    let comma = memchr::memchr(b',', url)?;
-    let head = std::str::from_utf8(url.get(..comma + 1)?).ok()?;
-    let (mt, _) = split_data_url(head)?;
-    Some((mt.to_owned(), comma + 1))
-}
-
-/// Decodes and hashes one image.
-fn read_image(src: &[u8], raw: Raw) -> (String, Source, Option<Vec<u8>>) {
-    let text = |s: &Str| s.decode(src).map(|c| c.into_owned()).unwrap_or_default();
-    match raw {
-        Raw::Url(u) => {
-            let url = text(&u);
-            (sha256_hex(url.as_bytes()), Source::Url(url), None)
-        }
-        Raw::File(id) => {
-            let id = text(&id);
-            (sha256_hex(id.as_bytes()), Source::File(id), None)
-        }
-        Raw::Broken(why) => (sha256_hex(b""), Source::Broken(why), None),
-        Raw::DataUrlInText(range) => {
-            let url = src
-                .get(range)
-                .and_then(|b| std::str::from_utf8(b).ok())
-                .unwrap_or_default();
-            read_data_url(url)
-        }
-        Raw::DataUrl(s) => read_data_url(&s.decode(src).unwrap_or_default()),
-        Raw::Base64(d, mt) => {
-            let mt = mt.and_then(|m| m.decode(src)).unwrap_or_default();
-            if d.escaped {
-                let data = d.decode(src).unwrap_or_default();
-                decode_image(data.as_bytes(), &mt)
-            } else {
-                decode_image(d.raw(src), &mt)
-            }
-        }
-    }
-}
-
-fn read_data_url(url: &str) -> (String, Source, Option<Vec<u8>>) {
-    match split_data_url(url) {
-        Some((mt, b64)) => decode_image(b64.as_bytes(), mt),
-        None => (
-            sha256_hex(url.as_bytes()),
-            Source::Broken("a data URL that is not base64"),
-            None,
-        ),
-    }
-}
-
-/// `data:image/png;base64,AAAA` → (`image/png`, `AAAA`).
-fn split_data_url(url: &str) -> Option<(&str, &str)> {
-    let rest = url.strip_prefix("data:")?;
-    let comma = rest.find(',')?;
-    let (meta, data) = (&rest[..comma], &rest[comma + 1..]);
-    let meta = meta.strip_suffix(";base64")?;
-    let mt = meta.split(';').next().unwrap_or("");
-    Some((mt, data))
-}
-
-fn decode_image(b64: &[u8], declared: &str) -> (String, Source, Option<Vec<u8>>) {
-    let decoded = base64_simd::STANDARD
-        .decode_to_vec(b64)
-        .or_else(|_| base64_simd::forgiving_decode_to_vec(b64))
-        .or_else(|_| base64_simd::URL_SAFE_NO_PAD.decode_to_vec(trim_pad(b64)));
-    match decoded {
-        Err(_) => (
-            sha256_hex(b64),
-            Source::Broken("its base64 data is invalid"),
-            None,
-        ),
-        Ok(bytes) if bytes.is_empty() => (sha256_hex(b""), Source::Broken("it is empty"), None),
-        Ok(bytes) => {
-            let sha = sha256_hex(&bytes);
-            let sniffed = sniff_media_type(&bytes);
-            let media_type = if declared.is_empty() {
-                sniffed.unwrap_or("application/octet-stream").to_owned()
-            } else {
-                declared.to_ascii_lowercase()
-            };
-            let dims = imagesize::blob_size(&bytes)
-                .ok()
-                .map(|s| (s.width, s.height));
-            let size = bytes.len();
-            (
-                sha,
-                Source::Inline {
-                    media_type,
-                    size,
-                    dims,
-                },
-                Some(bytes),
-            )
-        }
-    }
-}
-
-fn trim_pad(b: &[u8]) -> &[u8] {
-    let mut end = b.len();
-    while end > 0 && b[end - 1] == b'=' {
-        end -= 1;
-    }
-    &b[..end]
-}
-
-/// An image found in a text.
-struct InTextFound {
-    /// Its bytes in the text (an object, or a data URL).
-    range: Range<usize>,
-    object: bool,
-    /// JSON string encodings between the text and the image.
-    escapes: u8,
-    raw: TextRaw,
-}
-
-/// Where a found image's bytes are: in the text itself (read lazily from
-/// it), or inside a JSON string in it (read already, from the decoded
-/// string).
-enum TextRaw {
-    Here(Raw),
-    Read(Read),
-}
-
-/// Images in a text: JSON objects of a stringified tool result (MCP
-/// `{"type":"image",…}` and the other image part shapes), also inside JSON
-/// strings in that JSON (a result stringified twice, up to
-/// [`MAX_TEXT_JSON_DEPTH`] levels), and `data:image/…;base64,…` URLs outside
-/// them. Ranges are in `text`.
-fn find_in_text(text: &str) -> Vec<InTextFound> {
-    find_in_text_at(text, 0)
-}
-
-fn find_in_text_at(text: &str, depth: usize) -> Vec<InTextFound> {
-    let mut out = Vec::new();
-    let t = text.trim_start();
-    if (t.starts_with('{') || t.starts_with('['))
-        && memchr::memmem::find(text.as_bytes(), b"image").is_some()
-        && super::json::is_json(text.as_bytes())
-    {
-        let mut c = Cursor::new(text.as_bytes());
-        let _ = json_images(&mut c, &mut out, depth);
-    }
-    let bytes = text.as_bytes();
-    let mut at = 0;
-    while let Some(k) = memchr::memmem::find(&bytes[at..], b"data:image/") {
-        let start = at + k;
-        let end = data_url_end(bytes, start);
-        at = end.max(start + 1);
-        if out.iter().any(|f| f.range.contains(&start)) {
-            continue;
-        }
-        if let Some(end) = end_if_base64(bytes, start, end) {
-            out.push(InTextFound {
-                range: start..end,
-                object: false,
-                escapes: 0,
-                raw: TextRaw::Here(Raw::DataUrlInText(start..end)),
-            });
-        }
-    }
-    out.sort_by_key(|f| f.range.start);
-    out
-}
-
-/// The images inside a JSON string of a text (the string `lit`, its
-/// content JSON itself): found in the decoded string, their ranges mapped
-/// back to the text, one encoding deeper, their bytes read now.
-fn images_in_string(src: &[u8], lit: &Str, depth: usize) -> Vec<InTextFound> {
-    let raw = lit.raw(src);
-    if !lit.escaped || memchr::memmem::find(raw, b"image").is_none() {
-        return Vec::new();
-    }
-    let Some((decoded, map)) = unescape_mapped(raw, lit.range.start + 1) else {
-        return Vec::new();
-    };
-    let found = find_in_text_at(&decoded, depth + 1);
-    found
-        .into_iter()
-        .filter_map(|f| {
-            let range = *map.get(f.range.start)?..*map.get(f.range.end)?;
-            let read = match f.raw {
-                TextRaw::Here(raw) => eager(decoded.as_bytes(), raw),
-                TextRaw::Read(read) => read,
-            };
-            Some(InTextFound {
-                range,
-                object: f.object,
-                escapes: f.escapes.saturating_add(1),
-                raw: TextRaw::Read(read),
-            })
-        })
-        .collect()
-}
-
-/// Decodes a JSON string's raw content, with where each decoded byte came
-/// from (`base` + its offset in `raw`; one more entry for the end).
-fn unescape_mapped(raw: &[u8], base: usize) -> Option<(String, Vec<usize>)> {
-    let mut out = Vec::with_capacity(raw.len());
-    let mut map = Vec::with_capacity(raw.len() + 1);
-    let hex4 = |at: usize| -> Option<u32> {
-        let h = raw.get(at..at + 4)?;
-        u32::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok()
-    };
-    let mut i = 0;
-    while i < raw.len() {
-        if raw[i] != b'\\' {
-            out.push(raw[i]);
-            map.push(base + i);
-            i += 1;
-            continue;
-        }
-        let start = i;
-        let (ch, len) = match *raw.get(i + 1)? {
-            b'u' => {
-                let hi = hex4(i + 2)?;
-                if (0xD800..0xDC00).contains(&hi) && raw.get(i + 6..i + 8) == Some(b"\\u") {
-                    let lo = hex4(i + 8)?;
-                    let c = 0x10000 + ((hi - 0xD800) << 10) + (lo.checked_sub(0xDC00)? & 0x3FF);
-                    (char::from_u32(c)?, 12)
-                } else {
-                    (char::from_u32(hi)?, 6)
-                }
-            }
-            b'"' => ('"', 2),
-            b'\\' => ('\\', 2),
-            b'/' => ('/', 2),
-            b'b' => ('\u{8}', 2),
-            b'f' => ('\u{c}', 2),
-            b'n' => ('\n', 2),
-            b'r' => ('\r', 2),
-            b't' => ('\t', 2),
-            _ => return None,
-        };
-        let mut buf = [0u8; 4];
-        for &b in ch.encode_utf8(&mut buf).as_bytes() {
-            out.push(b);
-            map.push(base + start);
-        }
-        i += len;
-    }
-    map.push(base + raw.len());
-    Some((String::from_utf8(out).ok()?, map))
-}
-
-/// The end of a data URL's media type and parameters, up to the comma.
-fn data_url_end(b: &[u8], start: usize) -> usize {
-    let mut i = start + "data:".len();
-    while i < b.len() && (b[i].is_ascii_alphanumeric() || b"/+.-;=_".contains(&b[i])) {
-        i += 1;
-    }
-    i
-}
-
-/// When the data URL at `start` (head up to `head_end`) is `;base64,`,
-/// the end of its base64 payload.
-fn end_if_base64(b: &[u8], start: usize, head_end: usize) -> Option<usize> {
-    if !b[start..head_end].ends_with(b";base64") || b.get(head_end) != Some(&b',') {
-        return None;
-    }
-    let mut i = head_end + 1;
-    while i < b.len() && (b[i].is_ascii_alphanumeric() || b"+/=-_".contains(&b[i])) {
-        i += 1;
-    }
-    Some(i)
-}
-
-/// The generic walk of JSON inside a text: any object shaped like an image
-/// part is an image, wherever it sits.
-fn json_images(c: &mut Cursor<'_>, out: &mut Vec<InTextFound>, depth: usize) -> Result<()> {
-    if depth > MAX_TEXT_JSON_DEPTH {
-        c.skip()?;
-        return Ok(());
-    }
-    match c.kind()? {
-        Kind::String => {
-            let lit = c.string()?;
-            out.extend(images_in_string(c.src(), &lit, depth));
-            Ok(())
-        }
-        Kind::Array => c.array(|c, _| json_images(c, out, depth + 1)).map(drop),
-        Kind::Object => {
-            let src = c.src();
-            let mut f = PartFields::default();
-            let before = out.len();
-            let range = c.object(|c, key| {
-                if !f.read(c, src, &key)? {
-                    json_images(c, out, depth + 1)?;
-                }
-                Ok(())
-            })?;
-            // A part's `text` (read as a field) may itself be JSON holding
-            // images, stringified once more.
-            if let Some(text) = &f.text {
-                out.extend(images_in_string(src, text, depth));
-            }
-            if let Some(ty) = &f.ty
-                && let Some(raw) = classify(src, ty, &f)
-            {
-                out.truncate(before);
-                out.push(InTextFound {
-                    range,
-                    object: true,
-                    escapes: 0,
-                    raw: TextRaw::Here(raw),
-                });
-            }
-            Ok(())
-        }
-        _ => c.skip().map(drop),
-    }
-}
-
-/// Why an image is replaced.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Reason {
-    /// The model cannot see images.
-    NonVision,
-    /// In a tool result more than `keep_turns` assistant turns old.
-    AgedOut,
-    /// Beyond the newest `max_per_request` images (or the model's
-    /// `max_images`).
-    Capped,
-    /// A later copy of an image that appears earlier in the request.
-    Deduped,
-}
-
-impl Reason {
-    fn words(self) -> &'static str {
-        match self {
-            Reason::NonVision => "this model cannot see images",
-            Reason::AgedOut => "an older tool result",
-            Reason::Capped => "over this request's image limit",
-            Reason::Deduped => "the same image as earlier in this conversation",
-        }
-    }
-}
-
-/// The text that takes an image's place: `sha256:` and 12 hex digits, what
-/// the image was, and either its description or why it is not shown. The
-/// same image always gives the same text (provider prompt caches keep
-/// hitting).
-pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> String {
-    let short = img.sha256.get(..12).unwrap_or(&img.sha256);
-    if reason == Reason::Deduped {
-        return format!("[image sha256:{short}: {}]", reason.words());
-    }
-    let what = match &img.source {
-        Source::Encoded { media_type } => format!("image sha256:{short}, {media_type}"),
-        Source::Inline {
-            media_type, dims, ..
-        } => match dims {
-            Some((w, h)) => format!("image sha256:{short}, {media_type} {w}x{h}"),
-            None => format!("image sha256:{short}, {media_type}"),
-        },
-        Source::Url(url) if keepable(url) => format!("image {url} (sha256:{short})"),
-        Source::Url(url) => format!("image sha256:{short}, a {}-character URL", url.len()),
-        Source::File(id) => format!("image file {id} (sha256:{short})"),
-        Source::Broken(why) => {
-            return format!("[image sha256:{short} removed: {why}]");
-        }
-    };
-    match description {
-        // One line, so it stays visor's own on a second pass.
-        Some(d) if d.contains(['\n', '\r']) => {
-            let d: String = d
-                .chars()
-                .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
-                .collect();
-            format!("[{what}, described: {d}]")
-        }
-        Some(d) => format!("[{what}, described: {d}]"),
-        None => format!("[{what}: not shown, {}]", reason.words()),
-    }
-}
-
-/// Whether a URL is kept in the text that replaces its image: not when it
-/// is long or carries inline data (the text would then hold the image it
-/// replaces, or be found again as one), nor when it holds a control
-/// character (a line break would split visor's one-line text).
-fn keepable(url: &str) -> bool {
-    url.len() <= 2048
-        && !url.contains("data:")
-        && !url.contains("base64,")
-        && !url.contains(char::is_control)
-}
-
-impl Scan {
-    /// How many bytes image `i` takes where it sits (its part, or its
-    /// object or URL inside a text).
-    pub fn image_len(&self, i: usize) -> usize {
-        match self.images.get(i).map(|f| &f.site) {
-            Some(Site::Part(r)) => r.len(),
-            Some(Site::InText { range, .. }) => range.len(),
-            None => 0,
-        }
-    }
-
-    /// Decodes and hashes image `i` when the walk left it encoded (its
-    /// SHA-256, media type, size and dimensions are then known).
-    pub fn resolve(&mut self, i: usize, body: &[u8]) {
-        let Some(img) = self.images.get(i) else {
-            return;
-        };
-        let Some(p) = &img.pending else { return };
-        let declared = match &img.source {
-            Source::Encoded { media_type } => media_type.as_str(),
-            _ => "",
-        };
-        let src = match p.spot {
-            None => body,
-            Some(s) => self
-                .spots
-                .get(s)
-                .and_then(|s| s.text.as_deref())
-                .unwrap_or_default()
-                .as_bytes(),
-        };
-        let (sha256, source, bytes) =
-            decode_image(src.get(p.range.clone()).unwrap_or_default(), declared);
-        if let Some(img) = self.images.get_mut(i) {
-            img.sha256 = sha256;
-            img.source = source;
-            img.bytes = bytes.map(Bytes::from);
-            img.pending = None;
-        }
-    }
-
-    /// What tells image `i` apart from others without decoding it: its
-    /// base64 text while encoded, else its SHA-256 hex. `None` for broken
-    /// data (never the same image as another).
-    pub fn identity<'a>(&'a self, i: usize, body: &'a [u8]) -> Option<&'a [u8]> {
-        let img = self.images.get(i)?;
-        if let Source::Broken(_) = img.source {
-            return None;
-        }
-        match &img.pending {
-            None => Some(img.sha256.as_bytes()),
-            Some(p) => {
-                let src = match p.spot {
-                    None => body,
-                    Some(s) => self.spots.get(s)?.text.as_deref()?.as_bytes(),
-                };
-                src.get(p.range.clone())
-            }
-        }
-    }
-
-    /// The text of spot `s` as the request has it.
-    pub fn spot_decoded<'a>(&'a self, s: usize, body: &'a [u8]) -> Option<Cow<'a, str>> {
-        let spot = self.spots.get(s)?;
-        match &spot.text {
-            Some(t) => Some(Cow::Borrowed(t.as_str())),
-            None => spot.lit.decode(body),
-        }
-    }
-
-    /// The length of the base64 text of image `i` when it is not decoded yet.
-    pub fn pending_len(&self, i: usize) -> Option<usize> {
-        self.images.get(i)?.pending.as_ref().map(|p| p.range.len())
-    }
-
-    /// The length of spot `s`'s string literal in the body, quotes included.
-    pub fn spot_literal_len(&self, s: usize) -> usize {
-        self.spots.get(s).map_or(0, |spot| spot.lit.range.len())
-    }
-
-    /// The new text of each spot that holds a replaced image (`texts[i]`:
-    /// the text that replaces image `i`, `None` to keep it).
-    pub fn spot_texts(&self, texts: &[Option<String>]) -> Vec<Option<String>> {
-        let mut spot_text: Vec<Option<String>> = vec![None; self.spots.len()];
-        for (s, spot) in self.spots.iter().enumerate() {
-            let Some(text) = &spot.text else { continue };
-            let mut edits = Vec::new();
-            for (i, img) in self.images.iter().enumerate() {
-                if let (
-                    Site::InText {
-                        spot,
-                        range,
-                        object,
-                        escapes,
-                    },
-                    Some(t),
-                ) = (&img.site, &texts[i])
-                    && *spot == s
-                {
-                    let mut new = if *object {
-                        text_part(Shape::Chat, t)
-                    } else {
-                        t.clone().into_bytes()
-                    };
-                    // Inside JSON strings: encoded as deep as the image was.
-                    for _ in 0..*escapes {
-                        let q = quote(&String::from_utf8_lossy(&new));
-                        new = q[1..q.len() - 1].to_vec();
-                    }
-                    edits.push((range.clone(), new));
-                }
-            }
-            if !edits.is_empty() {
-                let out = splice(text.as_bytes(), &edits);
-                spot_text[s] = Some(String::from_utf8_lossy(&out).into_owned());
-            }
-        }
-        spot_text
-    }
-
-    /// The string each collapsible Chat tool message becomes when all its
-    /// images are replaced (`texts[i]` set): its parts, images as their
-    /// texts, joined by line breaks. `None` for one that keeps its parts.
-    pub fn joined(
-        &self,
-        body: &[u8],
-        texts: &[Option<String>],
-        spot_text: &[Option<String>],
-    ) -> Vec<Option<String>> {
-        self.collapsible
-            .iter()
-            .map(|col| {
-                let mut parts = Vec::with_capacity(col.parts.len());
-                for p in &col.parts {
-                    parts.push(match p {
-                        PartRef::Image(i) => texts.get(*i)?.clone()?,
-                        PartRef::Text(s) => match spot_text.get(*s).and_then(Option::as_ref) {
-                            Some(t) => t.clone(),
-                            None => self
-                                .spot_decoded(*s, body)
-                                .map(Cow::into_owned)
-                                .unwrap_or_default(),
-                        },
-                    });
-                }
-                Some(parts.join("\n"))
-            })
-            .collect()
-    }
-
-    /// The message collapsible `c` (an index into [`Scan::joined`]'s
-    /// answer) is.
-    pub fn joined_item(&self, c: usize) -> usize {
-        self.collapsible.get(c).map_or(usize::MAX, |col| col.item)
-    }
-
-    /// Rewrites `body`: image `i` replaced by `texts[i]` when set, spot `s`
-    /// by `spot_text[s]` when set, collapsible Chat tool message `c` by
-    /// `joined[c]` when set (see [`Scan::joined`]). `None` when nothing is
-    /// to change.
-    pub fn assemble(
-        &self,
-        body: &[u8],
-        shape: Shape,
-        texts: &[Option<String>],
-        spot_text: &[Option<String>],
-        joined: &[Option<String>],
-    ) -> Option<Vec<u8>> {
-        if texts.iter().all(Option::is_none) && spot_text.iter().all(Option::is_none) {
-            return None;
-        }
-        let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::new();
-        for (i, img) in self.images.iter().enumerate() {
-            if let (Site::Part(range), Some(t)) = (&img.site, &texts[i]) {
-                let mut part = text_part(shape, t);
-                // The part's prompt-cache markers stay where they were.
-                for m in &img.markers {
-                    if let Some(member) = body.get(m.clone()) {
-                        part.pop();
-                        part.push(b',');
-                        part.extend_from_slice(member);
-                        part.push(b'}');
-                    }
-                }
-                edits.push((range.clone(), part));
-            }
-        }
-        for (s, t) in spot_text.iter().enumerate() {
-            if let Some(t) = t {
-                edits.push((self.spots[s].lit.range.clone(), quote(t)));
-            }
-        }
-        // A Chat tool message whose images are all replaced becomes a string.
-        for (col, text) in self.collapsible.iter().zip(joined) {
-            if let Some(text) = text {
-                edits.retain(|(r, _)| !(col.range.start <= r.start && r.end <= col.range.end));
-                edits.push((col.range.clone(), quote(text)));
-            }
-        }
-        edits.sort_by_key(|(r, _)| r.start);
-        Some(splice_compact(body, &edits))
-    }
-
-    /// The decoded bytes of images to save as artifacts, once per image.
-    /// Takes the decoded bytes out of the scan (no copy).
-    pub fn artifacts(&self, chosen: impl Fn(usize) -> bool) -> Vec<Artifact> {
-        let mut out: Vec<Artifact> = Vec::new();
-        for (i, img) in self.images.iter().enumerate() {
-            if chosen(i)
-                && !out.iter().any(|a| a.sha256 == img.sha256)
-                && let Some(bytes) = img.bytes.clone()
-            {
-                out.push(Artifact {
-                    sha256: img.sha256.clone(),
-                    bytes,
-                });
-            }
-        }
-        out
-    }
-}
-
-/// One text part in the request's own shape.
-fn text_part(shape: Shape, text: &str) -> Vec<u8> {
-    let ty = match shape {
-        Shape::Chat | Shape::Messages => "text",
-        Shape::Responses => "input_text",
-    };
-    let mut out = Vec::with_capacity(text.len() + 32);
-    out.extend_from_slice(b"{\"type\":\"");
-    out.extend_from_slice(ty.as_bytes());
-    out.extend_from_slice(b"\",\"text\":");
-    out.extend_from_slice(&quote(text));
-    out.push(b'}');
-    out
 }

@@ -1,0 +1,82 @@
+//! The text that replaces an image: what it was, why it is not shown, or
+//! its description. Always one line, so it stays visor's own on a second
+//! pass (see `dedup::is_own`).
+
+use serde::Serialize;
+
+use super::walk::*;
+
+/// Why an image is replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// The model cannot see images.
+    NonVision,
+    /// In a tool result more than `keep_turns` assistant turns old.
+    AgedOut,
+    /// Beyond the newest `max_per_request` images (or the model's
+    /// `max_images`).
+    Capped,
+    /// A later copy of an image that appears earlier in the request.
+    Deduped,
+}
+
+impl Reason {
+    fn words(self) -> &'static str {
+        match self {
+            Reason::NonVision => "this model cannot see images",
+            Reason::AgedOut => "an older tool result",
+            Reason::Capped => "over this request's image limit",
+            Reason::Deduped => "the same image as earlier in this conversation",
+        }
+    }
+}
+
+/// The text that takes an image's place: `sha256:` and 12 hex digits, what
+/// the image was, and either its description or why it is not shown. The
+/// same image always gives the same text (provider prompt caches keep
+/// hitting).
+pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> String {
+    let short = img.sha256.get(..12).unwrap_or(&img.sha256);
+    if reason == Reason::Deduped {
+        return format!("[image sha256:{short}: {}]", reason.words());
+    }
+    let what = match &img.source {
+        Source::Encoded { media_type } => format!("image sha256:{short}, {media_type}"),
+        Source::Inline {
+            media_type, dims, ..
+        } => match dims {
+            Some((w, h)) => format!("image sha256:{short}, {media_type} {w}x{h}"),
+            None => format!("image sha256:{short}, {media_type}"),
+        },
+        Source::Url(url) if keepable(url) => format!("image {url} (sha256:{short})"),
+        Source::Url(url) => format!("image sha256:{short}, a {}-character URL", url.len()),
+        Source::File(id) => format!("image file {id} (sha256:{short})"),
+        Source::Broken(why) => {
+            return format!("[image sha256:{short} removed: {why}]");
+        }
+    };
+    match description {
+        // One line, so it stays visor's own on a second pass.
+        Some(d) if d.contains(['\n', '\r']) => {
+            let d: String = d
+                .chars()
+                .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
+                .collect();
+            format!("[{what}, described: {d}]")
+        }
+        Some(d) => format!("[{what}, described: {d}]"),
+        None => format!("[{what}: not shown, {}]", reason.words()),
+    }
+}
+
+/// Whether a URL is kept in the text that replaces its image: not when it
+/// is long or carries inline data (the text would then hold the image it
+/// replaces, or be found again as one), nor when it holds a control
+/// character (a line break would split visor's one-line text).
+pub(super) fn keepable(url: &str) -> bool {
+    url.len() <= 2048
+        && !url.contains("data:")
+        && !url.contains("base64,")
+        && !url.contains(char::is_control)
+}
