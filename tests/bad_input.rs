@@ -11,6 +11,7 @@ use http_body_util::Full;
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 const BOUND: Duration = Duration::from_secs(10);
 
@@ -200,14 +201,22 @@ async fn a_closed_upstream_port_is_502() {
     );
 }
 
-#[tokio::test]
+/// Paused time (one worker, so all of visor runs on the test's clock): the
+/// 504 comes at the 10 s deadline, at no cost.
+#[tokio::test(start_paused = true)]
 async fn an_upstream_that_never_answers_is_504() {
     let mock = MockUpstream::builder()
         .fault(Fault::NeverAnswer)
         .start()
         .await;
-    let visor = Visor::for_mock(&mock, "[server]\nfirst_byte_timeout_secs = 0.3\n").await;
+    let visor = Visor::for_mock(
+        &mock,
+        "[server]\nworkers = 1\nfirst_byte_timeout_secs = 10\n",
+    )
+    .await;
+    let started = Instant::now();
     assert_error(&post_chat(&visor, CHAT).await, 504, "upstream_timeout");
+    assert_at(started.elapsed(), Duration::from_secs(10));
     // The abandoned upstream request is closed, not left hanging.
     assert!(mock.wait_closed(1, BOUND).await);
     assert_eq!(
@@ -250,10 +259,12 @@ async fn odd_but_valid_requests_still_pass() {
     assert_eq!(mock.recorded()[1].body, deeper.as_bytes());
 }
 
-#[tokio::test]
+/// Paused time: the 408 comes at the 5 s deadline, at no cost.
+#[tokio::test(start_paused = true)]
 async fn a_body_that_never_finishes_arriving_is_408() {
     let mock = ok_mock().await;
-    let visor = Visor::for_mock(&mock, "[server]\nrequest_timeout_secs = 0.5\n").await;
+    let visor = Visor::for_mock(&mock, "[server]\nworkers = 1\nrequest_timeout_secs = 5\n").await;
+    let started = Instant::now();
     // Promise 100 bytes, send 10, then wait.
     let mut s = TcpStream::connect(visor.addr).await.unwrap();
     s.write_all(
@@ -264,6 +275,7 @@ async fn a_body_that_never_finishes_arriving_is_408() {
     let resp = read_response(&mut s).await;
     assert!(resp.starts_with("HTTP/1.1 408"), "{resp}");
     assert!(resp.contains("request_timeout"), "{resp}");
+    assert_at(started.elapsed(), Duration::from_secs(5));
     assert_eq!(mock.count(), 0);
 }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use support::*;
+use tokio::time::Instant;
 
 const BOUND: Duration = Duration::from_secs(5);
 
@@ -82,47 +83,56 @@ async fn upstream_failing_mid_stream_cuts_the_client_stream_without_done() {
     assert_eq!(upstream_errors(&visor, "reset").await, Some(1.0));
 }
 
-#[tokio::test]
+/// Paused time (one worker, so all of visor runs on the test's clock): the
+/// 30 s gap costs nothing, and the cut comes at the deadline.
+#[tokio::test(start_paused = true)]
 async fn idle_gap_deadline_cuts_a_stalled_stream() {
     let mock = stalling_mock().await;
-    let visor = Visor::for_mock(&mock, "[server]\nidle_timeout_secs = 0.3\n").await;
+    let visor = Visor::for_mock(&mock, "[server]\nworkers = 1\nidle_timeout_secs = 30\n").await;
     let mut body = open_stream(&visor).await.into_body();
     assert_eq!(
         next_data(&mut body, BOUND).await.unwrap().unwrap(),
         sse_event(0)
     );
+    let since = Instant::now();
     // Nothing more is sent: visor must cut the stream itself.
-    let end = next_data(&mut body, BOUND).await;
+    let end = next_data(&mut body, PAUSED_BOUND).await;
     assert_cut(&end);
+    assert_at(since.elapsed(), Duration::from_secs(30));
     assert_eq!(upstream_errors(&visor, "idle_timeout").await, Some(1.0));
 }
 
-#[tokio::test]
+/// Paused time: an event every 100 ms for 20 s, cut at the 5 s deadline.
+#[tokio::test(start_paused = true)]
 async fn total_deadline_cuts_a_stream_that_keeps_talking() {
     let (mock, tx) = fed_once().await;
-    let visor = Visor::for_mock(&mock, "[server]\nrequest_timeout_secs = 0.5\n").await;
+    let visor = Visor::for_mock(&mock, "[server]\nworkers = 1\nrequest_timeout_secs = 5\n").await;
+    let started = Instant::now();
     let resp = open_stream(&visor).await;
     let feeder = tokio::spawn(async move {
         for i in 0..200 {
             if tx.send(Chunk::Data(sse_event(i))).await.is_err() {
                 return i;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         200
     });
     let mut body = resp.into_body();
     let (_, end) = read_stream(&mut body, BOUND).await;
     assert_cut(&end);
+    assert_at(started.elapsed(), Duration::from_secs(5));
     let sent = feeder.await.unwrap();
     assert!(sent < 200, "the upstream stream should have been cancelled");
     assert_eq!(upstream_errors(&visor, "request_timeout").await, Some(1.0));
 }
 
-#[tokio::test]
+/// Paused time: "stalled for 2 s" is two virtual seconds with nothing
+/// left to run.
+#[tokio::test(start_paused = true)]
 async fn a_client_that_does_not_read_holds_back_the_upstream() {
     let (mock, tx) = fed_once().await;
-    let visor = Visor::for_mock(&mock, "").await;
+    let visor = Visor::for_mock(&mock, "[server]\nworkers = 1\n").await;
     let resp = open_stream(&visor).await;
     const CHUNKS: usize = 1024;
     const SIZE: usize = 64 * 1024; // 64 MiB in all: far more than socket buffers hold
@@ -234,28 +244,33 @@ async fn over_http2_chunks_stream_and_a_mid_stream_failure_resets_the_stream() {
     assert!(!err.contains("bound"), "{err}");
 }
 
-#[tokio::test]
+/// Paused time: the head at 6 s, the cut 3 s after its one event.
+#[tokio::test(start_paused = true)]
 async fn a_slow_head_within_the_first_byte_deadline_still_gets_the_idle_check() {
     // The head takes longer than one idle gap (allowed: it is under the
     // first-byte deadline); then the body stalls after one event.
     let mock = MockUpstream::start(|_| {
-        Reply::After(Duration::from_millis(600), Box::new(Reply::stall_after(1)))
+        Reply::After(Duration::from_secs(6), Box::new(Reply::stall_after(1)))
     })
     .await;
     let visor = Visor::for_mock(
         &mock,
-        "[server]\nidle_timeout_secs = 0.3\nfirst_byte_timeout_secs = 5\n",
+        "[server]\nworkers = 1\nidle_timeout_secs = 3\nfirst_byte_timeout_secs = 50\n",
     )
     .await;
+    let started = Instant::now();
     let resp = open_stream(&visor).await;
     assert_eq!(
         resp.status(),
         200,
         "a head under the first-byte deadline is not a timeout"
     );
+    assert_at(started.elapsed(), Duration::from_secs(6));
+    let since = Instant::now();
     let mut body = resp.into_body();
     let (text, end) = read_stream(&mut body, BOUND).await;
     assert!(text.contains("t0"), "{text}");
     assert_cut(&end);
+    assert_at(since.elapsed(), Duration::from_secs(3));
     assert_eq!(upstream_errors(&visor, "idle_timeout").await, Some(1.0));
 }

@@ -851,6 +851,19 @@ pub fn assert_cut<T: std::fmt::Debug>(end: &Result<T, String>) {
     }
 }
 
+/// The test's own bound in a paused-time test: virtual, so it costs nothing
+/// and stays far above any deadline of visor's it waits for.
+pub const PAUSED_BOUND: Duration = Duration::from_secs(600);
+
+/// In paused time: `took` is `deadline` (within the 0.5 s visor's store
+/// probe may add), not less and not much more.
+pub fn assert_at(took: Duration, deadline: Duration) {
+    assert!(
+        took >= deadline && took <= deadline + Duration::from_millis(500),
+        "took {took:?}, the deadline is {deadline:?}"
+    );
+}
+
 /// The error body's `error.code`.
 pub fn error_code(body: &[u8]) -> String {
     let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_else(|e| {
