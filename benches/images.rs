@@ -25,7 +25,7 @@ use bytes::Bytes;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use visor::artifacts::Artifacts;
 use visor::models::{Learned, ModelTable};
-use visor::proxy::probe::WholeBody;
+use visor::proxy::request_body::WholeBody;
 use visor::transform::{Plan, Shape, rewrite};
 
 fn bench(c: &mut Criterion) {

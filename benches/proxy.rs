@@ -18,7 +18,7 @@ use std::hint::black_box;
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use visor::proxy::probe::{JsonScanner, probe};
+use visor::proxy::request_body::{JsonScanner, probe};
 use visor::proxy::usage::UsageObserver;
 
 fn bench(c: &mut Criterion) {

@@ -1,7 +1,7 @@
 //! What a session adds to a request before it goes upstream, with
 //! criterion: read the newest stored messages, merge them with the
 //! request's (overlap by content, no orphaned tool result), and write the
-//! merged body — the work of `proxy::session::open`.
+//! merged body — the work of `proxy::session_turn::open`.
 //!
 //! - `sessions/prepend-25-disk`: 25 of 200 stored messages, from the disk
 //!   store (redb, on the blocking pool).

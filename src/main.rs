@@ -344,7 +344,7 @@ fn explain(
             return ExitCode::FAILURE;
         }
     };
-    if let Err(e) = visor::proxy::probe::probe(&body) {
+    if let Err(e) = visor::proxy::request_body::probe(&body) {
         eprintln!("error: the request body is not valid JSON: {e}");
         return ExitCode::FAILURE;
     }

@@ -13,6 +13,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 /// Waits (bounded) until the peer closes `s`; true if it did.
 async fn closed_within(s: &mut TcpStream, bound: Duration) -> bool {
@@ -43,12 +44,15 @@ async fn healthz_on_new_connection(visor: &Visor, bound: Duration) -> Option<u16
     tokio::time::timeout(bound, fut).await.ok().flatten()
 }
 
-const CFG: &str = "[server]\nheader_timeout_secs = 1\n";
+/// The tests that wait for a deadline run in paused time: one worker, so
+/// all of visor runs on the test's clock, and the deadlines cost nothing.
+const CFG: &str = "[server]\nworkers = 1\nheader_timeout_secs = 1\n";
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn silent_peers_and_a_partial_preface_are_closed_at_the_header_timeout() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
     let visor = Visor::for_mock(&mock, CFG).await;
+    let started = Instant::now();
     let mut silent = TcpStream::connect(visor.addr).await.unwrap();
     let mut preface = TcpStream::connect(visor.addr).await.unwrap();
     preface.write_all(b"P").await.unwrap();
@@ -67,6 +71,7 @@ async fn silent_peers_and_a_partial_preface_are_closed_at_the_header_timeout() {
             "{name}: still open"
         );
     }
+    assert_at(started.elapsed(), Duration::from_secs(1));
     let m = visor.metrics().await;
     assert!(
         metric(
@@ -85,7 +90,7 @@ async fn silent_peers_and_a_partial_preface_are_closed_at_the_header_timeout() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_idle_http2_connection_is_closed_and_a_busy_one_is_not() {
     let (mock, tx) = fed_once().await;
     let visor = Visor::for_mock(&mock, CFG).await;
@@ -104,7 +109,7 @@ async fn an_idle_http2_connection_is_closed_and_a_busy_one_is_not() {
         .unwrap();
     assert!(body.frame().await.is_some());
     // Busy for twice the idle limit: the connection must stay.
-    let start = tokio::time::Instant::now();
+    let start = Instant::now();
     while start.elapsed() < Duration::from_millis(2500) {
         tx.send(Chunk::Data(Bytes::from_static(b"data: {}\n\n")))
             .await
@@ -116,9 +121,11 @@ async fn an_idle_http2_connection_is_closed_and_a_busy_one_is_not() {
     drop(tx);
     while let Some(Ok(_)) = body.frame().await {}
     drop(body);
+    let idle = Instant::now();
     // Now idle: closed (GOAWAY) within the limit and a margin.
     let done = tokio::time::timeout(Duration::from_secs(8), conn).await;
     assert!(done.is_ok(), "the idle HTTP/2 connection is still open");
+    assert_at(idle.elapsed(), Duration::from_secs(1));
     let m = visor.metrics().await;
     assert_eq!(
         metric(
@@ -189,11 +196,12 @@ async fn at_max_connections_idle_peers_make_room_and_busy_ones_do_not() {
     drop(tx);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn at_shutdown_readyz_says_draining_for_the_drain_delay_while_serving() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
-    let mut visor = Visor::for_mock(&mock, "[server]\ndrain_delay_secs = 2\n").await;
+    let mut visor = Visor::for_mock(&mock, "[server]\nworkers = 1\ndrain_delay_secs = 2\n").await;
     let client = client();
+    let started = Instant::now();
     visor.shutdown();
     // 503 on /readyz, yet requests still served, on new connections too.
     let ready = tokio::time::timeout(Duration::from_secs(1), async {
@@ -218,9 +226,10 @@ async fn at_shutdown_readyz_says_draining_for_the_drain_delay_while_serving() {
     let task = visor.task.take().unwrap();
     let ended = tokio::time::timeout(Duration::from_secs(10), task).await;
     assert!(ended.is_ok(), "did not stop after the drain delay");
+    assert_at(started.elapsed(), Duration::from_secs(2));
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_idle_keep_alive_http1_connection_is_closed_at_the_header_timeout() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
     let visor = Visor::for_mock(&mock, CFG).await;
@@ -239,16 +248,19 @@ async fn an_idle_keep_alive_http1_connection_is_closed_at_the_header_timeout() {
         got.extend_from_slice(&buf[..n]);
     }
     assert!(got.starts_with(b"HTTP/1.1 200"));
+    let idle = Instant::now();
     // Kept alive, then idle: closed after about a second.
     assert!(
         closed_within(&mut s, Duration::from_secs(8)).await,
         "an idle keep-alive connection stayed open"
     );
+    assert_at(idle.elapsed(), Duration::from_secs(1));
 }
 
 /// Two connections under a limit of two: nobody is waiting, so neither is
 /// closed to make room (a slot is taken only for a peer that came).
-#[tokio::test]
+/// Paused time: the wait past the grace costs nothing.
+#[tokio::test(start_paused = true)]
 async fn no_connection_is_shed_while_nobody_waits() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
     let visor = Visor::for_mock(

@@ -1,7 +1,7 @@
 //! Fuzzes what visor reads from a response as it passes: token usage
 //! (`visor::proxy::usage::UsageObserver`, SSE and JSON) and a session's
 //! assistant reply (`visor::sessions::StreamedReply`, the pure part of
-//! `proxy::session::Recorder`, and `reply_from_json` for a JSON answer),
+//! `proxy::session_turn::Recorder`, and `reply_from_json` for a JSON answer),
 //! over any response bytes cut into chunks anywhere.
 //!
 //! Input: byte 0 picks the shape (bits 0-1), SSE or JSON (bit 2) and a

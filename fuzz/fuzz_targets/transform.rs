@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use visor::proxy::probe::probe;
+use visor::proxy::request_body::probe;
 use visor::transform::{Plan, Rules, Shape, rewrite};
 
 fuzz_target!(|data: &[u8]| {

@@ -14,7 +14,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-use visor::proxy::probe::probe;
+use visor::proxy::request_body::probe;
 use visor::transform::dedup::Blocks;
 use visor::transform::{Rules, Shape, rewrite};
 

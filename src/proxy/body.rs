@@ -20,7 +20,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::metrics::Metrics;
 use crate::proxy::coalesce::Coalesced;
-use crate::proxy::session::{Recorder, Storing};
+use crate::proxy::session_turn::{Recorder, Storing};
 use crate::proxy::usage::UsageObserver;
 use crate::upstream::{BoxError, ResponseBody};
 use tokio_util::task::TaskTracker;

@@ -16,11 +16,11 @@
 //! 3. route     — first upstream whose globs match the model; no model → the
 //!    first upstream; a model nobody matches → 404.
 //! 4. session   — with `x-visor-session`, the stored history is read and
-//!    merged in ([`super::session`]); a store that cannot be read
+//!    merged in ([`super::session_turn`]); a store that cannot be read
 //!    → 503.
 //! 5. transform — the model-spec table decides; images are replaced for a
 //!    model that cannot see, the rules for every model and line
-//!    dedup applied ([`super::transform`]); the replaced originals
+//!    dedup applied ([`super::prepare`]); the replaced originals
 //!    are written in the background.
 //! 6. send      — headers rewritten, the body as held (byte for byte when
 //!    nothing changed); wait for the response head under the
@@ -50,9 +50,9 @@ use tokio::time::Sleep;
 use super::answer::refuse;
 use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
 use super::headers::{strip_hop_by_hop, upstream_request_headers};
-use super::probe::{FormScanner, JsonScanner, WholeBody};
-use super::session::{self, Recorder};
-use super::transform::{self, Options, Prepared};
+use super::prepare::{self, Options, Prepared};
+use super::request_body::{FormScanner, JsonScanner, WholeBody};
+use super::session_turn::{self, Recorder};
 use super::usage::UsageObserver;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
@@ -83,7 +83,7 @@ async fn handle(
     let index = route(state, model.as_deref())?; // 3. route
     edge.routed(index, model.as_deref());
     let (held, mut session) = open_session(state, &call, &parts, held).await?; // 4. session
-    let mut prepared = prepare(state, &mut call, &parts, index, &model, held, &session).await; // 5. transform
+    let mut prepared = transform(state, &mut call, &parts, index, &model, held, &session).await; // 5. transform
     edge.prepared(prepared.as_ref());
     let (up_req, retry_head) =
         upstream_request(state, &call, parts, index, &prepared, &mut session)?; // 6. send
@@ -408,10 +408,10 @@ async fn open_session(
     let Some(shape) = call.shape else {
         return Ok((Some(bytes), Session::default()));
     };
-    let Some(id) = session::requested(&parts.headers)? else {
+    let Some(id) = session_turn::requested(&parts.headers)? else {
         return Ok((Some(bytes), Session::default()));
     };
-    let opened = session::open(state, shape, &parts.headers, &id, &bytes).await?;
+    let opened = session_turn::open(state, shape, &parts.headers, &id, &bytes).await?;
     let s = Session {
         history_used: opened.history_used,
         recorder: Some(opened.recorder),
@@ -421,7 +421,7 @@ async fn open_session(
 }
 
 /// Phase 5: the pure rewrite of a body visor holds whole.
-async fn prepare(
+async fn transform(
     state: &Arc<AppState>,
     call: &mut Call,
     parts: &http::request::Parts,
@@ -433,12 +433,12 @@ async fn prepare(
     let (Some(shape), Some(bytes)) = (call.shape, held) else {
         return None;
     };
-    let asker = transform::Asker {
+    let asker = prepare::Asker {
         headers: &parts.headers,
         upstream: index,
     };
     let opts = std::mem::take(&mut call.opts);
-    let mut p = transform::prepare(state, shape, model.as_deref(), bytes, opts, asker).await;
+    let mut p = prepare::prepare(state, shape, model.as_deref(), bytes, opts, asker).await;
     p.report.history_used = session.history_used;
     Some(p)
 }
@@ -533,7 +533,7 @@ async fn learn(
     let (head, incoming) = resp.into_parts();
     let error_body = read_error_body(incoming, exchange.head_deadline, &exchange.upstream).await?;
     let model = model.as_deref().unwrap_or("");
-    let Some(retry) = transform::after_refusal(state, &learn, model, &error_body).await else {
+    let Some(retry) = prepare::after_refusal(state, &learn, model, &error_body).await else {
         // Not about images: the upstream's answer, as it was.
         return Ok(Learned::Passed(head, error_body));
     };

@@ -5,10 +5,10 @@ pub mod body;
 pub mod coalesce;
 mod forward;
 pub mod headers;
-pub mod probe;
+mod prepare;
+pub mod request_body;
 mod router;
-pub mod session;
-mod transform;
+pub mod session_turn;
 pub mod usage;
 mod websocket;
 

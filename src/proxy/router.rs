@@ -113,7 +113,7 @@ async fn session_endpoint(
     if let Err(e) = crate::sessions::valid_id(&id) {
         return refuse(state, VisorError::BadRequest(e.0));
     }
-    let key = super::session::key(state, headers, &id);
+    let key = super::session_turn::key(state, headers, &id);
     let ttl = std::time::Duration::from_secs(state.config.sessions.idle_ttl_secs);
     if delete {
         return match state.store.delete_session(&key, ttl).await {

@@ -39,7 +39,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use super::answer::refuse;
 use super::body::ProxyBody;
 use super::headers::upstream_request_headers;
-use super::transform::{self, Options};
+use super::prepare::{self, Options};
 use super::usage::Usage;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
@@ -397,12 +397,12 @@ impl Relay {
         if !event.get("input").is_some_and(Value::is_array) {
             return (unchanged(), started);
         }
-        let asker = transform::Asker {
+        let asker = prepare::Asker {
             headers: &self.headers,
             upstream: 0,
         };
         let body = Bytes::copy_from_slice(text.as_bytes());
-        let prepared = transform::prepare(
+        let prepared = prepare::prepare(
             &self.state,
             Shape::Responses,
             Some(model.as_str()),
