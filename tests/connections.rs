@@ -138,7 +138,9 @@ async fn an_idle_http2_connection_is_closed_and_a_busy_one_is_not() {
     );
 }
 
-#[tokio::test]
+/// Paused time: the 200 ms windows are virtual; a peer closed by its
+/// header timeout instead would not count as shed.
+#[tokio::test(start_paused = true)]
 async fn at_max_connections_idle_peers_make_room_and_busy_ones_do_not() {
     let (mock, tx) = fed_once().await;
     let visor = Visor::for_mock(

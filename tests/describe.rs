@@ -293,15 +293,19 @@ async fn until_described(visor: &Visor, mock: &MockUpstream, body: &Bytes) -> us
     }
 }
 
-async fn placeholder_then_recovery(bad: fn() -> Reply, extra: &str) {
+/// For paused time: one worker, so all of visor runs on the test's clock.
+/// Returns how long the first answer took.
+async fn placeholder_then_recovery(bad: fn() -> Reply, extra: &str) -> Duration {
     let fixed = Arc::new(AtomicUsize::new(0));
     let mock = MockUpstream::start(failing_until_fixed(fixed.clone(), bad)).await;
-    let visor = Visor::for_mock(&mock, &format!("{DESCRIBE}{extra}")).await;
+    let visor = Visor::for_mock(&mock, &format!("{DESCRIBE}{extra}[server]\nworkers = 1\n")).await;
     let (image, png) = png_data_url(extra);
     let body = chat_with_images("gpt-oss-120b", &[image]);
 
+    let started = tokio::time::Instant::now();
     let (status, headers, resp) =
         send(post_json(&visor.url("/v1/chat/completions"), body.clone())).await;
+    let took = started.elapsed();
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
     assert_eq!(headers["x-visor-images-replaced"], "1");
     let size = imagesize::blob_size(&png).unwrap();
@@ -338,16 +342,21 @@ async fn placeholder_then_recovery(bad: fn() -> Reply, extra: &str) {
         placeholders >= 1,
         "a request inside the 1 s back-off got the placeholder"
     );
+    took
 }
 
-#[tokio::test]
+/// Paused time: the placeholder comes at the 10 s describer deadline.
+#[tokio::test(start_paused = true)]
 async fn a_describer_timeout_gives_the_placeholder_and_caches_nothing() {
-    placeholder_then_recovery(|| Reply::Hang, "timeout_secs = 0.5\n").await;
+    let took = placeholder_then_recovery(|| Reply::Hang, "timeout_secs = 10\n").await;
+    assert_at(took, Duration::from_secs(10));
 }
 
-#[tokio::test]
+/// Paused time: the back-off costs nothing; the error's placeholder is
+/// immediate.
+#[tokio::test(start_paused = true)]
 async fn a_describer_error_gives_the_placeholder_and_caches_nothing() {
-    placeholder_then_recovery(
+    let took = placeholder_then_recovery(
         || {
             Reply::json(
                 500,
@@ -357,6 +366,7 @@ async fn a_describer_error_gives_the_placeholder_and_caches_nothing() {
         "",
     )
     .await;
+    assert!(took < Duration::from_millis(500), "{took:?}");
 }
 
 #[tokio::test]

@@ -300,7 +300,9 @@ async fn other_upgrades_pass_untouched_and_refusals_pass_through() {
 
 /// An open WebSocket holds its connection's slot under max_connections
 /// until it ends (it is not an idle connection that can make room).
-#[tokio::test]
+/// Paused time (one worker: all of visor on the test's clock): "not
+/// answered within a second" is a second with nothing else left to run.
+#[tokio::test(start_paused = true)]
 async fn an_open_websocket_counts_against_max_connections() {
     let (up, _seen, _closed) = ws_mock().await;
     let visor = Visor::start(&format!(
