@@ -285,7 +285,10 @@ fn upstream_handler(r: &Recorded) -> Reply {
     chat_ok()
 }
 
-#[tokio::test]
+/// Paused time (one worker: all of visor on the test's clock): the cases
+/// that wait for a deadline (no answer, a connection left open) cost
+/// nothing.
+#[tokio::test(start_paused = true)]
 async fn every_case_in_the_corpus_gets_its_answer() {
     let a = MockUpstream::start(upstream_handler).await;
     let b = MockUpstream::start(|_| chat_ok()).await;
@@ -302,7 +305,7 @@ async fn every_case_in_the_corpus_gets_its_answer() {
         .start()
         .await;
     let visor = Visor::start(&format!(
-        "[server]\nmax_body_bytes = 65536\nfirst_byte_timeout_secs = 1\nheader_timeout_secs = 3\n\
+        "[server]\nworkers = 1\nmax_body_bytes = 65536\nfirst_byte_timeout_secs = 1\nheader_timeout_secs = 3\n\
          [images]\nnon_vision = \"strip\"\n\
          [[upstream]]\nname=\"a\"\nbase_url=\"{}/v1\"\nmodels=[\"gpt-*\",\"m\"]\n\
          [[upstream]]\nname=\"b\"\nbase_url=\"{}/v1\"\nmodels=[\"echo-*\"]\n\
