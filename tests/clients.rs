@@ -1033,6 +1033,21 @@ sdk_tests! {
 
 const AGENT_PROMPT: &str = "Look at chart.png, then print notes.txt twice.";
 
+/// Runs a coding agent's CLI (`what` it is, for the messages) to its end
+/// and checks it finished: exit 0 and the final text printed.
+async fn run_agent(test: &str, what: &str, cmd: Command) -> Ran {
+    let ran = run_client(cmd, BOUND).await;
+    println!("{test}: {what} ran in {:.1} s", ran.took.as_secs_f64());
+    ran.assert_ok(test);
+    assert!(
+        ran.stdout.contains(FINAL),
+        "{what} printed:\n{}\n{}",
+        ran.stdout,
+        ran.stderr
+    );
+    ran
+}
+
 /// A work folder for `test`, and Codex's side of the loop there: view the
 /// PNG, then `cat` the notes twice.
 fn codex_work(test: &str) -> (PathBuf, Script) {
@@ -1100,15 +1115,7 @@ stream_max_retries = 0
         .env("OPENAI_API_KEY", "sk-client-test")
         .env("NO_COLOR", "1")
         .env_remove("OPENAI_BASE_URL");
-    let ran = run_client(cmd, BOUND).await;
-    println!("{test}: codex exec ran in {:.1} s", ran.took.as_secs_f64());
-    ran.assert_ok(test);
-    assert!(
-        ran.stdout.contains(FINAL),
-        "codex printed:\n{}\n{}",
-        ran.stdout,
-        ran.stderr
-    );
+    let ran = run_agent(test, "codex exec", cmd).await;
     // Every key of the config above is one Codex knows (the README's
     // block is this one).
     assert!(
@@ -1343,15 +1350,7 @@ async fn claude_code_print_with_session() {
     .env("DISABLE_AUTOUPDATER", "1")
     .env("NO_COLOR", "1")
     .env_remove("ANTHROPIC_AUTH_TOKEN");
-    let ran = run_client(cmd, BOUND).await;
-    println!("{T}: claude -p ran in {:.1} s", ran.took.as_secs_f64());
-    ran.assert_ok(T);
-    assert!(
-        ran.stdout.contains(FINAL),
-        "claude printed:\n{}\n{}",
-        ran.stdout,
-        ran.stderr
-    );
+    run_agent(T, "claude -p", cmd).await;
     let main = check_upstream(
         T,
         &mock,
