@@ -760,6 +760,16 @@ struct Expect {
     repeat: (usize, usize),
 }
 
+impl Expect {
+    /// Every loop here: the image's call first, then the notes twice.
+    fn image_then_notes_twice(image: Image) -> Expect {
+        Expect {
+            image: (0, image),
+            repeat: (1, 2),
+        }
+    }
+}
+
 /// Checks what the mock received: the main requests (the script's wire,
 /// with tools), one per turn, each holding one more tool result than the
 /// one before, ids paired and in order; no image data anywhere; the image's
@@ -977,15 +987,7 @@ async fn sdk_loop(
     ran.assert_ok(test);
     let out = ran.json();
     assert_eq!(out["final"], FINAL, "{out}");
-    check_upstream(
-        test,
-        &mock,
-        &script,
-        &Expect {
-            image: (0, image),
-            repeat: (1, 2),
-        },
-    );
+    check_upstream(test, &mock, &script, &Expect::image_then_notes_twice(image));
     let _ = std::fs::remove_dir_all(work);
 }
 
@@ -1139,10 +1141,7 @@ async fn codex_cli_exec_with_session() {
         T,
         &mock,
         &script,
-        &Expect {
-            image: (0, Image::Replaced),
-            repeat: (1, 2),
-        },
+        &Expect::image_then_notes_twice(Image::Replaced),
     );
     check_session(&visor, "codex-1", Wire::Responses, &main, AGENT_PROMPT).await;
     let _ = std::fs::remove_dir_all(work);
@@ -1355,10 +1354,7 @@ async fn claude_code_print_with_session() {
         T,
         &mock,
         &script,
-        &Expect {
-            image: (0, Image::Replaced),
-            repeat: (1, 2),
-        },
+        &Expect::image_then_notes_twice(Image::Replaced),
     );
     check_session(&visor, "claude-1", Wire::Messages, &main, AGENT_PROMPT).await;
     let _ = std::fs::remove_dir_all(work);
