@@ -156,7 +156,7 @@ impl AppState {
     }
 }
 
-/// The request id of this request, put in the extensions by [`RequestId`].
+/// The request id of this request, put in the extensions by [`RequestSpan`].
 #[derive(Clone)]
 pub struct RequestIdExt(pub HeaderValue);
 
@@ -164,15 +164,15 @@ type BoxFut = Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible
 
 /// Builds the whole request path. Layers, outermost first:
 ///
-/// 1. [`RequestId`] — takes a sane `x-request-id` from the client or makes one,
-///    stores it as [`RequestIdExt`] (read by Trace, the proxy, and the upstream
-///    headers), and echoes it on every response.
-/// 2. [`Trace`] — opens the request span (id, method, path) that every log
-///    line of the request is inside. Never logs headers or bodies.
-/// 3. [`Auth`] — when `server.api_keys` is set, `/v1/*` and `/visor/*` need one
+/// 1. [`RequestSpan`] — takes a sane `x-request-id` from the client or
+///    makes one, stores it as [`RequestIdExt`] (read by the proxy and the
+///    upstream headers), opens the request span (id, method, path) that
+///    every log line of the request is inside (never headers or bodies),
+///    and echoes the id on every response.
+/// 2. [`Auth`] — when `server.api_keys` is set, `/v1/*` and `/visor/*` need one
 ///    of them (`Authorization: Bearer` or `x-api-key`, constant-time compare);
 ///    401 otherwise. `/healthz`, `/readyz`, `/metrics` stay open.
-/// 4. the router ([`router::handle`]) — visor's own endpoints, or the proxy:
+/// 3. the router ([`router::handle`]) — visor's own endpoints, or the proxy:
 ///    refuse bad targets (400/404), read or stream the body (413 over the
 ///    limit, 400 for invalid JSON on transformed endpoints), pick the upstream
 ///    by `model` (404 if none), replace images for a model that cannot see
@@ -195,21 +195,24 @@ where
 {
     ServiceBuilder::new()
         .map_request(|req: Request<B>| req.map(Into::into))
-        .layer(tower::layer::layer_fn(|inner| RequestId { inner }))
-        .layer(tower::layer::layer_fn(|inner| Trace { inner }))
+        .layer(tower::layer::layer_fn(|inner| RequestSpan { inner }))
         .layer(AuthLayer {
             state: state.clone(),
         })
         .service(Router { state })
 }
 
-/// Layer 1: request ids.
+/// Layer 1: the request's id and span. Takes a sane `x-request-id` from
+/// the client or makes one, stores it as [`RequestIdExt`] (read by the
+/// proxy and the upstream headers), opens the request span (id, method,
+/// path) that every log line of the request is inside — never headers or
+/// bodies — and echoes the id on the response.
 #[derive(Clone)]
-pub struct RequestId<S> {
+pub struct RequestSpan<S> {
     inner: S,
 }
 
-impl<S> Service<Request<RequestBody>> for RequestId<S>
+impl<S> Service<Request<RequestBody>> for RequestSpan<S>
 where
     S: Service<
             Request<RequestBody>,
@@ -229,55 +232,18 @@ where
     fn call(&mut self, mut req: Request<RequestBody>) -> BoxFut {
         let id = headers::request_id(req.headers());
         req.extensions_mut().insert(RequestIdExt(id.clone()));
-        let fut = self.inner.call(req);
-        Box::pin(async move {
-            let mut resp = fut.await?;
-            resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
-            Ok(resp)
-        })
-    }
-}
-
-/// Layer 2: the request span.
-#[derive(Clone)]
-pub struct Trace<S> {
-    inner: S,
-}
-
-impl<S> Service<Request<RequestBody>> for Trace<S>
-where
-    S: Service<
-            Request<RequestBody>,
-            Response = Response<ProxyBody>,
-            Error = Infallible,
-            Future = BoxFut,
-        >,
-{
-    type Response = Response<ProxyBody>;
-    type Error = Infallible;
-    type Future = BoxFut;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<RequestBody>) -> BoxFut {
-        let id = req
-            .extensions()
-            .get::<RequestIdExt>()
-            .and_then(|r| r.0.to_str().ok().map(str::to_owned))
-            .unwrap_or_default();
         let span = tracing::info_span!(
             "request",
-            request_id = %id,
+            request_id = %id.to_str().unwrap_or_default(),
             method = %req.method(),
             path = %req.uri().path(),
         );
         let fut = self.inner.call(req);
         Box::pin(
             async move {
-                let resp = fut.await?;
+                let mut resp = fut.await?;
                 tracing::debug!(status = resp.status().as_u16(), "response head sent");
+                resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
                 Ok(resp)
             }
             .instrument(span),
@@ -285,7 +251,7 @@ where
     }
 }
 
-/// Layer 3: proxy keys.
+/// Layer 2: proxy keys.
 #[derive(Clone)]
 pub struct AuthLayer {
     state: Arc<AppState>,
@@ -345,7 +311,7 @@ where
     }
 }
 
-/// Layer 4: the innermost service.
+/// Layer 3: the innermost service.
 #[derive(Clone)]
 pub struct Router {
     state: Arc<AppState>,

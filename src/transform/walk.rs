@@ -327,29 +327,15 @@ impl PartFields {
         } else if kind == Kind::Object && k("data") {
             // Vercel AI SDK v7 `file` parts: `"data": {"type": "data",
             // "data": "…"}` or `{"type": "url", "url": "…"}`.
-            c.object(|c, key| {
-                if c.kind()? == Kind::String && key.is(src, "data") {
-                    self.data = Some(c.string()?);
-                } else if c.kind()? == Kind::String && key.is(src, "url") {
-                    self.url = Some(c.string()?);
-                } else {
-                    c.skip()?;
-                }
-                Ok(())
-            })?;
+            let (data, url) = string_members(c, src, "data", "url")?;
+            self.data = data.or(self.data.take());
+            self.url = url.or(self.url.take());
         } else if string && k("url") {
             self.url = Some(c.string()?);
         } else if kind == Kind::Object && k("resource") {
-            c.object(|c, key| {
-                if c.kind()? == Kind::String && key.is(src, "blob") {
-                    self.resource_blob = Some(c.string()?);
-                } else if c.kind()? == Kind::String && key.is(src, "mimeType") {
-                    self.resource_mime = Some(c.string()?);
-                } else {
-                    c.skip()?;
-                }
-                Ok(())
-            })?;
+            let (blob, mime) = string_members(c, src, "blob", "mimeType")?;
+            self.resource_blob = blob.or(self.resource_blob.take());
+            self.resource_mime = mime.or(self.resource_mime.take());
         } else if string && (k("mimeType") || k("mime_type") || k("media_type") || k("mediaType")) {
             self.media_type = Some(c.string()?);
         } else if string && k("file_id") {
@@ -692,6 +678,28 @@ impl Walker<'_> {
         }
         self.out.spots[spot].text = Some(text);
     }
+}
+
+/// An object's string members `a` and `b` (the last of each, when a key
+/// repeats); anything else in it is skipped.
+fn string_members(
+    c: &mut Cursor<'_>,
+    src: &[u8],
+    a: &str,
+    b: &str,
+) -> Result<(Option<Str>, Option<Str>)> {
+    let (mut first, mut second) = (None, None);
+    c.object(|c, key| {
+        if c.kind()? == Kind::String && key.is(src, a) {
+            first = Some(c.string()?);
+        } else if c.kind()? == Kind::String && key.is(src, b) {
+            second = Some(c.string()?);
+        } else {
+            c.skip()?;
+        }
+        Ok(())
+    })?;
+    Ok((first, second))
 }
 
 /// Where an image's bytes are, before decoding.
