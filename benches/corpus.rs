@@ -168,7 +168,7 @@ fn conversation(dir: &Path, cfg: &Config, table: &ModelTable) -> Figures {
             shape: Shape::Chat,
             vision: resolved.vision,
             describe: false,
-            rules: Rules::from_config(cfg, resolved.caps.max_images),
+            rules: Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
         };
         let r = rewrite(&body, &plan);
         let out = r.body.as_deref().unwrap_or(&body);

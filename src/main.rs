@@ -358,7 +358,7 @@ fn explain(
         shape,
         vision: resolved.vision,
         describe: cfg.non_vision == visor::config::NonVision::Describe,
-        rules: visor::transform::Rules::from_config(&cfg, resolved.caps.max_images),
+        rules: visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
     };
     // Descriptions come from the store only: explain never calls the
     // describer; an image without a cached one shows its placeholder.

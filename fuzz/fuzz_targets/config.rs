@@ -85,9 +85,9 @@ fuzz_target!(|data: &[u8]| {
     if let Some(d) = &cfg.describer.upstream {
         assert!(cfg.upstreams.iter().any(|u| &u.name == d));
     }
-    let rules = Rules::from_config(&cfg, Some(3));
+    let rules = Rules::new(&cfg.images, &cfg.dedup, Some(3));
     assert!(rules.max_images <= 3);
-    let _ = Rules::from_config(&cfg, None);
+    let _ = Rules::new(&cfg.images, &cfg.dedup, None);
     let _ = (cfg.artifacts_dir(), cfg.learned_path());
     // `visor serve` and `visor check` build the model table at start. Its
     // globs are validation's, lower-cased: only a pattern with upper case

@@ -1,6 +1,6 @@
 //! Fuzzes the transform walk, `visor::transform::rewrite`, over
 //! conversations built from the input: the API shape, the rules (as
-//! `Rules::from_config` makes them: ageing, caps, the model's hard limit,
+//! `Rules::new` makes them: ageing, caps, the model's hard limit,
 //! copies, prompt cache, line dedup), and messages of every role whose
 //! texts repeat lines from a small vocabulary and whose user and tool parts
 //! carry images in the shapes visor reads (content parts, data URLs in
@@ -258,7 +258,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
         false => None,
     };
     let max_images = u.int_in_range(1..=6usize)?;
-    // As `Rules::from_config` makes them: the cap is never over the limit.
+    // As `Rules::new` makes them: the cap is never over the limit.
     let rules = Rules {
         keep_turns: u.int_in_range(0..=3)?,
         max_images: hard.map_or(max_images, |h| max_images.min(h)),

@@ -128,7 +128,11 @@ pub async fn prepare(
         shape,
         vision: resolved.vision,
         describe: describes(state),
-        rules: Rules::from_config(&state.config, resolved.caps.max_images),
+        rules: Rules::new(
+            &state.config.images,
+            &state.config.dedup,
+            resolved.caps.max_images,
+        ),
     };
     let credential = match plan.describe {
         true => Credential::for_request(

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::artifacts::Artifact;
-use crate::config::Config;
+use crate::config::{RawDedup, RawImages};
 use placeholder::{Reason, placeholder};
 use report::{Action, note};
 pub use report::{ImageNote, Report};
@@ -100,19 +100,19 @@ impl Rules {
         dedup: None,
     };
 
-    /// The configured rules, for a model whose table row says `max_images`
-    /// (the smaller cap wins).
-    pub fn from_config(cfg: &Config, model_max_images: Option<u32>) -> Rules {
-        let cap = cfg.images.max_per_request as usize;
+    /// The rules of the `[images]` and `[dedup]` sections, for a model
+    /// whose table row says `max_images` (the smaller cap wins).
+    pub fn new(images: &RawImages, dedup: &RawDedup, model_max_images: Option<u32>) -> Rules {
+        let cap = images.max_per_request as usize;
         Rules {
-            keep_turns: cfg.images.keep_turns as usize,
+            keep_turns: images.keep_turns as usize,
             max_images: model_max_images.map_or(cap, |m| cap.min(m as usize)),
             hard_max_images: model_max_images.map(|m| m as usize),
-            dedupe: cfg.images.dedupe,
-            prompt_cache: cfg.images.prompt_cache,
-            dedup: cfg.dedup.enabled.then_some(dedup::Blocks {
-                min_lines: cfg.dedup.min_run_lines as usize,
-                min_bytes: cfg.dedup.min_run_bytes as usize,
+            dedupe: images.dedupe,
+            prompt_cache: images.prompt_cache,
+            dedup: dedup.enabled.then_some(dedup::Blocks {
+                min_lines: dedup.min_run_lines as usize,
+                min_bytes: dedup.min_run_bytes as usize,
             }),
         }
     }

@@ -788,12 +788,18 @@ fn the_models_max_images_wins_when_smaller() {
         &|_| None,
     )
     .unwrap();
-    assert_eq!(Rules::from_config(&cfg, None).max_images, 6);
-    assert_eq!(Rules::from_config(&cfg, Some(2)).max_images, 2);
-    assert_eq!(Rules::from_config(&cfg, Some(50)).max_images, 6);
-    assert_eq!(Rules::from_config(&cfg, Some(50)).hard_max_images, Some(50));
-    assert_eq!(Rules::from_config(&cfg, None).hard_max_images, None);
-    assert_eq!(Rules::from_config(&cfg, None).dedup, None);
+    assert_eq!(Rules::new(&cfg.images, &cfg.dedup, None).max_images, 6);
+    assert_eq!(Rules::new(&cfg.images, &cfg.dedup, Some(2)).max_images, 2);
+    assert_eq!(Rules::new(&cfg.images, &cfg.dedup, Some(50)).max_images, 6);
+    assert_eq!(
+        Rules::new(&cfg.images, &cfg.dedup, Some(50)).hard_max_images,
+        Some(50)
+    );
+    assert_eq!(
+        Rules::new(&cfg.images, &cfg.dedup, None).hard_max_images,
+        None
+    );
+    assert_eq!(Rules::new(&cfg.images, &cfg.dedup, None).dedup, None);
 }
 
 #[test]
@@ -1095,7 +1101,7 @@ proptest! {
                 msgs.push(json!({"role": "user", "content": [{"type": "text", "text": "look"}, urls[(which + 1) % 4].clone()]}));
             }
         }
-        // As Rules::from_config makes them: the cap is never above the hard limit.
+        // As Rules::new makes them: the cap is never above the hard limit.
         let max_images = hard.map_or(max_images, |h| max_images.min(h));
         let rules = Rules { keep_turns, max_images, hard_max_images: hard, prompt_cache, ..DEFAULTS };
         // The requests the agent sent: before each assistant message, and
