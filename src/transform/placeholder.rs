@@ -80,3 +80,58 @@ pub(super) fn keepable(url: &str) -> bool {
         && !url.contains("base64,")
         && !url.contains(char::is_control)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn found(source: Source) -> Found {
+        Found {
+            sha256: "7e272b7c6a81".repeat(5),
+            source,
+            message: 0,
+            role: "user".to_owned(),
+            in_tool_result: false,
+            path: String::new(),
+            site: Site::Part(0..0),
+            bytes: None,
+            pending: None,
+            markers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn an_image_text_is_one_line_that_says_why() {
+        let url = |u: &str| found(Source::Url(u.to_owned()));
+        let shown = placeholder(&url("https://example.com/a.png"), None, Reason::NonVision);
+        assert_eq!(
+            shown,
+            "[image https://example.com/a.png (sha256:7e272b7c6a81): not shown, this model cannot see images]"
+        );
+        // A URL that would break the line, or carries the image itself, is
+        // not shown: its length is.
+        for odd in [
+            "https://example.com/a.png?\nx",
+            "data:image/png;base64,AAAA",
+        ] {
+            let t = placeholder(&url(odd), None, Reason::NonVision);
+            assert!(
+                t.starts_with("[image sha256:7e272b7c6a81, a ") && !t.contains(odd),
+                "{t}"
+            );
+        }
+        let inline = found(Source::Inline {
+            media_type: "image/png".to_owned(),
+            size: 9,
+            dims: Some((320, 200)),
+        });
+        let described = placeholder(&inline, Some("a chart\r\nwith two bars"), Reason::NonVision);
+        assert_eq!(
+            described,
+            "[image sha256:7e272b7c6a81, image/png 320x200, described: a chart  with two bars]"
+        );
+        for t in [shown, described] {
+            assert!(!t.contains('\n') && t.starts_with("[image ") && t.ends_with(']'));
+        }
+    }
+}
