@@ -158,6 +158,7 @@ impl Server {
                 tokio::time::sleep(delay).await;
             }
             state.describer.shutdown();
+            state.shutdown.cancel();
             let drain = state.config.server.drain_timeout;
             tracing::info!(
                 drain_secs = drain.as_secs_f64(),

@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
 const BOUND: Duration = Duration::from_secs(10);
 
@@ -344,4 +345,46 @@ async fn an_open_websocket_counts_against_max_connections() {
         "{}",
         String::from_utf8_lossy(&out)
     );
+}
+
+#[tokio::test]
+async fn shutdown_closes_an_open_websocket_going_away_and_waits_for_it() {
+    let (up, seen, mut closed) = ws_mock().await;
+    let mut visor = visor_for(&up).await;
+    let url = format!("ws://{}/v1/responses", visor.addr);
+    let (mut ws, resp) = tokio::time::timeout(BOUND, connect(url))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.status(), 101);
+    // The socket works, then visor is told to stop.
+    ws.send(Message::Text("{\"type\":\"ping\"}".into()))
+        .await
+        .unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "ping");
+    visor.shutdown();
+    let frame = loop {
+        match tokio::time::timeout(BOUND, ws.next())
+            .await
+            .expect("a close frame within the bound")
+        {
+            Some(Ok(Message::Close(f))) => break f,
+            Some(Ok(_)) => continue,
+            other => panic!("the socket ended without a close frame: {other:?}"),
+        }
+    };
+    let frame = frame.expect("a close code");
+    assert_eq!(frame.code, CloseCode::Away);
+    assert_eq!(frame.reason, "server shutting down");
+    tokio::time::timeout(BOUND, closed.recv())
+        .await
+        .expect("the upstream socket is closed too");
+    assert_eq!(seen.lock().unwrap().closed, 1);
+    // visor's serve returns once the socket is done (it is on the tracked
+    // task set shutdown waits for).
+    let served = tokio::time::timeout(BOUND, visor.task.take().unwrap())
+        .await
+        .expect("shutdown finishes within the bound");
+    served.unwrap().unwrap();
+    assert!(visor.state.tasks.is_empty());
 }

@@ -33,6 +33,7 @@ use crate::store::Store;
 use crate::upstream::{RequestBody, Upstreams};
 use body::ProxyBody;
 use headers::{ProxyKeys, X_REQUEST_ID};
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// What every request handler shares.
@@ -47,6 +48,9 @@ pub struct AppState {
     /// its client went away): waited for at shutdown, within the drain
     /// timeout.
     pub tasks: TaskTracker,
+    /// Fired when shutdown starts draining: a WebSocket closes (1001) once
+    /// no response is under way on it.
+    pub shutdown: CancellationToken,
     /// Upstream names, shared into response bodies for their metrics.
     pub upstream_names: Vec<Arc<str>>,
     /// False when the first upstream takes every model: then the route never
@@ -114,6 +118,7 @@ impl AppState {
             keys,
             draining: AtomicBool::new(false),
             tasks: TaskTracker::new(),
+            shutdown: CancellationToken::new(),
             upstream_names,
             route_by_model,
         })

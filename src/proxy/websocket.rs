@@ -213,7 +213,8 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
         headers: req.headers().clone(),
         started,
     };
-    tokio::spawn(async move {
+    // On the tracked task set: shutdown waits for the socket to close.
+    state.tasks.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) => {
                 let client =
@@ -352,6 +353,15 @@ impl Relay {
                             break;
                         }
                     }
+                }
+                // Shutdown: closed once no response is under way (one that
+                // is finishes first).
+                () = self.state.shutdown.cancelled(), if inflight.is_none() => {
+                    let _ = c_tx.send(close(CloseCode::Away, "server shutting down")).await;
+                    let _ = c_tx.close().await;
+                    let _ = u_tx.send(close(CloseCode::Away, "server shutting down")).await;
+                    let _ = u_tx.close().await;
+                    break;
                 }
                 () = tokio::time::sleep_until(deadline) => {
                     let (code, why) = match inflight {
