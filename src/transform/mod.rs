@@ -355,5 +355,3 @@ impl Scanned {
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_context;

@@ -3,8 +3,8 @@
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
-use super::decode::sha256_hex;
-use super::*;
+use crate::transform::decode::sha256_hex;
+use crate::transform::*;
 
 fn fixture(name: &str) -> Vec<u8> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/");
