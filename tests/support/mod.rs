@@ -412,12 +412,7 @@ impl MockUpstream {
 
     /// Waits (bounded) until `n` connections to the mock have closed.
     pub async fn wait_closed(&self, n: usize, bound: Duration) -> bool {
-        wait_for(
-            bound,
-            || self.closed.load(Ordering::SeqCst) >= n,
-            &self.changed,
-        )
-        .await
+        self.wait_count(&self.closed, n, bound).await
     }
 
     /// Waits (bounded) until the mock has received `n` requests.
@@ -428,12 +423,11 @@ impl MockUpstream {
     /// Waits (bounded) until `n` response bodies were dropped before their
     /// end.
     pub async fn wait_cancelled(&self, n: usize, bound: Duration) -> bool {
-        wait_for(
-            bound,
-            || self.cancelled.load(Ordering::SeqCst) >= n,
-            &self.changed,
-        )
-        .await
+        self.wait_count(&self.cancelled, n, bound).await
+    }
+
+    async fn wait_count(&self, counter: &AtomicUsize, n: usize, bound: Duration) -> bool {
+        wait_for(bound, || counter.load(Ordering::SeqCst) >= n, &self.changed).await
     }
 }
 
