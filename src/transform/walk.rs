@@ -732,10 +732,16 @@ pub(super) fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
             None => Raw::Broken("image_url part without a URL"),
         });
     }
-    if ty.is(src, "input_image") {
+    // Responses `input_image`, and computer use's `computer_screenshot`
+    // (`computer_call_output.output`): the same fields.
+    let screenshot = ty.is(src, "computer_screenshot");
+    if screenshot || ty.is(src, "input_image") {
         return Some(match (&f.image_url, &f.file_id) {
             (Some(u), _) => url_like(u),
             (None, Some(id)) => Raw::File(id.clone()),
+            (None, None) if screenshot => {
+                Raw::Broken("computer_screenshot without image_url or file_id")
+            }
             (None, None) => Raw::Broken("input_image without image_url or file_id"),
         });
     }
@@ -800,14 +806,6 @@ pub(super) fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
         return Some(match f.url.as_ref().or(f.image_url.as_ref()) {
             Some(u) => url_like(u),
             None => Raw::Broken("image-url part without a url"),
-        });
-    }
-    // Responses computer use: `computer_call_output.output`.
-    if ty.is(src, "computer_screenshot") {
-        return Some(match (&f.image_url, &f.file_id) {
-            (Some(u), _) => url_like(u),
-            (None, Some(id)) => Raw::File(id.clone()),
-            (None, None) => Raw::Broken("computer_screenshot without image_url or file_id"),
         });
     }
     // MCP embedded resource holding an image.
