@@ -75,7 +75,10 @@ const BACKOFF_MAX: Duration = Duration::from_secs(60);
 pub struct Describer {
     /// Index of the describer's upstream in `[[upstream]]`.
     upstream: usize,
-    /// That upstream's own `api_key`, as the header it is sent in.
+    /// That upstream has an `api_key` of its own (then a client's key is
+    /// never carried to it)…
+    has_own_key: bool,
+    /// …and that key as the header it is sent in.
     own_credential: Option<(HeaderName, HeaderValue)>,
     upstreams: Arc<Upstreams>,
     /// Descriptions beyond one process.
@@ -110,7 +113,7 @@ impl Credential {
         headers: &HeaderMap,
         request_upstream: usize,
     ) -> Self {
-        if d.own_credential.is_some() || proxy_keys || request_upstream != d.upstream {
+        if d.has_own_key || proxy_keys || request_upstream != d.upstream {
             return Credential::default();
         }
         let mut out = Vec::new();
@@ -207,6 +210,10 @@ impl Describer {
             .build();
         Self {
             upstream,
+            has_own_key: config
+                .upstreams
+                .get(upstream)
+                .is_some_and(|u| u.api_key.is_some()),
             own_credential: config.upstreams.get(upstream).and_then(own_credential),
             upstreams,
             store,

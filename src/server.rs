@@ -20,6 +20,8 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{Barrier, oneshot, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
@@ -212,13 +214,19 @@ async fn serve_then_wait(
     stop: watch::Receiver<bool>,
     all_drained: Arc<Barrier>,
 ) -> io::Result<()> {
-    let bound = state.config.server.drain_timeout + Duration::from_secs(5);
-    let result = serve(state.clone(), gate, listener, stop).await;
-    let _ = tokio::time::timeout(bound, all_drained.wait()).await;
-    // Work requests left behind (turns being stored) runs on the workers'
-    // runtimes: each stays up until all of it is done, within the bound.
+    let (result, drained_by) = match serve(state.clone(), gate, listener, stop).await {
+        Ok(by) => (Ok(()), by),
+        Err(e) => (Err(e), Instant::now()),
+    };
+    // One bound for everything after the drain started: the drain itself,
+    // the other workers, and the work requests left behind.
+    let bound = drained_by + Duration::from_secs(5);
+    let _ = tokio::time::timeout_at(bound, all_drained.wait()).await;
+    // Work requests left behind (turns being stored, WebSocket relays)
+    // runs on the workers' runtimes: each stays up until all of it is
+    // done, within the bound.
     state.tasks.close();
-    if tokio::time::timeout(bound, state.tasks.wait())
+    if tokio::time::timeout_at(bound, state.tasks.wait())
         .await
         .is_err()
     {
@@ -249,13 +257,16 @@ const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// Each accepted connection takes a slot of the shared [`Gate`] before it
 /// is served (at `max_connections` it waits while the longest-idle
 /// connection is asked to close, and the worker accepts no other meanwhile). Accept errors (out of file descriptors)
-/// back off, doubling, and ask an idle connection to close too.
+/// back off, doubling, and ask an idle connection to close too. Returns
+/// when the drain ended or had to end (connections still open then are
+/// dropped): the bound of what shutdown waits for after it.
 async fn serve(
     state: Arc<AppState>,
     gate: Arc<Gate>,
     listener: std::net::TcpListener,
     mut stop: watch::Receiver<bool>,
-) -> io::Result<()> {
+) -> io::Result<Instant> {
+    let cut = CancellationToken::new();
     listener.set_nonblocking(true)?;
     let listener = TcpListener::from_std(listener)?;
     let service = TowerToHyperService::new(stack(state.clone()));
@@ -316,20 +327,31 @@ async fn serve(
         };
         let gauge = state.metrics.connections.clone();
         let slot = Slot::new(permit);
+        let cut = cut.clone();
         tracker.spawn(async move {
             gauge.inc();
-            conn.serve(stream, registered, slot).await;
+            tokio::select! {
+                () = conn.serve(stream, registered, slot) => {}
+                () = cut.cancelled() => {}
+            }
             gauge.dec();
         });
     }
     drop(listener);
     tracker.close();
-    let drain = state.config.server.drain_timeout;
+    let drained_by = Instant::now() + state.config.server.drain_timeout;
     tokio::select! {
         () = tracker.wait() => tracing::debug!("worker: all connections closed"),
-        () = tokio::time::sleep(drain) => tracing::warn!("drain timeout reached; closing the rest"),
+        () = tokio::time::sleep_until(drained_by) => {
+            tracing::warn!("drain timeout reached; closing the rest");
+            // Dropped here, while the runtime runs: their responses end as
+            // a client that left (a session turn is still stored, on the
+            // tracked task set).
+            cut.cancel();
+            let _ = tokio::time::timeout(Duration::from_secs(1), tracker.wait()).await;
+        }
     }
-    Ok(())
+    Ok(drained_by)
 }
 
 /// What one accepted connection is served with.

@@ -635,3 +635,55 @@ async fn agents_that_resend_their_history_are_never_doubled() {
     .await;
     assert_ne!(headers["x-visor-history-used"], "0");
 }
+
+/// A session stream still open when shutdown's drain timeout runs out is
+/// cut as if its client left: the turn's new message is stored all the
+/// same (on the tracked task set shutdown waits for), never lost.
+#[tokio::test]
+async fn a_turn_cut_by_the_drain_timeout_is_still_stored() {
+    let mock = MockUpstream::start(|_| Reply::stall_after(2)).await;
+    let dir = temp_dir("sessions-drain-cut");
+    let cfg = format!(
+        "[server]\ndata_dir = \"{}\"\ndrain_timeout_secs = 0.5\nidle_timeout_secs = 60\n\
+         [[upstream]]\nname = \"mock\"\nbase_url = \"{}/v1\"\n",
+        dir.display(),
+        mock.url()
+    );
+    {
+        let mut first = Visor::start(&cfg).await;
+        let req = chat(&first, "cut", json!([user("still here")]), &[]);
+        let resp = tokio::time::timeout(Duration::from_secs(10), client().request(req))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        // The two events before the stall (one frame or two).
+        let mut got = Vec::new();
+        while got.len() < sse_event(0).len() + sse_event(1).len() {
+            let data = next_data(&mut body, Duration::from_secs(10)).await.unwrap();
+            got.extend_from_slice(&data.unwrap());
+        }
+        first.shutdown();
+        let task = first.task.take().unwrap();
+        tokio::time::timeout(Duration::from_secs(15), task)
+            .await
+            .expect("shutdown ends within the drain bound")
+            .unwrap()
+            .unwrap();
+        assert!(first.state.tasks.is_empty());
+        assert!(
+            next_data(&mut body, Duration::from_secs(10)).await.is_err(),
+            "the stream was cut, not ended"
+        );
+    }
+    let second = Visor::start(&cfg).await;
+    let (status, history) = stored(&second, "cut", &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        history["messages"],
+        json!([user("still here")]),
+        "{history}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -229,6 +229,21 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     resp
 }
 
+/// Closes both sides for shutdown (1001), each write bounded: a peer that
+/// stopped reading does not hold shutdown up.
+async fn shut<C, U>(c_tx: &mut C, u_tx: &mut U)
+where
+    C: futures_util::Sink<Message> + Unpin,
+    U: futures_util::Sink<Message> + Unpin,
+{
+    let bound = std::time::Duration::from_secs(1);
+    let why = || close(CloseCode::Away, "server shutting down");
+    let _ = tokio::time::timeout(bound, c_tx.send(why())).await;
+    let _ = tokio::time::timeout(bound, c_tx.close()).await;
+    let _ = tokio::time::timeout(bound, u_tx.send(why())).await;
+    let _ = tokio::time::timeout(bound, u_tx.close()).await;
+}
+
 /// `http(s)://…` as `ws(s)://…`.
 fn ws_uri(uri: &http::Uri) -> Option<http::Uri> {
     let scheme = match uri.scheme_str()? {
@@ -275,11 +290,15 @@ impl Relay {
         // closed (1001), so an idle or half-open one frees its slot.
         let quiet = self.state.config.server.request_timeout;
         let mut model = String::new();
+        // Once shutdown starts with a response under way: it may finish
+        // within the drain timeout, no longer.
+        let mut drain_until: Option<Instant> = None;
         loop {
             let deadline = match inflight {
                 Some(_) => last_upstream + idle,
                 None => last_any + quiet,
             };
+            let deadline = drain_until.map_or(deadline, |d| deadline.min(d));
             tokio::select! {
                 m = c_rx.next() => {
                     last_any = Instant::now();
@@ -357,13 +376,18 @@ impl Relay {
                 // Shutdown: closed once no response is under way (one that
                 // is finishes first).
                 () = self.state.shutdown.cancelled(), if inflight.is_none() => {
-                    let _ = c_tx.send(close(CloseCode::Away, "server shutting down")).await;
-                    let _ = c_tx.close().await;
-                    let _ = u_tx.send(close(CloseCode::Away, "server shutting down")).await;
-                    let _ = u_tx.close().await;
+                    shut(&mut c_tx, &mut u_tx).await;
                     break;
                 }
-                () = tokio::time::sleep_until(deadline) => {
+                () = self.state.shutdown.cancelled(), if drain_until.is_none() => {
+                    drain_until = Some(Instant::now() + self.state.config.server.drain_timeout);
+                }
+                () = tokio::time::sleep_until(deadline), if drain_until.is_some_and(|d| d <= deadline) => {
+                    shut(&mut c_tx, &mut u_tx).await;
+                    self.finish(&mut inflight, "client_cancelled", None);
+                    break;
+                }
+                () = tokio::time::sleep_until(deadline), if drain_until.is_none_or(|d| d > deadline) => {
                     let (code, why) = match inflight {
                         Some(_) => (CloseCode::Error, "upstream idle timeout"),
                         None => (CloseCode::Away, "idle socket closed"),

@@ -454,6 +454,11 @@ impl<'a> Dedup<'a> {
         if is_own(text.trim_end()) || !split_trailing_note(text).1.is_empty() {
             return None;
         }
+        // A text holding one of visor's image texts (a joined tool message)
+        // is never a reference: the image text would go with it.
+        if split.lines.iter().any(|l| is_image_text(l)) {
+            return None;
+        }
         let key = combine(split.hashes.iter().copied());
         let same = self.whole.entry(key).or_default();
         let Some(&(_, earlier)) = same.iter().find(|(t, _)| *t == text) else {

@@ -37,6 +37,16 @@ impl Reason {
 /// same image always gives the same text (provider prompt caches keep
 /// hitting).
 pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> String {
+    let text = image_text(img, description, reason);
+    // One line, so it stays visor's own on a second pass: a line break in
+    // a description, a file id or a declared media type becomes a space.
+    match text.contains(['\n', '\r']) {
+        true => text.replace(['\n', '\r'], " "),
+        false => text,
+    }
+}
+
+fn image_text(img: &Found, description: Option<&str>, reason: Reason) -> String {
     let short = img.sha256.get(..12).unwrap_or(&img.sha256);
     if reason == Reason::Deduped {
         return format!("[image sha256:{short}: {}]", reason.words());
@@ -57,14 +67,6 @@ pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> St
         }
     };
     match description {
-        // One line, so it stays visor's own on a second pass.
-        Some(d) if d.contains(['\n', '\r']) => {
-            let d: String = d
-                .chars()
-                .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
-                .collect();
-            format!("[{what}, described: {d}]")
-        }
         Some(d) => format!("[{what}, described: {d}]"),
         None => format!("[{what}: not shown, {}]", reason.words()),
     }
@@ -130,7 +132,13 @@ mod tests {
             described,
             "[image sha256:7e272b7c6a81, image/png 320x200, described: a chart  with two bars]"
         );
-        for t in [shown, described] {
+        let file = placeholder(
+            &found(Source::File("file\nid".to_owned())),
+            None,
+            Reason::Capped,
+        );
+        assert!(file.starts_with("[image file file id (sha256:"), "{file}");
+        for t in [shown, described, file] {
             assert!(!t.contains('\n') && t.starts_with("[image ") && t.ends_with(']'));
         }
     }
