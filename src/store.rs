@@ -123,6 +123,7 @@ impl Store {
                     Backend::Disk(Arc::new(Disk {
                         path,
                         db: Mutex::new(None),
+                        writing: Mutex::new(()),
                     })),
                     label,
                 )
@@ -254,7 +255,7 @@ impl Store {
                 }
                 Backend::Disk(d) => {
                     let (key, text) = (key.to_owned(), text.to_owned());
-                    d.run(move |db| {
+                    d.run_write(move |db| {
                         let txn = db.begin_write()?;
                         txn.open_table(DESCRIPTIONS)?
                             .insert(key.as_str(), text.as_str())?;
@@ -320,7 +321,7 @@ impl Store {
                 }
                 Backend::Disk(d) => {
                     let name = name.to_owned();
-                    d.run(move |db| {
+                    d.run_write(move |db| {
                         let txn = db.begin_write()?;
                         txn.open_table(LEARNED)?
                             .insert(name.as_str(), "vision=false")?;
@@ -444,7 +445,7 @@ impl Store {
                 }
                 Backend::Disk(d) => {
                     let key = key.to_owned();
-                    d.run(move |db| {
+                    d.run_write(move |db| {
                         let now = unix_now();
                         let txn = db.begin_write()?;
                         {
@@ -514,7 +515,7 @@ impl Store {
                 }
                 Backend::Disk(d) => {
                     let key = key.to_owned();
-                    d.run(move |db| {
+                    d.run_write(move |db| {
                         let txn = db.begin_write()?;
                         let existed;
                         {
@@ -557,7 +558,7 @@ impl Store {
                     Ok(before - sessions.len())
                 }
                 Backend::Disk(d) => {
-                    d.run(move |db| {
+                    d.run_write(move |db| {
                         let now = unix_now();
                         let expired: Vec<String> = {
                             let txn = db.begin_read()?;
@@ -613,7 +614,7 @@ impl Store {
         match &self.backend {
             Backend::Memory(_) => Ok(()),
             Backend::Disk(d) if write => {
-                d.run(|db| {
+                d.run_write(|db| {
                     let txn = db.begin_write()?;
                     txn.open_table(HEALTH)?.insert("written", unix_now())?;
                     txn.commit()?;
@@ -708,6 +709,11 @@ struct Disk {
     /// when the file was deleted or replaced under it; with the file's
     /// identity (device, inode) when it was opened.
     db: Mutex<Option<(Arc<redb::Database>, Option<FileId>)>>,
+    /// Held by each write from its handle to its commit. redb asserts (a
+    /// panic) when a commit follows another commit's I/O error on the same
+    /// handle; with one writer at a time, the failed one drops the handle
+    /// before the next writer takes one (and opens the file again).
+    writing: Mutex<()>,
 }
 
 /// A file's (device, inode).
@@ -733,8 +739,33 @@ impl Disk {
         self: &Arc<Self>,
         f: impl FnOnce(&redb::Database) -> Result<T, redb::Error> + Send + 'static,
     ) -> Result<T, String> {
+        self.run_as(false, f).await
+    }
+
+    /// [`Disk::run`] for an operation that commits: one at a time.
+    async fn run_write<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&redb::Database) -> Result<T, redb::Error> + Send + 'static,
+    ) -> Result<T, String> {
+        self.run_as(true, f).await
+    }
+
+    async fn run_as<T: Send + 'static>(
+        self: &Arc<Self>,
+        write: bool,
+        f: impl FnOnce(&redb::Database) -> Result<T, redb::Error> + Send + 'static,
+    ) -> Result<T, String> {
         let me = self.clone();
+        let after_panic = self.clone();
         tokio::task::spawn_blocking(move || {
+            let _one = match write {
+                true => Some(
+                    me.writing
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner),
+                ),
+                false => None,
+            };
             let db = me.database()?;
             f(&db).map_err(|e| {
                 // After an I/O error (a full disk) redb refuses everything
@@ -751,7 +782,11 @@ impl Disk {
             })
         })
         .await
-        .map_err(|_| "the store task failed".to_owned())?
+        .map_err(|_| {
+            // A panic in redb leaves its handle unusable: open it again.
+            after_panic.forget();
+            "the store task failed".to_owned()
+        })?
     }
 
     fn database(&self) -> Result<Arc<redb::Database>, String> {

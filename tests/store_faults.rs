@@ -238,3 +238,64 @@ async fn a_store_file_deleted_while_running_is_noticed() {
     assert_eq!(stored_texts(&visor, "d2").await, ["again", "stored reply"]);
     let _ = std::fs::remove_dir_all(&data);
 }
+
+/// Session turns written at once while the disk is full: redb asserts (a
+/// panic) when a commit follows another's I/O error on the same handle,
+/// so writes go one at a time and a failed one drops the handle first.
+/// Every request gets its answer (503 or a cut, never a 200 unstored), and
+/// nothing panics.
+#[tokio::test]
+async fn concurrent_turns_on_a_full_disk_never_panic() {
+    let disk = match SmallDisk::mount("3m") {
+        Ok(d) => d,
+        Err(why) => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "CI must run this test: {why}"
+            );
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let data = disk.0.join("var");
+    let mock = MockUpstream::start(|_| Reply::json(200, ANSWER)).await;
+    // Two workers, so writes really run side by side on the blocking pools.
+    let cfg = config(&mock, &data).replace("workers = 1", "workers = 2");
+    let visor = Visor::start(&cfg).await;
+    let (status, _) = complete(session_req(&visor, "warm", "turn one"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+
+    let panics = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = panics.clone();
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.location().is_some_and(|l| l.file().contains("redb")) {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        previous(info);
+    }));
+    let filler = disk.fill();
+    let big = "y".repeat(100_000);
+    for round in 0..3 {
+        let turns = (0..24).map(|i| {
+            let req = session_req(&visor, &format!("s{round}-{i}"), &format!("turn {i} {big}"));
+            tokio::spawn(complete(req))
+        });
+        for answer in futures_util::future::join_all(turns).await {
+            match answer.unwrap() {
+                Ok((200, _)) => {} // stored before the disk filled up
+                Ok((status, _)) => assert_eq!(status, 503),
+                Err(_) => {} // cut: the client sees an error
+            }
+        }
+    }
+    let _ = std::panic::take_hook();
+    assert_eq!(
+        panics.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "redb panicked"
+    );
+    std::fs::remove_file(&filler).unwrap();
+}
