@@ -80,13 +80,19 @@ async fn ws_mock() -> (String, Arc<Mutex<Seen>>, mpsc::UnboundedReceiver<()>) {
                     };
                     s.lock().unwrap().events.push(t.to_string());
                     let v: Value = serde_json::from_str(&t).unwrap_or_default();
+                    // `"metadata": {"stall": true}`: only the first event,
+                    // then nothing (a response under way).
+                    let stall = v["metadata"]["stall"] == true;
                     if v["type"] == "response.create" {
                         for e in [
                             // As OpenAI sends it: `error: null` early in the event.
                             json!({"response": {"id": "resp_1", "status": "in_progress", "error": null}, "type": "response.created"}),
                             json!({"type": "response.output_text.delta", "delta": "hi"}),
                             json!({"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "usage": {"input_tokens": 11, "output_tokens": 3, "input_tokens_details": {"cached_tokens": 4}}}}),
-                        ] {
+                        ]
+                        .into_iter()
+                        .take(if stall { 1 } else { 3 })
+                        {
                             if ws.send(Message::Text(e.to_string().into())).await.is_err() {
                                 break;
                             }
@@ -387,4 +393,53 @@ async fn shutdown_closes_an_open_websocket_going_away_and_waits_for_it() {
         .expect("shutdown finishes within the bound");
     served.unwrap().unwrap();
     assert!(visor.state.tasks.is_empty());
+}
+
+/// A response under way when shutdown starts gets the drain timeout to
+/// finish, no longer: then both sides are closed (1001) and shutdown ends.
+#[tokio::test]
+async fn shutdown_gives_a_response_under_way_the_drain_timeout() {
+    let (up, _seen, mut closed) = ws_mock().await;
+    let mut visor = Visor::start(&format!(
+        "[server]\ndrain_timeout_secs = 0.5\n[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n"
+    ))
+    .await;
+    let url = format!("ws://{}/v1/responses", visor.addr);
+    let (mut ws, _) = tokio::time::timeout(BOUND, connect(url))
+        .await
+        .unwrap()
+        .unwrap();
+    let create = json!({"type": "response.create", "model": "gpt-4o", "metadata": {"stall": true},
+        "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]});
+    ws.send(Message::Text(create.to_string().into()))
+        .await
+        .unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "response.created");
+    let asked = std::time::Instant::now();
+    visor.shutdown();
+    let frame = loop {
+        match tokio::time::timeout(BOUND, ws.next())
+            .await
+            .expect("a close frame within the bound")
+        {
+            Some(Ok(Message::Close(f))) => break f.expect("a close code"),
+            Some(Ok(_)) => continue,
+            other => panic!("the socket ended without a close frame: {other:?}"),
+        }
+    };
+    assert_eq!(frame.code, CloseCode::Away);
+    assert_eq!(frame.reason, "server shutting down");
+    // Not before the response had its drain timeout.
+    assert!(
+        asked.elapsed() >= Duration::from_millis(400),
+        "{:?}",
+        asked.elapsed()
+    );
+    tokio::time::timeout(BOUND, closed.recv())
+        .await
+        .expect("the upstream socket is closed too");
+    let served = tokio::time::timeout(BOUND, visor.task.take().unwrap())
+        .await
+        .expect("shutdown finishes within the bound");
+    served.unwrap().unwrap();
 }
