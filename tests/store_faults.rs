@@ -109,6 +109,22 @@ async fn stored_texts(visor: &Visor, id: &str) -> Vec<String> {
         .collect()
 }
 
+/// A 3 MB tmpfs, or `None` with the reason printed where it cannot be
+/// mounted (not root); under CI=true the test must run, so that fails.
+fn small_disk() -> Option<SmallDisk> {
+    match SmallDisk::mount("3m") {
+        Ok(d) => Some(d),
+        Err(why) => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "CI must run this test: {why}"
+            );
+            eprintln!("skipped: {why}");
+            None
+        }
+    }
+}
+
 fn config(mock: &MockUpstream, data_dir: &Path) -> String {
     format!(
         "[server]\nworkers = 1\ndata_dir = \"{}\"\n[store]\nbackend = \"disk\"\n\
@@ -120,16 +136,8 @@ fn config(mock: &MockUpstream, data_dir: &Path) -> String {
 
 #[tokio::test]
 async fn a_full_disk_never_completes_an_unstored_turn_and_recovers_without_restart() {
-    let disk = match SmallDisk::mount("3m") {
-        Ok(d) => d,
-        Err(why) => {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "CI must run this test: {why}"
-            );
-            eprintln!("skipped: {why}");
-            return;
-        }
+    let Some(disk) = small_disk() else {
+        return;
     };
     let data = disk.0.join("var");
     let mock = MockUpstream::start(|_| Reply::json(200, ANSWER)).await;
@@ -246,16 +254,8 @@ async fn a_store_file_deleted_while_running_is_noticed() {
 /// nothing panics.
 #[tokio::test]
 async fn concurrent_turns_on_a_full_disk_never_panic() {
-    let disk = match SmallDisk::mount("3m") {
-        Ok(d) => d,
-        Err(why) => {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "CI must run this test: {why}"
-            );
-            eprintln!("skipped: {why}");
-            return;
-        }
+    let Some(disk) = small_disk() else {
+        return;
     };
     let data = disk.0.join("var");
     let mock = MockUpstream::start(|_| Reply::json(200, ANSWER)).await;
