@@ -9,6 +9,8 @@
 //! [`transform`]s; originals kept by [`artifacts`]), sends the request
 //! through the pooled client in [`upstream`], and passes the response back
 //! chunk by chunk through one observing body that records [`metrics`].
+//! Documents a model cannot read (PDF, DOCX, PPTX, XLSX) are read to text
+//! and page images by the pure [`media`] module.
 //! Every error visor makes itself is one [`error::VisorError`], answered in
 //! the OpenAI error shape.
 
@@ -17,6 +19,7 @@ pub mod config;
 pub mod connections;
 pub mod describe;
 pub mod error;
+pub mod media;
 pub mod metrics;
 pub mod models;
 pub mod proxy;

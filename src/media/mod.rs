@@ -1,0 +1,516 @@
+//! Documents a model cannot read, turned into what it can: the text of each
+//! page (slide, sheet), which pages need a look by a vision model, the images
+//! embedded in them, and PDF pages rendered to PNG.
+//!
+//! Pure: no async and no I/O. Everything here runs on untrusted bytes, so no
+//! input may panic or hang: every parser call is wrapped in
+//! [`std::panic::catch_unwind`] (a panic becomes "damaged: …"), pages beyond
+//! [`Limits::max_pages`] and text beyond [`Limits::max_text_bytes`] are not
+//! read, and a zip that unpacks beyond [`Limits::max_unpacked_bytes`] is
+//! refused.
+//!
+//! - PDF ([`pdf`]): hayro's interpreter (pure Rust) walks each page's content
+//!   with a device that collects glyphs into lines and counts images and
+//!   vector paths; hayro's rasterizer renders a page ([`render_page`]).
+//! - DOCX, PPTX, XLSX ([`office`]): the zip's XML parts read with quick-xml.
+//!   A DOCX has no pages in its XML: its "pages" are split at the page breaks
+//!   the file records (hard breaks, and the breaks Word noted when it last laid
+//!   the document out); a file without any is one page.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+pub mod office;
+pub mod pdf;
+
+pub use pdf::render_page;
+
+/// The kinds of document read here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DocKind {
+    /// Portable Document Format.
+    Pdf,
+    /// Word (Office Open XML).
+    Docx,
+    /// PowerPoint (Office Open XML).
+    Pptx,
+    /// Excel (Office Open XML).
+    Xlsx,
+}
+
+const PDF_TYPE: &str = "application/pdf";
+const DOCX_TYPE: &str = "application/vnd.openxmlformats-officedocument.wordprocessingml.document";
+const PPTX_TYPE: &str = "application/vnd.openxmlformats-officedocument.presentationml.presentation";
+const XLSX_TYPE: &str = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet";
+
+impl DocKind {
+    /// From a declared media type (e.g. `application/pdf`), else the file
+    /// name's extension, else the bytes' magic (`%PDF-`; a zip holding
+    /// `word/`, `ppt/` or `xl/`). A declared type that names something else
+    /// (an image, `text/plain`) is believed: `None`. A generic one
+    /// (`application/octet-stream`, `application/zip`, absent) falls through
+    /// to the name and then the bytes. `None`: not a document read here.
+    pub fn detect(media_type: Option<&str>, filename: Option<&str>, bytes: &[u8]) -> Option<Self> {
+        if let Some(declared) = media_type {
+            let essence = declared
+                .split(';')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_ascii_lowercase();
+            match essence.as_str() {
+                PDF_TYPE | "application/x-pdf" => return Some(Self::Pdf),
+                DOCX_TYPE => return Some(Self::Docx),
+                PPTX_TYPE => return Some(Self::Pptx),
+                XLSX_TYPE => return Some(Self::Xlsx),
+                ""
+                | "application/octet-stream"
+                | "application/zip"
+                | "binary/octet-stream"
+                | "application/x-zip-compressed" => {}
+                _ => return None,
+            }
+        }
+        if let Some(name) = filename
+            && let Some((_, ext)) = name.rsplit_once('.')
+        {
+            match ext.to_ascii_lowercase().as_str() {
+                "pdf" => return Some(Self::Pdf),
+                "docx" => return Some(Self::Docx),
+                "pptx" => return Some(Self::Pptx),
+                "xlsx" => return Some(Self::Xlsx),
+                _ => {}
+            }
+        }
+        Self::sniff(bytes)
+    }
+
+    /// The kind the bytes themselves say: `%PDF-` (within the first KiB, as
+    /// readers allow), or a zip whose entries' names start `word/`, `ppt/`,
+    /// `xl/` (read from the local headers; the central directory is not
+    /// needed).
+    fn sniff(bytes: &[u8]) -> Option<Self> {
+        let head = bytes.get(..bytes.len().min(1024)).unwrap_or_default();
+        if memchr::memmem::find(head, b"%PDF-").is_some() {
+            return Some(Self::Pdf);
+        }
+        if !bytes.starts_with(b"PK\x03\x04") {
+            return None;
+        }
+        // Walk the local file headers: name length at 26, extra at 28, name at 30.
+        let mut at = 0usize;
+        for _ in 0..64 {
+            let header = bytes.get(at..at.checked_add(30)?)?;
+            if !header.starts_with(b"PK\x03\x04") {
+                return None;
+            }
+            let word = |i: usize| u16::from_le_bytes([header[i], header[i + 1]]) as usize;
+            let flags = word(6);
+            let compressed = u32::from_le_bytes([header[18], header[19], header[20], header[21]]);
+            let name_len = word(26);
+            let extra_len = word(28);
+            let name = bytes.get(at + 30..at + 30 + name_len)?;
+            for (prefix, kind) in [
+                (&b"word/"[..], Self::Docx),
+                (b"ppt/", Self::Pptx),
+                (b"xl/", Self::Xlsx),
+            ] {
+                if name.starts_with(prefix) {
+                    return Some(kind);
+                }
+            }
+            if flags & 0x08 != 0 {
+                // Sizes follow the data: the next header can't be found cheaply.
+                return None;
+            }
+            at = at
+                .checked_add(30 + name_len + extra_len)?
+                .checked_add(compressed as usize)?;
+        }
+        None
+    }
+
+    /// The media type of this kind.
+    pub fn media_type(self) -> &'static str {
+        match self {
+            Self::Pdf => PDF_TYPE,
+            Self::Docx => DOCX_TYPE,
+            Self::Pptx => PPTX_TYPE,
+            Self::Xlsx => XLSX_TYPE,
+        }
+    }
+
+    /// A short name a person reads: "PDF", "DOCX", "PPTX", "XLSX".
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Pdf => "PDF",
+            Self::Docx => "DOCX",
+            Self::Pptx => "PPTX",
+            Self::Xlsx => "XLSX",
+        }
+    }
+
+    /// What one [`Page`] is: "page" (PDF, and DOCX split at its recorded page
+    /// breaks), "slide", "sheet".
+    pub fn unit(self) -> &'static str {
+        match self {
+            Self::Pdf | Self::Docx => "page",
+            Self::Pptx => "slide",
+            Self::Xlsx => "sheet",
+        }
+    }
+}
+
+/// A document's text and images, page by page.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Document {
+    /// What was read.
+    pub kind: DocKind,
+    /// The pages read, in order.
+    pub pages: Vec<Page>,
+    /// Pages beyond [`Limits::max_pages`] were not read, or the text was cut
+    /// at [`Limits::max_text_bytes`].
+    pub truncated: bool,
+}
+
+/// One page, slide or sheet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page {
+    /// 1-based.
+    pub number: usize,
+    /// In reading order; tables as rows with cells joined by " | ", sheets as
+    /// rows. Cleaned: no control characters but `\n` and `\t`, no run of
+    /// blank lines.
+    pub text: String,
+    /// PDF: the page draws images or substantial vector graphics, or has no
+    /// text at all (a scan): a vision model should look at its rendering.
+    /// Office: the page embeds images (they are in [`Page::images`]).
+    pub needs_look: bool,
+    /// Office: the images embedded on this page or slide, in order. PDF:
+    /// empty (render the page instead).
+    pub images: Vec<Embedded>,
+}
+
+/// An image embedded in an Office document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Embedded {
+    /// The part's file name, e.g. `image1.png`.
+    pub name: String,
+    /// From the file name's extension, e.g. `image/png`.
+    pub media_type: String,
+    /// The image's bytes as stored.
+    pub bytes: Vec<u8>,
+}
+
+/// Bounds on the work done for one document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Pages (slides, sheets) read; the rest set [`Document::truncated`].
+    pub max_pages: usize,
+    /// Text kept over all pages; the rest is cut.
+    pub max_text_bytes: usize,
+    /// Bytes inflated from a zip (Office) over all its parts read.
+    pub max_unpacked_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_pages: 2000,
+            max_text_bytes: 4 << 20,
+            max_unpacked_bytes: 256 << 20,
+        }
+    }
+}
+
+/// Why a document could not be read, as a person reads it in a placeholder:
+/// "encrypted", "not a PDF", "damaged: …", "too large when unpacked".
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ReadError(String);
+
+impl ReadError {
+    pub(crate) fn new(reason: impl Into<String>) -> Self {
+        Self(reason.into())
+    }
+
+    pub(crate) fn damaged(what: impl std::fmt::Display) -> Self {
+        Self(format!("damaged: {what}"))
+    }
+
+    pub(crate) fn encrypted() -> Self {
+        Self::new("encrypted")
+    }
+
+    pub(crate) fn too_large() -> Self {
+        Self::new("too large when unpacked")
+    }
+
+    /// The reason, e.g. "encrypted".
+    pub fn reason(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Read a document's pages. Never panics (a parser's panic is caught and
+/// becomes "damaged: …").
+pub fn read(kind: DocKind, bytes: &[u8], limits: &Limits) -> Result<Document, ReadError> {
+    guarded(|| match kind {
+        DocKind::Pdf => pdf::read(bytes, limits),
+        DocKind::Docx => office::read_docx(bytes, limits),
+        DocKind::Pptx => office::read_pptx(bytes, limits),
+        DocKind::Xlsx => office::read_xlsx(bytes, limits),
+    })
+}
+
+/// Run `f`, turning a panic into "damaged: …".
+pub(crate) fn guarded<T>(f: impl FnOnce() -> Result<T, ReadError>) -> Result<T, ReadError> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "the parser failed".to_owned());
+            let what: String = what.chars().take(120).collect();
+            Err(ReadError::damaged(format!("parser panicked ({what})")))
+        }
+    }
+}
+
+/// Collects pages under the limits: cleans each page's text, cuts the text
+/// at the byte budget, and notes truncation.
+pub(crate) struct PageSink {
+    pages: Vec<Page>,
+    limits: Limits,
+    text_bytes: usize,
+    truncated: bool,
+}
+
+impl PageSink {
+    pub(crate) fn new(limits: &Limits) -> Self {
+        Self {
+            pages: Vec::new(),
+            limits: *limits,
+            text_bytes: 0,
+            truncated: false,
+        }
+    }
+
+    /// Whether another page may be read; false (and truncated) once the page
+    /// or text budget is spent.
+    pub(crate) fn wants_more(&mut self) -> bool {
+        if self.pages.len() >= self.limits.max_pages
+            || self.text_bytes >= self.limits.max_text_bytes
+        {
+            self.truncated = true;
+            return false;
+        }
+        true
+    }
+
+    /// Add the next page (numbered in order).
+    pub(crate) fn push(&mut self, raw_text: &str, needs_look: bool, images: Vec<Embedded>) {
+        let mut text = clean_text(raw_text);
+        let room = self.limits.max_text_bytes.saturating_sub(self.text_bytes);
+        if text.len() > room {
+            let mut cut = room;
+            while cut > 0 && !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text.truncate(cut);
+            self.truncated = true;
+        }
+        self.text_bytes += text.len();
+        self.pages.push(Page {
+            number: self.pages.len() + 1,
+            text,
+            needs_look,
+            images,
+        });
+    }
+
+    pub(crate) fn mark_truncated(&mut self) {
+        self.truncated = true;
+    }
+
+    pub(crate) fn finish(self, kind: DocKind) -> Document {
+        Document {
+            kind,
+            pages: self.pages,
+            truncated: self.truncated,
+        }
+    }
+}
+
+/// No control characters but `\n` and `\t` (`\r\n` and `\r` become `\n`;
+/// other controls, and U+FFFE/U+FFFF, are dropped), no trailing spaces on a
+/// line, no leading or trailing blank lines, and at most one blank line in a
+/// row.
+pub fn clean_text(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    let mut blank_run = 0usize;
+    let normalized = raw.replace("\r\n", "\n");
+    for line in normalized.split(['\n', '\r', '\u{b}', '\u{c}', '\u{2028}', '\u{2029}']) {
+        let kept: String = line
+            .chars()
+            .filter(|&c| c == '\t' || !(c.is_control() || c == '\u{fffe}' || c == '\u{ffff}'))
+            .collect();
+        let kept = kept.trim_end();
+        if kept.trim().is_empty() {
+            blank_run += 1;
+            continue;
+        }
+        if !out.is_empty() {
+            out.push('\n');
+            if blank_run > 0 {
+                out.push('\n');
+            }
+        }
+        blank_run = 0;
+        out.push_str(kept);
+    }
+    out
+}
+
+/// The media type of an image part from its file name's extension.
+pub(crate) fn image_media_type(name: &str) -> String {
+    let ext = name
+        .rsplit_once('.')
+        .map(|(_, e)| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    match ext.as_str() {
+        "png" => "image/png",
+        "jpg" | "jpeg" | "jpe" => "image/jpeg",
+        "gif" => "image/gif",
+        "bmp" | "dib" => "image/bmp",
+        "tif" | "tiff" => "image/tiff",
+        "webp" => "image/webp",
+        "svg" => "image/svg+xml",
+        "emf" => "image/emf",
+        "wmf" => "image/wmf",
+        _ => "application/octet-stream",
+    }
+    .to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    pub(crate) fn fixture(name: &str) -> Vec<u8> {
+        let path = format!("{}/tests/fixtures/media/{name}", env!("CARGO_MANIFEST_DIR"));
+        std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    #[test]
+    fn detect_by_declared_type_then_name_then_bytes() {
+        let pdf = fixture("text.pdf");
+        let docx = fixture("report.docx");
+        let pptx = fixture("slides.pptx");
+        let xlsx = fixture("sheet.xlsx");
+        assert_eq!(
+            DocKind::detect(Some("application/pdf"), None, b""),
+            Some(DocKind::Pdf)
+        );
+        assert_eq!(
+            DocKind::detect(Some("Application/PDF; name=x.pdf"), None, b""),
+            Some(DocKind::Pdf)
+        );
+        assert_eq!(
+            DocKind::detect(Some(DOCX_TYPE), None, b""),
+            Some(DocKind::Docx)
+        );
+        assert_eq!(
+            DocKind::detect(Some(PPTX_TYPE), Some("a.pdf"), b""),
+            Some(DocKind::Pptx)
+        );
+        assert_eq!(
+            DocKind::detect(Some(XLSX_TYPE), None, b""),
+            Some(DocKind::Xlsx)
+        );
+        // A declared non-document type is believed.
+        assert_eq!(
+            DocKind::detect(Some("image/png"), Some("a.pdf"), &pdf),
+            None
+        );
+        assert_eq!(DocKind::detect(Some("text/plain"), None, &pdf), None);
+        // Generic types fall through to the name, then the bytes.
+        assert_eq!(
+            DocKind::detect(Some("application/octet-stream"), Some("Report.DOCX"), b""),
+            Some(DocKind::Docx)
+        );
+        assert_eq!(
+            DocKind::detect(None, Some("deck.pptx"), b""),
+            Some(DocKind::Pptx)
+        );
+        assert_eq!(
+            DocKind::detect(None, Some("book.xlsx"), b""),
+            Some(DocKind::Xlsx)
+        );
+        assert_eq!(DocKind::detect(None, None, &pdf), Some(DocKind::Pdf));
+        assert_eq!(
+            DocKind::detect(Some("application/zip"), None, &docx),
+            Some(DocKind::Docx)
+        );
+        assert_eq!(
+            DocKind::detect(None, Some("noext"), &pptx),
+            Some(DocKind::Pptx)
+        );
+        assert_eq!(
+            DocKind::detect(None, Some("x.bin"), &xlsx),
+            Some(DocKind::Xlsx)
+        );
+        assert_eq!(DocKind::detect(None, None, b"hello"), None);
+        assert_eq!(DocKind::detect(None, None, b""), None);
+        assert_eq!(DocKind::detect(None, None, b"PK\x03\x04"), None);
+        assert_eq!(DocKind::detect(None, Some("photo.png"), b"\x89PNG"), None);
+        for kind in [DocKind::Pdf, DocKind::Docx, DocKind::Pptx, DocKind::Xlsx] {
+            assert_eq!(
+                DocKind::detect(Some(kind.media_type()), None, b""),
+                Some(kind)
+            );
+        }
+        assert_eq!(DocKind::Docx.label(), "DOCX");
+        assert_eq!(DocKind::Pptx.unit(), "slide");
+        assert_eq!(DocKind::Xlsx.unit(), "sheet");
+    }
+
+    #[test]
+    fn clean_text_drops_controls_and_blank_runs() {
+        let raw = "\n\n a\u{0}b\u{7}\r\nline two  \r\n\n\n\n\tthree\u{c}four\n\n";
+        assert_eq!(clean_text(raw), " ab\nline two\n\n\tthree\nfour");
+        assert_eq!(clean_text("\u{0}\u{1}\n\n"), "");
+    }
+
+    #[test]
+    fn sink_cuts_text_at_a_char_boundary_and_counts_pages() {
+        let limits = Limits {
+            max_pages: 2,
+            max_text_bytes: 5,
+            max_unpacked_bytes: 1,
+        };
+        let mut sink = PageSink::new(&limits);
+        assert!(sink.wants_more());
+        sink.push("abcé€", false, vec![]);
+        assert!(!sink.wants_more());
+        let doc = sink.finish(DocKind::Pdf);
+        assert!(doc.truncated);
+        assert_eq!(doc.pages[0].text, "abcé");
+        assert_eq!(doc.pages[0].number, 1);
+    }
+
+    #[test]
+    fn a_panic_becomes_damaged() {
+        let err = guarded::<()>(|| {
+            #[allow(clippy::panic)]
+            {
+                panic!("boom")
+            }
+        })
+        .unwrap_err();
+        assert_eq!(err.to_string(), "damaged: parser panicked (boom)");
+    }
+}
