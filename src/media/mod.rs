@@ -513,4 +513,80 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.to_string(), "damaged: parser panicked (boom)");
     }
+
+    mod fuzz {
+        use super::super::*;
+        use super::fixture;
+        use proptest::prelude::*;
+
+        /// The fixture for each kind, mutated: bytes overwritten, then maybe cut.
+        fn mutated(kind: DocKind) -> impl Strategy<Value = Vec<u8>> {
+            let base = fixture(match kind {
+                DocKind::Pdf => "chart.pdf",
+                DocKind::Docx => "report.docx",
+                DocKind::Pptx => "slides.pptx",
+                DocKind::Xlsx => "sheet.xlsx",
+            });
+            let len = base.len();
+            (
+                proptest::collection::vec((0..len, any::<u8>()), 1..16),
+                proptest::option::of(0..len),
+            )
+                .prop_map(move |(edits, cut)| {
+                    let mut bytes = base.clone();
+                    for (at, byte) in edits {
+                        bytes[at] = byte;
+                    }
+                    if let Some(cut) = cut {
+                        bytes.truncate(cut);
+                    }
+                    bytes
+                })
+        }
+
+        fn kinds() -> impl Strategy<Value = DocKind> {
+            prop_oneof![
+                Just(DocKind::Pdf),
+                Just(DocKind::Docx),
+                Just(DocKind::Pptx),
+                Just(DocKind::Xlsx)
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(48))]
+
+            #[test]
+            fn random_bytes_never_panic(kind in kinds(), bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
+                let _ = read(kind, &bytes, &Limits::default());
+                let _ = DocKind::detect(None, None, &bytes);
+            }
+
+            #[test]
+            fn mutated_pdf_never_panics(bytes in mutated(DocKind::Pdf)) {
+                let limits = Limits::default();
+                if let Ok(doc) = read(DocKind::Pdf, &bytes, &limits) {
+                    prop_assert!(doc.pages.len() <= limits.max_pages);
+                    for page in &doc.pages {
+                        prop_assert!(!page.text.contains('\0'));
+                    }
+                }
+            }
+
+            #[test]
+            fn mutated_docx_never_panics(bytes in mutated(DocKind::Docx)) {
+                let _ = read(DocKind::Docx, &bytes, &Limits::default());
+            }
+
+            #[test]
+            fn mutated_pptx_never_panics(bytes in mutated(DocKind::Pptx)) {
+                let _ = read(DocKind::Pptx, &bytes, &Limits::default());
+            }
+
+            #[test]
+            fn mutated_xlsx_never_panics(bytes in mutated(DocKind::Xlsx)) {
+                let _ = read(DocKind::Xlsx, &bytes, &Limits::default());
+            }
+        }
+    }
 }

@@ -380,12 +380,11 @@ pub(crate) fn read_docx(bytes: &[u8], limits: &Limits) -> Result<Document, ReadE
                         flow.push_char('\n');
                     }
                 }
-                "lastRenderedPageBreak" | "pageBreakBefore" => {
+                "lastRenderedPageBreak" | "pageBreakBefore"
                     if attr(&e, "val").is_none_or(|v| v != "0" && v != "false")
-                        && !page_break(&mut flow, &mut images, &mut sink)
-                    {
-                        break;
-                    }
+                        && !page_break(&mut flow, &mut images, &mut sink) =>
+                {
+                    break;
                 }
                 "noBreakHyphen" => flow.push_char('-'),
                 "blip" => {

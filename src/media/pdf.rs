@@ -209,7 +209,7 @@ impl TextDevice {
         if !has_text {
             return true;
         }
-        if !(self.page_area > 0.0) {
+        if self.page_area.is_nan() || self.page_area <= 0.0 {
             return self.images > 0 || self.paths >= MIN_PATHS;
         }
         let path_area = self.path_box.map_or(0.0, |r| r.area());
@@ -524,7 +524,7 @@ mod tests {
         );
         // Huge resolutions are capped at MAX_RENDER_SIDE on the longer side.
         let (w, h) = png_size(&render_page(&fixture("text.pdf"), 1, 2000.0).unwrap());
-        assert!(h <= 4096 && h >= 4090 && w < h, "{w}x{h}");
+        assert!((4090..=4096).contains(&h) && w < h, "{w}x{h}");
     }
 
     #[test]
