@@ -28,7 +28,7 @@ use std::path::PathBuf;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use serde_json::Value;
-use visor::transform::{Plan, Rules, Shape, rewrite};
+use visor::transform::{Plan, Rules, Shape, Takes, rewrite};
 
 const DEFAULTS: Rules = Rules {
     keep_turns: 2,
@@ -48,6 +48,8 @@ fn plan(vision: bool) -> Plan {
         vision,
         describe: false,
         rules: DEFAULTS,
+        takes: Takes::ALL,
+        query_aware: false,
     }
 }
 

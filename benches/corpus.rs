@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use visor::config::Config;
 use visor::models::{Learned, ModelTable};
-use visor::transform::{Plan, Rules, Shape, rewrite};
+use visor::transform::{Plan, Rules, Shape, Takes, rewrite};
 
 /// Tokens of an image, and bytes of text per token.
 const IMAGE_TOKENS: f64 = 765.0;
@@ -169,6 +169,8 @@ fn conversation(dir: &Path, cfg: &Config, table: &ModelTable) -> Figures {
             vision: resolved.vision,
             describe: false,
             rules: Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+            takes: Takes::ALL,
+            query_aware: false,
         };
         let r = rewrite(&body, &plan);
         let out = r.body.as_deref().unwrap_or(&body);

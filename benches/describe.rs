@@ -12,6 +12,11 @@
 //!   described already, against the same request without the images.
 //!   `request/10-images-strip` is the same 10 images with placeholders (no
 //!   lookups), to separate the lookups from the image work.
+//! - `request/cached-pdf-20-pages`: a Chat request carrying the 20-page
+//!   PDF fixture (19.6 KB) to a model that reads no PDF, its text made by
+//!   an earlier request: decode and hash the document, one lookup of its
+//!   whole text, splice it in — what the second request with a document
+//!   costs (no parsing).
 //!
 //! `cargo bench --bench describe`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
@@ -26,7 +31,8 @@ use visor::config::Config;
 use visor::describe::{Credential, describe};
 use visor::metrics::Metrics;
 use visor::proxy::AppState;
-use visor::transform::{self, Plan, Shape, Subject, SubjectImage};
+use visor::proxy::media_text::{self, Credentials};
+use visor::transform::{self, Payload, Plan, Shape, Subject, Takes};
 use visor::upstream::Upstreams;
 
 fn state(rt: &tokio::runtime::Runtime, backend: &str, data_dir: &Path) -> Arc<AppState> {
@@ -54,11 +60,12 @@ fn png(salt: usize) -> Vec<u8> {
 fn subject(bytes: &[u8]) -> Subject {
     Subject {
         sha256: visor::transform::decode::sha256_hex(bytes),
-        image: SubjectImage::Inline {
+        payload: Payload::Inline {
             media_type: "image/png".into(),
             bytes: bytes.to_vec().into(),
         },
         lookup_only: false,
+        query: None,
     }
 }
 
@@ -83,16 +90,40 @@ fn request(images: &[Vec<u8>]) -> Vec<u8> {
     .unwrap()
 }
 
-/// What the proxy does to a body: scan, describe, finish.
+/// What the proxy does to a body: scan, describe (and turn documents into
+/// text), finish. Returns the images described plus the media replaced.
 async fn rewrite(state: &Arc<AppState>, body: &[u8], plan: &Plan) -> usize {
     match transform::scan(body, plan) {
         Err(done) => done.report.images_replaced,
         Ok(scanned) => {
-            let subjects = scanned.subjects().into_iter().map(|(_, s)| s).collect();
-            let descriptions = describe(&state.describer, subjects, &Credential::default()).await;
-            scanned.finish(body, &descriptions).report.images_described
+            let subjects = scanned.subjects(body).into_iter().map(|(_, s)| s).collect();
+            let jobs = scanned.media(body);
+            let mut descriptions =
+                describe(&state.describer, subjects, &Credential::default()).await;
+            let made = media_text::make(state, jobs, true, &Credentials::default()).await;
+            descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
+            let report = scanned.finish(body, &descriptions).report;
+            report.images_described + report.media_replaced
         }
     }
+}
+
+/// A Chat request carrying one PDF.
+fn pdf_request(pdf: &[u8]) -> Vec<u8> {
+    let url = format!(
+        "data:application/pdf;base64,{}",
+        base64_simd::STANDARD.encode_to_string(pdf)
+    );
+    serde_json::to_vec(&serde_json::json!({
+        "model": "gpt-oss-120b",
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "Summarise this report."},
+                {"type": "file", "file": {"file_data": url, "filename": "twenty.pdf"}},
+            ]},
+        ],
+    }))
+    .unwrap()
 }
 
 fn bench(c: &mut Criterion) {
@@ -182,6 +213,33 @@ fn bench(c: &mut Criterion) {
             })
         });
     }
+    // A document whose text an earlier request made.
+    let pdf = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/media/twenty.pdf"
+    ))
+    .unwrap();
+    let with_pdf = pdf_request(&pdf);
+    let pdf_plan = Plan {
+        takes: Takes {
+            pdf: false,
+            office: false,
+            audio: false,
+        },
+        ..describe_plan
+    };
+    assert_eq!(rt.block_on(rewrite(&mem, &with_pdf, &pdf_plan)), 1);
+    g.bench_function("cached-pdf-20-pages", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let started = Instant::now();
+                for _ in 0..iters {
+                    black_box(rewrite(&mem, &with_pdf, &pdf_plan).await);
+                }
+                started.elapsed()
+            })
+        })
+    });
     g.finish();
     let _ = std::fs::remove_dir_all(&dir);
 }

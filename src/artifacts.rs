@@ -104,6 +104,22 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 pub fn sniff_media_type(bytes: &[u8]) -> Option<&'static str> {
     use imagesize::ImageType;
     let head = &bytes[..bytes.len().min(64)];
+    // Documents and audio first (a zip or a RIFF file is no image).
+    if head.starts_with(b"%PDF-") {
+        return Some("application/pdf");
+    }
+    if head.len() >= 12 && head.starts_with(b"RIFF") && &head[8..12] == b"WAVE" {
+        return Some("audio/wav");
+    }
+    if head.starts_with(b"ID3") || (head.len() >= 2 && head[0] == 0xff && head[1] & 0xe0 == 0xe0) {
+        return Some("audio/mpeg");
+    }
+    if head.starts_with(b"OggS") {
+        return Some("audio/ogg");
+    }
+    if head.starts_with(b"fLaC") {
+        return Some("audio/flac");
+    }
     if let Ok(t) = imagesize::image_type(head) {
         return Some(match t {
             ImageType::Png => "image/png",

@@ -82,6 +82,10 @@ pub struct RawConfig {
     #[serde(default)]
     pub describer: RawDescriber,
     #[serde(default)]
+    pub transcriber: RawTranscriber,
+    #[serde(default)]
+    pub documents: RawDocuments,
+    #[serde(default)]
     pub dedup: RawDedup,
     #[serde(default)]
     pub sessions: RawSessions,
@@ -211,6 +215,9 @@ pub struct RawModel {
     pub audio: Option<bool>,
     #[serde(default)]
     pub pdf: Option<bool>,
+    /// DOCX, PPTX and XLSX taken as they are.
+    #[serde(default)]
+    pub office: Option<bool>,
     #[serde(default)]
     pub max_images: Option<u32>,
     #[serde(default)]
@@ -309,6 +316,10 @@ pub struct RawDescriber {
     pub concurrency: u32,
     #[serde(default = "default_on_miss")]
     pub on_miss: String,
+    /// The user text of the message that holds an image (or a document
+    /// page) shapes its description; part of the description's key.
+    #[serde(default)]
+    pub query_aware: bool,
 }
 
 impl Default for RawDescriber {
@@ -319,8 +330,67 @@ impl Default for RawDescriber {
             timeout_secs: default_describer_timeout_secs(),
             concurrency: default_describer_concurrency(),
             on_miss: default_on_miss(),
+            query_aware: false,
         }
     }
+}
+
+/// `[transcriber]`: speech to text for models that take no audio
+/// (`POST <upstream>/audio/transcriptions`, multipart).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTranscriber {
+    #[serde(default)]
+    pub upstream: Option<String>,
+    #[serde(default = "default_transcriber_model")]
+    pub model: String,
+    #[serde(default = "default_transcriber_timeout_secs")]
+    pub timeout_secs: f64,
+    #[serde(default = "default_transcriber_concurrency")]
+    pub concurrency: u32,
+}
+
+impl Default for RawTranscriber {
+    fn default() -> Self {
+        Self {
+            upstream: None,
+            model: default_transcriber_model(),
+            timeout_secs: default_transcriber_timeout_secs(),
+            concurrency: default_transcriber_concurrency(),
+        }
+    }
+}
+
+fn default_transcriber_model() -> String {
+    "whisper-1".to_owned()
+}
+fn default_transcriber_timeout_secs() -> f64 {
+    60.0
+}
+fn default_transcriber_concurrency() -> u32 {
+    2
+}
+
+/// `[documents]`: PDFs and Office files for models that cannot take them.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDocuments {
+    /// Rendered pages (and embedded images) described per document; the
+    /// rest keep their text only, with a line that says so.
+    #[serde(default = "default_max_pages_described")]
+    pub max_pages_described: u32,
+}
+
+impl Default for RawDocuments {
+    fn default() -> Self {
+        Self {
+            max_pages_described: default_max_pages_described(),
+        }
+    }
+}
+
+fn default_max_pages_described() -> u32 {
+    20
 }
 
 fn default_describer_model() -> String {
@@ -439,6 +509,8 @@ pub struct Config {
     pub models: Vec<RawModel>,
     pub images: RawImages,
     pub describer: RawDescriber,
+    pub transcriber: RawTranscriber,
+    pub documents: RawDocuments,
     pub dedup: RawDedup,
     pub sessions: RawSessions,
     /// `[store]`, checked.
@@ -926,6 +998,21 @@ impl RawConfig {
             &self.describer.on_miss,
             &["wait", "placeholder"],
         );
+        if let Some(name) = &self.transcriber.upstream
+            && !self.upstream.iter().any(|u| &u.name == name)
+        {
+            p.push(format!(
+                "transcriber.upstream: {name:?} — no [[upstream]] has this name"
+            ));
+        }
+        secs(
+            &mut p,
+            "transcriber.timeout_secs",
+            self.transcriber.timeout_secs,
+        );
+        if self.transcriber.concurrency == 0 {
+            p.push("transcriber.concurrency: 0 — must be at least 1".to_owned());
+        }
         if self.dedup.min_run_lines < 2 {
             p.push(format!(
                 "dedup.min_run_lines: {} — must be at least 2 (a single repeated line always stays)",
@@ -983,6 +1070,8 @@ impl RawConfig {
             models: self.model,
             images: self.images,
             describer: self.describer,
+            transcriber: self.transcriber,
+            documents: self.documents,
             dedup: self.dedup,
             sessions: self.sessions,
             store: StoreConfig {

@@ -39,7 +39,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::store::Store;
-use crate::transform::{Subject, SubjectImage};
+use crate::transform::{Payload, Subject, subject_key};
 use crate::upstream::{UpstreamBody, Upstreams, X_API_KEY, own_credential};
 
 /// The prompt's version: part of every description's key, so a new prompt
@@ -68,11 +68,36 @@ const MAX_ANSWER_BYTES: usize = 1 << 20;
 
 /// A description longer than this (in characters) is cut, ending in `…`.
 const MAX_DESCRIPTION_CHARS: usize = 8_000;
+/// A transcript longer than this is cut alike.
+const MAX_TRANSCRIPT_CHARS: usize = 32_000;
+
+/// How a [`Describer`] is set up: its section of the configuration.
+struct Service<'a> {
+    job: Job,
+    upstream: Option<&'a str>,
+    model: &'a str,
+    timeout_secs: f64,
+    concurrency: u32,
+    in_background: bool,
+}
 
 const BACKOFF_START: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(60);
 
+/// What a [`Describer`] does with what it is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Job {
+    /// `[describer]`: an image described by a vision model.
+    Describe,
+    /// `[transcriber]`: speech written down by a transcription model.
+    Transcribe,
+}
+
+/// The describer (`[describer]`) or the transcriber (`[transcriber]`): one
+/// upstream model called once per distinct subject, cached, bounded and
+/// backed off alike.
 pub struct Describer {
+    job: Job,
     /// Index of the describer's upstream in `[[upstream]]`.
     upstream: usize,
     /// That upstream has an `api_key` of its own (then a client's key is
@@ -197,10 +222,47 @@ impl Describer {
         metrics: Arc<Metrics>,
     ) -> Self {
         let d = &config.describer;
-        let upstream = d
+        let service = Service {
+            job: Job::Describe,
+            upstream: d.upstream.as_deref(),
+            model: &d.model,
+            timeout_secs: d.timeout_secs,
+            concurrency: d.concurrency,
+            in_background: config.on_miss == crate::config::OnMiss::Placeholder,
+        };
+        Self::with(service, config, upstreams, store, metrics)
+    }
+
+    /// The transcriber of `config.transcriber` (speech to text; never in
+    /// the background: a request waits for its transcripts).
+    pub fn transcriber(
+        config: &Config,
+        upstreams: Arc<Upstreams>,
+        store: Arc<Store>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let t = &config.transcriber;
+        let service = Service {
+            job: Job::Transcribe,
+            upstream: t.upstream.as_deref(),
+            model: &t.model,
+            timeout_secs: t.timeout_secs,
+            concurrency: t.concurrency,
+            in_background: false,
+        };
+        Self::with(service, config, upstreams, store, metrics)
+    }
+
+    fn with(
+        service: Service<'_>,
+        config: &Config,
+        upstreams: Arc<Upstreams>,
+        store: Arc<Store>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let upstream = service
             .upstream
-            .as_ref()
-            .and_then(|name| config.upstreams.iter().position(|u| &u.name == name))
+            .and_then(|name| config.upstreams.iter().position(|u| u.name == name))
             .unwrap_or(0);
         let cache = Cache::builder()
             .max_capacity(CACHE_BYTES)
@@ -209,6 +271,7 @@ impl Describer {
             })
             .build();
         Self {
+            job: service.job,
             upstream,
             has_own_key: config
                 .upstreams
@@ -218,10 +281,10 @@ impl Describer {
             upstreams,
             store,
             metrics,
-            model: d.model.clone(),
-            timeout: Duration::from_secs_f64(d.timeout_secs),
-            in_background: config.on_miss == crate::config::OnMiss::Placeholder,
-            calls: Semaphore::new(d.concurrency.max(1) as usize),
+            model: service.model.to_owned(),
+            timeout: Duration::from_secs_f64(service.timeout_secs),
+            in_background: service.in_background,
+            calls: Semaphore::new(service.concurrency.max(1) as usize),
             cache,
             backoff: Mutex::new(Backoff::default()),
             background: TaskTracker::new(),
@@ -231,9 +294,37 @@ impl Describer {
     }
 
     /// The key a description is known by: image SHA-256 hex, describer
-    /// model, prompt version.
+    /// model, prompt version (and the query's hash, when it has one).
     pub fn key(&self, sha256: &str) -> String {
-        description_key(sha256, &self.model)
+        match self.job {
+            Job::Describe => description_key(sha256, &self.model),
+            Job::Transcribe => format!("transcript/{sha256}/{}", self.model),
+        }
+    }
+
+    /// The key of a subject (its image and query).
+    fn key_of(&self, s: &Subject) -> String {
+        self.key(&subject_key(&s.sha256, s.query.as_deref()))
+    }
+
+    /// Counts one lookup in `visor_describe_total` (the describer's; the
+    /// transcriber's are counted by the caller, by medium).
+    fn count(&self, result: &str) {
+        if self.job == Job::Describe {
+            self.metrics.describe.with_label_values(&[result]).inc();
+        }
+    }
+
+    /// A text kept for `key` (memory, then the store): for texts made of
+    /// several descriptions, such as a whole document's.
+    pub async fn cached(&self, key: &str) -> Option<Arc<str>> {
+        self.lookup(key).await
+    }
+
+    /// Keeps `text` under `key` in memory and in the store.
+    pub async fn remember(&self, key: &str, text: Arc<str>) {
+        self.cache.insert(key.to_owned(), text.clone()).await;
+        let _ = self.store.put_description(key, &text).await;
     }
 
     pub fn model(&self) -> &str {
@@ -325,9 +416,11 @@ impl Describer {
         }
         let started = Instant::now();
         let result = tokio::time::timeout(self.timeout, self.request(subject, cred)).await;
-        self.metrics
-            .describe_duration
-            .observe(started.elapsed().as_secs_f64());
+        if self.job == Job::Describe {
+            self.metrics
+                .describe_duration
+                .observe(started.elapsed().as_secs_f64());
+        }
         let result = result.unwrap_or_else(|_| {
             Err(Failure::new(
                 format!("no answer within {:.1} s", self.timeout.as_secs_f64()),
@@ -368,16 +461,24 @@ impl Describer {
     /// Sends the describer request and reads its answer.
     async fn request(&self, subject: &Subject, cred: &Credential) -> Result<Arc<str>, Failure> {
         let i = self.upstream;
-        let uri = self
-            .upstreams
-            .uri(i, "/chat/completions", None)
-            .ok_or_else(|| {
-                Failure::new(
-                    "the describer upstream's base_url has no usable path",
-                    false,
-                )
-            })?;
-        let body = request_body(&self.model, subject);
+        let path = match self.job {
+            Job::Describe => "/chat/completions",
+            Job::Transcribe => "/audio/transcriptions",
+        };
+        let uri = self.upstreams.uri(i, path, None).ok_or_else(|| {
+            Failure::new(
+                "the describer upstream's base_url has no usable path",
+                false,
+            )
+        })?;
+        let (body, content_type) = match self.job {
+            Job::Describe => (
+                request_body(&self.model, subject),
+                HeaderValue::from_static("application/json"),
+            ),
+            Job::Transcribe => transcription_body(&self.model, subject)
+                .ok_or_else(|| Failure::new("the transcriber is sent audio bytes only", false))?,
+        };
         let mut req = Request::new(UpstreamBody {
             prefix: VecDeque::from([body.clone()]),
             rest: None,
@@ -385,10 +486,7 @@ impl Describer {
         *req.method_mut() = Method::POST;
         *req.uri_mut() = uri;
         let h = req.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
+        h.insert(header::CONTENT_TYPE, content_type);
         h.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
         h.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
         h.insert(
@@ -430,13 +528,17 @@ impl Describer {
                 unwell,
             ));
         }
-        let text = description_of(&answer)
-            .ok_or_else(|| Failure::new("describer answer has no message content", false))?;
+        let (text, max_chars) = match self.job {
+            Job::Describe => (description_of(&answer), MAX_DESCRIPTION_CHARS),
+            Job::Transcribe => (transcript_of(&answer), MAX_TRANSCRIPT_CHARS),
+        };
+        let text =
+            text.ok_or_else(|| Failure::new("describer answer has no message content", false))?;
         let text = text.trim();
         if text.is_empty() {
             return Err(Failure::new("describer gave an empty description", false));
         }
-        Ok(Arc::from(cut(text, MAX_DESCRIPTION_CHARS)))
+        Ok(Arc::from(cut(text, max_chars)))
     }
 }
 
@@ -464,9 +566,9 @@ pub async fn describe(
 /// never called for these.
 async fn cached_only(d: &Describer, subjects: Vec<Subject>) -> Vec<(String, Arc<str>)> {
     let found = futures_util::future::join_all(subjects.into_iter().map(|s| async move {
-        let text = d.lookup(&d.key(&s.sha256)).await?;
-        d.metrics.describe.with_label_values(&["hit"]).inc();
-        Some((s.sha256, text))
+        let text = d.lookup(&d.key_of(&s)).await?;
+        d.count("hit");
+        Some((subject_key(&s.sha256, s.query.as_deref()), text))
     }))
     .await;
     found.into_iter().flatten().collect()
@@ -480,17 +582,16 @@ async fn make(
     subjects: Vec<Subject>,
     cred: &Credential,
 ) -> Vec<(String, Arc<str>)> {
-    let m = &d.metrics;
     if subjects.is_empty() {
         return Vec::new();
     }
     if d.in_background {
         let found = futures_util::future::join_all(subjects.into_iter().map(|s| async move {
-            let key = d.key(&s.sha256);
+            let key = d.key_of(&s);
             match d.lookup(&key).await {
                 Some(text) => {
-                    m.describe.with_label_values(&["hit"]).inc();
-                    Some((s.sha256, text))
+                    d.count("hit");
+                    Some((subject_key(&s.sha256, s.query.as_deref()), text))
                 }
                 None => {
                     spawn_background(d, key, s, cred.clone());
@@ -503,7 +604,7 @@ async fn make(
     }
     let deadline = Instant::now() + d.timeout;
     let results = futures_util::future::join_all(subjects.iter().map(|s| async move {
-        let key = d.key(&s.sha256);
+        let key = d.key_of(s);
         tokio::time::timeout_at(deadline, d.get_or_make(&key, s, cred)).await
     }))
     .await;
@@ -516,12 +617,12 @@ async fn make(
                     Origin::Cached => "hit",
                     Origin::Described => "miss",
                 };
-                m.describe.with_label_values(&[result]).inc();
-                out.push((s.sha256, text));
+                d.count(result);
+                out.push((subject_key(&s.sha256, s.query.as_deref()), text));
             }
-            Ok(Err(_)) => m.describe.with_label_values(&["error"]).inc(),
+            Ok(Err(_)) => d.count("error"),
             Err(_) => {
-                m.describe.with_label_values(&["error"]).inc();
+                d.count("error");
                 timed_out += 1;
             }
         }
@@ -583,8 +684,8 @@ fn spawn_background(d: &Arc<Describer>, key: String, subject: Subject, cred: Cre
 
 /// The describer request: the prompt, one image, nothing else.
 fn request_body(model: &str, subject: &Subject) -> Bytes {
-    let url = match &subject.image {
-        SubjectImage::Inline { media_type, bytes } => {
+    let url = match &subject.payload {
+        Payload::Inline { media_type, bytes } => {
             let mut s = String::with_capacity(bytes.len() * 4 / 3 + 64);
             s.push_str("data:");
             s.push_str(media_type);
@@ -592,20 +693,75 @@ fn request_body(model: &str, subject: &Subject) -> Bytes {
             s.push_str(&base64_simd::STANDARD.encode_to_string(bytes));
             s
         }
-        SubjectImage::Url(u) => u.clone(),
+        Payload::Url(u) => u.clone(),
+    };
+    // Query-aware: the user's words from the message holding the image
+    // say what matters in it (the description still covers the rest).
+    let ask = match &subject.query {
+        Some(q) => format!(
+            "Describe this image. The user sent it with these words; make sure the description \
+             answers what they ask about it:\n\"\"\"\n{q}\n\"\"\""
+        ),
+        None => "Describe this image.".to_owned(),
     };
     let body = serde_json::json!({
         "model": model,
         "messages": [
             {"role": "system", "content": PROMPT},
             {"role": "user", "content": [
-                {"type": "text", "text": "Describe this image."},
+                {"type": "text", "text": ask},
                 {"type": "image_url", "image_url": {"url": url}},
             ]},
         ],
         "stream": false,
     });
     Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+}
+
+/// The transcription request (`multipart/form-data`, as OpenAI, Groq and
+/// whisper servers take it): the model and the audio as a file whose name
+/// says its format. `None` for a URL (visor never fetches one).
+fn transcription_body(model: &str, subject: &Subject) -> Option<(Bytes, HeaderValue)> {
+    let Payload::Inline { media_type, bytes } = &subject.payload else {
+        return None;
+    };
+    let ext = match media_type.as_str() {
+        "audio/mpeg" | "audio/mp3" => "mp3",
+        "audio/ogg" => "ogg",
+        "audio/flac" => "flac",
+        "audio/webm" => "webm",
+        "audio/mp4" | "audio/m4a" | "audio/x-m4a" => "m4a",
+        _ => "wav",
+    };
+    // A boundary that cannot occur in the audio: derived from its hash.
+    let boundary = format!("visor-{}", subject.sha256.get(..32).unwrap_or("boundary"));
+    let mut body = BytesMut::with_capacity(bytes.len() + 512);
+    let field = |body: &mut BytesMut, name: &str, value: &str| {
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n"
+            )
+            .as_bytes(),
+        );
+    };
+    field(&mut body, "model", model);
+    field(&mut body, "response_format", "json");
+    body.extend_from_slice(
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"audio.{ext}\"\r\nContent-Type: {media_type}\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    body.extend_from_slice(bytes);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let ct = HeaderValue::from_str(&format!("multipart/form-data; boundary={boundary}")).ok()?;
+    Some((body.freeze(), ct))
+}
+
+/// The `text` of a transcription answer.
+fn transcript_of(answer: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(answer).ok()?;
+    v.get("text")?.as_str().map(str::to_owned)
 }
 
 /// `choices[0].message.content`: a string, or text parts joined.
@@ -697,11 +853,12 @@ mod tests {
     fn the_request_carries_one_image_and_the_prompt() {
         let s = Subject {
             sha256: "ab".repeat(32),
-            image: SubjectImage::Inline {
+            payload: Payload::Inline {
                 media_type: "image/png".into(),
                 bytes: Bytes::from_static(b"\x89PNG"),
             },
             lookup_only: false,
+            query: None,
         };
         let v: serde_json::Value =
             serde_json::from_slice(&request_body("vision-mini", &s)).unwrap();
@@ -713,8 +870,9 @@ mod tests {
         );
         let u = Subject {
             sha256: "cd".repeat(32),
-            image: SubjectImage::Url("https://example.com/a.png".into()),
+            payload: Payload::Url("https://example.com/a.png".into()),
             lookup_only: false,
+            query: None,
         };
         let v: serde_json::Value = serde_json::from_slice(&request_body("m", &u)).unwrap();
         assert_eq!(

@@ -28,7 +28,7 @@ use visor::metrics::Metrics;
 use visor::models::{Caps, Learned, ModelTable, legacy_learned};
 use visor::server::{Server, shutdown_signal};
 use visor::store::Store;
-use visor::transform::{self, Plan, Shape};
+use visor::transform::{self, Plan, Shape, Takes};
 
 #[derive(Parser)]
 #[command(
@@ -196,10 +196,11 @@ fn caps_text(c: &Caps) -> String {
     let flag = |v: Option<bool>| v.map_or("?".to_owned(), |b| b.to_string());
     let num = |v: Option<u64>| v.map_or("?".to_owned(), |n| n.to_string());
     format!(
-        "vision={} audio={} pdf={} max_images={} context_window={}",
+        "vision={} audio={} pdf={} office={} max_images={} context_window={}",
         flag(c.vision),
         flag(c.audio),
         flag(c.pdf),
+        flag(c.office),
         num(c.max_images.map(u64::from)),
         num(c.context_window)
     )
@@ -292,11 +293,27 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
         .or_else(|| cfg.upstreams.first().map(|u| u.name.clone()))
         .unwrap_or_default();
     out!(
-        "describer: model {} on upstream {describer_upstream}, prompt v{PROMPT_VERSION}, timeout {}s, concurrency {}, on_miss={}",
+        "describer: model {} on upstream {describer_upstream}, prompt v{PROMPT_VERSION}, timeout {}s, concurrency {}, on_miss={}, query_aware={}",
         d.model,
         d.timeout_secs,
         d.concurrency,
-        d.on_miss
+        d.on_miss,
+        d.query_aware
+    );
+    let t = &cfg.transcriber;
+    out!(
+        "transcriber: model {} on upstream {}, timeout {}s, concurrency {}",
+        t.model,
+        t.upstream
+            .clone()
+            .or_else(|| cfg.upstreams.first().map(|u| u.name.clone()))
+            .unwrap_or_default(),
+        t.timeout_secs,
+        t.concurrency
+    );
+    out!(
+        "documents: at most {} pages or images described per document",
+        cfg.documents.max_pages_described
     );
     if let Some(m) = model {
         let r = table.resolve(m, None);
@@ -309,6 +326,35 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
                 "replaced"
             },
             r.vision_from
+        );
+        let said = |stated: Option<bool>, default: &str| match stated {
+            Some(_) => "its row".to_owned(),
+            None => default.to_owned(),
+        };
+        let fate = |takes: bool| match takes {
+            true => "sent as they are",
+            false => "replaced by their text",
+        };
+        out!(
+            "  PDFs and other documents {} — decided by {}",
+            fate(r.pdf),
+            said(r.caps.pdf, "no row: follows images (or learned)")
+        );
+        out!(
+            "  DOCX, PPTX, XLSX {} — decided by {}",
+            fate(r.office),
+            said(
+                r.caps.office,
+                "no row: replaced unless a row says office = true"
+            )
+        );
+        out!(
+            "  audio {} — decided by {}",
+            match r.audio {
+                true => "sent as it is",
+                false => "replaced by its transcript",
+            },
+            said(r.caps.audio, "no row: follows images (or learned)")
         );
     }
     ExitCode::SUCCESS
@@ -359,20 +405,33 @@ fn explain(
         vision: resolved.vision,
         describe: cfg.non_vision == visor::config::NonVision::Describe,
         rules: visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+        takes: Takes {
+            pdf: resolved.pdf,
+            office: resolved.office,
+            audio: resolved.audio,
+        },
+        query_aware: cfg.describer.query_aware,
     };
     // Descriptions come from the store only: explain never calls the
     // describer; an image without a cached one shows its placeholder.
+    // Documents are read here (their figures not described); audio is not
+    // transcribed.
     let rewrite = match transform::scan(&body, &plan) {
         Err(done) => *done,
         Ok(scanned) => {
             let mut descriptions = Vec::new();
             if let Some(store) = &off.store {
-                for (_, s) in scanned.subjects() {
-                    let key = description_key(&s.sha256, &cfg.describer.model);
+                for (_, s) in scanned.subjects(&body) {
+                    let id = transform::subject_key(&s.sha256, s.query.as_deref());
+                    let key = description_key(&id, &cfg.describer.model);
                     if let Ok(Some(text)) = off.rt.block_on(store.description(&key)) {
-                        descriptions.push((s.sha256, Arc::from(text)));
+                        descriptions.push((id, Arc::from(text)));
                     }
                 }
+            }
+            for job in scanned.media(&body) {
+                let text = visor::proxy::media_text::offline(&job);
+                descriptions.push((job.sha256, Arc::from(text)));
             }
             scanned.finish(&body, &descriptions)
         }
@@ -396,6 +455,10 @@ fn explain(
             "images_found": rewrite.report.images_found,
             "images_replaced": rewrite.report.images_replaced,
             "images_described": rewrite.report.images_described,
+            "pdf": resolved.pdf,
+            "office": resolved.office,
+            "audio": resolved.audio,
+            "media_replaced": rewrite.report.media_replaced,
             "store": match &off.note {
                 None => cfg.store.backend.to_string(),
                 Some(n) => format!("{} ({n})", cfg.store.backend),

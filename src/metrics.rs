@@ -32,6 +32,7 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     pub tokens: IntCounterVec,
     pub images: IntCounterVec,
+    pub media: IntCounterVec,
     pub bytes_saved: IntCounterVec,
     pub capability_learned: IntCounter,
     pub transform_duration: Histogram,
@@ -99,6 +100,13 @@ impl Metrics {
                 "Images seen in transformed requests, by what was done: kept, described, stripped, aged_out, capped, deduped",
             ),
             &["action"],
+        )?;
+        let media = IntCounterVec::new(
+            Opts::new(
+                "visor_media_total",
+                "Documents and audio replaced for models that cannot take them, by kind (document, audio) and what was done: described (a document turned into text, with descriptions of its figures), transcribed, stripped (a reference or a line that says why), deduped",
+            ),
+            &["kind", "action"],
         )?;
         let bytes_saved = IntCounterVec::new(
             Opts::new(
@@ -202,6 +210,17 @@ impl Metrics {
             store_errors.with_label_values(&[op]);
         }
         registry.register(Box::new(images.clone()))?;
+        registry.register(Box::new(media.clone()))?;
+        for (kind, action) in [
+            ("document", "described"),
+            ("document", "stripped"),
+            ("document", "deduped"),
+            ("audio", "transcribed"),
+            ("audio", "stripped"),
+            ("audio", "deduped"),
+        ] {
+            media.with_label_values(&[kind, action]);
+        }
         registry.register(Box::new(bytes_saved.clone()))?;
         registry.register(Box::new(capability_learned.clone()))?;
         registry.register(Box::new(transform_duration.clone()))?;
@@ -234,6 +253,7 @@ impl Metrics {
             upstream_errors,
             tokens,
             images,
+            media,
             bytes_saved,
             capability_learned,
             transform_duration,

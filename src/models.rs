@@ -33,6 +33,7 @@ pub struct Caps {
     pub vision: Option<bool>,
     pub audio: Option<bool>,
     pub pdf: Option<bool>,
+    pub office: Option<bool>,
     pub max_images: Option<u32>,
     pub context_window: Option<u64>,
 }
@@ -43,6 +44,7 @@ impl Caps {
             vision: m.vision,
             audio: m.audio,
             pdf: m.pdf,
+            office: m.office,
             max_images: m.max_images,
             context_window: m.context_window,
         }
@@ -83,6 +85,14 @@ pub struct Resolved {
     /// Whether images may be sent: the stated flag, else true (unknown).
     pub vision: bool,
     pub vision_from: Source,
+    /// Whether PDFs (and other documents but Office files), Office files
+    /// and audio may be sent as they are. A flag no row states follows
+    /// `vision` for PDFs and audio (a model that cannot see reads no PDF
+    /// and hears nothing; a refusal teaches the rest), unless a refusal
+    /// taught it; Office files only when a row says `office = true`.
+    pub pdf: bool,
+    pub office: bool,
+    pub audio: bool,
 }
 
 impl Resolved {
@@ -134,6 +144,25 @@ impl Layer {
     }
 }
 
+/// A medium a refusal can teach a model not to take, besides images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Medium {
+    Pdf,
+    Audio,
+}
+
+impl Medium {
+    /// How a learned row for this medium is kept among the learned names
+    /// (a model name never holds `[` or a space, so it never matches a
+    /// name learned for images).
+    pub fn learned_name(self, model: &str) -> String {
+        match self {
+            Medium::Pdf => format!("[pdf] {model}"),
+            Medium::Audio => format!("[audio] {model}"),
+        }
+    }
+}
+
 /// Models learned to refuse images, held in memory for the table lookup.
 /// They are kept in the store (`[store]`): loaded at start, written when
 /// learned, and re-read every [`LEARNED_REFRESH`] so replicas sharing a
@@ -171,6 +200,31 @@ impl Learned {
     fn find(&self, forms: &[String]) -> Option<String> {
         let names = self.names.read().ok()?;
         forms.iter().find(|f| names.contains(f.as_str())).cloned()
+    }
+
+    /// Whether a refusal taught that the model does not take `medium`.
+    fn find_media(&self, medium: Medium, forms: &[String]) -> bool {
+        let Ok(names) = self.names.read() else {
+            return false;
+        };
+        // Most tables learn nothing: no name built per lookup then.
+        if names.is_empty() {
+            return false;
+        }
+        forms
+            .iter()
+            .any(|f| names.contains(&medium.learned_name(f)))
+    }
+
+    /// Records `model` as unable to take `medium` (see [`Learned::learn`]).
+    pub fn learn_media(&self, medium: Medium, model: &str) -> Option<String> {
+        let name = normalise(model);
+        if name.is_empty() {
+            return None;
+        }
+        let name = medium.learned_name(&name);
+        let mut names = self.names.write().ok()?;
+        names.insert(name.clone()).then_some(name)
     }
 
     /// Records `model` as unable to take images. Returns the name it is
@@ -271,8 +325,15 @@ impl ModelTable {
             caps.vision = Some(false);
             vision_from = Source::Learned(name);
         }
+        let vision = caps.vision.unwrap_or(true);
+        let learned = |medium: Medium| self.learned.find_media(medium, &candidates(model));
         Resolved {
-            vision: caps.vision.unwrap_or(true),
+            vision,
+            pdf: caps.pdf.unwrap_or_else(|| vision && !learned(Medium::Pdf)),
+            office: caps.office.unwrap_or(false),
+            audio: caps
+                .audio
+                .unwrap_or_else(|| vision && !learned(Medium::Audio)),
             caps,
             vision_from,
         }
@@ -319,6 +380,7 @@ impl ModelTable {
                 }
                 caps.audio = caps.audio.or(row.audio);
                 caps.pdf = caps.pdf.or(row.pdf);
+                caps.office = caps.office.or(row.office);
                 caps.max_images = caps.max_images.or(row.max_images);
                 caps.context_window = caps.context_window.or(row.context_window);
             }
@@ -538,6 +600,7 @@ mod tests {
                 vision: Some(false),
                 audio: None,
                 pdf: None,
+                office: None,
                 max_images: None,
                 context_window: None,
             },
@@ -546,6 +609,7 @@ mod tests {
                 vision: None,
                 audio: None,
                 pdf: None,
+                office: None,
                 max_images: Some(3),
                 context_window: None,
             },

@@ -160,6 +160,7 @@ impl Server {
                 tokio::time::sleep(delay).await;
             }
             state.describer.shutdown();
+            state.transcriber.shutdown();
             state.shutdown.cancel();
             let drain = state.config.server.drain_timeout;
             tracing::info!(

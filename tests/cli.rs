@@ -244,6 +244,59 @@ fn check_prints_the_model_table_and_resolves_a_model() {
         text.contains("images sent as they are — decided by no row (unknown"),
         "{text}"
     );
+    // Documents and audio: a text-only model gets their text; Office files
+    // go as they are nowhere without a row.
+    let text = check_model("openrouter/acme/house-7b");
+    assert!(
+        text.contains(
+            "PDFs and other documents replaced by their text — decided by no row: follows images"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("audio replaced by its transcript"), "{text}");
+    let text = check_model("my-unknown-model");
+    assert!(
+        text.contains("PDFs and other documents sent as they are"),
+        "{text}"
+    );
+    assert!(
+        text.contains("DOCX, PPTX, XLSX replaced by their text"),
+        "{text}"
+    );
+}
+
+#[test]
+fn explain_shows_a_documents_text_without_calling_a_model() {
+    let pdf = std::fs::read(support::fixtures().join("media/text.pdf")).unwrap();
+    let body = serde_json::json!({"model": "gpt-oss-120b", "messages": [
+        {"role": "user", "content": [
+            {"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{}", base64_simd::STANDARD.encode_to_string(&pdf)), "filename": "text.pdf"}},
+        ]},
+    ]});
+    let dir = support::temp_dir("explain-pdf");
+    let path = dir.join("body.json");
+    std::fs::write(&path, serde_json::to_vec(&body).unwrap()).unwrap();
+    let out = visor()
+        .args(["explain", "--model", "gpt-oss-120b"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["report"]["pdf"], false);
+    assert_eq!(v["report"]["media_replaced"], 1);
+    assert_eq!(v["report"]["images"][0]["medium"], "document");
+    let text = v["request"]["messages"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap();
+    assert!(
+        text.contains("--- page 2 ---") && text.contains("twelve percent"),
+        "{text}"
+    );
 }
 
 #[test]

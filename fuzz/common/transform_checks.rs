@@ -4,7 +4,7 @@
 //! README state.
 
 use serde_json::Value;
-use visor::transform::{Plan, Rules, Shape, rewrite};
+use visor::transform::{Plan, Rules, Shape, Takes, rewrite};
 
 pub fn items_key(shape: Shape) -> &'static str {
     match shape {
@@ -35,6 +35,8 @@ pub fn checks(shape: Shape, rules: Rules) -> Vec<Check> {
         vision,
         describe: false,
         rules,
+        takes: Takes::ALL,
+        query_aware: false,
     };
     let dedup_only = Rules {
         dedup: rules.dedup,

@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use visor::proxy::request_body::probe;
-use visor::transform::{Plan, Rules, Shape, rewrite};
+use visor::transform::{Plan, Rules, Shape, Takes, rewrite};
 
 fuzz_target!(|data: &[u8]| {
     if probe(data).is_err() {
@@ -38,6 +38,8 @@ fuzz_target!(|data: &[u8]| {
             vision,
             describe: false,
             rules,
+            takes: Takes::ALL,
+            query_aware: false,
         };
         let out = rewrite(data, &plan);
         if let Some(body) = &out.body {

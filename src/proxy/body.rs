@@ -121,6 +121,7 @@ pub struct Finish {
     /// What the transforms did, for the log line (agent CLIs never show
     /// the `x-visor-*` headers).
     pub images_replaced: usize,
+    pub media_replaced: usize,
     pub bytes_saved: i64,
 }
 
@@ -245,6 +246,7 @@ impl ObservedBody {
             cached_tokens = usage.cached_read,
             cache_write_tokens = usage.cache_write,
             images_replaced = f.images_replaced,
+            media_replaced = f.media_replaced,
             bytes_saved = f.bytes_saved,
             duration_ms = elapsed.as_millis() as u64,
             "response finished"

@@ -156,6 +156,7 @@ struct Edge<'a> {
 #[derive(Clone, Copy)]
 struct Counts {
     images_replaced: usize,
+    media_replaced: usize,
     bytes_saved: i64,
     history_used: usize,
 }
@@ -164,6 +165,7 @@ impl Counts {
     fn of(report: &Report) -> Self {
         Counts {
             images_replaced: report.images_replaced,
+            media_replaced: report.media_replaced,
             bytes_saved: report.bytes_saved,
             history_used: report.history_used,
         }
@@ -225,6 +227,7 @@ impl<'a> Edge<'a> {
                     error = e.label(),
                     kind,
                     images_replaced = counts.map_or(0, |c| c.images_replaced),
+                    media_replaced = counts.map_or(0, |c| c.media_replaced),
                     bytes_saved = counts.map_or(0, |c| c.bytes_saved),
                     "upstream request failed"
                 );
@@ -595,6 +598,7 @@ async fn respond(
         sent: exchange.sent,
         inflight: call.inflight,
         images_replaced: counts.map_or(0, |c| c.images_replaced),
+        media_replaced: counts.map_or(0, |c| c.media_replaced),
         bytes_saved: counts.map_or(0, |c| c.bytes_saved),
     };
     let mut observed = ObservedBody::new(
@@ -704,12 +708,16 @@ impl<'a> Exchange<'a> {
     }
 }
 
-/// The three `x-visor-*` counts of a transformed endpoint.
+/// The `x-visor-*` counts of a transformed endpoint.
 fn visor_counts(headers: &mut HeaderMap, report: Counts) {
     let num = |n: i64| HeaderValue::from(n);
     headers.insert(
         header::HeaderName::from_static("x-visor-images-replaced"),
         num(report.images_replaced as i64),
+    );
+    headers.insert(
+        header::HeaderName::from_static("x-visor-media-replaced"),
+        num(report.media_replaced as i64),
     );
     headers.insert(
         header::HeaderName::from_static("x-visor-bytes-saved"),

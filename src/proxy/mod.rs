@@ -5,6 +5,7 @@ pub mod body;
 pub mod coalesce;
 mod forward;
 pub mod headers;
+pub mod media_text;
 mod prepare;
 pub mod request_body;
 mod router;
@@ -66,6 +67,8 @@ pub struct AppState {
     pub store: Arc<Store>,
     /// The vision model that describes images, and its cache.
     pub describer: Arc<Describer>,
+    /// The model that writes down speech (`[transcriber]`), and its cache.
+    pub transcriber: Arc<Describer>,
 }
 
 impl AppState {
@@ -99,6 +102,12 @@ impl AppState {
             store.clone(),
             metrics.clone(),
         ));
+        let transcriber = Arc::new(Describer::transcriber(
+            &config,
+            upstreams.clone(),
+            store.clone(),
+            metrics.clone(),
+        ));
         let artifacts = Artifacts::new(config.artifacts_dir());
         let refusal_phrases = config
             .images
@@ -110,6 +119,7 @@ impl AppState {
             models,
             store,
             describer,
+            transcriber,
             artifacts,
             refusal_phrases,
             config,

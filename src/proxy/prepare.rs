@@ -13,9 +13,11 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::AppState;
+use super::media_text::{self, Credentials};
 use crate::describe::{Credential, describe};
 use crate::error::VisorError;
-use crate::transform::{self, Plan, Report, Rewrite, Rules, Shape};
+use crate::models::Medium;
+use crate::transform::{self, Plan, Report, Rewrite, Rules, Shape, Takes};
 use crate::upstream::UpstreamBody;
 
 /// Bodies larger than this are transformed on the blocking pool, so a
@@ -77,7 +79,12 @@ pub struct Learnable {
     pub rules: Rules,
     pub original: Bytes,
     /// For the describer, should the retry describe images.
-    pub credential: Credential,
+    pub credential: Credentials,
+    /// What the model was taken to accept.
+    pub vision: bool,
+    pub takes: Takes,
+    /// No row states the model's vision: a refusal of images teaches it.
+    pub vision_unknown: bool,
 }
 
 /// Who is asking: the client's headers and the upstream the request goes
@@ -133,23 +140,35 @@ pub async fn prepare(
             &state.config.dedup,
             resolved.caps.max_images,
         ),
+        takes: Takes {
+            pdf: resolved.pdf,
+            office: resolved.office,
+            audio: resolved.audio,
+        },
+        query_aware: state.config.describer.query_aware,
     };
-    let credential = match plan.describe {
-        true => Credential::for_request(
-            &state.describer,
-            state.keys.is_set(),
-            asker.headers,
-            asker.upstream,
-        ),
-        false => Credential::default(),
+    let for_service = |d: &crate::describe::Describer| {
+        Credential::for_request(d, state.keys.is_set(), asker.headers, asker.upstream)
+    };
+    let credential = Credentials {
+        describer: match plan.describe {
+            true => for_service(&state.describer),
+            false => Credential::default(),
+        },
+        transcriber: for_service(&state.transcriber),
     };
     // A model of unknown vision: an upstream refusal of its images can be
     // learned from, once, by sending the original again without them.
-    let learn = (!resolved.known() && might_hold_images(&body)).then(|| Learnable {
+    let learn = (!resolved.known() && might_hold_images(&body)
+        || might_hold_media(&body, plan.takes, &resolved.caps))
+    .then(|| Learnable {
         shape,
         rules: plan.rules,
         original: body.clone(),
         credential: credential.clone(),
+        vision: plan.vision,
+        takes: plan.takes,
+        vision_unknown: !resolved.known(),
     });
     if !transform::needed(&plan) {
         return unchanged(body, learn);
@@ -164,45 +183,121 @@ fn describes(state: &AppState) -> bool {
     state.config.non_vision == crate::config::NonVision::Describe
 }
 
-/// After an upstream refused images for a model of unknown vision: when its
-/// error says so, the body with every image replaced, and the model learned.
+/// How providers and servers say "no documents for this model".
+const DOCUMENT_REFUSALS: &[&str] = &[
+    "file input is not supported",
+    "file inputs are not supported",
+    "does not support file",
+    "doesn't support file",
+    "pdf input is not supported",
+    "does not support pdf",
+    "doesn't support pdf",
+    "document input is not supported",
+    "documents are not supported",
+    "does not support document",
+    "unknown variant `file`",
+    "unknown variant `input_file`",
+    "unknown variant `document`",
+    "no endpoints found that support file input",
+];
+
+/// How they say "no audio for this model".
+const AUDIO_REFUSALS: &[&str] = &[
+    "audio input is not supported",
+    "audio inputs are not supported",
+    "does not support audio",
+    "doesn't support audio",
+    "input_audio is not supported",
+    "unknown variant `input_audio`",
+    "unknown variant `audio`",
+    "no endpoints found that support input audio",
+];
+
+/// The first of `phrases` that `text` holds.
+fn said<'a>(text: &str, phrases: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    phrases.into_iter().find(|p| text.contains(p))
+}
+
+/// After an upstream refused a request whose images (model of unknown
+/// vision), documents or audio (flags no row states) it was assumed to
+/// take: when its error says which, the body with those replaced, and the
+/// model learned.
 pub async fn after_refusal(
     state: &Arc<AppState>,
     learn: &Learnable,
     model: &str,
     error_body: &[u8],
 ) -> Option<Prepared> {
+    use transform::placeholder::Reason;
     let text = String::from_utf8_lossy(error_body).to_lowercase();
-    let phrase = state
-        .refusal_phrases
-        .iter()
-        .find(|p| text.contains(p.as_str()))?;
+    let images = learn
+        .vision_unknown
+        .then(|| said(&text, state.refusal_phrases.iter().map(String::as_str)))
+        .flatten();
+    let documents = learn
+        .takes
+        .pdf
+        .then(|| said(&text, DOCUMENT_REFUSALS.iter().copied()))
+        .flatten();
+    let audio = learn
+        .takes
+        .audio
+        .then(|| said(&text, AUDIO_REFUSALS.iter().copied()))
+        .flatten();
+    let phrase = images.or(documents).or(audio)?;
     let plan = Plan {
         shape: learn.shape,
-        vision: false,
+        vision: learn.vision && images.is_none(),
         describe: describes(state),
         rules: learn.rules,
+        takes: Takes {
+            pdf: learn.takes.pdf && documents.is_none(),
+            office: learn.takes.office,
+            audio: learn.takes.audio && audio.is_none(),
+        },
+        query_aware: state.config.describer.query_aware,
     };
     let prepared = run(state, learn.original.clone(), plan, &learn.credential).await;
-    if !prepared
-        .report
-        .images
-        .iter()
-        .any(|n| n.reason == Some(transform::placeholder::Reason::NonVision))
-    {
+    let replaced = |medium: &str, reason: Reason| {
+        prepared
+            .report
+            .images
+            .iter()
+            .any(|n| n.medium == medium && n.reason == Some(reason))
+    };
+    let image_learned = images.is_some() && replaced("image", Reason::NonVision);
+    let document_learned = documents.is_some() && replaced("document", Reason::CannotTake);
+    let audio_learned = audio.is_some() && replaced("audio", Reason::CannotTake);
+    if !(image_learned || document_learned || audio_learned) {
         return None;
     }
-    if let Some(name) = state.models.learned.learn(model) {
+    let mut names = Vec::new();
+    if image_learned {
+        names.extend(state.models.learned.learn(model));
+    }
+    if document_learned {
+        names.extend(state.models.learned.learn_media(Medium::Pdf, model));
+    }
+    if audio_learned {
+        names.extend(state.models.learned.learn_media(Medium::Audio, model));
+    }
+    for name in names {
         state.metrics.capability_learned.inc();
         // A store that is down logged and counted it; the model stays
         // learned in memory.
         let _ = state.store.learn(&name).await;
     }
-    tracing::info!(phrase = %phrase, "upstream refused images: retrying once with them replaced; model learned as non-vision");
+    tracing::info!(
+        phrase = %phrase,
+        images = image_learned,
+        documents = document_learned,
+        audio = audio_learned,
+        "upstream refused what the model was assumed to take: retrying once with it replaced; model learned"
+    );
     Some(prepared)
 }
 
-async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Credential) -> Prepared {
+async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Credentials) -> Prepared {
     let large = body.len() > INLINE_LIMIT;
     let started = Instant::now();
     // Resolved, and finished at once when there is nothing to describe
@@ -210,10 +305,11 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
     let b = body.clone();
     let resolve = move |mut scanned: transform::Scanned| {
         scanned.resolve(&b);
-        let subjects: Vec<_> = scanned.subjects().into_iter().map(|(_, s)| s).collect();
-        match subjects.is_empty() {
+        let subjects: Vec<_> = scanned.subjects(&b).into_iter().map(|(_, s)| s).collect();
+        let media = scanned.media(&b);
+        match subjects.is_empty() && media.is_empty() {
             true => Err(Box::new(scanned.finish(&b, &[]))),
-            false => Ok((scanned, subjects)),
+            false => Ok((scanned, (subjects, media))),
         }
     };
     // The walk skips strings it does not need (a kept image's base64) at
@@ -232,8 +328,13 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
     let mut spent = started.elapsed();
     let rewrite = match scanned {
         Err(done) => *done,
-        Ok((scanned, subjects)) => {
-            let descriptions = describe(&state.describer, subjects, credential).await;
+        Ok((scanned, (subjects, media))) => {
+            let (mut descriptions, made) = futures_util::future::join(
+                describe(&state.describer, subjects, &credential.describer),
+                media_text::make(state, media, plan.describe, credential),
+            )
+            .await;
+            descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
             let finishing = Instant::now();
             let b = body.clone();
             let rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))
@@ -251,7 +352,7 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
         artifacts,
     } = rewrite;
     let mut actions: Vec<(&str, u64)> = Vec::new();
-    for n in &report.images {
+    for n in report.images.iter().filter(|n| n.medium == "image") {
         match actions.iter_mut().find(|(a, _)| *a == n.action) {
             Some((_, count)) => *count += 1,
             None => actions.push((n.action, 1)),
@@ -260,7 +361,17 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
     for (action, count) in actions {
         m.images.with_label_values(&[action]).inc_by(count);
     }
-    if report.images_replaced > 0 {
+    // Documents and audio turned into text were counted as they were
+    // made; references (file ids, URLs, later copies) are counted here.
+    for n in report.images.iter().filter(|n| n.medium != "image") {
+        let action = match n.action {
+            "deduped" => "deduped",
+            "stripped" => "stripped",
+            _ => continue,
+        };
+        m.media.with_label_values(&[n.medium, action]).inc();
+    }
+    if report.images_replaced + report.media_replaced > 0 {
         let images = report.bytes_saved - report.bytes_saved_dedup;
         m.bytes_saved
             .with_label_values(&["images"])
@@ -309,4 +420,14 @@ async fn off_thread<T: Send + 'static>(
 /// A cheap test before keeping a body for a possible retry.
 fn might_hold_images(body: &[u8]) -> bool {
     memchr::memmem::find(body, b"image").is_some()
+}
+
+/// Whether the body may hold a document or audio the model is only
+/// assumed to take (no row states it): a refusal can then be learned from.
+fn might_hold_media(body: &[u8], takes: Takes, caps: &crate::models::Caps) -> bool {
+    let has = |w: &[u8]| memchr::memmem::find(body, w).is_some();
+    (takes.pdf
+        && caps.pdf.is_none()
+        && (has(b"\"file\"") || has(b"\"input_file\"") || has(b"\"document\"")))
+        || (takes.audio && caps.audio.is_none() && (has(b"\"input_audio\"") || has(b"\"audio\"")))
 }

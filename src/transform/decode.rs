@@ -86,6 +86,16 @@ pub(super) fn read_image(src: &[u8], raw: Raw) -> (String, Source, Option<Vec<u8
             (sha256_hex(id.as_bytes()), Source::File(id), None)
         }
         Raw::Broken(why) => (sha256_hex(b""), Source::Broken(why), None),
+        Raw::Text(t) => {
+            let text = text(&t);
+            let size = text.len();
+            let source = Source::Inline {
+                media_type: "text/plain".to_owned(),
+                size,
+                dims: None,
+            };
+            (sha256_hex(text.as_bytes()), source, Some(text.into_bytes()))
+        }
         Raw::DataUrlInText(range) => {
             let url = src
                 .get(range)

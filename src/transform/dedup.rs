@@ -300,6 +300,10 @@ pub fn run(
                 None => scan.spot_decoded(t.spot, body),
             },
         })
+        // The text visor wrote for a document is its own: never matched,
+        // never rewritten (in the request that replaced the document it is
+        // not a text of the walk either).
+        .filter(|t| !t.text.as_deref().is_some_and(is_document_text))
         .collect();
     for (&item, &c) in &collapsed {
         inputs.push(Input {
@@ -801,10 +805,16 @@ pub fn is_own(line: &str) -> bool {
     is_image_text(line) || is_note(line)
 }
 
-/// A line visor wrote in place of an image (always one line: see
+/// A line visor wrote in place of an image or audio (always one line: see
 /// `placeholder::placeholder`).
 fn is_image_text(line: &str) -> bool {
-    line.starts_with("[image ")
+    line.starts_with("[image ") || line.starts_with("[audio ")
+}
+
+/// A text visor wrote in place of a document: its header line, then its
+/// text (see `placeholder::media_text`).
+pub fn is_document_text(text: &str) -> bool {
+    text.starts_with("[document ")
 }
 
 /// One of the notes this module writes.

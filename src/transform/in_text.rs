@@ -204,7 +204,7 @@ pub(super) fn json_images(
                 out.extend(images_in_string(src, text, depth));
             }
             if let Some(ty) = &f.ty
-                && let Some(raw) = classify(src, ty, &f)
+                && let Some(raw) = classify_image(src, ty, &f)
             {
                 out.truncate(before);
                 out.push(InTextFound {

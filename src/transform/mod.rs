@@ -32,7 +32,8 @@ use placeholder::{Reason, placeholder};
 use report::{Action, note};
 pub use report::{ImageNote, Report};
 pub use rules::{Fate, decide};
-use walk::Found;
+use walk::Source;
+pub use walk::{DocFamily, Medium};
 
 /// The API shape of a transformed endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -68,6 +69,41 @@ pub struct Plan {
     /// description when one is supplied (`images.non_vision = "describe"`).
     pub describe: bool,
     pub rules: Rules,
+    /// Which documents and audio the model takes; the others are replaced.
+    pub takes: Takes,
+    /// `describer.query_aware`: each subject carries the user text of its
+    /// message.
+    pub query_aware: bool,
+}
+
+/// Which documents and audio a model takes (the table's `pdf`, `office`
+/// and `audio`, resolved).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Takes {
+    pub pdf: bool,
+    pub office: bool,
+    pub audio: bool,
+}
+
+impl Takes {
+    /// Everything passes as it is.
+    pub const ALL: Takes = Takes {
+        pdf: true,
+        office: true,
+        audio: true,
+    };
+
+    /// Whether the model takes a found part of this medium as it is.
+    pub fn medium(&self, m: &Medium) -> bool {
+        match m {
+            Medium::Image => true,
+            Medium::Document { family, .. } => match family {
+                DocFamily::Pdf | DocFamily::Other => self.pdf,
+                DocFamily::Office => self.office,
+            },
+            Medium::Audio { .. } => self.audio,
+        }
+    }
 }
 
 /// The rules for every model: `[images]` and `[dedup]`.
@@ -131,23 +167,29 @@ impl Plan {
             vision,
             describe,
             rules: Rules::NONE,
+            takes: Takes::ALL,
+            query_aware: false,
         }
     }
 }
 
-/// An image a describer can be sent: the full SHA-256 hex it is known by
-/// (of its bytes, or of its URL) and the image itself.
+/// What a describer (or the transcriber) can be sent: the full SHA-256
+/// hex it is known by (of its bytes, or of its URL) and the image (audio)
+/// itself.
 #[derive(Debug, Clone)]
 pub struct Subject {
     pub sha256: String,
-    pub image: SubjectImage,
+    pub payload: Payload,
     /// Only a cached description may be used (an aged-out or capped
     /// image): the describer is not called for it.
     pub lookup_only: bool,
+    /// `describer.query_aware`: the user text of the message that holds
+    /// it, which shapes its description (and is part of its key).
+    pub query: Option<String>,
 }
 
 #[derive(Debug, Clone)]
-pub enum SubjectImage {
+pub enum Payload {
     /// Decoded bytes and their media type.
     Inline {
         media_type: String,
@@ -155,6 +197,31 @@ pub enum SubjectImage {
     },
     /// An http(s) URL, passed on as it is.
     Url(String),
+}
+
+/// The key a description is given back under: the image's SHA-256 hex,
+/// and a hash of the query that shaped it (`describer.query_aware`).
+pub fn subject_key(sha256: &str, query: Option<&str>) -> String {
+    match query {
+        Some(q) => format!("{sha256}?q={}", &decode::sha256_hex(q.as_bytes())[..16]),
+        None => sha256.to_owned(),
+    }
+}
+
+/// The longest query (characters) a description is shaped by.
+const MAX_QUERY_CHARS: usize = 1000;
+
+/// A document or audio to turn into text (see [`Scanned::media`]).
+#[derive(Debug, Clone)]
+pub struct MediaJob {
+    /// Full SHA-256 hex of its bytes: the text made for it is given back
+    /// under this key.
+    pub sha256: String,
+    pub medium: Medium,
+    pub media_type: String,
+    pub bytes: bytes::Bytes,
+    /// `describer.query_aware`: the user text of its message.
+    pub query: Option<String>,
 }
 
 /// A rewrite: the new body (`None`: forward the original), the report, and
@@ -168,7 +235,7 @@ pub struct Rewrite {
 
 /// True when the plan may change something, so the body must be walked.
 pub fn needed(plan: &Plan) -> bool {
-    !plan.vision || plan.rules.any()
+    !plan.vision || plan.rules.any() || plan.takes != Takes::ALL
 }
 
 /// Applies the plan to a body that is valid JSON, with placeholders only.
@@ -228,29 +295,92 @@ impl Scanned {
     /// index: each distinct image once (in describe mode; none otherwise).
     /// Images a model cannot see may be sent to the describer; aged-out and
     /// capped ones only take a cached description; references none.
-    pub fn subjects(&self) -> Vec<(usize, Subject)> {
+    pub fn subjects(&self, body: &[u8]) -> Vec<(usize, Subject)> {
         if !self.plan.describe {
             return Vec::new();
         }
-        let mut at: HashMap<&str, usize> = HashMap::new();
+        let mut at: HashMap<(&str, Option<String>), usize> = HashMap::new();
         let mut out: Vec<(usize, Subject)> = Vec::new();
         for (i, f) in self.scan.images.iter().enumerate() {
+            if f.medium != Medium::Image {
+                continue;
+            }
             let lookup_only = match self.fates[i] {
                 Fate::Replaced(Reason::NonVision) => false,
                 Fate::Replaced(Reason::AgedOut | Reason::Capped) => true,
-                Fate::Kept | Fate::Replaced(Reason::Deduped) => continue,
+                Fate::Kept | Fate::Replaced(Reason::Deduped | Reason::CannotTake) => continue,
             };
             let Some(mut s) = f.subject() else { continue };
             s.lookup_only = lookup_only;
-            match at.get(f.sha256.as_str()) {
+            s.query = self.query(f.message, body);
+            // The same image under two queries is two descriptions.
+            match at.get(&(f.sha256.as_str(), s.query.clone())) {
                 Some(&k) => out[k].1.lookup_only &= lookup_only,
                 None => {
-                    at.insert(f.sha256.as_str(), out.len());
+                    at.insert((f.sha256.as_str(), s.query.clone()), out.len());
                     out.push((i, s));
                 }
             }
         }
         out
+    }
+
+    /// The documents and audio to turn into text: each distinct one the
+    /// model does not take, with its bytes (file ids and URLs are never
+    /// fetched: they get a reference).
+    pub fn media(&self, body: &[u8]) -> Vec<MediaJob> {
+        let mut out: Vec<MediaJob> = Vec::new();
+        for (f, fate) in self.scan.images.iter().zip(&self.fates) {
+            if *fate != Fate::Replaced(Reason::CannotTake) {
+                continue;
+            }
+            let (Source::Inline { media_type, .. }, Some(bytes)) = (&f.source, &f.bytes) else {
+                continue;
+            };
+            if out.iter().any(|j| j.sha256 == f.sha256) {
+                continue;
+            }
+            let query = self.query(f.message, body);
+            out.push(MediaJob {
+                sha256: f.sha256.clone(),
+                medium: f.medium.clone(),
+                media_type: media_type.clone(),
+                bytes: bytes.clone(),
+                query,
+            });
+        }
+        out
+    }
+
+    /// The user's own text in message `item` (`describer.query_aware`):
+    /// never a later message's, so a description never changes once
+    /// written.
+    fn query(&self, item: usize, body: &[u8]) -> Option<String> {
+        if !self.plan.query_aware {
+            return None;
+        }
+        let user = self
+            .scan
+            .items
+            .get(item)
+            .is_some_and(|it| it.role == walk::Role::User);
+        if !user {
+            return None;
+        }
+        let mut q = String::new();
+        for t in self.scan.texts.iter().filter(|t| t.item == item && !t.tool) {
+            if let Some(text) = self.scan.spot_decoded(t.spot, body) {
+                if !q.is_empty() {
+                    q.push('\n');
+                }
+                q.push_str(text.trim());
+            }
+        }
+        let q = q.trim();
+        (!q.is_empty()).then(|| match q.char_indices().nth(MAX_QUERY_CHARS) {
+            Some((at, _)) => q[..at].to_owned(),
+            None => q.to_owned(),
+        })
     }
 
     /// What becomes of each image.
@@ -289,24 +419,33 @@ impl Scanned {
 
     /// Rewrites `body`: each replaced image becomes its description when
     /// `descriptions` has one for its SHA-256 (pairs of full hex and
-    /// text), else the placeholder.
+    /// text), else the placeholder; each replaced document or audio the
+    /// text given for it, else a one-line reference.
     pub fn finish(self, body: &[u8], descriptions: &[(String, Arc<str>)]) -> Rewrite {
+        let keys: Vec<String> = (0..self.scan.images.len())
+            .map(|i| {
+                let f = &self.scan.images[i];
+                match (f.medium == Medium::Image, self.fates[i]) {
+                    (true, Fate::Replaced(_)) => {
+                        subject_key(&f.sha256, self.query(f.message, body).as_deref())
+                    }
+                    _ => f.sha256.clone(),
+                }
+            })
+            .collect();
         let Scanned { scan, plan, fates } = self;
         let by_sha: HashMap<&str, &str> = descriptions
             .iter()
             .map(|(sha, d)| (sha.as_str(), &**d))
             .collect();
-        let described = |f: &Found, fate: Fate| match fate {
+        let described = |i: usize| match fates[i] {
             Fate::Replaced(Reason::Deduped) | Fate::Kept => None,
-            Fate::Replaced(_) => by_sha.get(f.sha256.as_str()).copied(),
+            Fate::Replaced(_) => by_sha.get(keys[i].as_str()).copied(),
         };
-        let texts: Vec<Option<String>> = scan
-            .images
-            .iter()
-            .zip(&fates)
-            .map(|(f, &fate)| match fate {
+        let texts: Vec<Option<String>> = (0..scan.images.len())
+            .map(|i| match fates[i] {
                 Fate::Kept => None,
-                Fate::Replaced(reason) => Some(placeholder(f, described(f, fate), reason)),
+                Fate::Replaced(reason) => Some(placeholder(&scan.images[i], described(i), reason)),
             })
             .collect();
         let mut spot_text = scan.spot_texts(&texts);
@@ -318,30 +457,40 @@ impl Scanned {
         let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined);
         let artifacts = scan.artifacts(|i| fates[i] != Fate::Kept);
         let mut report = Report {
-            images_found: scan.images.len(),
+            images_found: scan
+                .images
+                .iter()
+                .filter(|f| f.medium == Medium::Image)
+                .count(),
             lines_omitted: omitted.lines,
             items_omitted: omitted.items,
             bytes_saved_dedup: omitted.bytes,
             ..Report::default()
         };
-        for (f, &fate) in scan.images.iter().zip(&fates) {
-            let action = match (fate, described(f, fate)) {
+        for (i, (f, &fate)) in scan.images.iter().zip(&fates).enumerate() {
+            let action = match (fate, described(i)) {
                 (Fate::Kept, _) => Action::Kept,
                 (Fate::Replaced(Reason::NonVision), Some(_)) => Action::Described,
                 (Fate::Replaced(Reason::NonVision), None) => Action::Stripped,
                 (Fate::Replaced(Reason::AgedOut), _) => Action::AgedOut,
                 (Fate::Replaced(Reason::Capped), _) => Action::Capped,
                 (Fate::Replaced(Reason::Deduped), _) => Action::Deduped,
+                (Fate::Replaced(Reason::CannotTake), Some(_)) => Action::Converted,
+                (Fate::Replaced(Reason::CannotTake), None) => Action::Stripped,
             };
-            report.images_replaced += usize::from(fate != Fate::Kept);
-            report.images_described += usize::from(described(f, fate).is_some());
+            if f.medium == Medium::Image {
+                report.images_replaced += usize::from(fate != Fate::Kept);
+                report.images_described += usize::from(described(i).is_some());
+            } else {
+                report.media_replaced += usize::from(fate != Fate::Kept);
+            }
             report.images.push(note(f, fate, action));
         }
         if let Some(b) = &new {
             report.bytes_saved = body.len() as i64 - b.len() as i64;
             // A rewritten body also goes out compact: that saving counts
             // with dedup when no image was replaced, else with images.
-            if report.images_replaced == 0 {
+            if report.images_replaced + report.media_replaced == 0 {
                 report.bytes_saved_dedup = report.bytes_saved;
             }
         }

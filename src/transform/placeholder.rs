@@ -17,8 +17,12 @@ pub enum Reason {
     /// Beyond the newest `max_per_request` images (or the model's
     /// `max_images`).
     Capped,
-    /// A later copy of an image that appears earlier in the request.
+    /// A later copy of an image (document, audio) that appears earlier in
+    /// the request.
     Deduped,
+    /// A document or audio the model does not take (the table's `pdf`,
+    /// `office`, `audio`).
+    CannotTake,
 }
 
 impl Reason {
@@ -28,6 +32,7 @@ impl Reason {
             Reason::AgedOut => "an older tool result",
             Reason::Capped => "over this request's image limit",
             Reason::Deduped => "the same image as earlier in this conversation",
+            Reason::CannotTake => "this model cannot take it",
         }
     }
 }
@@ -37,7 +42,15 @@ impl Reason {
 /// same image always gives the same text (provider prompt caches keep
 /// hitting).
 pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> String {
-    let text = image_text(img, description, reason);
+    let text = match (&img.medium, description) {
+        // The text the edge wrote for a document or audio, as it is.
+        (Medium::Document { .. } | Medium::Audio { .. }, Some(text))
+            if reason != Reason::Deduped =>
+        {
+            return text.to_owned();
+        }
+        _ => image_text(img, description, reason),
+    };
     // One line, so it stays visor's own on a second pass: a line break in
     // a description, a file id or a declared media type becomes a space.
     match text.contains(['\n', '\r']) {
@@ -47,29 +60,97 @@ pub fn placeholder(img: &Found, description: Option<&str>, reason: Reason) -> St
 }
 
 fn image_text(img: &Found, description: Option<&str>, reason: Reason) -> String {
-    let short = img.sha256.get(..12).unwrap_or(&img.sha256);
+    let short = short(&img.sha256);
+    let noun = img.medium.label();
     if reason == Reason::Deduped {
-        return format!("[image sha256:{short}: {}]", reason.words());
+        return format!("[{noun} sha256:{short}: the same {noun} as earlier in this conversation]");
     }
+    let name = match &img.medium {
+        Medium::Document { name: Some(n), .. } => format!(", {}", one_line(n)),
+        _ => String::new(),
+    };
     let what = match &img.source {
-        Source::Encoded { media_type } => format!("image sha256:{short}, {media_type}"),
+        Source::Encoded { media_type } => format!("{noun} sha256:{short}, {media_type}{name}"),
         Source::Inline {
             media_type, dims, ..
         } => match dims {
-            Some((w, h)) => format!("image sha256:{short}, {media_type} {w}x{h}"),
-            None => format!("image sha256:{short}, {media_type}"),
+            Some((w, h)) if img.medium == Medium::Image => {
+                format!("{noun} sha256:{short}, {media_type} {w}x{h}")
+            }
+            _ => format!("{noun} sha256:{short}, {media_type}{name}"),
         },
-        Source::Url(url) if keepable(url) => format!("image {url} (sha256:{short})"),
-        Source::Url(url) => format!("image sha256:{short}, a {}-character URL", url.len()),
-        Source::File(id) => format!("image file {id} (sha256:{short})"),
+        Source::Url(url) if keepable(url) => format!("{noun} {url} (sha256:{short}){name}"),
+        Source::Url(url) => format!("{noun} sha256:{short}, a {}-character URL{name}", url.len()),
+        Source::File(id) => format!("{noun} file {id} (sha256:{short}){name}"),
         Source::Broken(why) => {
-            return format!("[image sha256:{short} removed: {why}]");
+            return format!("[{noun} sha256:{short} removed: {why}]");
         }
+    };
+    let why = match (&img.medium, reason) {
+        (Medium::Document { .. }, Reason::CannotTake) => "this model cannot read documents",
+        (Medium::Audio { .. }, Reason::CannotTake) => "this model cannot take audio",
+        _ => reason.words(),
     };
     match description {
         Some(d) => format!("[{what}, described: {d}]"),
-        None => format!("[{what}: not shown, {}]", reason.words()),
+        None => format!("[{what}: not shown, {why}]"),
     }
+}
+
+fn short(sha256: &str) -> &str {
+    sha256.get(..12).unwrap_or(sha256)
+}
+
+fn one_line(s: &str) -> String {
+    s.replace(['\n', '\r'], " ")
+}
+
+/// The head of the text that replaces a document: its `sha256:`, media
+/// type, page count and name (one line; the pages follow).
+pub fn document_header(
+    sha256: &str,
+    media_type: &str,
+    name: Option<&str>,
+    pages: usize,
+    unit: &str,
+) -> String {
+    let s = if pages == 1 { "" } else { "s" };
+    let name = name
+        .map(|n| format!(", {}", one_line(n)))
+        .unwrap_or_default();
+    format!(
+        "[document sha256:{}, {media_type}, {pages} {unit}{s}{name}]",
+        short(sha256)
+    )
+}
+
+/// The one line that replaces a document or audio visor could not turn
+/// into text, saying why (`could not be read: encrypted`, `transcriber
+/// unavailable`).
+pub fn unreadable(
+    noun: &str,
+    sha256: &str,
+    media_type: &str,
+    name: Option<&str>,
+    why: &str,
+) -> String {
+    let name = name
+        .map(|n| format!(", {}", one_line(n)))
+        .unwrap_or_default();
+    format!(
+        "[{noun} sha256:{}, {media_type}{name}: {}]",
+        short(sha256),
+        one_line(why)
+    )
+}
+
+/// The one line that replaces audio: its `sha256:` and its transcript.
+pub fn audio_text(sha256: &str, media_type: &str, transcript: &str) -> String {
+    format!(
+        "[audio sha256:{}, {media_type}, transcript: {}]",
+        short(sha256),
+        one_line(transcript.trim())
+    )
 }
 
 /// Whether a URL is kept in the text that replaces its image: not when it
@@ -99,6 +180,7 @@ mod tests {
             bytes: None,
             pending: None,
             markers: Vec::new(),
+            medium: Medium::Image,
         }
     }
 

@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use super::placeholder::Reason;
 use super::rules::Fate;
-use super::walk::{Found, Source};
+use super::walk::{Found, Medium, Source};
 
 /// One image, as reported.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -15,6 +15,10 @@ pub struct ImageNote {
     #[serde(skip_serializing_if = "String::is_empty")]
     pub sha256: String,
     pub kind: &'static str,
+    /// `image`, `document` or `audio`.
+    pub medium: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub media_type: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -28,7 +32,8 @@ pub struct ImageNote {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<&'static str>,
     /// `kept`, `described` or `stripped` (a model that cannot see), or
-    /// `aged_out`, `capped`, `deduped` (the rules for every model).
+    /// `aged_out`, `capped`, `deduped` (the rules for every model);
+    /// `converted` (a document or audio turned into text).
     pub action: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<Reason>,
@@ -42,6 +47,8 @@ pub struct Report {
     pub images_replaced: usize,
     /// Of the replaced images, those replaced by their description.
     pub images_described: usize,
+    /// Documents and audio replaced by text (or a reference).
+    pub media_replaced: usize,
     /// Request bytes removed (negative when the rewrite grew the body).
     pub bytes_saved: i64,
     /// Of those, removed by line and item dedup.
@@ -66,6 +73,8 @@ pub(super) enum Action {
     AgedOut,
     Capped,
     Deduped,
+    /// A document or audio turned into text.
+    Converted,
 }
 
 impl Action {
@@ -78,6 +87,7 @@ impl Action {
             Action::AgedOut => "aged_out",
             Action::Capped => "capped",
             Action::Deduped => "deduped",
+            Action::Converted => "converted",
         }
     }
 }
@@ -91,6 +101,11 @@ pub(super) fn note(f: &Found, fate: Fate, action: Action) -> ImageNote {
         path: f.path.clone(),
         sha256: f.sha256.clone(),
         kind: "",
+        medium: f.medium.label(),
+        name: match &f.medium {
+            Medium::Document { name, .. } => name.clone(),
+            _ => None,
+        },
         media_type: None,
         bytes: None,
         width: None,

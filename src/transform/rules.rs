@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::placeholder::Reason;
-use super::walk::{self, Role};
+use super::walk::{self, Medium, Role};
 use super::{Plan, Shape};
 
 /// What becomes of one image.
@@ -76,13 +76,39 @@ pub fn decide(scan: &walk::Scan, body: &[u8], plan: &Plan) -> Vec<Fate> {
     }
     let mut fates = replay.fates;
     if !plan.vision {
-        for fate in &mut fates {
-            if *fate == Fate::Kept {
+        for (fate, f) in fates.iter_mut().zip(&scan.images) {
+            if *fate == Fate::Kept && f.medium == Medium::Image {
                 *fate = Fate::Replaced(Reason::NonVision);
             }
         }
     }
+    media_fates(scan, body, plan, &mut fates);
     fates
+}
+
+/// Documents and audio the model does not take are replaced; a later copy
+/// of one becomes a reference to the first (its text is long). The image
+/// rules (ageing, the cap) never touch them.
+fn media_fates(scan: &walk::Scan, body: &[u8], plan: &Plan, fates: &mut [Fate]) {
+    let mut seen: Vec<usize> = Vec::new();
+    for (i, f) in scan.images.iter().enumerate() {
+        if f.medium == Medium::Image || plan.takes.medium(&f.medium) {
+            continue;
+        }
+        let id = scan.identity(i, body);
+        let first = id.and_then(|id| {
+            seen.iter()
+                .copied()
+                .find(|&j| scan.images[j].medium == f.medium && scan.identity(j, body) == Some(id))
+        });
+        fates[i] = match first {
+            Some(_) => Fate::Replaced(Reason::Deduped),
+            None => {
+                seen.push(i);
+                Fate::Replaced(Reason::CannotTake)
+            }
+        };
+    }
 }
 
 /// Where each assistant turn starts (assistant messages; for Responses a
@@ -135,7 +161,11 @@ impl<'a> Replay<'a> {
         let mut image_bytes = vec![0; n];
         for (i, f) in scan.images.iter().enumerate() {
             if let Some(list) = images_of.get_mut(f.message) {
-                list.push(i);
+                // Documents and audio are replaced the turn they arrive:
+                // their bytes count for nothing here.
+                if f.medium == Medium::Image {
+                    list.push(i);
+                }
                 image_bytes[f.message] += scan.image_len(i);
             }
         }
@@ -164,7 +194,10 @@ impl<'a> Replay<'a> {
     fn step(&mut self, prev_end: usize, end: usize) {
         let rules = self.plan.rules;
         let in_scope: Vec<usize> = (0..self.scan.images.len())
-            .filter(|&i| self.scan.images[i].message < end)
+            .filter(|&i| {
+                let f = &self.scan.images[i];
+                f.message < end && f.medium == Medium::Image
+            })
             .collect();
         let is_new = |i: usize, s: &Self| s.scan.images[i].message >= prev_end;
         if rules.dedupe {

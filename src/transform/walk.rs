@@ -21,7 +21,7 @@ use bytes::Bytes;
 use super::decode::read_lazily;
 use super::in_text::{InTextFound, TextRaw, find_in_text};
 use super::json::{Cursor, Kind, Malformed, Result, Str};
-use super::{Shape, Subject, SubjectImage};
+use super::{Payload, Shape, Subject};
 
 /// Descent into nested tool results stops here (deeper ones are left as
 /// they are).
@@ -47,6 +47,72 @@ pub enum Source {
     File(String),
     /// Could not be read; the reason is said in the placeholder.
     Broken(&'static str),
+}
+
+/// What a found part is: an image, a document or audio.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Medium {
+    Image,
+    /// A document, with its file name when the part gives one.
+    Document {
+        family: DocFamily,
+        name: Option<String>,
+    },
+    /// Speech or other audio, with its declared format (`wav`, `mp3`…).
+    Audio {
+        format: Option<String>,
+    },
+}
+
+impl Medium {
+    /// The `kind` label of `visor_media_total`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Medium::Image => "image",
+            Medium::Document { .. } => "document",
+            Medium::Audio { .. } => "audio",
+        }
+    }
+}
+
+/// Which model capability a document needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DocFamily {
+    /// PDF: the table's `pdf` column.
+    Pdf,
+    /// DOCX, PPTX, XLSX: the table's `office` column.
+    Office,
+    /// Anything else (plain text, CSV, Markdown…): taken where PDFs are.
+    Other,
+}
+
+impl DocFamily {
+    /// From a declared media type, else a file name's extension, else the
+    /// first bytes of the base64 (`JVBER` is `%PDF`, `UEsDB` a zip).
+    pub fn of(media_type: &str, name: Option<&str>, b64_head: &[u8]) -> DocFamily {
+        let mt = media_type.to_ascii_lowercase();
+        if mt == "application/pdf" {
+            return DocFamily::Pdf;
+        }
+        if mt.starts_with("application/vnd.openxmlformats-officedocument.") {
+            return DocFamily::Office;
+        }
+        let ext = name
+            .and_then(|n| n.rsplit_once('.'))
+            .map(|(_, e)| e.to_ascii_lowercase());
+        match ext.as_deref() {
+            Some("pdf") => return DocFamily::Pdf,
+            Some("docx" | "pptx" | "xlsx") => return DocFamily::Office,
+            _ => {}
+        }
+        if b64_head.starts_with(b"JVBER") {
+            DocFamily::Pdf
+        } else if b64_head.starts_with(b"UEsDB") {
+            DocFamily::Office
+        } else {
+            DocFamily::Other
+        }
+    }
 }
 
 /// Where an image sits in the request.
@@ -83,6 +149,8 @@ pub struct Found {
     /// the image is resolved ([`Scan::resolve`]).
     pub sha256: String,
     pub source: Source,
+    /// An image, a document or audio.
+    pub medium: Medium,
     /// Index of the message (or Responses input item) it is in.
     pub message: usize,
     /// Role of that message (`tool` for Responses function outputs).
@@ -106,19 +174,20 @@ impl Found {
     /// URLs and broken data.
     pub fn subject(&self) -> Option<Subject> {
         let image = match (&self.source, &self.bytes) {
-            (Source::Inline { media_type, .. }, Some(bytes)) => SubjectImage::Inline {
+            (Source::Inline { media_type, .. }, Some(bytes)) => Payload::Inline {
                 media_type: media_type.clone(),
                 bytes: bytes.clone(),
             },
             (Source::Url(url), _) if url.starts_with("https://") || url.starts_with("http://") => {
-                SubjectImage::Url(url.clone())
+                Payload::Url(url.clone())
             }
             _ => return None,
         };
         Some(Subject {
             sha256: self.sha256.clone(),
-            image,
+            payload: image,
             lookup_only: false,
+            query: None,
         })
     }
 }
@@ -287,6 +356,16 @@ pub(super) struct PartFields {
     /// An MCP embedded resource's `blob` and `mimeType`.
     pub(super) resource_blob: Option<Str>,
     pub(super) resource_mime: Option<Str>,
+    pub(super) resource_uri: Option<Str>,
+    /// A document's data (Chat `file.file_data`, Responses `file_data`: a
+    /// data URL), URL (`file_url`) and name (`filename`, Anthropic
+    /// `title`).
+    pub(super) file_data: Option<Str>,
+    pub(super) file_url: Option<Str>,
+    pub(super) filename: Option<Str>,
+    /// Chat `input_audio`: `data` and `format`.
+    pub(super) audio_data: Option<Str>,
+    pub(super) audio_format: Option<Str>,
 }
 
 impl PartFields {
@@ -333,9 +412,59 @@ impl PartFields {
         } else if string && k("url") {
             self.url = Some(c.string()?);
         } else if kind == Kind::Object && k("resource") {
-            let (blob, mime) = string_members(c, src, "blob", "mimeType")?;
-            self.resource_blob = blob.or(self.resource_blob.take());
-            self.resource_mime = mime.or(self.resource_mime.take());
+            c.object(|c, key| {
+                let slot = if c.kind()? != Kind::String {
+                    None
+                } else if key.is(src, "blob") {
+                    Some(&mut self.resource_blob)
+                } else if key.is(src, "mimeType") {
+                    Some(&mut self.resource_mime)
+                } else if key.is(src, "uri") {
+                    Some(&mut self.resource_uri)
+                } else {
+                    None
+                };
+                match slot {
+                    Some(slot) => *slot = Some(c.string()?),
+                    None => {
+                        c.skip()?;
+                    }
+                }
+                Ok(())
+            })?;
+        } else if kind == Kind::Object && k("file") {
+            // Chat `file` part: `{"file": {"file_data", "file_id",
+            // "filename"}}`.
+            c.object(|c, key| {
+                let slot = if c.kind()? != Kind::String {
+                    None
+                } else if key.is(src, "file_data") {
+                    Some(&mut self.file_data)
+                } else if key.is(src, "file_id") {
+                    Some(&mut self.file_id)
+                } else if key.is(src, "filename") {
+                    Some(&mut self.filename)
+                } else {
+                    None
+                };
+                match slot {
+                    Some(slot) => *slot = Some(c.string()?),
+                    None => {
+                        c.skip()?;
+                    }
+                }
+                Ok(())
+            })?;
+        } else if kind == Kind::Object && k("input_audio") {
+            let (data, format) = string_members(c, src, "data", "format")?;
+            self.audio_data = data.or(self.audio_data.take());
+            self.audio_format = format.or(self.audio_format.take());
+        } else if string && k("file_data") {
+            self.file_data = Some(c.string()?);
+        } else if string && k("file_url") {
+            self.file_url = Some(c.string()?);
+        } else if string && (k("filename") || k("title")) {
+            self.filename = Some(c.string()?);
         } else if string && (k("mimeType") || k("mime_type") || k("media_type") || k("mediaType")) {
             self.media_type = Some(c.string()?);
         } else if string && k("file_id") {
@@ -602,15 +731,17 @@ impl Walker<'_> {
         let Some(ty) = f.ty.as_ref() else {
             return Ok(None);
         };
-        if let Some(source) = classify(src, ty, &f) {
+        if let Some((medium, source)) = classify(src, ty, &f) {
             // The whole part is replaced: anything found inside it goes.
             self.out.images.truncate(images_before);
             msg.spots.truncate(spots_before);
             let (sha256, source, bytes, pending) = read_lazily(src, source, None);
             msg.cache_markers |= !f.markers.is_empty();
+            let image = medium == Medium::Image;
             self.out.images.push(Found {
                 sha256,
                 source,
+                medium,
                 message: msg.index,
                 role: String::new(),
                 in_tool_result: in_tool,
@@ -620,7 +751,9 @@ impl Walker<'_> {
                 pending,
                 markers: std::mem::take(&mut f.markers),
             });
-            return Ok(Some(PartRef::Image(self.out.images.len() - 1)));
+            // A document or audio part keeps a Chat tool message an array
+            // (its text is many lines, not one).
+            return Ok(image.then(|| PartRef::Image(self.out.images.len() - 1)));
         }
         if tool_result {
             if let (Some(unit), Some(id)) = (own_unit, f.tool_use_id) {
@@ -661,6 +794,7 @@ impl Walker<'_> {
             self.out.images.push(Found {
                 sha256,
                 source,
+                medium: Medium::Image,
                 message: msg.index,
                 role: role.to_owned(),
                 in_tool_result: in_tool,
@@ -713,11 +847,192 @@ pub(super) enum Raw {
     Base64(Str, Option<Str>),
     Url(Str),
     File(Str),
+    /// Plain text (an Anthropic `text` document source).
+    Text(Str),
     Broken(&'static str),
 }
 
+/// Decides whether a part is an image, a document or audio, and where its
+/// bytes are.
+pub(super) fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)> {
+    if let Some(raw) = classify_image(src, ty, f) {
+        return Some((Medium::Image, raw));
+    }
+    classify_media(src, ty, f)
+}
+
+/// Documents and audio: Chat `file` and `input_audio` parts, Responses
+/// `input_file`, Anthropic `document` blocks, MCP `audio` content and
+/// embedded resources holding a document or audio, and SDK file parts of a
+/// document or audio type.
+fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)> {
+    let text = |s: &Option<Str>| {
+        s.as_ref()
+            .and_then(|s| s.decode(src))
+            .map(|c| c.into_owned())
+    };
+    let is = |name: &str| ty.is(src, name);
+    let url_like = |s: &Str| {
+        if s.raw(src).starts_with(b"data:") {
+            Raw::DataUrl(s.clone())
+        } else {
+            Raw::Url(s.clone())
+        }
+    };
+    let document = |mt: &Option<Str>, name: &Option<Str>, data: Option<&Str>| {
+        let mt = text(mt).unwrap_or_default();
+        let name = text(name);
+        let head = data.map(|d| {
+            let raw = d.raw(src);
+            let raw = raw.strip_prefix(b"\"").unwrap_or(raw);
+            // Past a data URL's header.
+            match memchr::memchr(b',', &raw[..raw.len().min(200)]) {
+                Some(at) if raw.starts_with(b"data:") => &raw[at + 1..],
+                _ => raw,
+            }
+        });
+        let mt = match (mt.is_empty(), data) {
+            (true, Some(d)) if d.raw(src).starts_with(b"\"data:") => {
+                let raw = d.raw(src);
+                super::decode::data_url_payload(&raw[1..])
+                    .map(|(m, _)| m)
+                    .unwrap_or_default()
+            }
+            _ => mt,
+        };
+        Medium::Document {
+            family: DocFamily::of(&mt, name.as_deref(), head.unwrap_or_default()),
+            name,
+        }
+    };
+    let media_of = |m: &Option<Str>| text(m).map(|m| m.to_ascii_lowercase()).unwrap_or_default();
+    if is("file") && (f.file_data.is_some() || (f.file_id.is_some() && f.data.is_none())) {
+        // Chat `file` part.
+        let medium = document(&None, &f.filename, f.file_data.as_ref());
+        let raw = match (&f.file_data, &f.file_id) {
+            (Some(d), _) => url_like(d),
+            (None, Some(id)) => Raw::File(id.clone()),
+            (None, None) => Raw::Broken("file part without file_data or file_id"),
+        };
+        return Some((medium, raw));
+    }
+    if is("input_file") {
+        let medium = document(&None, &f.filename, f.file_data.as_ref());
+        let raw = match (&f.file_data, &f.file_url, &f.file_id) {
+            (Some(d), _, _) => url_like(d),
+            (None, Some(u), _) => Raw::Url(u.clone()),
+            (None, None, Some(id)) => Raw::File(id.clone()),
+            (None, None, None) => Raw::Broken("input_file without file_data, file_url or file_id"),
+        };
+        return Some((medium, raw));
+    }
+    if is("document") && (f.source_type.is_some() || f.source_bad) && f.source_content.is_none() {
+        let st = f.source_type.as_ref();
+        let sis = |name| st.is_some_and(|t| t.is(src, name));
+        let medium = document(&f.source_media_type, &f.filename, f.source_data.as_ref());
+        let raw = if sis("base64") {
+            match &f.source_data {
+                Some(d) => Raw::Base64(d.clone(), f.source_media_type.clone()),
+                None => Raw::Broken("base64 document source without data"),
+            }
+        } else if sis("text") {
+            match &f.source_data {
+                Some(d) => Raw::Text(d.clone()),
+                None => Raw::Broken("text document source without data"),
+            }
+        } else if sis("url") {
+            match &f.source_url {
+                Some(u) => url_like(u),
+                None => Raw::Broken("url document source without a url"),
+            }
+        } else if sis("file") {
+            match &f.source_file {
+                Some(id) => Raw::File(id.clone()),
+                None => Raw::Broken("file document source without a file_id"),
+            }
+        } else {
+            return None;
+        };
+        return Some((medium, raw));
+    }
+    if is("input_audio") {
+        let format = text(&f.audio_format).map(|s| s.to_ascii_lowercase());
+        let raw = match &f.audio_data {
+            Some(d) => Raw::Base64(d.clone(), None),
+            None => Raw::Broken("input_audio without data"),
+        };
+        return Some((Medium::Audio { format }, raw));
+    }
+    let audio_format = |mt: &str| mt.strip_prefix("audio/").map(|f| f.to_owned());
+    // MCP `audio` content.
+    if is("audio") {
+        let mt = media_of(&f.media_type);
+        let raw = match &f.data {
+            Some(d) => Raw::Base64(d.clone(), f.media_type.clone()),
+            None => Raw::Broken("audio part without data"),
+        };
+        return Some((
+            Medium::Audio {
+                format: audio_format(&mt),
+            },
+            raw,
+        ));
+    }
+    // MCP embedded resource holding a document or audio (text resources
+    // are text already and stay).
+    if is("resource")
+        && let Some(blob) = &f.resource_blob
+    {
+        let mt = media_of(&f.resource_mime);
+        let raw = Raw::Base64(blob.clone(), f.resource_mime.clone());
+        if let Some(format) = audio_format(&mt) {
+            return Some((
+                Medium::Audio {
+                    format: Some(format),
+                },
+                raw,
+            ));
+        }
+        let name = text(&f.resource_uri).map(|u| u.rsplit('/').next().unwrap_or(&u).to_owned());
+        let family = DocFamily::of(
+            &mt,
+            name.as_deref(),
+            blob.raw(src).get(1..).unwrap_or_default(),
+        );
+        if family != DocFamily::Other || mt.starts_with("text/") {
+            return Some((Medium::Document { family, name }, raw));
+        }
+        return None;
+    }
+    // SDK file parts of a document or audio type (Vercel `file-data`,
+    // `media`, v7 `file`; LangChain `file`).
+    if (is("file-data") || is("media") || is("file"))
+        && let Some(d) = &f.data
+    {
+        let mt = media_of(&f.media_type);
+        let raw = Raw::Base64(d.clone(), f.media_type.clone());
+        if let Some(format) = audio_format(&mt) {
+            return Some((
+                Medium::Audio {
+                    format: Some(format),
+                },
+                raw,
+            ));
+        }
+        let family = DocFamily::of(
+            &mt,
+            text(&f.filename).as_deref(),
+            d.raw(src).get(1..).unwrap_or_default(),
+        );
+        if family != DocFamily::Other || mt.starts_with("text/") {
+            return Some((document(&f.media_type, &f.filename, Some(d)), raw));
+        }
+    }
+    None
+}
+
 /// Decides whether a part is an image, and where its bytes are.
-pub(super) fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
+pub(super) fn classify_image(src: &[u8], ty: &Str, f: &PartFields) -> Option<Raw> {
     let url_like = |s: &Str| {
         if s.raw(src).starts_with(b"data:") {
             Raw::DataUrl(s.clone())

@@ -572,14 +572,14 @@ fn describe_mode_puts_each_description_in_place() {
     let scanned = scan(&body, &plan).unwrap();
     // The repeated image once; the file id and the broken one cannot be
     // described.
-    let subjects = scanned.subjects();
+    let subjects = scanned.subjects(&body);
     let shas: Vec<&str> = subjects.iter().map(|(_, s)| s.sha256.as_str()).collect();
     let png_sha = sha256_hex(&png);
     let url_sha = sha256_hex(b"https://example.com/a.png");
     assert_eq!(shas, vec![png_sha.as_str(), url_sha.as_str()]);
     assert!(matches!(
-        &subjects[0].1.image,
-        SubjectImage::Inline { media_type, bytes } if media_type == "image/png" && bytes[..] == png[..]
+        &subjects[0].1.payload,
+        Payload::Inline { media_type, bytes } if media_type == "image/png" && bytes[..] == png[..]
     ));
     // Only the chart has a description (the URL's lookup failed).
     let out = scanned.finish(&body, &[(png_sha.clone(), Arc::from("A chart: 42%."))]);

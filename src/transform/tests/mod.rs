@@ -7,5 +7,6 @@
 
 mod dedup;
 mod images;
+mod media;
 mod rules;
 mod support;

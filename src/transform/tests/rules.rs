@@ -253,7 +253,7 @@ fn a_text_only_model_never_ages_an_image_its_text_never_changes() {
             .all(|f| *f == Fate::Replaced(Reason::NonVision)),
         "ageing a replaced image saves nothing and would change its text"
     );
-    assert!(scanned.subjects().iter().all(|(_, s)| !s.lookup_only));
+    assert!(scanned.subjects(&bytes).iter().all(|(_, s)| !s.lookup_only));
     let r = scanned.finish(&bytes, &[]);
     assert_eq!(r.report.images_replaced, 41);
     assert_eq!(

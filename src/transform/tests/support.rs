@@ -34,6 +34,8 @@ pub(crate) fn plan(shape: Shape, vision: bool, rules: Rules) -> Plan {
         vision,
         describe: false,
         rules,
+        takes: Takes::ALL,
+        query_aware: false,
     }
 }
 

@@ -1,0 +1,433 @@
+//! Documents and audio turned into text for a model that cannot take them:
+//! the async edge around the pure parts. A PDF or Office file is read
+//! ([`crate::media`], on the blocking pool), its pages that hold figures
+//! or no text are rendered and described, its embedded images described
+//! (the `[describer]`), and the whole text is kept under the document's
+//! SHA-256 (memory and store), so the next request that carries it costs a
+//! lookup. Audio is written down by the `[transcriber]`. Nothing here fails
+//! a request: what cannot be read or heard becomes one line that says why.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use crate::describe::{Credential, PROMPT_VERSION, describe};
+use crate::media::{self, DocKind, Document, Limits};
+use crate::transform::placeholder::{audio_text, document_header, unreadable};
+use crate::transform::{MediaJob, Medium, Payload, Subject, decode::sha256_hex, subject_key};
+
+use super::AppState;
+
+/// Pages are rendered for the describer at this resolution.
+const RENDER_DPI: f32 = 110.0;
+
+/// The text made for one document or audio, and the `action` label of
+/// `visor_media_total` it counts under.
+pub struct Made {
+    pub sha256: String,
+    pub text: Arc<str>,
+    pub action: &'static str,
+}
+
+/// Credentials for the two services a request's media may need.
+#[derive(Clone, Default)]
+pub struct Credentials {
+    pub describer: Credential,
+    pub transcriber: Credential,
+}
+
+/// The text for each job, made concurrently.
+pub async fn make(
+    state: &Arc<AppState>,
+    jobs: Vec<MediaJob>,
+    describe_pages: bool,
+    creds: &Credentials,
+) -> Vec<Made> {
+    let made = futures_util::future::join_all(jobs.into_iter().map(|job| async move {
+        match &job.medium {
+            Medium::Audio { .. } => transcribe(state, job, &creds.transcriber).await,
+            _ => document(state, job, describe_pages, &creds.describer).await,
+        }
+    }))
+    .await;
+    for m in &made {
+        let kind = if m.action == "transcribed" || m.text.starts_with("[audio ") {
+            "audio"
+        } else {
+            "document"
+        };
+        state
+            .metrics
+            .media
+            .with_label_values(&[kind, m.action])
+            .inc();
+    }
+    made
+}
+
+async fn transcribe(state: &Arc<AppState>, job: MediaJob, cred: &Credential) -> Made {
+    let subject = Subject {
+        sha256: job.sha256.clone(),
+        payload: Payload::Inline {
+            media_type: job.media_type.clone(),
+            bytes: job.bytes.clone(),
+        },
+        lookup_only: false,
+        query: None,
+    };
+    let transcript = describe(&state.transcriber, vec![subject], cred).await;
+    match transcript.into_iter().next() {
+        Some((_, t)) => Made {
+            text: Arc::from(audio_text(&job.sha256, &job.media_type, &t)),
+            sha256: job.sha256,
+            action: "transcribed",
+        },
+        None => Made {
+            text: Arc::from(unreadable(
+                "audio",
+                &job.sha256,
+                &job.media_type,
+                None,
+                "transcriber unavailable",
+            )),
+            sha256: job.sha256,
+            action: "stripped",
+        },
+    }
+}
+
+/// A document's content: parsed pages, or the text of a text document.
+enum Content {
+    Parsed(Document),
+    Plain(String),
+}
+
+/// What a document was read into, off the worker thread: its pages, and
+/// the pictures to describe (rendered pages, embedded images).
+struct Read {
+    kind: Option<DocKind>,
+    doc: Result<Content, String>,
+    pictures: Vec<Picture>,
+    /// Pages that needed a look but could not be rendered, and why.
+    unrendered: Vec<(usize, String)>,
+}
+
+struct Picture {
+    page: usize,
+    /// `page 3` (a rendered page) or an embedded image's name.
+    label: String,
+    media_type: String,
+    bytes: bytes::Bytes,
+    /// Rendered from the document (its key is the document's hash and
+    /// page); else an embedded image known by its own hash.
+    rendered: bool,
+}
+
+async fn document(
+    state: &Arc<AppState>,
+    job: MediaJob,
+    describe_pages: bool,
+    cred: &Credential,
+) -> Made {
+    let name = match &job.medium {
+        Medium::Document { name, .. } => name.clone(),
+        _ => None,
+    };
+    let max_described = state.config.documents.max_pages_described as usize;
+    let budget = if describe_pages { max_described } else { 0 };
+    let key = document_key(state, &job, budget);
+    if let Some(text) = state.describer.cached(&key).await {
+        return Made {
+            sha256: job.sha256,
+            text,
+            action: "described",
+        };
+    }
+    let bytes = job.bytes.clone();
+    let media_type = job.media_type.clone();
+    let name2 = name.clone();
+    let read =
+        tokio::task::spawn_blocking(move || read(&bytes, &media_type, name2.as_deref(), budget))
+            .await
+            .ok();
+    let Some(read) = read else {
+        return failed(job, name, "could not be read: the reader stopped");
+    };
+    let doc = match read.doc {
+        Ok(Content::Parsed(d)) => d,
+        Ok(Content::Plain(text)) => {
+            return Made {
+                text: Arc::from(plain(&job, name.as_deref(), &text)),
+                sha256: job.sha256,
+                action: "described",
+            };
+        }
+        Err(e) => return failed(job, name, &format!("could not be read: {e}")),
+    };
+    let subjects: Vec<Subject> = read
+        .pictures
+        .iter()
+        .map(|p| Subject {
+            sha256: picture_sha(&job.sha256, p),
+            payload: Payload::Inline {
+                media_type: p.media_type.clone(),
+                bytes: p.bytes.clone(),
+            },
+            lookup_only: false,
+            query: job.query.clone(),
+        })
+        .collect();
+    let descriptions = match subjects.is_empty() {
+        true => Vec::new(),
+        false => describe(&state.describer, subjects, cred).await,
+    };
+    let described = |p: &Picture| {
+        let k = subject_key(&picture_sha(&job.sha256, p), job.query.as_deref());
+        descriptions
+            .iter()
+            .find(|(s, _)| *s == k)
+            .map(|(_, d)| d.clone())
+    };
+    let mut complete = true;
+    let mut notes: Vec<(usize, String)> = Vec::new();
+    for p in &read.pictures {
+        match described(p) {
+            Some(d) => notes.push((p.page, format!("[{} described: {}]", p.label, one_line(&d)))),
+            None => {
+                complete = false;
+                notes.push((
+                    p.page,
+                    format!("[{}: not described, describer unavailable]", p.label),
+                ));
+            }
+        }
+    }
+    for (page, why) in &read.unrendered {
+        notes.push((
+            *page,
+            format!("[page {page}: figures, not described: could not be rendered: {why}]"),
+        ));
+    }
+    let unit = read.kind.map_or("page", DocKind::unit);
+    let why_not = match describe_pages {
+        true => "over documents.max_pages_described",
+        false => "images.non_vision = \"strip\"",
+    };
+    let text = compose(
+        &job,
+        name.as_deref(),
+        &doc,
+        unit,
+        &notes,
+        &read.pictures,
+        why_not,
+    );
+    let text: Arc<str> = Arc::from(text);
+    if complete {
+        state.describer.remember(&key, text.clone()).await;
+    }
+    Made {
+        sha256: job.sha256,
+        text,
+        action: "described",
+    }
+}
+
+/// The text of a document without descriptions (`visor explain`, which
+/// calls no model): its pages, and a line for each that would be
+/// described. Audio gets the line that says it was not transcribed.
+pub fn offline(job: &MediaJob) -> String {
+    let name = match &job.medium {
+        Medium::Document { name, .. } => name.clone(),
+        Medium::Audio { .. } | Medium::Image => {
+            return unreadable(
+                "audio",
+                &job.sha256,
+                &job.media_type,
+                None,
+                "not transcribed by visor explain",
+            );
+        }
+    };
+    let read = read(&job.bytes, &job.media_type, name.as_deref(), 0);
+    let why_not = "visor explain calls no describer";
+    match read.doc {
+        Ok(Content::Parsed(doc)) => {
+            let unit = read.kind.map_or("page", DocKind::unit);
+            compose(job, name.as_deref(), &doc, unit, &[], &[], why_not)
+        }
+        Ok(Content::Plain(text)) => plain(job, name.as_deref(), &text),
+        Err(e) => unreadable(
+            "document",
+            &job.sha256,
+            &job.media_type,
+            name.as_deref(),
+            &format!("could not be read: {e}"),
+        ),
+    }
+}
+
+fn plain(job: &MediaJob, name: Option<&str>, text: &str) -> String {
+    let head = document_header(&job.sha256, &job.media_type, name, 1, "page");
+    format!("{head}\n{}", text.trim())
+}
+
+fn failed(job: MediaJob, name: Option<String>, why: &str) -> Made {
+    Made {
+        text: Arc::from(unreadable(
+            "document",
+            &job.sha256,
+            &job.media_type,
+            name.as_deref(),
+            why,
+        )),
+        sha256: job.sha256,
+        action: "stripped",
+    }
+}
+
+/// The key a document's whole text is kept under: its hash, the describer
+/// model and prompt, how many pages may be described, and the query.
+fn document_key(state: &AppState, job: &MediaJob, budget: usize) -> String {
+    let d = &state.describer;
+    let q = subject_key("", job.query.as_deref());
+    format!(
+        "document/{}/{}/v{PROMPT_VERSION}/p{budget}{q}",
+        job.sha256,
+        d.model()
+    )
+}
+
+fn picture_sha(doc_sha: &str, p: &Picture) -> String {
+    match p.rendered {
+        true => format!("{doc_sha}.p{}", p.page),
+        false => sha256_hex(&p.bytes),
+    }
+}
+
+/// Reads the document and renders (or takes) the pictures to describe:
+/// PDF pages that draw figures or hold no text, Office images, at most
+/// `budget`, in page order.
+fn read(bytes: &[u8], media_type: &str, name: Option<&str>, budget: usize) -> Read {
+    let kind = DocKind::detect(Some(media_type), name, bytes);
+    let Some(kind) = kind else {
+        // Not a document visor parses: text when it is text.
+        let doc = match std::str::from_utf8(bytes) {
+            Ok(text) if !text.contains(|c: char| c.is_control() && !c.is_whitespace()) => {
+                Ok(Content::Plain(text.to_owned()))
+            }
+            _ => Err(format!(
+                "{media_type} is not a document visor reads (PDF, DOCX, PPTX, XLSX, text)"
+            )),
+        };
+        return Read {
+            kind: None,
+            doc,
+            pictures: Vec::new(),
+            unrendered: Vec::new(),
+        };
+    };
+    let doc = media::read(kind, bytes, &Limits::default()).map_err(|e| e.to_string());
+    let mut pictures = Vec::new();
+    let mut unrendered = Vec::new();
+    if let Ok(d) = &doc {
+        for page in &d.pages {
+            if pictures.len() >= budget {
+                break;
+            }
+            if kind == DocKind::Pdf && page.needs_look {
+                match media::render_page(bytes, page.number, RENDER_DPI) {
+                    Ok(png) => pictures.push(Picture {
+                        page: page.number,
+                        label: format!("{} {}", kind.unit(), page.number),
+                        media_type: "image/png".to_owned(),
+                        bytes: bytes::Bytes::from(png),
+                        rendered: true,
+                    }),
+                    Err(e) => unrendered.push((page.number, e.to_string())),
+                }
+            }
+            for img in &page.images {
+                if pictures.len() >= budget {
+                    break;
+                }
+                pictures.push(Picture {
+                    page: page.number,
+                    label: format!("image {}", img.name),
+                    media_type: img.media_type.clone(),
+                    bytes: bytes::Bytes::from(img.bytes.clone()),
+                    rendered: false,
+                });
+            }
+        }
+    }
+    Read {
+        kind: Some(kind),
+        doc: doc.map(Content::Parsed),
+        pictures,
+        unrendered,
+    }
+}
+
+/// The text that replaces a document: its header, then each page's text
+/// under `--- page N ---`, each picture's description after its page's
+/// text, and a line for pages with figures nobody described.
+fn compose(
+    job: &MediaJob,
+    name: Option<&str>,
+    doc: &Document,
+    unit: &str,
+    notes: &[(usize, String)],
+    pictures: &[Picture],
+    why_not: &str,
+) -> String {
+    let mut out = document_header(&job.sha256, &job.media_type, name, doc.pages.len(), unit);
+    for page in &doc.pages {
+        let _ = write!(out, "\n--- {unit} {} ---", page.number);
+        let text = page.text.trim();
+        if !text.is_empty() {
+            out.push('\n');
+            out.push_str(text);
+        }
+        for (_, note) in notes.iter().filter(|(p, _)| *p == page.number) {
+            out.push('\n');
+            out.push_str(note);
+        }
+        let pictured = pictures.iter().any(|p| p.page == page.number)
+            || notes.iter().any(|(p, _)| *p == page.number);
+        // (An Office page's images are listed on their own, below.)
+        if page.needs_look && !pictured && page.images.is_empty() {
+            let what = if text.is_empty() {
+                "no text"
+            } else {
+                "figures"
+            };
+            let _ = write!(
+                out,
+                "\n[{unit} {}: {what}, not described: {why_not}]",
+                page.number
+            );
+        }
+        let unseen = page.images.len().saturating_sub(
+            pictures
+                .iter()
+                .filter(|p| p.page == page.number && !p.rendered)
+                .count(),
+        );
+        if unseen > 0 {
+            let s = if unseen == 1 { "" } else { "s" };
+            let _ = write!(out, "\n[{unseen} image{s} not described: {why_not}]");
+        }
+    }
+    if doc.truncated {
+        let _ = write!(
+            out,
+            "\n[the rest of the document is not shown: over {} {unit}s]",
+            Limits::default().max_pages
+        );
+    }
+    out
+}
+
+fn one_line(s: &str) -> String {
+    s.replace(['\n', '\r'], " ")
+}
