@@ -512,8 +512,9 @@ pub struct RawRetries {
     /// last minute, in percent.
     #[serde(default = "default_budget_percent")]
     pub budget_percent: u32,
-    /// Retries always allowed per minute, whatever the share (so the first
-    /// failures of a quiet visor still fall back).
+    /// Retries allowed per minute whatever the share (the budget is the
+    /// larger of the two), so the first failures of a quiet visor still
+    /// fall back.
     #[serde(default = "default_min_retries_per_minute")]
     pub min_retries_per_minute: u32,
     /// Consecutive failures that open an upstream's breaker.

@@ -23,8 +23,8 @@ const SLOTS: usize = 60;
 /// The longest a 429's `Retry-After` keeps its upstream skipped.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(10);
 
-/// Retries at most `percent` % of the requests of the last minute, plus
-/// `floor` a minute whatever the traffic.
+/// Retries at most `percent` % of the requests of the last minute, or
+/// `floor` a minute, whichever is more.
 pub struct Budget {
     percent: u64,
     floor: u64,
@@ -98,7 +98,8 @@ impl Budget {
         w.advance(now);
         let requests: u64 = w.requests.iter().map(|&n| u64::from(n)).sum();
         let retries: u64 = w.retries.iter().map(|&n| u64::from(n)).sum();
-        if retries * 100 >= self.floor * 100 + requests * self.percent {
+        // The share of the window's requests, or the floor: whichever is more.
+        if retries * 100 >= (self.floor * 100).max(requests * self.percent) {
             return false;
         }
         let s = w.slot();

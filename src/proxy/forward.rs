@@ -25,7 +25,11 @@
 //! 6. send      — headers rewritten, the body as held (byte for byte when
 //!    nothing changed); wait for the response head under the
 //!    first-byte and total deadlines (peek, then commit: failures
-//!    here still become 502/504).
+//!    here still become 502/504). A route with `fallbacks`
+//!    ([`send_chain`]): a failure before the head, a 5xx or a 429
+//!    moves on to the next upstream the breakers admit, within the
+//!    retry budget ([`crate::retries`]); the same body, each
+//!    upstream's own headers and credential.
 //! 7. learn     — a model of unknown vision whose upstream answers with an
 //!    "images not supported" 4xx: retried once with the images
 //!    replaced, and remembered.
