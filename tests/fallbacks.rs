@@ -426,3 +426,24 @@ fn check_refuses_bad_fallbacks() {
         assert!(err.contains(want), "{err}");
     }
 }
+
+/// A streamed body over the replay limit (4 MiB) is not held: it goes to
+/// the routed upstream alone, whose answer the client gets.
+#[tokio::test]
+async fn a_streamed_body_over_the_replay_limit_does_not_fall_back() {
+    let primary = MockUpstream::builder()
+        .fault(Fault::Status(500, r#"{"error":"primary down"}"#))
+        .start()
+        .await;
+    let backup = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::start(&chain(&primary, &backup, "", "")).await;
+    let big = format!(
+        r#"{{"model":"e","input":"{}"}}"#,
+        "x".repeat(4 * 1024 * 1024 + 1)
+    );
+    let (status, _, body) = send(post_json(&visor.url("/v1/embeddings"), big.clone())).await;
+    assert_eq!(status, 500);
+    assert_eq!(body, r#"{"error":"primary down"}"#);
+    assert_eq!(backup.count(), 0);
+    assert_eq!(primary.recorded()[0].body.len(), big.len());
+}
