@@ -91,6 +91,8 @@ pub struct RawConfig {
     pub sessions: RawSessions,
     #[serde(default)]
     pub store: RawStore,
+    #[serde(default)]
+    pub retries: RawRetries,
 }
 
 #[derive(Debug, Deserialize)]
@@ -195,6 +197,10 @@ pub struct RawUpstream {
     /// the webpki roots), for providers behind a private CA.
     #[serde(default)]
     pub ca_file: Option<String>,
+    /// Upstreams tried in order when this one fails before its response
+    /// head (names of other `[[upstream]]`s of the same API shape).
+    #[serde(default)]
+    pub fallbacks: Vec<String>,
 }
 
 fn default_models() -> Vec<String> {
@@ -498,6 +504,51 @@ fn default_prefix() -> String {
     "visor:".to_owned()
 }
 
+/// `[retries]`: the fallback budget and the per-upstream circuit breaker.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRetries {
+    /// Retries (fallback attempts) at most this share of the requests of the
+    /// last minute, in percent.
+    #[serde(default = "default_budget_percent")]
+    pub budget_percent: u32,
+    /// Retries allowed per minute whatever the share (the budget is the
+    /// larger of the two), so the first failures of a quiet visor still
+    /// fall back.
+    #[serde(default = "default_min_retries_per_minute")]
+    pub min_retries_per_minute: u32,
+    /// Consecutive failures that open an upstream's breaker.
+    #[serde(default = "default_breaker_failures")]
+    pub breaker_failures: u32,
+    /// How long an open breaker skips its upstream before one probe.
+    #[serde(default = "default_breaker_cooldown_secs")]
+    pub breaker_cooldown_secs: f64,
+}
+
+impl Default for RawRetries {
+    fn default() -> Self {
+        Self {
+            budget_percent: default_budget_percent(),
+            min_retries_per_minute: default_min_retries_per_minute(),
+            breaker_failures: default_breaker_failures(),
+            breaker_cooldown_secs: default_breaker_cooldown_secs(),
+        }
+    }
+}
+
+fn default_budget_percent() -> u32 {
+    20
+}
+fn default_min_retries_per_minute() -> u32 {
+    10
+}
+fn default_breaker_failures() -> u32 {
+    5
+}
+fn default_breaker_cooldown_secs() -> f64 {
+    30.0
+}
+
 // ------------------------------------------------------------ runtime phase
 
 /// The validated configuration the proxy runs with.
@@ -515,6 +566,8 @@ pub struct Config {
     pub sessions: RawSessions,
     /// `[store]`, checked.
     pub store: StoreConfig,
+    /// `[retries]`, checked.
+    pub retries: Retries,
     /// `images.non_vision`, checked.
     pub non_vision: NonVision,
     /// `describer.on_miss`, checked.
@@ -522,6 +575,15 @@ pub struct Config {
     /// Keys that still load but no longer do anything: said once at start
     /// (`visor serve` logs them, `visor check` prints them).
     pub warnings: Vec<String>,
+}
+
+/// `[retries]`, checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retries {
+    pub budget_percent: u32,
+    pub min_retries_per_minute: u32,
+    pub breaker_failures: u32,
+    pub breaker_cooldown: Duration,
 }
 
 /// `[store]`, checked.
@@ -635,9 +697,32 @@ pub struct Upstream {
     pub matcher: GlobSet,
     /// Extra trusted CA certificates (`ca_file`).
     pub ca_certs: Vec<rustls::pki_types::CertificateDer<'static>>,
+    /// `fallbacks`, as written.
+    pub fallbacks: Vec<String>,
+    /// The upstreams a request routed here may go to, in order: this one,
+    /// then its fallbacks, each followed by its own (depth first, each
+    /// once). Just this one when it has no fallbacks.
+    pub chain: Vec<usize>,
+}
+
+impl AuthMode {
+    /// The API shape an upstream of this auth mode speaks: `x-api-key` is
+    /// the Anthropic kind, `bearer` the OpenAI kind. Visor never translates
+    /// between shapes, so a fallback must speak the same one.
+    pub fn shape(self) -> &'static str {
+        match self {
+            AuthMode::Bearer => "OpenAI (auth = \"bearer\")",
+            AuthMode::XApiKey => "Anthropic (auth = \"x-api-key\")",
+        }
+    }
 }
 
 impl Upstream {
+    /// True when a request routed here may fall back to another upstream.
+    pub fn has_fallbacks(&self) -> bool {
+        self.chain.len() > 1
+    }
+
     pub fn matches(&self, model: &str) -> bool {
         self.matcher.is_match(model)
     }
@@ -950,8 +1035,31 @@ impl RawConfig {
                 models: u.models.clone(),
                 matcher,
                 ca_certs,
+                fallbacks: u.fallbacks.clone(),
+                chain: vec![i],
             });
         }
+        fallback_chains(&mut p, &mut upstreams);
+        let r = &self.retries;
+        if r.budget_percent > 100 {
+            p.push(format!(
+                "retries.budget_percent: {} — at most 100 (0: no retries beyond min_retries_per_minute)",
+                r.budget_percent
+            ));
+        }
+        if r.breaker_failures == 0 {
+            p.push("retries.breaker_failures: 0 — must be at least 1".to_owned());
+        }
+        let retries = Retries {
+            budget_percent: r.budget_percent,
+            min_retries_per_minute: r.min_retries_per_minute,
+            breaker_failures: r.breaker_failures,
+            breaker_cooldown: secs(
+                &mut p,
+                "retries.breaker_cooldown_secs",
+                r.breaker_cooldown_secs,
+            ),
+        };
 
         for (i, m) in self.model.iter().enumerate() {
             if let Err(e) = model_glob(&m.pattern) {
@@ -1078,8 +1186,99 @@ impl RawConfig {
                 backend: backend.unwrap_or(StoreBackend::Memory),
                 prefix: self.store.prefix,
             },
+            retries,
             warnings,
         })
+    }
+}
+
+/// Checks every upstream's `fallbacks` (known names, not itself, the same
+/// API shape, no cycle through other upstreams' fallbacks) and sets each
+/// upstream's `chain`.
+fn fallback_chains(p: &mut Vec<String>, upstreams: &mut [Upstream]) {
+    let index_of = |name: &str| upstreams.iter().position(|u| u.name == name);
+    let mut edges: Vec<Vec<usize>> = Vec::with_capacity(upstreams.len());
+    let mut sound = true;
+    for (i, u) in upstreams.iter().enumerate() {
+        let mut next = Vec::new();
+        for (j, f) in u.fallbacks.iter().enumerate() {
+            let key = format!("upstream[{i}].fallbacks[{j}]");
+            match index_of(f) {
+                None => {
+                    p.push(format!("{key}: {f:?} — no [[upstream]] has this name"));
+                    sound = false;
+                }
+                Some(t) if t == i => {
+                    p.push(format!(
+                        "{key}: {f:?} — an upstream cannot fall back to itself"
+                    ));
+                    sound = false;
+                }
+                Some(t) if upstreams[t].auth != u.auth => {
+                    p.push(format!(
+                        "{key}: {f:?} — speaks {}, but {:?} speaks {}; visor never translates between API shapes, so a fallback must speak the same one",
+                        upstreams[t].auth.shape(),
+                        u.name,
+                        u.auth.shape()
+                    ));
+                    sound = false;
+                }
+                Some(t) if next.contains(&t) => {
+                    p.push(format!("{key}: {f:?} — listed twice"));
+                    sound = false;
+                }
+                Some(t) => next.push(t),
+            }
+        }
+        edges.push(next);
+    }
+    if !sound {
+        return;
+    }
+    // A cycle (a → b → a) would make the order of a chain ambiguous.
+    for start in 0..upstreams.len() {
+        let mut path = vec![start];
+        if let Some(cycle) = find_cycle(&edges, &mut path) {
+            let names: Vec<&str> = cycle.iter().map(|&k| upstreams[k].name.as_str()).collect();
+            p.push(format!(
+                "upstream[{start}].fallbacks: {:?} — fallbacks form a cycle: {}",
+                upstreams[start].fallbacks,
+                names.join(" → ")
+            ));
+            return;
+        }
+    }
+    for (i, u) in upstreams.iter_mut().enumerate() {
+        let mut chain = vec![i];
+        flatten(&edges, i, &mut chain);
+        u.chain = chain;
+    }
+}
+
+/// A cycle reachable from the end of `path`, as the names along it.
+fn find_cycle(edges: &[Vec<usize>], path: &mut Vec<usize>) -> Option<Vec<usize>> {
+    let last = *path.last()?;
+    for &n in &edges[last] {
+        if let Some(pos) = path.iter().position(|&k| k == n) {
+            let mut cycle = path[pos..].to_vec();
+            cycle.push(n);
+            return Some(cycle);
+        }
+        path.push(n);
+        if let Some(c) = find_cycle(edges, path) {
+            return Some(c);
+        }
+        path.pop();
+    }
+    None
+}
+
+fn flatten(edges: &[Vec<usize>], from: usize, chain: &mut Vec<usize>) {
+    for &n in &edges[from] {
+        if !chain.contains(&n) {
+            chain.push(n);
+            flatten(edges, n, chain);
+        }
     }
 }
 
@@ -1273,5 +1472,61 @@ mod tests {
     #[test]
     fn no_upstream_is_an_error() {
         assert!(problems("").contains("at least one [[upstream]]"));
+    }
+
+    fn ups(extra: &[(&str, &str)]) -> String {
+        extra
+            .iter()
+            .map(|(name, more)| {
+                format!("[[upstream]]\nname = \"{name}\"\nbase_url = \"http://{name}.test/v1\"\n{more}\n")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fallback_chains_are_flattened_in_order() {
+        let cfg = load(&ups(&[
+            ("a", "fallbacks = [\"b\", \"c\"]"),
+            ("b", "fallbacks = [\"d\"]"),
+            ("c", "fallbacks = [\"d\"]"),
+            ("d", ""),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.upstreams[0].chain, vec![0, 1, 3, 2]);
+        assert_eq!(cfg.upstreams[1].chain, vec![1, 3]);
+        assert_eq!(cfg.upstreams[3].chain, vec![3]);
+        assert!(!cfg.upstreams[3].has_fallbacks());
+        assert_eq!(cfg.retries.budget_percent, 20);
+        assert_eq!(cfg.retries.breaker_failures, 5);
+        assert_eq!(cfg.retries.breaker_cooldown, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn bad_fallbacks_are_refused() {
+        let e = problems(&ups(&[("a", "fallbacks = [\"nope\"]")]));
+        assert!(
+            e.contains("upstream[0].fallbacks[0]: \"nope\" — no [[upstream]]"),
+            "{e}"
+        );
+        let e = problems(&ups(&[("a", "fallbacks = [\"a\"]")]));
+        assert!(e.contains("cannot fall back to itself"), "{e}");
+        let e = problems(&ups(&[
+            ("a", "fallbacks = [\"b\"]"),
+            ("b", "fallbacks = [\"c\"]"),
+            ("c", "fallbacks = [\"a\"]"),
+        ]));
+        assert!(e.contains("cycle: a → b → c → a"), "{e}");
+        let e = problems(&ups(&[
+            ("a", "fallbacks = [\"b\"]"),
+            ("b", "auth = \"x-api-key\""),
+        ]));
+        assert!(e.contains("never translates between API shapes"), "{e}");
+        let e = problems(&format!(
+            "{}[retries]\nbudget_percent = 101\nbreaker_failures = 0\nbreaker_cooldown_secs = -1\n",
+            ups(&[("a", "")])
+        ));
+        assert!(e.contains("retries.budget_percent: 101"), "{e}");
+        assert!(e.contains("retries.breaker_failures: 0"), "{e}");
+        assert!(e.contains("retries.breaker_cooldown_secs"), "{e}");
     }
 }

@@ -11,6 +11,8 @@
 //! chunk by chunk through one observing body that records [`metrics`].
 //! Documents a model cannot read (PDF, DOCX, PPTX, XLSX) are read to text
 //! and page images by the pure [`media`] module.
+//! A route with `fallbacks` moves on to the next upstream within the
+//! [`retries`] budget and breakers.
 //! Every error visor makes itself is one [`error::VisorError`], answered in
 //! the OpenAI error shape.
 
@@ -23,6 +25,7 @@ pub mod media;
 pub mod metrics;
 pub mod models;
 pub mod proxy;
+pub mod retries;
 pub mod server;
 pub mod sessions;
 pub mod store;

@@ -252,6 +252,24 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
             u.base_url,
             u.models.join(","),
         );
+        if u.has_fallbacks() {
+            let chain: Vec<&str> = u
+                .chain
+                .iter()
+                .filter_map(|&i| cfg.upstreams.get(i).map(|f| f.name.as_str()))
+                .collect();
+            out!("  {:width$}  chain: {}", "", chain.join(" → "));
+        }
+    }
+    if cfg.upstreams.iter().any(|u| u.has_fallbacks()) {
+        let r = &cfg.retries;
+        out!(
+            "retries: at most {}% of the last minute's requests (at least {} a minute); a breaker opens after {} consecutive failures for {:?}, then one probe",
+            r.budget_percent,
+            r.min_retries_per_minute,
+            r.breaker_failures,
+            r.breaker_cooldown
+        );
     }
     let Some(off) = offline(&cfg, true) else {
         return ExitCode::FAILURE;

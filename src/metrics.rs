@@ -8,8 +8,8 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Distinct `model` label values kept per process.
@@ -47,6 +47,8 @@ pub struct Metrics {
     pub session_turns: IntCounterVec,
     pub connections: IntGauge,
     pub connections_closed: IntCounterVec,
+    pub retries: IntCounterVec,
+    pub upstream_state: IntGaugeVec,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -190,6 +192,22 @@ impl Metrics {
             ),
             &["result"],
         )?;
+        let retries = IntCounterVec::new(
+            Opts::new(
+                "visor_retries_total",
+                "Requests sent on to an upstream's fallback, by the upstream that failed and why (connect, connect_timeout, reset, first_byte_timeout, status_5xx, status_429)",
+            ),
+            &["upstream", "reason"],
+        )?;
+        let upstream_state = IntGaugeVec::new(
+            Opts::new(
+                "visor_upstream_state",
+                "Circuit breaker of each upstream in a fallback chain: 0 closed, 1 open (skipped), 2 half-open (one probe out)",
+            ),
+            &["upstream"],
+        )?;
+        registry.register(Box::new(retries.clone()))?;
+        registry.register(Box::new(upstream_state.clone()))?;
         registry.register(Box::new(session_history.clone()))?;
         registry.register(Box::new(session_turns.clone()))?;
         for result in ["with_reply", "without_reply", "failed"] {
@@ -268,6 +286,8 @@ impl Metrics {
             session_turns,
             connections,
             connections_closed,
+            retries,
+            upstream_state,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

@@ -25,7 +25,11 @@
 //! 6. send      — headers rewritten, the body as held (byte for byte when
 //!    nothing changed); wait for the response head under the
 //!    first-byte and total deadlines (peek, then commit: failures
-//!    here still become 502/504).
+//!    here still become 502/504). A route with `fallbacks`
+//!    ([`send_chain`]): a failure before the head, a 5xx or a 429
+//!    moves on to the next upstream the breakers admit, within the
+//!    retry budget ([`crate::retries`]); the same body, each
+//!    upstream's own headers and credential.
 //! 7. learn     — a model of unknown vision whose upstream answers with an
 //!    "images not supported" 4xx: retried once with the images
 //!    replaced, and remembered.
@@ -36,7 +40,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Version, header};
 use http_body_util::BodyExt;
@@ -85,10 +89,23 @@ async fn handle(
     let (held, mut session) = open_session(state, &call, &parts, held).await?; // 4. session
     let mut prepared = transform(state, &mut call, &parts, index, &model, held, &session).await; // 5. transform
     edge.prepared(prepared.as_ref());
-    let (up_req, retry_head) =
-        upstream_request(state, &call, parts, index, &prepared, &mut session)?; // 6. send
-    let exchange = Exchange::new(state, &call, index);
-    let (resp, timer) = exchange.run(up_req, &call.exceeded, exchange.sent).await?;
+    let chain = fallback_chain(state, &call, &parts, index, &mut session).await?;
+    let (exchange, resp, timer, retry_head) = match chain {
+        None => {
+            let (up_req, retry_head) =
+                upstream_request(state, &call, parts, index, &prepared, &mut session)?; // 6. send
+            let exchange = Exchange::new(state, &call, index);
+            let (resp, timer) = exchange.run(up_req, &call.exceeded, exchange.sent).await?;
+            (exchange, resp, timer, retry_head)
+        }
+        Some(chain) => {
+            let to = Chain {
+                upstreams: chain,
+                model: model.as_deref(),
+            };
+            send_chain(state, &call, edge, &parts, to, &prepared, &mut session).await? // 6. send, with fallbacks
+        }
+    };
     let learned = learn(
         state,
         &exchange,
@@ -494,6 +511,206 @@ fn upstream_request(
         None => session.streamed.take().unwrap_or_default(),
     };
     Ok((Request::from_parts(parts, body), retry_head))
+}
+
+/// A streamed body (one visor does not transform) is held whole for a
+/// replay on a fallback only up to this size; a larger one goes to the
+/// routed upstream alone.
+pub const REPLAY_LIMIT: u64 = 4 * 1024 * 1024;
+
+/// The upstreams a request may go to, when it may fall back: its route has
+/// `fallbacks` and its body can be sent again (a transformed body is held
+/// already; a streamed one is read whole here up to [`REPLAY_LIMIT`]).
+/// `None`: the routed upstream alone, exactly as without fallbacks.
+async fn fallback_chain<'s>(
+    state: &'s AppState,
+    call: &Call,
+    parts: &http::request::Parts,
+    index: usize,
+    session: &mut Session,
+) -> Result<Option<&'s [usize]>, Stop> {
+    let upstream = &state.config.upstreams[index];
+    if !upstream.has_fallbacks() {
+        return Ok(None);
+    }
+    let Some(body) = session.streamed.as_mut() else {
+        return Ok(Some(&upstream.chain));
+    };
+    let limit = REPLAY_LIMIT.min(state.config.server.max_body_bytes);
+    if content_length(&parts.headers).is_some_and(|n| n > limit) {
+        return Ok(None);
+    }
+    let UpstreamBody { prefix, rest } = body;
+    let Some(stream) = rest.as_mut() else {
+        return Ok(Some(&upstream.chain));
+    };
+    let mut held: u64 = prefix.iter().map(|b| b.len() as u64).sum();
+    let read = async {
+        while let Some(frame) = stream.frame().await {
+            let frame = frame.map_err(|_| match call.exceeded.load(Ordering::Relaxed) {
+                true => VisorError::BodyTooLarge {
+                    limit: state.config.server.max_body_bytes,
+                },
+                false => VisorError::BadRequest("the request body could not be read"),
+            })?;
+            if let Ok(data) = frame.into_data() {
+                held += data.len() as u64;
+                prefix.push_back(data);
+                if held > limit {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    };
+    let whole = match tokio::time::timeout_at(call.deadline, read).await {
+        Ok(Ok(whole)) => whole,
+        Ok(Err(e)) => return Err(Stop::Refused(e)),
+        Err(_) => return Err(VisorError::BodyTimeout.into()),
+    };
+    if !whole {
+        // Too large to hold: what was read goes first, the rest streams.
+        return Ok(None);
+    }
+    *rest = None;
+    Ok(Some(&upstream.chain))
+}
+
+/// Where [`send_chain`] may send a request.
+struct Chain<'s, 'm> {
+    /// The routed upstream, then its fallbacks.
+    upstreams: &'s [usize],
+    model: Option<&'m str>,
+}
+
+/// A copy of the client's request head, for one more attempt.
+fn copy_head(parts: &http::request::Parts) -> http::request::Parts {
+    let mut req = Request::new(());
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = parts.uri.clone();
+    *req.version_mut() = parts.version;
+    *req.headers_mut() = parts.headers.clone();
+    req.into_parts().0
+}
+
+/// Phase 6 along a fallback chain: the first upstream whose breaker admits
+/// the request (the routed one if every breaker is open), then, while an
+/// attempt fails before its response head (connect error, reset, first-byte
+/// timeout) or answers 5xx or 429, the next admitted upstream, within the
+/// retry budget. Each attempt gets the same body and that upstream's own
+/// headers and credential. Once a response head is taken (any other
+/// status), nothing is retried.
+#[allow(clippy::too_many_arguments)]
+async fn send_chain<'s>(
+    state: &'s Arc<AppState>,
+    call: &Call,
+    edge: &mut Edge<'_>,
+    parts: &http::request::Parts,
+    chain: Chain<'s, '_>,
+    prepared: &Option<Prepared>,
+    session: &mut Session,
+) -> Result<
+    (
+        Exchange<'s>,
+        Response<ResponseBody>,
+        Pin<Box<Sleep>>,
+        Option<RetryHead>,
+    ),
+    Stop,
+> {
+    let retries = &state.retries;
+    retries.budget.record_request();
+    // A streamed body, held whole by `fallback_chain`: sent again as is.
+    let replay = session.streamed.as_ref().map(|b| b.prefix.clone());
+    let upstreams = chain.upstreams;
+    let first = upstreams
+        .iter()
+        .enumerate()
+        .find_map(|(pos, &i)| retries.admit(i).map(|a| (pos, i, a)));
+    let (mut pos, mut index, mut attempt) = match first {
+        Some(f) => f,
+        None => {
+            let i = upstreams[0];
+            let forced = retries.force(i).ok_or(VisorError::NoRoute(String::new()))?;
+            (0, i, forced)
+        }
+    };
+    loop {
+        edge.routed(index, chain.model);
+        if let Some(prefix) = &replay {
+            session.streamed = Some(UpstreamBody {
+                prefix: prefix.clone(),
+                rest: None,
+            });
+        }
+        let (up_req, retry_head) =
+            upstream_request(state, call, copy_head(parts), index, prepared, session)?;
+        let exchange = Exchange::new(state, call, index);
+        let result = exchange.run(up_req, &call.exceeded, exchange.sent).await;
+        let (reason, hold) = match &result {
+            Ok((resp, _)) if resp.status().is_server_error() => ("status_5xx", None),
+            Ok((resp, _)) if resp.status() == http::StatusCode::TOO_MANY_REQUESTS => (
+                "status_429",
+                crate::retries::retry_after(resp.headers().get(header::RETRY_AFTER)),
+            ),
+            Ok(_) => {
+                attempt.succeeded();
+                let (resp, timer) = result?;
+                return Ok((exchange, resp, timer, retry_head));
+            }
+            Err(Stop::Upstream(_, kind))
+                if matches!(
+                    *kind,
+                    "connect" | "connect_timeout" | "reset" | "first_byte_timeout"
+                ) =>
+            {
+                (*kind, None)
+            }
+            // The request's own deadline, or visor refused it (too large):
+            // no other upstream would do better.
+            Err(_) => {
+                let (resp, timer) = result?;
+                return Ok((exchange, resp, timer, retry_head));
+            }
+        };
+        attempt.failed(hold);
+        let next = upstreams
+            .iter()
+            .enumerate()
+            .skip(pos + 1)
+            .find_map(|(p, &i)| retries.admit(i).map(|a| (p, i, a)));
+        let name = &state.upstream_names[index];
+        let next = match next {
+            Some(n) if retries.budget.try_retry() => n,
+            Some(_) => {
+                tracing::warn!(upstream = %name, reason, "retry budget spent: no fallback");
+                let (resp, timer) = result?;
+                return Ok((exchange, resp, timer, retry_head));
+            }
+            None => {
+                let (resp, timer) = result?;
+                return Ok((exchange, resp, timer, retry_head));
+            }
+        };
+        // This attempt is over: counted at its upstream, its answer (if
+        // any) dropped unread, which closes its connection.
+        state
+            .metrics
+            .retries
+            .with_label_values(&[&**name, reason])
+            .inc();
+        if reason != "status_429" {
+            state.metrics.upstream_error(name, reason);
+        }
+        tracing::info!(
+            upstream = %name,
+            reason,
+            fallback = %state.upstream_names[next.1],
+            "falling back"
+        );
+        drop(result);
+        (pos, index, attempt) = next;
+    }
 }
 
 /// What phase 7 leaves (one value, moved once: its size does not matter).

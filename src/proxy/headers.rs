@@ -189,6 +189,8 @@ mod tests {
             models: vec!["*".into()],
             matcher: globset::GlobSet::empty(),
             ca_certs: Vec::new(),
+            fallbacks: Vec::new(),
+            chain: vec![0],
         }
     }
 

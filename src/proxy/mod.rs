@@ -69,6 +69,8 @@ pub struct AppState {
     pub describer: Arc<Describer>,
     /// The model that writes down speech (`[transcriber]`), and its cache.
     pub transcriber: Arc<Describer>,
+    /// The fallback budget and the breakers of the upstreams in a chain.
+    pub retries: crate::retries::Retries,
 }
 
 impl AppState {
@@ -108,6 +110,21 @@ impl AppState {
             store.clone(),
             metrics.clone(),
         ));
+        // Only upstreams a chain may send to show a breaker state: a config
+        // without fallbacks exposes no new series.
+        let in_chain = |i: usize| {
+            config
+                .upstreams
+                .iter()
+                .any(|u| u.has_fallbacks() && u.chain.contains(&i))
+        };
+        let retries = crate::retries::Retries::new(&config.retries, config.upstreams.len(), |i| {
+            in_chain(i).then(|| {
+                metrics
+                    .upstream_state
+                    .with_label_values(&[config.upstreams[i].name.as_str()])
+            })
+        });
         let artifacts = Artifacts::new(config.artifacts_dir());
         let refusal_phrases = config
             .images
@@ -116,6 +133,7 @@ impl AppState {
             .map(|p| p.to_lowercase())
             .collect();
         Ok(Self {
+            retries,
             models,
             store,
             describer,
