@@ -71,7 +71,9 @@ fn pdf_with_image(side: usize) -> Vec<u8> {
     s.extend_from_slice(b"\nendstream");
     obj(&mut out, &s);
     let xref = out.len();
-    out.extend_from_slice(format!("xref\n0 {}\n0000000000 65535 f \n", offsets.len() + 1).as_bytes());
+    out.extend_from_slice(
+        format!("xref\n0 {}\n0000000000 65535 f \n", offsets.len() + 1).as_bytes(),
+    );
     for o in &offsets {
         out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
     }
