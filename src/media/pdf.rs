@@ -38,11 +38,20 @@ const PATH_SHARE: f64 = 0.05;
 /// A path covering this share of the page is a background, not a figure.
 const BACKGROUND_SHARE: f64 = 0.9;
 
+/// The most bytes a PDF's Flate streams may inflate to, all together
+/// (hayro inflates without a bound of its own: a small file whose streams
+/// inflate to gigabytes would take the process's memory).
+const MAX_INFLATED: usize = 256 << 20;
+/// The largest image (pixels) a PDF may declare: decoding one takes width
+/// × height × components bytes, whatever the file's size.
+const MAX_IMAGE_PIXELS: u64 = 150_000_000;
+
 fn open(bytes: &[u8]) -> Result<Pdf, ReadError> {
     let head = bytes.get(..bytes.len().min(1024)).unwrap_or_default();
     if memchr::memmem::find(head, b"%PDF-").is_none() {
         return Err(ReadError::new("not a PDF"));
     }
+    within_bounds(bytes, MAX_INFLATED, MAX_IMAGE_PIXELS)?;
     match Pdf::new(bytes.to_vec()) {
         Ok(pdf) => Ok(pdf),
         Err(LoadPdfError::Decryption(_)) => Err(ReadError::encrypted()),
@@ -50,6 +59,88 @@ fn open(bytes: &[u8]) -> Result<Pdf, ReadError> {
             Err(ReadError::damaged("the file's structure cannot be read"))
         }
     }
+}
+
+/// Checks, before hayro reads the file, what reading it would cost: every
+/// Flate stream is inflated into a scratch buffer (nothing kept) and the
+/// total counted, and every image's declared size is read from its
+/// dictionary (image XObjects are streams, so their dictionaries are in the
+/// file as written, never inside an object stream).
+pub(crate) fn within_bounds(
+    bytes: &[u8],
+    max_inflated: usize,
+    max_pixels: u64,
+) -> Result<(), ReadError> {
+    let mut inflated = 0usize;
+    let mut at = 0;
+    let mut scratch = vec![0u8; 64 * 1024];
+    while let Some(k) = memchr::memmem::find(&bytes[at..], b"stream") {
+        let start = at + k;
+        at = start + 6;
+        if bytes[..start].ends_with(b"end") {
+            continue;
+        }
+        // The data starts after the keyword's end of line.
+        let data = match bytes.get(start + 6..start + 8) {
+            Some([b'\r', b'\n']) => start + 8,
+            Some([b'\n', _]) | Some([b'\r', _]) => start + 7,
+            _ => continue,
+        };
+        // Its dictionary: from the object's start (`obj`) to the keyword.
+        let from = start.saturating_sub(4096);
+        let dict = &bytes[from..start];
+        let dict = match memchr::memmem::rfind(dict, b"obj") {
+            Some(o) => &dict[o..],
+            None => dict,
+        };
+        if memchr::memmem::find(dict, b"/Image").is_some() {
+            let w = number_after(dict, b"/Width").unwrap_or(0);
+            let h = number_after(dict, b"/Height").unwrap_or(0);
+            if w.saturating_mul(h) > max_pixels {
+                return Err(ReadError::new(format!(
+                    "an image of {w}x{h} pixels is too large"
+                )));
+            }
+        }
+        let end =
+            memchr::memmem::find(&bytes[data..], b"endstream").map_or(bytes.len(), |e| data + e);
+        at = at.max(end);
+        if memchr::memmem::find(dict, b"FlateDecode").is_none() {
+            continue;
+        }
+        let mut z = flate2::Decompress::new(true);
+        let mut input = &bytes[data..end];
+        loop {
+            let (in_before, out_before) = (z.total_in(), z.total_out());
+            let status = z.decompress(input, &mut scratch, flate2::FlushDecompress::None);
+            let used = usize::try_from(z.total_in() - in_before).unwrap_or(usize::MAX);
+            let made = usize::try_from(z.total_out() - out_before).unwrap_or(usize::MAX);
+            input = input.get(used..).unwrap_or_default();
+            inflated = inflated.saturating_add(made);
+            if inflated > max_inflated {
+                return Err(ReadError::too_large());
+            }
+            match status {
+                Ok(flate2::Status::StreamEnd) | Err(_) => break,
+                Ok(_) if used == 0 && made == 0 => break,
+                Ok(_) => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The number after `key` in a dictionary (`/Width 3162`).
+fn number_after(dict: &[u8], key: &[u8]) -> Option<u64> {
+    let at = memchr::memmem::find(dict, key)? + key.len();
+    let rest = dict.get(at..)?;
+    let digits: Vec<u8> = rest
+        .iter()
+        .skip_while(|b| b.is_ascii_whitespace())
+        .take_while(|b| b.is_ascii_digit())
+        .copied()
+        .collect();
+    std::str::from_utf8(&digits).ok()?.parse().ok()
 }
 
 /// Whether the file ends as a PDF ends (`%%EOF` near its end): one that
@@ -394,6 +485,40 @@ mod tests {
     use super::*;
 
     const SENTENCE: &str = "The quarterly revenue grew by twelve percent.";
+
+    /// A PDF object whose stream is `data` under `dict`.
+    fn with_stream(dict: &str, data: &[u8]) -> Vec<u8> {
+        let mut b = b"%PDF-1.4\n4 0 obj\n".to_vec();
+        b.extend_from_slice(format!("<< {dict} /Length {} >>\nstream\n", data.len()).as_bytes());
+        b.extend_from_slice(data);
+        b.extend_from_slice(b"\nendstream\nendobj\n%%EOF\n");
+        b
+    }
+
+    #[test]
+    fn a_flate_bomb_or_a_giant_image_is_refused_before_hayro_reads_it() {
+        use std::io::Write as _;
+        // 4 MiB of zeros deflate to a few KB.
+        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
+        z.write_all(&vec![0u8; 4 << 20]).unwrap();
+        let bomb = with_stream("/Filter /FlateDecode", &z.finish().unwrap());
+        assert!(bomb.len() < 64 * 1024);
+        let err = within_bounds(&bomb, 1 << 20, MAX_IMAGE_PIXELS).unwrap_err();
+        assert_eq!(err.reason(), "too large when unpacked");
+        assert!(within_bounds(&bomb, 8 << 20, MAX_IMAGE_PIXELS).is_ok());
+        // An image whose declared size would take gigabytes to decode.
+        let giant = with_stream(
+            "/Type /XObject /Subtype /Image /Width 40000 /Height 40000 /BitsPerComponent 8",
+            b"tiny",
+        );
+        let err = within_bounds(&giant, MAX_INFLATED, MAX_IMAGE_PIXELS).unwrap_err();
+        assert!(err.reason().contains("40000x40000"), "{err}");
+        assert!(read(DocKind::Pdf, &giant, &Limits::default()).is_err());
+        // The fixtures are within bounds, the scanned page's image included.
+        for name in ["text.pdf", "chart.pdf", "scanned.pdf", "long.pdf"] {
+            within_bounds(&fixture(name), MAX_INFLATED, MAX_IMAGE_PIXELS).unwrap();
+        }
+    }
 
     fn pages_with(doc: &Document, needle: &str) -> Vec<usize> {
         doc.pages
