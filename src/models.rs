@@ -326,7 +326,9 @@ impl ModelTable {
             vision_from = Source::Learned(name);
         }
         let vision = caps.vision.unwrap_or(true);
-        let learned = |medium: Medium| self.learned.find_media(medium, &candidates(model));
+        let learned = |medium: Medium| {
+            !self.learned.is_empty() && self.learned.find_media(medium, &candidates(model))
+        };
         Resolved {
             vision,
             pdf: caps.pdf.unwrap_or_else(|| vision && !learned(Medium::Pdf)),
