@@ -93,6 +93,30 @@ pub struct RawConfig {
     pub store: RawStore,
     #[serde(default)]
     pub retries: RawRetries,
+    /// `[[key]]`: proxy keys with a name, limits and allowed models.
+    #[serde(default)]
+    pub key: Vec<RawKey>,
+}
+
+/// One `[[key]]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKey {
+    pub name: String,
+    /// The key clients send; absent: the limits of requests that send no
+    /// key (when visor asks for none).
+    #[serde(default)]
+    pub key: Option<Secret>,
+    #[serde(default)]
+    pub requests_per_minute: Option<u64>,
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+    #[serde(default = "default_key_models")]
+    pub models: Vec<String>,
+}
+
+fn default_key_models() -> Vec<String> {
+    vec!["*".to_owned()]
 }
 
 #[derive(Debug, Deserialize)]
@@ -568,6 +592,8 @@ pub struct Config {
     pub store: StoreConfig,
     /// `[retries]`, checked.
     pub retries: Retries,
+    /// `[[key]]`, checked: each entry's limits, and its key when it has one.
+    pub keys: Vec<(crate::limits::KeyLimits, Option<Secret>)>,
     /// `images.non_vision`, checked.
     pub non_vision: NonVision,
     /// `describer.on_miss`, checked.
@@ -952,6 +978,68 @@ impl RawConfig {
             }
         }
 
+        let mut keys = Vec::with_capacity(self.key.len());
+        for (i, k) in self.key.iter().enumerate() {
+            let at = format!("key[{i}]");
+            if k.name.trim().is_empty() || k.name.len() > 64 {
+                p.push(format!("{at}.name: {:?} — 1 to 64 characters", k.name));
+            }
+            if self.key[..i].iter().any(|o| o.name == k.name) {
+                p.push(format!(
+                    "{at}.name: {:?} — used by an earlier [[key]]",
+                    k.name
+                ));
+            }
+            match &k.key {
+                Some(s) if s.expose().trim().is_empty() => {
+                    p.push(format!("{at}.key: \"\" — a proxy key must not be empty"));
+                }
+                Some(s)
+                    if self.key[..i]
+                        .iter()
+                        .any(|o| o.key.as_ref().is_some_and(|ok| ok.expose() == s.expose())) =>
+                {
+                    p.push(format!("{at}.key: the same key as an earlier [[key]]"));
+                }
+                None if self.key[..i].iter().any(|o| o.key.is_none()) => {
+                    p.push(format!(
+                        "{at}.key: (none) — only one [[key]] may be the default for requests without a key"
+                    ));
+                }
+                _ => {}
+            }
+            for (what, v) in [
+                ("requests_per_minute", k.requests_per_minute),
+                ("tokens_per_minute", k.tokens_per_minute),
+            ] {
+                if v == Some(0) {
+                    p.push(format!(
+                        "{at}.{what}: 0 — at least 1 (leave it out for no limit)"
+                    ));
+                }
+            }
+            let mut b = globset::GlobSetBuilder::new();
+            for (j, m) in k.models.iter().enumerate() {
+                match model_glob(m) {
+                    Ok(g) => {
+                        b.add(g);
+                    }
+                    Err(_) => p.push(format!("{at}.models[{j}]: {m:?} — not a valid glob")),
+                }
+            }
+            if let Ok(models) = b.build() {
+                keys.push((
+                    crate::limits::KeyLimits {
+                        name: k.name.clone(),
+                        requests_per_minute: k.requests_per_minute,
+                        tokens_per_minute: k.tokens_per_minute,
+                        models,
+                    },
+                    k.key.clone(),
+                ));
+            }
+        }
+
         if self.upstream.is_empty() {
             p.push("upstream: (none) — at least one [[upstream]] is required".to_owned());
         }
@@ -1187,6 +1275,7 @@ impl RawConfig {
                 prefix: self.store.prefix,
             },
             retries,
+            keys,
             warnings,
         })
     }

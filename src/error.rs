@@ -48,6 +48,18 @@ pub enum VisorError {
         upstream: String,
         which: &'static str,
     },
+    #[error(
+        "rate limit of key `{key}` reached: {limit} per minute; try again in {retry_after_secs} s"
+    )]
+    RateLimited {
+        key: String,
+        limit: &'static str,
+        retry_after_secs: u64,
+        /// `x-ratelimit-*` headers (name, value).
+        headers: Vec<(&'static str, String)>,
+    },
+    #[error("key `{key}` may not use model `{model}` (its [[key]] models)")]
+    ModelNotAllowed { key: String, model: String },
 }
 
 impl VisorError {
@@ -119,6 +131,16 @@ impl VisorError {
                 "upstream_error",
                 "upstream_timeout",
             ),
+            VisorError::RateLimited { .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+            ),
+            VisorError::ModelNotAllowed { .. } => (
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                "model_not_allowed",
+            ),
         }
     }
 
@@ -153,6 +175,20 @@ impl VisorError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if let VisorError::RateLimited {
+            retry_after_secs,
+            headers,
+            ..
+        } = &self
+        {
+            let h = resp.headers_mut();
+            h.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
+            for (name, value) in headers {
+                if let Ok(v) = HeaderValue::from_str(value) {
+                    h.insert(*name, v);
+                }
+            }
+        }
         resp
     }
 }
@@ -172,6 +208,22 @@ mod tests {
             (VisorError::NotFound("/x".into()), 404),
             (VisorError::BodyTooLarge { limit: 1 }, 413),
             (VisorError::BodyTimeout, 408),
+            (
+                VisorError::RateLimited {
+                    key: "team-a".into(),
+                    limit: "requests",
+                    retry_after_secs: 3,
+                    headers: Vec::new(),
+                },
+                429,
+            ),
+            (
+                VisorError::ModelNotAllowed {
+                    key: "team-a".into(),
+                    model: "m".into(),
+                },
+                403,
+            ),
             (
                 VisorError::UpstreamUnreachable {
                     upstream: "u".into(),

@@ -233,6 +233,19 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
             s.api_keys.len()
         );
     }
+    for (k, secret) in &cfg.keys {
+        let per = |v: Option<u64>| v.map_or("no limit".to_owned(), |n| n.to_string());
+        out!(
+            "key {:?}: {}, requests/min {}, tokens/min {}",
+            k.name,
+            match secret {
+                Some(_) => "clients send its key",
+                None => "requests without a key",
+            },
+            per(k.requests_per_minute),
+            per(k.tokens_per_minute)
+        );
+    }
     out!("routes (first match wins; requests without a model go to the first):");
     let width = cfg
         .upstreams

@@ -33,6 +33,11 @@ pub struct Metrics {
     pub tokens: IntCounterVec,
     pub images: IntCounterVec,
     pub media: IntCounterVec,
+    pub ratelimited: IntCounterVec,
+    pub ratelimit_shared: IntGauge,
+    pub ratelimit_local_checks: IntCounter,
+    pub context_resent: IntCounterVec,
+    pub context_received: IntCounterVec,
     pub bytes_saved: IntCounterVec,
     pub capability_learned: IntCounter,
     pub transform_duration: Histogram,
@@ -109,6 +114,35 @@ impl Metrics {
                 "Documents and audio replaced for models that cannot take them, by kind (document, audio) and what was done: described (a document turned into text, with descriptions of its figures), transcribed, stripped (a reference or a line that says why), deduped",
             ),
             &["kind", "action"],
+        )?;
+        let ratelimited = IntCounterVec::new(
+            Opts::new(
+                "visor_ratelimited_total",
+                "Requests answered 429 for a key over its limit, by key name and limit (requests, tokens)",
+            ),
+            &["key", "limit"],
+        )?;
+        let ratelimit_shared = IntGauge::new(
+            "visor_ratelimit_shared",
+            "1 while rate limits are counted in the shared (Redis) store, 0 while each replica counts on its own because the store cannot be reached",
+        )?;
+        let ratelimit_local_checks = IntCounter::new(
+            "visor_ratelimit_local_checks_total",
+            "Rate-limit checks counted by this replica alone because the shared store failed",
+        )?;
+        let context_resent = IntCounterVec::new(
+            Opts::new(
+                "visor_context_resent_bytes_total",
+                "Request bytes dedup removed (context the client sent again), by key name",
+            ),
+            &["key"],
+        )?;
+        let context_received = IntCounterVec::new(
+            Opts::new(
+                "visor_context_received_bytes_total",
+                "Request body bytes received on the transformed endpoints, by key name",
+            ),
+            &["key"],
         )?;
         let bytes_saved = IntCounterVec::new(
             Opts::new(
@@ -229,6 +263,12 @@ impl Metrics {
         }
         registry.register(Box::new(images.clone()))?;
         registry.register(Box::new(media.clone()))?;
+        registry.register(Box::new(ratelimited.clone()))?;
+        registry.register(Box::new(ratelimit_shared.clone()))?;
+        registry.register(Box::new(ratelimit_local_checks.clone()))?;
+        registry.register(Box::new(context_resent.clone()))?;
+        registry.register(Box::new(context_received.clone()))?;
+        ratelimit_shared.set(1);
         for (kind, action) in [
             ("document", "described"),
             ("document", "stripped"),
@@ -272,6 +312,11 @@ impl Metrics {
             tokens,
             images,
             media,
+            ratelimited,
+            ratelimit_shared,
+            ratelimit_local_checks,
+            context_resent,
+            context_received,
             bytes_saved,
             capability_learned,
             transform_duration,

@@ -200,6 +200,35 @@ impl Store {
         matches!(self.backend, Backend::Redis(_))
     }
 
+    /// Adds `requests` and `tokens` to two counters of a rate-limit window
+    /// shared by every replica (Redis; one round trip: a script that adds
+    /// to both and sets their expiry when it creates them). Returns their
+    /// new values. `Ok(None)` when the store is not shared.
+    pub async fn count_window(
+        &self,
+        requests_key: &str,
+        requests: u64,
+        tokens_key: &str,
+        tokens: u64,
+        ttl: Duration,
+    ) -> Result<Option<(u64, u64)>, StoreError> {
+        let Backend::Redis(r) = &self.backend else {
+            return Ok(None);
+        };
+        let op = async {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(COUNT_WINDOW)
+                .arg(2)
+                .arg(r.key("limit:", requests_key))
+                .arg(r.key("limit:", tokens_key))
+                .arg(requests)
+                .arg(tokens)
+                .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+            r.query::<(u64, u64)>(&mut cmd).await
+        };
+        self.guarded("put", op).await.map(Some)
+    }
+
     /// Whether `name` (normalised) is learned as non-vision in the store.
     pub async fn is_learned(&self, name: &str) -> Result<bool, StoreError> {
         let op = async {
@@ -845,6 +874,14 @@ impl Disk {
         Ok(db)
     }
 }
+
+/// Adds ARGV[1] to KEYS[1] and ARGV[2] to KEYS[2], each expiring ARGV[3]
+/// ms after it was created; returns both values.
+const COUNT_WINDOW: &str = "local r = redis.call('INCRBY', KEYS[1], ARGV[1]) \
+if r == tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end \
+local t = redis.call('INCRBY', KEYS[2], ARGV[2]) \
+if t == tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end \
+return {r, t}";
 
 struct Redis {
     conn: redis::aio::ConnectionManager,

@@ -123,6 +123,9 @@ pub struct Finish {
     pub images_replaced: usize,
     pub media_replaced: usize,
     pub bytes_saved: i64,
+    /// Called with the tokens the upstream's `usage` reports (prompt and
+    /// completion): the caller's rate limit is corrected by them.
+    pub on_usage: Option<Box<dyn FnOnce(u64) + Send + Sync>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -234,6 +237,12 @@ impl ObservedBody {
         }
         if let Outcome::UpstreamError(kind) = outcome {
             m.upstream_error(&f.upstream, kind);
+        }
+        let used = usage.prompt + usage.completion;
+        if used > 0
+            && let Some(correct) = f.on_usage
+        {
+            correct(used);
         }
         tracing::info!(
             request_id = f.request_id.to_str().unwrap_or_default(),

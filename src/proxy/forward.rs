@@ -86,9 +86,11 @@ async fn handle(
     let (model, held) = read_body(state, &call, &parts, body).await?; // 2. body
     let index = route(state, model.as_deref())?; // 3. route
     edge.routed(index, model.as_deref());
+    let grant = limit(state, &parts, model.as_deref(), &held).await?; // 3b. key limits
     let (held, mut session) = open_session(state, &call, &parts, held).await?; // 4. session
     let mut prepared = transform(state, &mut call, &parts, index, &model, held, &session).await; // 5. transform
     edge.prepared(prepared.as_ref());
+    grant.count_context(state, prepared.as_ref());
     let chain = fallback_chain(state, &call, &parts, index, &mut session).await?;
     let (exchange, resp, timer, retry_head) = match chain {
         None => {
@@ -131,6 +133,7 @@ async fn handle(
         session.recorder,
         resp,
         timer,
+        grant,
     )
     .await) // 8. respond
 }
@@ -390,6 +393,124 @@ async fn read_body(
 
 /// Phase 3: the first upstream whose globs match; no model → the first
 /// upstream; a model nobody takes → 404.
+/// What phase 3b let through: the caller's `[[key]]` (when it has one)
+/// and the tokens its request was estimated at.
+struct Grant {
+    key: Option<usize>,
+    /// The key's name for metrics (`api_keys`, or `none` without a key).
+    label: String,
+    estimate: u64,
+}
+
+impl Grant {
+    /// The context a key sends: body bytes received, and the bytes dedup
+    /// removed (context sent again).
+    fn count_context(&self, state: &AppState, prepared: Option<&Prepared>) {
+        let Some(p) = prepared else { return };
+        let m = &state.metrics;
+        m.context_received
+            .with_label_values(&[&self.label])
+            .inc_by(self.estimate * crate::limits::BYTES_PER_TOKEN);
+        if p.report.lines_omitted + p.report.items_omitted > 0 {
+            m.context_resent
+                .with_label_values(&[&self.label])
+                .inc_by(p.report.bytes_saved_dedup.max(0) as u64);
+        }
+    }
+}
+
+/// Phase 3b: the caller's `[[key]]` — a model outside its `models` is
+/// 403, a request over its limits 429 (with `Retry-After` and the
+/// `x-ratelimit-*` headers).
+async fn limit(
+    state: &AppState,
+    parts: &http::request::Parts,
+    model: Option<&str>,
+    held: &Held,
+) -> Result<Grant, Stop> {
+    use super::headers::Caller;
+    let caller = parts
+        .extensions
+        .get::<Caller>()
+        .copied()
+        .unwrap_or(Caller::Anonymous);
+    let bytes = match held {
+        Held::Whole(b) => b.len() as u64,
+        Held::Streamed(_) => content_length(&parts.headers).unwrap_or(0),
+    };
+    let estimate = bytes / crate::limits::BYTES_PER_TOKEN;
+    let key = match caller {
+        Caller::Key(i) => Some(i),
+        Caller::Unlimited => None,
+        // Without a key: the `[[key]]` that has none, if there is one.
+        Caller::Anonymous => state.config.keys.iter().position(|(_, k)| k.is_none()),
+    };
+    let label = match (caller, key.and_then(|i| state.limits.key(i))) {
+        (_, Some(k)) => k.name.clone(),
+        (Caller::Unlimited, None) => "api_keys".to_owned(),
+        _ => "none".to_owned(),
+    };
+    let Some((i, k)) = key.and_then(|i| state.limits.key(i).map(|k| (i, k))) else {
+        return Ok(Grant {
+            key: None,
+            label,
+            estimate,
+        });
+    };
+    if let Some(m) = model
+        && !k.allows(m)
+    {
+        return Err(VisorError::ModelNotAllowed {
+            key: k.name.clone(),
+            model: m.to_owned(),
+        }
+        .into());
+    }
+    let verdict = state.limits.check(i, estimate).await;
+    if let Some(over) = verdict.over {
+        let mut headers = Vec::new();
+        let mut add = |kind: &str, s: Option<crate::limits::Standing>| {
+            if let Some(s) = s {
+                let reset = format!("{}s", s.reset.as_secs().max(1));
+                let (l, r, t) = match kind {
+                    "requests" => (
+                        "x-ratelimit-limit-requests",
+                        "x-ratelimit-remaining-requests",
+                        "x-ratelimit-reset-requests",
+                    ),
+                    _ => (
+                        "x-ratelimit-limit-tokens",
+                        "x-ratelimit-remaining-tokens",
+                        "x-ratelimit-reset-tokens",
+                    ),
+                };
+                headers.push((l, s.limit.to_string()));
+                headers.push((r, s.remaining.to_string()));
+                headers.push((t, reset));
+            }
+        };
+        add("requests", verdict.requests);
+        add("tokens", verdict.tokens);
+        let reset = verdict
+            .requests
+            .or(verdict.tokens)
+            .map_or(60, |s| s.reset.as_secs().max(1));
+        tracing::info!(key = %k.name, limit = over.label(), "rate limited");
+        return Err(VisorError::RateLimited {
+            key: k.name.clone(),
+            limit: over.label(),
+            retry_after_secs: reset,
+            headers,
+        }
+        .into());
+    }
+    Ok(Grant {
+        key: Some(i),
+        label,
+        estimate,
+    })
+}
+
 fn route(state: &AppState, model: Option<&str>) -> Result<usize, Stop> {
     let index = match model {
         None => Some(0),
@@ -783,6 +904,7 @@ async fn respond(
     recorder: Option<Recorder>,
     resp: Response<ResponseBody>,
     timer: Pin<Box<Sleep>>,
+    grant: Grant,
 ) -> Response<ProxyBody> {
     let upstream = exchange.upstream.clone();
     let (mut head, incoming) = resp.into_parts();
@@ -817,6 +939,16 @@ async fn respond(
         images_replaced: counts.map_or(0, |c| c.images_replaced),
         media_replaced: counts.map_or(0, |c| c.media_replaced),
         bytes_saved: counts.map_or(0, |c| c.bytes_saved),
+        on_usage: grant.key.map(|i| {
+            let state = state.clone();
+            let estimate = grant.estimate;
+            Box::new(move |used: u64| {
+                let s = state.clone();
+                state.tasks.spawn(async move {
+                    s.limits.correct(i, estimate, used).await;
+                });
+            }) as Box<dyn FnOnce(u64) + Send + Sync>
+        }),
     };
     let mut observed = ObservedBody::new(
         incoming,

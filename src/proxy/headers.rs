@@ -84,14 +84,35 @@ pub fn upstream_request_headers(
 /// The proxy's own keys, held as SHA-256 digests and compared in constant
 /// time: every key is compared in full, whatever matched before.
 pub struct ProxyKeys {
-    digests: Vec<[u8; 32]>,
+    /// Each key's digest, and the `[[key]]` it belongs to (`None`: one of
+    /// `server.api_keys`, unlimited).
+    digests: Vec<([u8; 32], Option<usize>)>,
+}
+
+/// Who a request is, by the proxy key it presents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller {
+    /// A `server.api_keys` key: no limits.
+    Unlimited,
+    /// The `[[key]]` at this index.
+    Key(usize),
+    /// No key, where visor asks for none.
+    Anonymous,
 }
 
 impl ProxyKeys {
-    pub fn new(keys: &[Secret]) -> Self {
-        Self {
-            digests: keys.iter().map(|k| digest(k.expose().as_bytes())).collect(),
+    /// `server.api_keys`, then the `[[key]]` entries that have a key.
+    pub fn new(api_keys: &[Secret], keys: &[Option<&Secret>]) -> Self {
+        let mut digests: Vec<([u8; 32], Option<usize>)> = api_keys
+            .iter()
+            .map(|k| (digest(k.expose().as_bytes()), None))
+            .collect();
+        for (i, k) in keys.iter().enumerate() {
+            if let Some(k) = k {
+                digests.push((digest(k.expose().as_bytes()), Some(i)));
+            }
         }
+        Self { digests }
     }
 
     pub fn is_set(&self) -> bool {
@@ -101,18 +122,27 @@ impl ProxyKeys {
     /// True when the request carries one of the keys, as
     /// `Authorization: Bearer KEY` or `x-api-key: KEY`.
     pub fn accepts(&self, headers: &HeaderMap) -> bool {
-        let mut ok = false;
+        self.caller(headers).is_some()
+    }
+
+    /// Who the request is: `None` when visor asks for a key and it carries
+    /// none of them. Every key is compared, in constant time.
+    pub fn caller(&self, headers: &HeaderMap) -> Option<Caller> {
+        if self.digests.is_empty() {
+            return Some(Caller::Anonymous);
+        }
+        let mut found: Option<Caller> = None;
         for presented in presented(headers).into_iter().flatten() {
             let d = digest(presented);
-            for k in &self.digests {
-                ok |= ct_eq(&d, k);
+            for (k, owner) in &self.digests {
+                if ct_eq(&d, k) && found.is_none() {
+                    found = Some(owner.map_or(Caller::Unlimited, Caller::Key));
+                }
             }
         }
-        ok
+        found
     }
-}
 
-impl ProxyKeys {
     /// A short id of the proxy key `headers` carry (16 hex digits of its
     /// SHA-256), when it is one of visor's keys: the namespace of its
     /// sessions.
@@ -124,7 +154,7 @@ impl ProxyKeys {
                 let d = digest(presented);
                 self.digests
                     .iter()
-                    .any(|k| ct_eq(&d, k))
+                    .any(|(k, _)| ct_eq(&d, k))
                     .then(|| d[..8].iter().map(|b| format!("{b:02x}")).collect())
             })
     }
@@ -263,7 +293,7 @@ mod tests {
 
     #[test]
     fn proxy_keys_accept_bearer_or_x_api_key_only_when_equal() {
-        let keys = ProxyKeys::new(&[Secret::new("k1"), Secret::new("k2")]);
+        let keys = ProxyKeys::new(&[Secret::new("k1"), Secret::new("k2")], &[]);
         let mut h = HeaderMap::new();
         assert!(!keys.accepts(&h));
         h.insert(header::AUTHORIZATION, "Bearer k2".parse().unwrap());

@@ -71,6 +71,8 @@ pub struct AppState {
     pub transcriber: Arc<Describer>,
     /// The fallback budget and the breakers of the upstreams in a chain.
     pub retries: crate::retries::Retries,
+    /// `[[key]]` limits (counted in the store when it is shared).
+    pub limits: crate::limits::Limiter,
 }
 
 impl AppState {
@@ -79,7 +81,14 @@ impl AppState {
         metrics: Arc<Metrics>,
         upstreams: Upstreams,
     ) -> Result<Self, String> {
-        let keys = ProxyKeys::new(&config.server.api_keys);
+        let keys = ProxyKeys::new(
+            &config.server.api_keys,
+            &config
+                .keys
+                .iter()
+                .map(|(_, k)| k.as_ref())
+                .collect::<Vec<_>>(),
+        );
         let upstream_names = config
             .upstreams
             .iter()
@@ -125,6 +134,22 @@ impl AppState {
                     .with_label_values(&[config.upstreams[i].name.as_str()])
             })
         });
+        // Every key's context series exist from the start (at 0), so the
+        // alert on a jump has a baseline.
+        for name in config
+            .keys
+            .iter()
+            .map(|(k, _)| k.name.as_str())
+            .chain(["api_keys", "none"])
+        {
+            metrics.context_resent.with_label_values(&[name]);
+            metrics.context_received.with_label_values(&[name]);
+        }
+        let limits = crate::limits::Limiter::new(
+            config.keys.iter().map(|(k, _)| k.clone()).collect(),
+            store.clone(),
+            metrics.clone(),
+        );
         let artifacts = Artifacts::new(config.artifacts_dir());
         let refusal_phrases = config
             .images
@@ -138,6 +163,7 @@ impl AppState {
             store,
             describer,
             transcriber,
+            limits,
             artifacts,
             refusal_phrases,
             config,
@@ -330,7 +356,8 @@ where
             || path.starts_with("/v1/")
             || path == "/visor"
             || path.starts_with("/visor/");
-        if guarded && self.state.keys.is_set() && !self.state.keys.accepts(req.headers()) {
+        let caller = self.state.keys.caller(req.headers());
+        if guarded && caller.is_none() {
             let err = VisorError::Unauthorized;
             tracing::info!(error = err.label(), "refused");
             self.state
@@ -340,6 +367,9 @@ where
                 .inc();
             return Box::pin(async move { Ok(err.into_response()) });
         }
+        let mut req = req;
+        req.extensions_mut()
+            .insert(caller.unwrap_or(headers::Caller::Anonymous));
         self.inner.call(req)
     }
 }

@@ -1,0 +1,198 @@
+//! `[[key]]` limits through the real proxy: a model outside a key's
+//! globs is 403, a key over its requests or tokens per minute gets 429 with
+//! `Retry-After` and the `x-ratelimit-*` headers, `server.api_keys` stay
+//! unlimited, metrics name keys by name, never by key; two visors on one
+//! real `redis-server` share a limit, and with Redis gone each limits on its
+//! own and says so. Windows are the wall clock's minutes: a test that could
+//! straddle the end of one first waits (bounded) for the next to begin.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use support::*;
+
+const KEY_A: &str = "sk-team-a-SECRET";
+
+/// Waits until at least `need` seconds are left in the current minute.
+async fn room_in_this_minute(need: u64) {
+    let left = || {
+        60 - SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            % 60
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(need + 2);
+    while left() < need {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn keyed(url: &str, key: &str, model: &str) -> Request<Full<Bytes>> {
+    Request::post(url)
+        .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {key}"))
+        .body(Full::new(Bytes::from(format!(
+            r#"{{"model":"{model}","messages":[{{"role":"user","content":"hello"}}]}}"#
+        ))))
+        .unwrap()
+}
+
+fn keys(extra: &str) -> String {
+    format!(
+        "[server]\napi_keys = [\"sk-admin\"]\n\
+         [[key]]\nname = \"team-a\"\nkey = \"{KEY_A}\"\nrequests_per_minute = 2\nmodels = [\"gpt-*\"]\n{extra}"
+    )
+}
+
+#[tokio::test]
+async fn a_key_over_its_requests_per_minute_gets_429_with_the_headers() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, &keys("")).await;
+    let url = visor.url("/v1/chat/completions");
+    room_in_this_minute(10).await;
+    for _ in 0..2 {
+        let (status, _, body) = send(keyed(&url, KEY_A, "gpt-4o")).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    let (status, h, body) = send(keyed(&url, KEY_A, "gpt-4o")).await;
+    assert_eq!(status, 429);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(h["x-ratelimit-limit-requests"], "2");
+    assert_eq!(h["x-ratelimit-remaining-requests"], "0");
+    let reset: u64 = h["x-ratelimit-reset-requests"]
+        .to_str()
+        .unwrap()
+        .trim_end_matches('s')
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&reset));
+    let retry: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+    assert_eq!(retry, reset);
+    assert_eq!(mock.recorded().len(), 2, "the refused request never left");
+
+    // server.api_keys are not limited.
+    for _ in 0..3 {
+        let (status, _, _) = send(keyed(&url, "sk-admin", "gpt-4o")).await;
+        assert_eq!(status, 200);
+    }
+    // A model outside the key's globs: 403.
+    let (status, _, body) = send(keyed(&url, KEY_A, "claude-sonnet-4")).await;
+    assert_eq!(status, 403);
+    assert!(String::from_utf8_lossy(&body).contains("model_not_allowed"));
+    // No key at all: 401 as before.
+    let (status, _, _) = send(post_json(&url, CHAT)).await;
+    assert_eq!(status, 401);
+
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_ratelimited_total",
+            &[("key", "team-a"), ("limit", "requests")]
+        ),
+        Some(1.0)
+    );
+    assert!(!m.contains("SECRET"), "metrics name keys by name");
+}
+
+#[tokio::test]
+async fn tokens_per_minute_are_estimated_from_the_body() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("[[key]]\nname = \"small\"\nkey = \"{KEY_A}\"\ntokens_per_minute = 100\n"),
+    )
+    .await;
+    let url = visor.url("/v1/chat/completions");
+    room_in_this_minute(10).await;
+    // 800 bytes of text: about 200 tokens, over the 100 a minute — it goes
+    // (the window had room), the next does not.
+    let big = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "word ".repeat(160)
+    );
+    let req = |body: &str| {
+        Request::post(&url)
+            .header("content-type", "application/json")
+            .header("x-api-key", KEY_A)
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .unwrap()
+    };
+    let (status, _, _) = send(req(&big)).await;
+    assert_eq!(status, 200);
+    let (status, h, _) = send(req(&big)).await;
+    assert_eq!(status, 429);
+    assert_eq!(h["x-ratelimit-limit-tokens"], "100");
+    assert_eq!(h["x-ratelimit-remaining-tokens"], "0");
+}
+
+#[tokio::test]
+async fn a_default_key_limits_requests_that_send_none() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(
+        &mock,
+        "[[key]]\nname = \"anyone\"\nrequests_per_minute = 1\n",
+    )
+    .await;
+    let url = visor.url("/v1/chat/completions");
+    room_in_this_minute(10).await;
+    assert_eq!(send(post_json(&url, CHAT)).await.0, 200);
+    assert_eq!(send(post_json(&url, CHAT)).await.0, 429);
+}
+
+fn redis_config(redis: &RedisServer) -> String {
+    format!(
+        "{}\n[store]\nbackend = \"{}\"\nprefix = \"visor-limits-{}:\"\n",
+        keys(""),
+        redis.url(),
+        std::process::id()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_on_one_redis_share_a_limit_and_limit_alone_without_it() {
+    let Some(mut redis) = RedisServer::start() else {
+        return;
+    };
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let config = redis_config(&redis);
+    let a = Visor::for_mock(&mock, &config).await;
+    let b = Visor::for_mock(&mock, &config).await;
+    room_in_this_minute(15).await;
+    let (ua, ub) = (a.url("/v1/chat/completions"), b.url("/v1/chat/completions"));
+    assert_eq!(send(keyed(&ua, KEY_A, "gpt-4o")).await.0, 200);
+    assert_eq!(send(keyed(&ub, KEY_A, "gpt-4o")).await.0, 200);
+    // Two of two spent, across the replicas.
+    assert_eq!(send(keyed(&ua, KEY_A, "gpt-4o")).await.0, 429);
+    assert_eq!(send(keyed(&ub, KEY_A, "gpt-4o")).await.0, 429);
+    let m = a.metrics().await;
+    assert_eq!(metric(&m, "visor_ratelimit_shared", &[]), Some(1.0));
+
+    // Redis gone: each replica limits on its own (never open), and says so.
+    redis.stop();
+    let c = Visor::for_mock(&mock, &config).await;
+    let uc = c.url("/v1/chat/completions");
+    room_in_this_minute(10).await;
+    assert_eq!(send(keyed(&uc, KEY_A, "gpt-4o")).await.0, 200);
+    assert_eq!(send(keyed(&uc, KEY_A, "gpt-4o")).await.0, 200);
+    assert_eq!(send(keyed(&uc, KEY_A, "gpt-4o")).await.0, 429);
+    let m = c.metrics().await;
+    assert_eq!(metric(&m, "visor_ratelimit_shared", &[]), Some(0.0));
+    assert!(metric(&m, "visor_ratelimit_local_checks_total", &[]).unwrap() >= 1.0);
+    let (_, _, body) = send(
+        Request::get(c.url("/readyz"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    let r: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(r["status"], "degraded", "{r}");
+}
