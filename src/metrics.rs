@@ -38,6 +38,7 @@ pub struct Metrics {
     pub ratelimit_local_checks: IntCounter,
     pub context_resent: IntCounterVec,
     pub context_received: IntCounterVec,
+    pub context_long: IntCounterVec,
     pub bytes_saved: IntCounterVec,
     pub capability_learned: IntCounter,
     pub transform_duration: Histogram,
@@ -141,6 +142,13 @@ impl Metrics {
             Opts::new(
                 "visor_context_received_bytes_total",
                 "Request body bytes received on the transformed endpoints, by key name",
+            ),
+            &["key"],
+        )?;
+        let context_long = IntCounterVec::new(
+            Opts::new(
+                "visor_context_long_requests_total",
+                "Requests whose history holds more messages than sessions.max_depth, by key name",
             ),
             &["key"],
         )?;
@@ -268,6 +276,7 @@ impl Metrics {
         registry.register(Box::new(ratelimit_local_checks.clone()))?;
         registry.register(Box::new(context_resent.clone()))?;
         registry.register(Box::new(context_received.clone()))?;
+        registry.register(Box::new(context_long.clone()))?;
         ratelimit_shared.set(1);
         for (kind, action) in [
             ("document", "described"),
@@ -317,6 +326,7 @@ impl Metrics {
             ratelimit_local_checks,
             context_resent,
             context_received,
+            context_long,
             bytes_saved,
             capability_learned,
             transform_duration,

@@ -196,3 +196,53 @@ async fn replicas_on_one_redis_share_a_limit_and_limit_alone_without_it() {
     let r: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(r["status"], "degraded", "{r}");
 }
+
+#[tokio::test]
+async fn the_context_a_key_sends_again_is_counted_by_its_name() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("[[key]]\nname = \"team-a\"\nkey = \"{KEY_A}\"\n"),
+    )
+    .await;
+    // The same 12-line file read twice, and 201 messages in all.
+    let file: String = (0..12)
+        .map(|i| format!("line {i} of a file the agent reads again and again\n"))
+        .collect();
+    let mut messages = vec![serde_json::json!({"role": "user", "content": file})];
+    for i in 0..199 {
+        messages.push(serde_json::json!({"role": if i % 2 == 0 { "assistant" } else { "user" }, "content": format!("turn {i}")}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": file}));
+    let body =
+        serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages})).unwrap();
+    let req = Request::post(visor.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {KEY_A}"))
+        .body(Full::new(Bytes::from(body.clone())))
+        .unwrap();
+    assert_eq!(send(req).await.0, 200);
+    let m = visor.metrics().await;
+    let received = metric(
+        &m,
+        "visor_context_received_bytes_total",
+        &[("key", "team-a")],
+    )
+    .unwrap();
+    assert!(received >= body.len() as f64 - 4.0, "{received}");
+    let resent = metric(&m, "visor_context_resent_bytes_total", &[("key", "team-a")]).unwrap();
+    assert!(resent > 400.0, "the second copy of the file: {resent}");
+    assert_eq!(
+        metric(
+            &m,
+            "visor_context_long_requests_total",
+            &[("key", "team-a")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&m, "visor_context_resent_bytes_total", &[("key", "none")]),
+        Some(0.0),
+        "series for the other names exist from the start"
+    );
+}

@@ -411,6 +411,9 @@ impl Grant {
         m.context_received
             .with_label_values(&[&self.label])
             .inc_by(self.estimate * crate::limits::BYTES_PER_TOKEN);
+        if p.report.messages > state.config.sessions.max_depth as usize {
+            m.context_long.with_label_values(&[&self.label]).inc();
+        }
         if p.report.lines_omitted + p.report.items_omitted > 0 {
             m.context_resent
                 .with_label_values(&[&self.label])

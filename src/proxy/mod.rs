@@ -144,6 +144,7 @@ impl AppState {
         {
             metrics.context_resent.with_label_values(&[name]);
             metrics.context_received.with_label_values(&[name]);
+            metrics.context_long.with_label_values(&[name]);
         }
         let limits = crate::limits::Limiter::new(
             config.keys.iter().map(|(k, _)| k.clone()).collect(),

@@ -462,6 +462,7 @@ impl Scanned {
                 .iter()
                 .filter(|f| f.medium == Medium::Image)
                 .count(),
+            messages: scan.items.len(),
             lines_omitted: omitted.lines,
             items_omitted: omitted.items,
             bytes_saved_dedup: omitted.bytes,

@@ -56,6 +56,8 @@ pub struct Report {
     /// Repeated lines and JSON array elements removed.
     pub lines_omitted: usize,
     pub items_omitted: usize,
+    /// Messages (Responses: input items) in the request.
+    pub messages: usize,
     /// Stored session messages prepended (set by the proxy).
     #[serde(skip)]
     pub history_used: usize,
