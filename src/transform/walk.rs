@@ -906,11 +906,22 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
         }
     };
     let media_of = |m: &Option<Str>| text(m).map(|m| m.to_ascii_lowercase()).unwrap_or_default();
+    // `file_data` is a data URL; some clients send the bare base64.
+    let file_data = |d: &Str| {
+        let raw = d.raw(src);
+        let raw = raw.strip_prefix(b"\"").unwrap_or(raw);
+        if raw.starts_with(b"data:") || raw.starts_with(b"http://") || raw.starts_with(b"https://")
+        {
+            url_like(d)
+        } else {
+            Raw::Base64(d.clone(), None)
+        }
+    };
     if is("file") && (f.file_data.is_some() || (f.file_id.is_some() && f.data.is_none())) {
         // Chat `file` part.
         let medium = document(&None, &f.filename, f.file_data.as_ref());
         let raw = match (&f.file_data, &f.file_id) {
-            (Some(d), _) => url_like(d),
+            (Some(d), _) => file_data(d),
             (None, Some(id)) => Raw::File(id.clone()),
             (None, None) => Raw::Broken("file part without file_data or file_id"),
         };
@@ -919,7 +930,7 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
     if is("input_file") {
         let medium = document(&None, &f.filename, f.file_data.as_ref());
         let raw = match (&f.file_data, &f.file_url, &f.file_id) {
-            (Some(d), _, _) => url_like(d),
+            (Some(d), _, _) => file_data(d),
             (None, Some(u), _) => Raw::Url(u.clone()),
             (None, None, Some(id)) => Raw::File(id.clone()),
             (None, None, None) => Raw::Broken("input_file without file_data, file_url or file_id"),

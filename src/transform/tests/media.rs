@@ -363,3 +363,22 @@ fn query_aware_subjects_carry_their_own_message_text_only() {
     assert_eq!(subjects.len(), 1);
     assert_eq!(subjects[0].1.query, None);
 }
+
+#[test]
+fn bare_base64_file_data_is_read_as_the_file_itself() {
+    let body = json!({"model": "m", "input": [
+        {"role": "user", "content": [
+            {"type": "input_file", "filename": "a.pdf", "file_data": b64(PDF)},
+        ]},
+    ]});
+    let (out, _, jobs) = convert(&body, &no_documents(Shape::Responses), text_of);
+    assert_eq!(jobs.len(), 1);
+    assert_eq!(jobs[0].media_type, "application/pdf", "sniffed");
+    assert_eq!(&jobs[0].bytes[..], PDF);
+    assert!(
+        out["input"][0]["content"][0]["text"]
+            .as_str()
+            .unwrap()
+            .contains("twelve percent")
+    );
+}
