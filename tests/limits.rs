@@ -246,3 +246,107 @@ async fn the_context_a_key_sends_again_is_counted_by_its_name() {
         "series for the other names exist from the start"
     );
 }
+
+fn with_key(url: &str, body: impl Into<Bytes>, key: &str) -> Request<Full<Bytes>> {
+    let mut req = post_json(url, body);
+    req.headers_mut()
+        .insert("authorization", format!("Bearer {key}").parse().unwrap());
+    req
+}
+
+fn chat(model: &str, pad: usize) -> String {
+    format!(
+        r#"{{"model":"{model}","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(pad)
+    )
+}
+
+const DESCRIPTION: &str = "Over 30% of the request bytes of this key were repeated history dedup removed, twice its share of the six hours before: an agent may be stuck re-fetching its history (visor_context_resent_bytes_total / visor_context_received_bytes_total).";
+
+/// The re-sent context alert, evaluated by `promtool test rules` on the
+/// figures a running visor produced: a key whose requests are normal for
+/// six hours, then re-send their history (the refetch fixture) for half an
+/// hour, fires `VisorContextResentJump`; a key that stays normal does not.
+#[tokio::test]
+async fn the_resent_context_alert_fires_for_a_key_stuck_re_sending_its_history() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let toml = "[[key]]\nname = \"agent\"\nkey = \"sk-agent\"\n[[key]]\nname = \"steady\"\nkey = \"sk-steady\"\n";
+    let visor = Visor::for_mock(&mock, toml).await;
+    let url = visor.url("/v1/chat/completions");
+    let figures = |m: &str, key: &str| {
+        (
+            metric(m, "visor_context_received_bytes_total", &[("key", key)]).unwrap_or(0.0),
+            metric(m, "visor_context_resent_bytes_total", &[("key", key)]).unwrap_or(0.0),
+        )
+    };
+    // A normal request, then a stuck one.
+    let normal = chat("m", 2000);
+    assert_eq!(
+        send(with_key(&url, normal.clone(), "sk-agent")).await.0,
+        200
+    );
+    assert_eq!(send(with_key(&url, normal, "sk-steady")).await.0, 200);
+    let m1 = visor.metrics().await;
+    let (norm_recv, norm_resent) = figures(&m1, "agent");
+    assert!(norm_recv > 2000.0);
+    let stuck = fixture("agent-history-refetch.json");
+    assert_eq!(send(with_key(&url, stuck, "sk-agent")).await.0, 200);
+    let m2 = visor.metrics().await;
+    let (recv2, resent2) = figures(&m2, "agent");
+    let (stuck_recv, stuck_resent) = (recv2 - norm_recv, resent2 - norm_resent);
+    assert!(
+        stuck_resent > 0.3 * stuck_recv,
+        "the fixture is mostly re-sent: {stuck_resent} of {stuck_recv}"
+    );
+    let (steady_recv, steady_resent) = figures(&m2, "steady");
+    assert_eq!(steady_resent, 0.0);
+
+    // Per minute: 10 normal requests; the stuck agent 10 stuck ones.
+    let per_min = |x: f64| (x * 10.0).round() as u64;
+    let series = |recv: u64, resent: u64, then: Option<(u64, u64)>| -> (String, String) {
+        let (r2, s2) = then.unwrap_or((recv, resent));
+        let end_r = recv * 360;
+        let end_s = resent * 360;
+        (
+            format!("0+{recv}x360 {}+{r2}x60", end_r + r2),
+            format!("0+{resent}x360 {}+{s2}x60", end_s + s2),
+        )
+    };
+    let (agent_r, agent_s) = series(
+        per_min(norm_recv),
+        per_min(norm_resent),
+        Some((per_min(stuck_recv), per_min(stuck_resent))),
+    );
+    let (steady_r, steady_s) = series(per_min(steady_recv), per_min(steady_resent), None);
+    let rules = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus/alerts.yml");
+    let test = format!(
+        "rule_files:\n  - {rules}\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n\
+         \x20     - series: 'visor_context_received_bytes_total{{key=\"agent\"}}'\n        values: '{agent_r}'\n\
+         \x20     - series: 'visor_context_resent_bytes_total{{key=\"agent\"}}'\n        values: '{agent_s}'\n\
+         \x20     - series: 'visor_context_received_bytes_total{{key=\"steady\"}}'\n        values: '{steady_r}'\n\
+         \x20     - series: 'visor_context_resent_bytes_total{{key=\"steady\"}}'\n        values: '{steady_s}'\n\
+         \x20   alert_rule_test:\n\
+         \x20     - eval_time: 5h50m\n        alertname: VisorContextResentJump\n        exp_alerts: []\n\
+         \x20     - eval_time: 6h45m\n        alertname: VisorContextResentJump\n        exp_alerts:\n\
+         \x20         - exp_labels:\n              severity: warning\n              key: agent\n\
+         \x20           exp_annotations:\n              summary: 'Key agent re-sends much more of its context than usual'\n\
+         \x20             description: '{DESCRIPTION}'\n"
+    );
+    let path = temp_config("alert-test", &test);
+    match std::process::Command::new("promtool")
+        .args(["test", "rules"])
+        .arg(&path)
+        .output()
+    {
+        Ok(out) => assert!(
+            out.status.success(),
+            "{test}\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("promtool is required under CI: {e}")
+        }
+        Err(e) => println!("SKIPPED: promtool not installed ({e})"),
+    }
+}
