@@ -350,3 +350,37 @@ async fn the_resent_context_alert_fires_for_a_key_stuck_re_sending_its_history()
         Err(e) => println!("SKIPPED: promtool not installed ({e})"),
     }
 }
+
+#[tokio::test]
+async fn usage_over_the_estimate_is_charged_to_the_key() {
+    // The upstream says each request used 2000 tokens; the body is about 20.
+    let mock = MockUpstream::start(|_| {
+        Reply::json(
+            200,
+            r#"{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1990,"completion_tokens":10,"total_tokens":2000}}"#,
+        )
+    })
+    .await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("[[key]]\nname = \"small\"\nkey = \"{KEY_A}\"\ntokens_per_minute = 1000\n"),
+    )
+    .await;
+    let url = visor.url("/v1/chat/completions");
+    room_in_this_minute(15).await;
+    assert_eq!(send(keyed(&url, KEY_A, "m")).await.0, 200);
+    // The correction is made as the response ends; by estimates alone six
+    // more requests (about 120 tokens) would all go.
+    let mut refused = false;
+    for _ in 0..6 {
+        if send(keyed(&url, KEY_A, "m")).await.0 == 429 {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        refused,
+        "usage of 2000 tokens was charged to a 1000-a-minute key"
+    );
+}
