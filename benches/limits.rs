@@ -27,6 +27,7 @@ fn limiter(store: Arc<Store>, metrics: Arc<Metrics>) -> Limiter {
             requests_per_minute: Some(u64::MAX / 2),
             tokens_per_minute: Some(u64::MAX / 2),
             models: models.build().unwrap(),
+            any_model: true,
         }],
         store,
         metrics,

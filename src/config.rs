@@ -1034,6 +1034,7 @@ impl RawConfig {
                         requests_per_minute: k.requests_per_minute,
                         tokens_per_minute: k.tokens_per_minute,
                         models,
+                        any_model: k.models.iter().any(|m| m == "*"),
                     },
                     k.key.clone(),
                 ));

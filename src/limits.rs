@@ -38,6 +38,9 @@ pub struct KeyLimits {
     pub tokens_per_minute: Option<u64>,
     /// The models the key may use (globs, lower case).
     pub models: GlobSet,
+    /// `models = ["*"]`: any model (a streamed body's model need not be
+    /// read to check it).
+    pub any_model: bool,
 }
 
 impl KeyLimits {
@@ -231,6 +234,7 @@ mod tests {
                 requests_per_minute: rpm,
                 tokens_per_minute: tpm,
                 models: b.build().unwrap(),
+                any_model: false,
             }],
             Arc::new(Store::memory(metrics.clone())),
             metrics,

@@ -87,6 +87,18 @@ async fn a_key_over_its_requests_per_minute_gets_429_with_the_headers() {
     let (status, _, body) = send(keyed(&url, KEY_A, "claude-sonnet-4")).await;
     assert_eq!(status, 403);
     assert!(String::from_utf8_lossy(&body).contains("model_not_allowed"));
+    // Also on an endpoint whose body visor streams (its model read for it).
+    let (status, _, _) = send(
+        Request::post(visor.url("/v1/embeddings"))
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {KEY_A}"))
+            .body(Full::new(Bytes::from_static(
+                br#"{"model":"text-embedding-3-small","input":"hi"}"#,
+            )))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 403);
     // No key at all: 401 as before.
     let (status, _, _) = send(post_json(&url, CHAT)).await;
     assert_eq!(status, 401);

@@ -368,7 +368,12 @@ async fn read_body(
             Err(_) => Err(VisorError::BodyTimeout.into()),
         };
     }
-    if !state.route_by_model {
+    // The model is read when the route depends on it, or when the caller's
+    // `[[key]]` allows only some models.
+    let restricted = caller_key(state, parts)
+        .and_then(|i| state.limits.key(i))
+        .is_some_and(|k| !k.any_model);
+    if !state.route_by_model && !restricted {
         let rest = LimitedBody::new(body, limit, call.exceeded.clone());
         let b = UpstreamBody {
             prefix: VecDeque::new(),
@@ -422,6 +427,17 @@ impl Grant {
     }
 }
 
+/// The `[[key]]` a request is held to: its own, or — without a key — the
+/// `[[key]]` that has none, if there is one.
+fn caller_key(state: &AppState, parts: &http::request::Parts) -> Option<usize> {
+    use super::headers::Caller;
+    match parts.extensions.get::<Caller>().copied() {
+        Some(Caller::Key(i)) => Some(i),
+        Some(Caller::Unlimited) => None,
+        Some(Caller::Anonymous) | None => state.config.keys.iter().position(|(_, k)| k.is_none()),
+    }
+}
+
 /// Phase 3b: the caller's `[[key]]` — a model outside its `models` is
 /// 403, a request over its limits 429 (with `Retry-After` and the
 /// `x-ratelimit-*` headers).
@@ -442,12 +458,7 @@ async fn limit(
         Held::Streamed(_) => content_length(&parts.headers).unwrap_or(0),
     };
     let estimate = bytes / crate::limits::BYTES_PER_TOKEN;
-    let key = match caller {
-        Caller::Key(i) => Some(i),
-        Caller::Unlimited => None,
-        // Without a key: the `[[key]]` that has none, if there is one.
-        Caller::Anonymous => state.config.keys.iter().position(|(_, k)| k.is_none()),
-    };
+    let key = caller_key(state, parts);
     let label = match (caller, key.and_then(|i| state.limits.key(i))) {
         (_, Some(k)) => k.name.clone(),
         (Caller::Unlimited, None) => "api_keys".to_owned(),
