@@ -412,49 +412,27 @@ impl PartFields {
         } else if string && k("url") {
             self.url = Some(c.string()?);
         } else if kind == Kind::Object && k("resource") {
-            c.object(|c, key| {
-                let slot = if c.kind()? != Kind::String {
-                    None
-                } else if key.is(src, "blob") {
-                    Some(&mut self.resource_blob)
-                } else if key.is(src, "mimeType") {
-                    Some(&mut self.resource_mime)
-                } else if key.is(src, "uri") {
-                    Some(&mut self.resource_uri)
-                } else {
-                    None
-                };
-                match slot {
-                    Some(slot) => *slot = Some(c.string()?),
-                    None => {
-                        c.skip()?;
-                    }
-                }
-                Ok(())
-            })?;
+            string_slots(
+                c,
+                src,
+                &mut [
+                    ("blob", &mut self.resource_blob),
+                    ("mimeType", &mut self.resource_mime),
+                    ("uri", &mut self.resource_uri),
+                ],
+            )?;
         } else if kind == Kind::Object && k("file") {
             // Chat `file` part: `{"file": {"file_data", "file_id",
             // "filename"}}`.
-            c.object(|c, key| {
-                let slot = if c.kind()? != Kind::String {
-                    None
-                } else if key.is(src, "file_data") {
-                    Some(&mut self.file_data)
-                } else if key.is(src, "file_id") {
-                    Some(&mut self.file_id)
-                } else if key.is(src, "filename") {
-                    Some(&mut self.filename)
-                } else {
-                    None
-                };
-                match slot {
-                    Some(slot) => *slot = Some(c.string()?),
-                    None => {
-                        c.skip()?;
-                    }
-                }
-                Ok(())
-            })?;
+            string_slots(
+                c,
+                src,
+                &mut [
+                    ("file_data", &mut self.file_data),
+                    ("file_id", &mut self.file_id),
+                    ("filename", &mut self.filename),
+                ],
+            )?;
         } else if kind == Kind::Object && k("input_audio") {
             let (data, format) = string_members(c, src, "data", "format")?;
             self.audio_data = data.or(self.audio_data.take());
@@ -812,6 +790,29 @@ impl Walker<'_> {
         }
         self.out.spots[spot].text = Some(text);
     }
+}
+
+/// An object's string members named in `slots`, each into its slot (the
+/// last, when a key repeats); anything else in it is skipped.
+fn string_slots(
+    c: &mut Cursor<'_>,
+    src: &[u8],
+    slots: &mut [(&str, &mut Option<Str>)],
+) -> Result<()> {
+    c.object(|c, key| {
+        let slot = match c.kind()? {
+            Kind::String => slots.iter_mut().find(|(name, _)| key.is(src, name)),
+            _ => None,
+        };
+        match slot {
+            Some((_, slot)) => **slot = Some(c.string()?),
+            None => {
+                c.skip()?;
+            }
+        }
+        Ok(())
+    })?;
+    Ok(())
 }
 
 /// An object's string members `a` and `b` (the last of each, when a key
