@@ -94,8 +94,14 @@ pub(crate) fn within_bounds(
             None => dict,
         };
         if memchr::memmem::find(dict, b"/Image").is_some() {
-            let w = number_after(dict, b"/Width").unwrap_or(0);
-            let h = number_after(dict, b"/Height").unwrap_or(0);
+            // A size given by reference (`/Width 6 0 R`) cannot be checked
+            // here: such an image is refused rather than decoded blind.
+            let (Some(w), Some(h)) = (
+                direct_number(dict, b"/Width"),
+                direct_number(dict, b"/Height"),
+            ) else {
+                return Err(ReadError::new("an image whose size is given by reference"));
+            };
             if w.saturating_mul(h) > max_pixels {
                 return Err(ReadError::new(format!(
                     "an image of {w}x{h} pixels is too large"
@@ -128,6 +134,21 @@ pub(crate) fn within_bounds(
         }
     }
     Ok(())
+}
+
+/// The number after `key` when it is a number and not a reference
+/// (`/Width 3162`, not `/Width 6 0 R`); `None` otherwise.
+fn direct_number(dict: &[u8], key: &[u8]) -> Option<u64> {
+    let n = number_after(dict, key)?;
+    let at = memchr::memmem::find(dict, key)? + key.len();
+    let rest = std::str::from_utf8(dict.get(at..)?).unwrap_or_default();
+    let mut words = rest.split_ascii_whitespace();
+    words.next();
+    let reference = words
+        .next()
+        .is_some_and(|w| w.chars().all(|c| c.is_ascii_digit()))
+        && words.next().is_some_and(|w| w.starts_with('R'));
+    (!reference).then_some(n)
 }
 
 /// The number after `key` in a dictionary (`/Width 3162`).
@@ -514,6 +535,13 @@ mod tests {
         let err = within_bounds(&giant, MAX_INFLATED, MAX_IMAGE_PIXELS).unwrap_err();
         assert!(err.reason().contains("40000x40000"), "{err}");
         assert!(read(DocKind::Pdf, &giant, &Limits::default()).is_err());
+        // Its size by reference: refused, not decoded blind.
+        let hidden = with_stream(
+            "/Type /XObject /Subtype /Image /Width 6 0 R /Height 7 0 R /Filter /DCTDecode",
+            b"tiny",
+        );
+        let err = within_bounds(&hidden, MAX_INFLATED, MAX_IMAGE_PIXELS).unwrap_err();
+        assert!(err.reason().contains("by reference"), "{err}");
         // The fixtures are within bounds, the scanned page's image included.
         for name in ["text.pdf", "chart.pdf", "scanned.pdf", "long.pdf"] {
             within_bounds(&fixture(name), MAX_INFLATED, MAX_IMAGE_PIXELS).unwrap();

@@ -1006,11 +1006,7 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
             ));
         }
         let name = text(&f.resource_uri).map(|u| u.rsplit('/').next().unwrap_or(&u).to_owned());
-        let family = DocFamily::of(
-            &mt,
-            name.as_deref(),
-            blob.raw(src).get(1..).unwrap_or_default(),
-        );
+        let family = DocFamily::of(&mt, name.as_deref(), blob.raw(src));
         if family != DocFamily::Other || mt.starts_with("text/") {
             return Some((Medium::Document { family, name }, raw));
         }
@@ -1031,11 +1027,7 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
                 raw,
             ));
         }
-        let family = DocFamily::of(
-            &mt,
-            text(&f.filename).as_deref(),
-            d.raw(src).get(1..).unwrap_or_default(),
-        );
+        let family = DocFamily::of(&mt, text(&f.filename).as_deref(), d.raw(src));
         if family != DocFamily::Other || mt.starts_with("text/") {
             return Some((document(&f.media_type, &f.filename, Some(d)), raw));
         }

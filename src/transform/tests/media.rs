@@ -382,3 +382,21 @@ fn bare_base64_file_data_is_read_as_the_file_itself() {
             .contains("twelve percent")
     );
 }
+
+#[test]
+fn a_pdf_in_an_mcp_resource_is_known_by_its_bytes() {
+    let body = json!({"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "resource", "resource": {"uri": "file:///x/report", "mimeType": "application/octet-stream", "blob": b64(PDF)}},
+        ]}]},
+    ]});
+    let (_, _, jobs) = convert(&body, &no_documents(Shape::Messages), text_of);
+    assert_eq!(jobs.len(), 1);
+    assert!(matches!(
+        jobs[0].medium,
+        Medium::Document {
+            family: DocFamily::Pdf,
+            ..
+        }
+    ));
+}
