@@ -46,6 +46,10 @@ use crate::upstream::{UpstreamBody, Upstreams, X_API_KEY, own_credential};
 /// makes new descriptions instead of mixing with the old ones.
 pub const PROMPT_VERSION: u32 = 1;
 
+/// Version of the transcription request (bump when its form changes, so
+/// transcripts cached under the old one are not reused).
+pub const TRANSCRIBE_VERSION: u32 = 1;
+
 /// The one prompt the describer is given (as the system message).
 pub const PROMPT: &str = "You describe images for a reader who cannot see them: a language model that \
 will answer questions about the image from your words alone. Write down what that reader needs:\n\
@@ -298,7 +302,7 @@ impl Describer {
     pub fn key(&self, sha256: &str) -> String {
         match self.job {
             Job::Describe => description_key(sha256, &self.model),
-            Job::Transcribe => format!("transcript/{sha256}/{}", self.model),
+            Job::Transcribe => format!("transcript/{sha256}/{}/v{TRANSCRIBE_VERSION}", self.model),
         }
     }
 
@@ -725,13 +729,15 @@ fn transcription_body(model: &str, subject: &Subject) -> Option<(Bytes, HeaderVa
     let Payload::Inline { media_type, bytes } = &subject.payload else {
         return None;
     };
-    let ext = match media_type.as_str() {
-        "audio/mpeg" | "audio/mp3" => "mp3",
-        "audio/ogg" => "ogg",
-        "audio/flac" => "flac",
-        "audio/webm" => "webm",
-        "audio/mp4" | "audio/m4a" | "audio/x-m4a" => "m4a",
-        _ => "wav",
+    let ext = audio_extension(media_type);
+    // The media type was checked when the audio was read; this guards the
+    // form's headers all the same.
+    let media_type = match media_type
+        .bytes()
+        .all(|b| b.is_ascii_graphic() && !b"\";\\".contains(&b))
+    {
+        true => media_type.as_str(),
+        false => "application/octet-stream",
     };
     // A boundary that cannot occur in the audio: derived from its hash.
     let boundary = format!("visor-{}", subject.sha256.get(..32).unwrap_or("boundary"));
@@ -756,6 +762,22 @@ fn transcription_body(model: &str, subject: &Subject) -> Option<(Bytes, HeaderVa
     body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
     let ct = HeaderValue::from_str(&format!("multipart/form-data; boundary={boundary}")).ok()?;
     Some((body.freeze(), ct))
+}
+
+/// The file name extension a transcription server knows a format by
+/// (they go by the name): `audio/mpeg` → `mp3`, `audio/x-m4a` → `m4a`;
+/// `wav` when the type says nothing known.
+fn audio_extension(media_type: &str) -> &'static str {
+    let sub = media_type.strip_prefix("audio/").unwrap_or("");
+    let sub = sub.strip_prefix("x-").unwrap_or(sub);
+    match sub {
+        "mpeg" | "mp3" | "mpga" => "mp3",
+        "ogg" | "oga" | "opus" => "ogg",
+        "flac" => "flac",
+        "webm" => "webm",
+        "mp4" | "m4a" | "aac" => "m4a",
+        _ => "wav",
+    }
 }
 
 /// The `text` of a transcription answer.
@@ -821,6 +843,45 @@ mod tests {
             None
         );
         assert_eq!(description_of(b"not json"), None);
+    }
+
+    #[test]
+    fn transcription_form_names_the_format_and_keeps_headers_whole() {
+        let subject = |media_type: &str| Subject {
+            sha256: "ab".repeat(32),
+            payload: Payload::Inline {
+                media_type: media_type.to_owned(),
+                bytes: Bytes::from_static(b"AUDIO"),
+            },
+            lookup_only: false,
+            query: None,
+        };
+        let form = |mt: &str| {
+            let (body, ct) = transcription_body("whisper-1", &subject(mt)).unwrap();
+            let boundary = ct.to_str().unwrap().rsplit('=').next().unwrap().to_owned();
+            (String::from_utf8(body.to_vec()).unwrap(), boundary)
+        };
+        for (mt, name) in [
+            ("audio/mpeg", "audio.mp3"),
+            ("audio/x-m4a", "audio.m4a"),
+            ("audio/webm", "audio.webm"),
+            ("audio/ogg", "audio.ogg"),
+            ("audio/wav", "audio.wav"),
+            ("application/octet-stream", "audio.wav"),
+        ] {
+            let (body, boundary) = form(mt);
+            assert!(
+                body.contains(&format!("filename=\"{name}\"")),
+                "{mt}: {body}"
+            );
+            assert!(body.contains(&format!("Content-Type: {mt}\r\n")), "{mt}");
+            assert!(body.ends_with(&format!("--{boundary}--\r\n")));
+            assert!(body.contains("name=\"model\"\r\n\r\nwhisper-1\r\n"));
+        }
+        // A type that would break the part's headers never goes in as is.
+        let (body, _) = form("audio/wav\r\nX-Evil: 1");
+        assert!(!body.contains("X-Evil"), "{body}");
+        assert!(body.contains("Content-Type: application/octet-stream\r\n"));
     }
 
     #[test]

@@ -424,6 +424,71 @@ async fn a_refusal_of_documents_teaches_the_model_and_the_request_is_retried_onc
 }
 
 #[tokio::test]
+async fn only_a_refusal_of_documents_that_a_retry_proves_teaches_the_model() {
+    // Each model refuses the PDF its own way; `flaky-*` fails the retry too.
+    let mock = MockUpstream::start(|r| {
+        let body = String::from_utf8_lossy(&r.body);
+        let model = serde_json::from_slice::<Value>(&r.body).unwrap()["model"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        if is_describer_call(r) {
+            describer_answer(r)
+        } else if model.starts_with("search-") && body.contains("\"type\":\"file\"") {
+            Reply::json(400, r#"{"error":{"message":"This model does not support file_search tools.","type":"invalid_request_error"}}"#)
+        } else if model.starts_with("flaky-") && !body.contains("\"type\":\"file\"") {
+            Reply::json(500, r#"{"error":{"message":"overloaded","type":"server_error"}}"#)
+        } else if body.contains("\"type\":\"file\"") {
+            Reply::json(400, r#"{"error":{"message":"This model does not support file inputs.","type":"invalid_request_error"}}"#)
+        } else {
+            chat_ok()
+        }
+    })
+    .await;
+    let config = format!("{DESCRIBE}[[model]]\nmatch = \"stated-*\"\npdf = true\n");
+    let visor = Visor::for_mock(&mock, &config).await;
+    let body = |model: &str| {
+        Bytes::from(
+            serde_json::to_vec(&json!({"model": model, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "read"}, pdf_part("text.pdf")]},
+            ]}))
+            .unwrap(),
+        )
+    };
+    let status = |model: &'static str| {
+        let visor = &visor;
+        async move {
+            let (status, _, _) =
+                send(post_json(&visor.url("/v1/chat/completions"), body(model))).await;
+            status
+        }
+    };
+    let file_sent = |call: &Value| call["messages"][0]["content"][1]["type"] == "file";
+
+    // "file_search" is not "file input": the refusal goes back as it was.
+    assert_eq!(status("search-model").await, 400);
+    assert_eq!(model_calls(&mock).len(), 1, "no retry");
+
+    // A row that says the model reads PDFs is never overruled.
+    assert_eq!(status("stated-pdf-model").await, 400);
+    assert_eq!(model_calls(&mock).len(), 2, "no retry");
+
+    // Retried without the PDF, and the retry failed: nothing learned, the
+    // next request sends the PDF again.
+    assert_eq!(status("flaky-model").await, 500);
+    let calls = model_calls(&mock);
+    assert_eq!(calls.len(), 4, "refused, retried");
+    assert!(file_sent(&calls[2]) && !file_sent(&calls[3]));
+    assert_eq!(status("flaky-model").await, 500);
+    let calls = model_calls(&mock);
+    assert_eq!(calls.len(), 6);
+    assert!(file_sent(&calls[4]), "not learned from a retry that failed");
+
+    let m = visor.metrics().await;
+    assert_eq!(metric(&m, "visor_capability_learned_total", &[]), Some(0.0));
+}
+
+#[tokio::test]
 async fn query_aware_descriptions_take_the_question_of_their_own_message() {
     let mock = MockUpstream::start(everything).await;
     let visor = Visor::for_mock(&mock, &format!("{DESCRIBE}query_aware = true\n")).await;

@@ -888,8 +888,13 @@ async fn learn(
     let (head, incoming) = resp.into_parts();
     let error_body = read_error_body(incoming, exchange.head_deadline, &exchange.upstream).await?;
     let model = model.as_deref().unwrap_or("");
-    let Some(retry) = prepare::after_refusal(state, &learn, model, &error_body).await else {
-        // Not about images: the upstream's answer, as it was.
+    let Some(prepare::Retry {
+        prepared: retry,
+        lesson,
+    }) = prepare::after_refusal(state, &learn, model, &error_body).await
+    else {
+        // Not about what it was assumed to take: the upstream's answer,
+        // as it was.
         return Ok(Learned::Passed(head, error_body));
     };
     set_content_length(&mut headers, retry.body.len());
@@ -902,6 +907,9 @@ async fn learn(
     p.report.history_used = history_used;
     edge.prepared(Some(p));
     let (resp, timer) = exchange.run(req, &call.exceeded, Instant::now()).await?;
+    if resp.status().is_success() {
+        prepare::learn(state, lesson).await;
+    }
     Ok(Learned::Answer(resp, timer))
 }
 

@@ -85,6 +85,27 @@ pub struct Learnable {
     pub takes: Takes,
     /// No row states the model's vision: a refusal of images teaches it.
     pub vision_unknown: bool,
+    /// No row states whether it reads PDFs / hears audio (a row that says
+    /// so is never overruled by an error message).
+    pub pdf_unknown: bool,
+    pub audio_unknown: bool,
+}
+
+/// What a refusal taught, learned once the retry without it succeeded
+/// ([`learn`]).
+pub struct Lesson {
+    model: String,
+    phrase: String,
+    images: bool,
+    documents: bool,
+    audio: bool,
+}
+
+/// A refused request's second try: the body with what was refused
+/// replaced, and what to learn when that one is answered.
+pub struct Retry {
+    pub prepared: Prepared,
+    pub lesson: Lesson,
 }
 
 /// Who is asking: the client's headers and the upstream the request goes
@@ -169,6 +190,8 @@ pub async fn prepare(
         vision: plan.vision,
         takes: plan.takes,
         vision_unknown: !resolved.known(),
+        pdf_unknown: resolved.caps.pdf.is_none(),
+        audio_unknown: resolved.caps.audio.is_none(),
     });
     if !transform::needed(&plan) {
         return unchanged(body, learn);
@@ -183,18 +206,25 @@ fn describes(state: &AppState) -> bool {
     state.config.non_vision == crate::config::NonVision::Describe
 }
 
-/// How providers and servers say "no documents for this model".
+/// How providers and servers say "no documents for this model" (each
+/// matched as whole words: "does not support file" is not "does not
+/// support file_search").
 const DOCUMENT_REFUSALS: &[&str] = &[
     "file input is not supported",
     "file inputs are not supported",
-    "does not support file",
-    "doesn't support file",
+    "does not support file input",
+    "does not support file content",
+    "doesn't support file input",
+    "doesn't support file content",
+    "does not support files",
     "pdf input is not supported",
     "does not support pdf",
     "doesn't support pdf",
     "document input is not supported",
     "documents are not supported",
-    "does not support document",
+    "does not support document input",
+    "does not support documents",
+    "doesn't support documents",
     "unknown variant `file`",
     "unknown variant `input_file`",
     "unknown variant `document`",
@@ -213,38 +243,53 @@ const AUDIO_REFUSALS: &[&str] = &[
     "no endpoints found that support input audio",
 ];
 
-/// The first of `phrases` that `text` holds.
-fn said<'a>(text: &str, phrases: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
-    phrases.into_iter().find(|p| text.contains(p))
+/// The first of `phrases` that `text` holds as whole words (not followed
+/// by a letter, digit or `_`; a plural `s` is allowed).
+fn said_word(text: &str, phrases: &[&'static str]) -> Option<&'static str> {
+    phrases.iter().copied().find(|p| {
+        text.match_indices(p).any(|(at, _)| {
+            let rest = &text[at + p.len()..];
+            let rest = rest.strip_prefix('s').unwrap_or(rest);
+            !rest
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_alphanumeric() || c == '_')
+        })
+    })
 }
 
 /// After an upstream refused a request whose images (model of unknown
 /// vision), documents or audio (flags no row states) it was assumed to
-/// take: when its error says which, the body with those replaced, and the
-/// model learned.
+/// take: when its error says which, the body with those replaced, and what
+/// to learn once that is answered.
 pub async fn after_refusal(
     state: &Arc<AppState>,
     learn: &Learnable,
     model: &str,
     error_body: &[u8],
-) -> Option<Prepared> {
+) -> Option<Retry> {
     use transform::placeholder::Reason;
     let text = String::from_utf8_lossy(error_body).to_lowercase();
     let images = learn
         .vision_unknown
-        .then(|| said(&text, state.refusal_phrases.iter().map(String::as_str)))
+        .then(|| {
+            state
+                .refusal_phrases
+                .iter()
+                .find(|p| text.contains(p.as_str()))
+        })
         .flatten();
-    let documents = learn
-        .takes
-        .pdf
-        .then(|| said(&text, DOCUMENT_REFUSALS.iter().copied()))
+    let documents = (learn.takes.pdf && learn.pdf_unknown)
+        .then(|| said_word(&text, DOCUMENT_REFUSALS))
         .flatten();
-    let audio = learn
-        .takes
-        .audio
-        .then(|| said(&text, AUDIO_REFUSALS.iter().copied()))
+    let audio = (learn.takes.audio && learn.audio_unknown)
+        .then(|| said_word(&text, AUDIO_REFUSALS))
         .flatten();
-    let phrase = images.or(documents).or(audio)?;
+    let phrase = match (images, documents.or(audio)) {
+        (Some(p), _) => p.clone(),
+        (None, Some(p)) => p.to_owned(),
+        (None, None) => return None,
+    };
     let plan = Plan {
         shape: learn.shape,
         vision: learn.vision && images.is_none(),
@@ -265,21 +310,43 @@ pub async fn after_refusal(
             .iter()
             .any(|n| n.medium == medium && n.reason == Some(reason))
     };
-    let image_learned = images.is_some() && replaced("image", Reason::NonVision);
-    let document_learned = documents.is_some() && replaced("document", Reason::CannotTake);
-    let audio_learned = audio.is_some() && replaced("audio", Reason::CannotTake);
-    if !(image_learned || document_learned || audio_learned) {
+    let lesson = Lesson {
+        model: model.to_owned(),
+        phrase,
+        images: images.is_some() && replaced("image", Reason::NonVision),
+        documents: documents.is_some() && replaced("document", Reason::CannotTake),
+        audio: audio.is_some() && replaced("audio", Reason::CannotTake),
+    };
+    if !(lesson.images || lesson.documents || lesson.audio) {
         return None;
     }
+    tracing::info!(
+        phrase = %lesson.phrase,
+        images = lesson.images,
+        documents = lesson.documents,
+        audio = lesson.audio,
+        "upstream refused what the model was assumed to take: retrying once with it replaced"
+    );
+    Some(Retry { prepared, lesson })
+}
+
+/// The retry without what was refused was answered: the model is learned
+/// (memory, store, `visor check`). A retry that fails too teaches nothing.
+pub async fn learn(state: &Arc<AppState>, lesson: Lesson) {
     let mut names = Vec::new();
-    if image_learned {
-        names.extend(state.models.learned.learn(model));
+    if lesson.images {
+        names.extend(state.models.learned.learn(&lesson.model));
     }
-    if document_learned {
-        names.extend(state.models.learned.learn_media(Medium::Pdf, model));
+    if lesson.documents {
+        names.extend(state.models.learned.learn_media(Medium::Pdf, &lesson.model));
     }
-    if audio_learned {
-        names.extend(state.models.learned.learn_media(Medium::Audio, model));
+    if lesson.audio {
+        names.extend(
+            state
+                .models
+                .learned
+                .learn_media(Medium::Audio, &lesson.model),
+        );
     }
     for name in names {
         state.metrics.capability_learned.inc();
@@ -288,13 +355,12 @@ pub async fn after_refusal(
         let _ = state.store.learn(&name).await;
     }
     tracing::info!(
-        phrase = %phrase,
-        images = image_learned,
-        documents = document_learned,
-        audio = audio_learned,
-        "upstream refused what the model was assumed to take: retrying once with it replaced; model learned"
+        phrase = %lesson.phrase,
+        images = lesson.images,
+        documents = lesson.documents,
+        audio = lesson.audio,
+        "model learned: the retry without what it refused was answered"
     );
-    Some(prepared)
 }
 
 async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Credentials) -> Prepared {
@@ -430,4 +496,28 @@ fn might_hold_media(body: &[u8], takes: Takes, caps: &crate::models::Caps) -> bo
         && caps.pdf.is_none()
         && (has(b"\"file\"") || has(b"\"input_file\"") || has(b"\"document\"")))
         || (takes.audio && caps.audio.is_none() && (has(b"\"input_audio\"") || has(b"\"audio\"")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_are_matched_as_whole_words() {
+        let said = |t: &str| said_word(&t.to_lowercase(), DOCUMENT_REFUSALS);
+        assert_eq!(
+            said("This model does not support file inputs."),
+            Some("does not support file input")
+        );
+        assert_eq!(
+            said("Model does not support PDF."),
+            Some("does not support pdf")
+        );
+        assert_eq!(said("This model does not support file_search tools."), None);
+        assert_eq!(said("does not support pdfium"), None);
+        assert_eq!(
+            said_word("unknown variant `input_audio`, expected", AUDIO_REFUSALS),
+            Some("unknown variant `input_audio`")
+        );
+    }
 }

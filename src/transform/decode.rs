@@ -152,10 +152,12 @@ pub(super) fn decode_image(b64: &[u8], declared: &str) -> (String, Source, Optio
         Ok(bytes) => {
             let sha = sha256_hex(&bytes);
             let sniffed = sniff_media_type(&bytes);
-            let media_type = if declared.is_empty() {
-                sniffed.unwrap_or("application/octet-stream").to_owned()
-            } else {
-                declared.to_ascii_lowercase()
+            // A declared type that is not `type/subtype` in token
+            // characters is not trusted (it ends up in placeholders and
+            // in the transcriber's multipart headers).
+            let media_type = match valid_media_type(declared) {
+                Some(mt) => mt,
+                None => sniffed.unwrap_or("application/octet-stream").to_owned(),
             };
             let dims = imagesize::blob_size(&bytes)
                 .ok()
@@ -172,6 +174,19 @@ pub(super) fn decode_image(b64: &[u8], declared: &str) -> (String, Source, Optio
             )
         }
     }
+}
+
+/// `declared` lower-cased when it is a media type (`type/subtype`, token
+/// characters only, parameters dropped, at most 100 bytes).
+pub(crate) fn valid_media_type(declared: &str) -> Option<String> {
+    let essence = declared.split(';').next().unwrap_or("").trim();
+    let token = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    };
+    let (ty, sub) = essence.split_once('/')?;
+    (essence.len() <= 100 && token(ty) && token(sub)).then(|| essence.to_ascii_lowercase())
 }
 
 pub(super) fn trim_pad(b: &[u8]) -> &[u8] {

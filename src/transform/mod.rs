@@ -341,10 +341,21 @@ impl Scanned {
                 continue;
             }
             let query = self.query(f.message, body);
+            // Chat `input_audio` says its format beside the data, not as a
+            // media type: `wav` → `audio/wav` when the bytes did not say.
+            let media_type = match &f.medium {
+                Medium::Audio {
+                    format: Some(format),
+                } if !media_type.starts_with("audio/") => {
+                    decode::valid_media_type(&format!("audio/{format}"))
+                        .unwrap_or_else(|| media_type.clone())
+                }
+                _ => media_type.clone(),
+            };
             out.push(MediaJob {
                 sha256: f.sha256.clone(),
                 medium: f.medium.clone(),
-                media_type: media_type.clone(),
+                media_type,
                 bytes: bytes.clone(),
                 query,
             });

@@ -400,3 +400,33 @@ fn a_pdf_in_an_mcp_resource_is_known_by_its_bytes() {
         }
     ));
 }
+
+#[test]
+fn a_declared_media_type_is_trusted_only_when_it_is_one() {
+    // A client's mimeType goes into placeholders and the transcriber's
+    // form headers: line breaks, quotes and parameters never do.
+    let body = json!({"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [
+            {"type": "audio", "data": b64(WAV), "mimeType": "audio/wav\r\nX-Evil: 1"},
+            {"type": "audio", "data": b64(b"\xff\xfb\x90\x00more mp3 frames"), "mimeType": "Audio/MPEG; rate=44100"},
+        ]},
+    ]});
+    let heard = |j: &MediaJob| format!("[audio {}]", j.media_type);
+    let (out, _, jobs) = convert(&body, &no_documents(Shape::Messages), heard);
+    assert_eq!(jobs.len(), 2);
+    assert_eq!(jobs[0].media_type, "audio/wav", "sniffed, not the header");
+    assert_eq!(jobs[1].media_type, "audio/mpeg", "parameters dropped");
+    let text = out.to_string();
+    assert!(!text.contains("X-Evil"), "{text}");
+
+    // Chat `input_audio` of bytes that say nothing: the format names it.
+    let chat = json!({"model": "m", "messages": [
+        {"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": b64(b"not sniffable audio"), "format": "m4a"}},
+            {"type": "input_audio", "input_audio": {"data": b64(b"other unknown audio"), "format": "x\"y"}},
+        ]},
+    ]});
+    let (_, _, jobs) = convert(&chat, &no_documents(Shape::Chat), heard);
+    assert_eq!(jobs[0].media_type, "audio/m4a");
+    assert_eq!(jobs[1].media_type, "application/octet-stream");
+}
