@@ -25,7 +25,7 @@ use visor::config::{Config, StoreBackend};
 
 use visor::describe::{PROMPT_VERSION, description_key};
 use visor::metrics::Metrics;
-use visor::models::{Caps, Learned, ModelTable, legacy_learned};
+use visor::models::{Caps, Learned, Medium, ModelTable, legacy_learned};
 use visor::server::{Server, shutdown_signal};
 use visor::store::Store;
 use visor::transform::{self, Plan, Shape, Takes};
@@ -292,17 +292,35 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
         None => out!("store: {}", cfg.store.backend),
         Some(n) => out!("store: {} — {n}", cfg.store.backend),
     }
+    let learned: Vec<_> = table
+        .learned
+        .names()
+        .into_iter()
+        .map(|n| {
+            let (medium, model) = Medium::of_learned(&n);
+            (medium, model.to_owned())
+        })
+        .collect();
+    let count = |m: Option<Medium>| learned.iter().filter(|(k, _)| *k == m).count();
     out!(
-        "model table: {} user rows, {} built-in rows, {} learned rows (first match wins, in that order)",
+        "model table: {} user rows, {} built-in rows, {} learned rows ({} for images, {} for PDFs, {} for audio; first match wins, in that order)",
         cfg.models.len(),
         table.builtin_len(),
-        table.learned.len()
+        learned.len(),
+        count(None),
+        count(Some(Medium::Pdf)),
+        count(Some(Medium::Audio)),
     );
     for (pattern, caps) in table.user_rows() {
         out!("  user     {pattern:?}  {}", caps_text(caps));
     }
-    for name in table.learned.names() {
-        out!("  learned  {name:?}  vision=false (refused images)");
+    for (medium, model) in &learned {
+        let what = match medium {
+            None => "vision=false (refused images)",
+            Some(Medium::Pdf) => "pdf=false (refused documents)",
+            Some(Medium::Audio) => "audio=false (refused audio)",
+        };
+        out!("  learned  {model:?}  {what}");
     }
     out!(
         "images: non_vision={} artifacts in {}",

@@ -161,6 +161,18 @@ impl Medium {
             Medium::Audio => format!("[audio] {model}"),
         }
     }
+
+    /// A learned name read back: the medium it was learned for (`None`:
+    /// images) and the model.
+    pub fn of_learned(name: &str) -> (Option<Medium>, &str) {
+        if let Some(model) = name.strip_prefix("[pdf] ") {
+            (Some(Medium::Pdf), model)
+        } else if let Some(model) = name.strip_prefix("[audio] ") {
+            (Some(Medium::Audio), model)
+        } else {
+            (None, name)
+        }
+    }
 }
 
 /// Models learned to refuse images, held in memory for the table lookup.

@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -261,6 +261,53 @@ fn check_prints_the_model_table_and_resolves_a_model() {
     );
     assert!(
         text.contains("DOCX, PPTX, XLSX replaced by their text"),
+        "{text}"
+    );
+}
+
+#[test]
+fn check_lists_what_each_learned_model_refused() {
+    let dir =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("learned-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Learned names as a store keeps them (here the legacy file).
+    std::fs::write(
+        dir.join("learned-models.json"),
+        r#"{"non_vision": ["blind-model", "[pdf] paperless-model", "[audio] deaf-model"]}"#,
+    )
+    .unwrap();
+    let cfg = temp_config(
+        "learned",
+        &format!(
+            "[server]\ndata_dir = {:?}\n[[upstream]]\nname = \"local\"\nbase_url = \"http://127.0.0.1:9/v1\"\nmodels = [\"*\"]\n",
+            dir.display().to_string()
+        ),
+    );
+    let out = check(&cfg)
+        .args(["--model", "paperless-model"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("3 learned rows (1 for images, 1 for PDFs, 1 for audio"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  learned  \"blind-model\"  vision=false (refused images)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  learned  \"paperless-model\"  pdf=false (refused documents)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  learned  \"deaf-model\"  audio=false (refused audio)"),
+        "{text}"
+    );
+    assert!(!text.contains("\"[pdf]"), "{text}");
+    assert!(
+        text.contains("PDFs and other documents replaced by their text"),
         "{text}"
     );
 }
