@@ -11,7 +11,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
 
 use std::io::Write as _;
-use std::sync::Arc;
 use std::time::Instant;
 
 use visor::media::{DocKind, Limits, read, render_page};
@@ -166,8 +165,8 @@ fn main() {
     let read_at = peak();
     let png = render_page(&job.bytes, 2, 110.0).unwrap();
     let rendered_at = peak();
-    let text = media_text::offline(job);
-    let out = scanned.finish(&body, &[(job.sha256.clone(), Arc::from(text))]);
+    let text = media_text::offline(job).text;
+    let out = scanned.finish(&body, &[(job.sha256.clone(), text)]);
     let sent = out.body.unwrap();
     let took = started.elapsed();
     let end = peak();

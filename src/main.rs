@@ -478,11 +478,22 @@ fn explain(
                     }
                 }
             }
-            for job in scanned.media(&body) {
-                let text = visor::proxy::media_text::offline(&job);
-                descriptions.push((job.sha256, Arc::from(text)));
+            let made: Vec<_> = scanned
+                .media(&body)
+                .iter()
+                .map(visor::proxy::media_text::offline)
+                .collect();
+            let failed: Vec<String> = made
+                .iter()
+                .filter(|m| m.action == "stripped")
+                .map(|m| m.sha256.clone())
+                .collect();
+            descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
+            let mut rewrite = scanned.finish(&body, &descriptions);
+            for sha in &failed {
+                rewrite.report.not_converted(sha);
             }
-            scanned.finish(&body, &descriptions)
+            rewrite
         }
     };
     let sent = rewrite.body.as_deref().unwrap_or(&body);

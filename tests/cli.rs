@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -267,9 +267,7 @@ fn check_prints_the_model_table_and_resolves_a_model() {
 
 #[test]
 fn check_lists_what_each_learned_model_refused() {
-    let dir =
-        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("learned-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = support::temp_dir("learned");
     // Learned names as a store keeps them (here the legacy file).
     std::fs::write(
         dir.join("learned-models.json"),
@@ -318,6 +316,8 @@ fn explain_shows_a_documents_text_without_calling_a_model() {
     let body = serde_json::json!({"model": "gpt-oss-120b", "messages": [
         {"role": "user", "content": [
             {"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{}", base64_simd::STANDARD.encode_to_string(&pdf)), "filename": "text.pdf"}},
+            {"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{}", base64_simd::STANDARD.encode_to_string(b"%PDF-1.7 cut")), "filename": "cut.pdf"}},
+            {"type": "input_audio", "input_audio": {"data": base64_simd::STANDARD.encode_to_string(b"RIFF\0\0\0\0WAVEnot really"), "format": "wav"}},
         ]},
     ]});
     let dir = support::temp_dir("explain-pdf");
@@ -335,8 +335,21 @@ fn explain_shows_a_documents_text_without_calling_a_model() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["report"]["pdf"], false);
-    assert_eq!(v["report"]["media_replaced"], 1);
-    assert_eq!(v["report"]["images"][0]["medium"], "document");
+    assert_eq!(v["report"]["media_replaced"], 3);
+    let notes = v["report"]["images"].as_array().unwrap();
+    let said: Vec<(&str, &str)> = notes
+        .iter()
+        .map(|n| (n["medium"].as_str().unwrap(), n["action"].as_str().unwrap()))
+        .collect();
+    // Only what was turned into text is `converted`.
+    assert_eq!(
+        said,
+        [
+            ("document", "converted"),
+            ("document", "stripped"),
+            ("audio", "stripped")
+        ]
+    );
     let text = v["request"]["messages"][0]["content"][0]["text"]
         .as_str()
         .unwrap();

@@ -62,6 +62,24 @@ impl DocKind {
                 DOCX_TYPE => return Some(Self::Docx),
                 PPTX_TYPE => return Some(Self::Pptx),
                 XLSX_TYPE => return Some(Self::Xlsx),
+                e if e.starts_with(
+                    "application/vnd.openxmlformats-officedocument.wordprocessingml.",
+                ) || e.starts_with("application/vnd.ms-word.") =>
+                {
+                    return Some(Self::Docx);
+                }
+                e if e.starts_with(
+                    "application/vnd.openxmlformats-officedocument.presentationml.",
+                ) || e.starts_with("application/vnd.ms-powerpoint.") =>
+                {
+                    return Some(Self::Pptx);
+                }
+                e if e.starts_with(
+                    "application/vnd.openxmlformats-officedocument.spreadsheetml.",
+                ) || e.starts_with("application/vnd.ms-excel.") =>
+                {
+                    return Some(Self::Xlsx);
+                }
                 ""
                 | "application/octet-stream"
                 | "application/zip"
@@ -75,9 +93,11 @@ impl DocKind {
         {
             match ext.to_ascii_lowercase().as_str() {
                 "pdf" => return Some(Self::Pdf),
-                "docx" => return Some(Self::Docx),
-                "pptx" => return Some(Self::Pptx),
-                "xlsx" => return Some(Self::Xlsx),
+                // Documents, templates, macro-enabled files and slide
+                // shows are one format each.
+                "docx" | "docm" | "dotx" | "dotm" => return Some(Self::Docx),
+                "pptx" | "pptm" | "ppsx" | "ppsm" | "potx" | "potm" => return Some(Self::Pptx),
+                "xlsx" | "xlsm" | "xltx" | "xltm" => return Some(Self::Xlsx),
                 _ => {}
             }
         }
@@ -467,6 +487,32 @@ mod tests {
         assert_eq!(DocKind::detect(None, None, b""), None);
         assert_eq!(DocKind::detect(None, None, b"PK\x03\x04"), None);
         assert_eq!(DocKind::detect(None, Some("photo.png"), b"\x89PNG"), None);
+        // Templates, macro-enabled files and slide shows are the same
+        // formats.
+        for (name, kind) in [
+            ("letter.dotx", DocKind::Docx),
+            ("macros.docm", DocKind::Docx),
+            ("show.ppsx", DocKind::Pptx),
+            ("model.xlsm", DocKind::Xlsx),
+        ] {
+            assert_eq!(DocKind::detect(None, Some(name), b""), Some(kind), "{name}");
+        }
+        assert_eq!(
+            DocKind::detect(
+                Some("application/vnd.openxmlformats-officedocument.presentationml.slideshow"),
+                None,
+                b""
+            ),
+            Some(DocKind::Pptx)
+        );
+        assert_eq!(
+            DocKind::detect(
+                Some("application/vnd.ms-excel.sheet.macroEnabled.12"),
+                None,
+                b""
+            ),
+            Some(DocKind::Xlsx)
+        );
         for kind in [DocKind::Pdf, DocKind::Docx, DocKind::Pptx, DocKind::Xlsx] {
             assert_eq!(
                 DocKind::detect(Some(kind.media_type()), None, b""),

@@ -235,34 +235,49 @@ async fn document(
 /// The text of a document without descriptions (`visor explain`, which
 /// calls no model): its pages, and a line for each that would be
 /// described. Audio gets the line that says it was not transcribed.
-pub fn offline(job: &MediaJob) -> String {
+pub fn offline(job: &MediaJob) -> Made {
     let name = match &job.medium {
         Medium::Document { name, .. } => name.clone(),
         Medium::Audio { .. } | Medium::Image => {
-            return unreadable(
-                "audio",
-                &job.sha256,
-                &job.media_type,
-                None,
-                "not transcribed by visor explain",
-            );
+            return Made {
+                text: Arc::from(unreadable(
+                    "audio",
+                    &job.sha256,
+                    &job.media_type,
+                    None,
+                    "not transcribed by visor explain",
+                )),
+                sha256: job.sha256.clone(),
+                action: "stripped",
+            };
         }
     };
     let read = read(&job.bytes, &job.media_type, name.as_deref(), 0);
     let why_not = "visor explain calls no describer";
-    match read.doc {
+    let (text, action) = match read.doc {
         Ok(Content::Parsed(doc)) => {
             let unit = read.kind.map_or("page", DocKind::unit);
-            compose(job, name.as_deref(), &doc, unit, &[], &[], why_not)
+            (
+                compose(job, name.as_deref(), &doc, unit, &[], &[], why_not),
+                "described",
+            )
         }
-        Ok(Content::Plain(text)) => plain(job, name.as_deref(), &text),
-        Err(e) => unreadable(
-            "document",
-            &job.sha256,
-            &job.media_type,
-            name.as_deref(),
-            &format!("could not be read: {e}"),
+        Ok(Content::Plain(text)) => (plain(job, name.as_deref(), &text), "described"),
+        Err(e) => (
+            unreadable(
+                "document",
+                &job.sha256,
+                &job.media_type,
+                name.as_deref(),
+                &format!("could not be read: {e}"),
+            ),
+            "stripped",
         ),
+    };
+    Made {
+        text: Arc::from(text),
+        sha256: job.sha256.clone(),
+        action,
     }
 }
 

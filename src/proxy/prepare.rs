@@ -392,6 +392,8 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
     }
     .unwrap_or_else(|| Err(Box::default()));
     let mut spent = started.elapsed();
+    // Documents and audio whose text could not be made (counted as made).
+    let mut failed: Vec<String> = Vec::new();
     let rewrite = match scanned {
         Err(done) => *done,
         Ok((scanned, (subjects, media))) => {
@@ -400,12 +402,20 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
                 media_text::make(state, media, plan.describe, credential),
             )
             .await;
+            failed = made
+                .iter()
+                .filter(|m| m.action == "stripped")
+                .map(|m| m.sha256.clone())
+                .collect();
             descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
             let finishing = Instant::now();
             let b = body.clone();
-            let rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))
+            let mut rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))
                 .await
                 .unwrap_or_default();
+            for sha in &failed {
+                rewrite.report.not_converted(sha);
+            }
             spent += finishing.elapsed();
             rewrite
         }
@@ -432,7 +442,7 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
     for n in report.images.iter().filter(|n| n.medium != "image") {
         let action = match n.action {
             "deduped" => "deduped",
-            "stripped" => "stripped",
+            "stripped" if !failed.contains(&n.sha256) => "stripped",
             _ => continue,
         };
         m.media.with_label_values(&[n.medium, action]).inc();

@@ -67,6 +67,18 @@ pub struct Report {
     pub skipped: Option<&'static str>,
 }
 
+impl Report {
+    /// The document or audio `sha256` could not be turned into text (it
+    /// was replaced by a line saying why): `stripped`, not `converted`.
+    pub fn not_converted(&mut self, sha256: &str) {
+        for n in self.images.iter_mut() {
+            if n.sha256 == sha256 && n.action == Action::Converted.label() {
+                n.action = Action::Stripped.label();
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Action {
     Kept,

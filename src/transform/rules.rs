@@ -99,7 +99,13 @@ fn media_fates(scan: &walk::Scan, body: &[u8], plan: &Plan, fates: &mut [Fate]) 
         let first = id.and_then(|id| {
             seen.iter()
                 .copied()
-                .find(|&j| scan.images[j].medium == f.medium && scan.identity(j, body) == Some(id))
+                // The same bytes under another file name are the same
+                // document.
+                .find(|&j| {
+                    std::mem::discriminant(&scan.images[j].medium)
+                        == std::mem::discriminant(&f.medium)
+                        && scan.identity(j, body) == Some(id)
+                })
         });
         fates[i] = match first {
             Some(_) => Fate::Replaced(Reason::Deduped),

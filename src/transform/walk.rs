@@ -102,17 +102,78 @@ impl DocFamily {
             .map(|(_, e)| e.to_ascii_lowercase());
         match ext.as_deref() {
             Some("pdf") => return DocFamily::Pdf,
-            Some("docx" | "pptx" | "xlsx") => return DocFamily::Office,
+            Some(e) if OFFICE_EXTENSIONS.contains(&e) => return DocFamily::Office,
             _ => {}
         }
-        if b64_head.starts_with(b"JVBER") {
+        if mt.starts_with("application/vnd.ms-word.")
+            || mt.starts_with("application/vnd.ms-excel.")
+            || mt.starts_with("application/vnd.ms-powerpoint.")
+        {
+            return DocFamily::Office;
+        }
+        let head = head_bytes(b64_head);
+        if head.starts_with(b"%PDF-") {
             DocFamily::Pdf
-        } else if b64_head.starts_with(b"UEsDB") {
+        } else if office_zip(&head) {
             DocFamily::Office
         } else {
             DocFamily::Other
         }
     }
+}
+
+/// Extensions of the Office Open XML files visor reads (documents,
+/// templates, macro-enabled files, slide shows: one format each).
+pub const OFFICE_EXTENSIONS: &[&str] = &[
+    "docx", "docm", "dotx", "dotm", "pptx", "pptm", "ppsx", "ppsm", "potx", "potm", "xlsx", "xlsm",
+    "xltx", "xltm",
+];
+
+/// The first bytes of base64 data (up to 120), decoded.
+fn head_bytes(b64_head: &[u8]) -> Vec<u8> {
+    let n = b64_head.len().min(160) / 4 * 4;
+    let head = b64_head.get(..n).unwrap_or_default();
+    base64_simd::STANDARD
+        .decode_to_vec(head)
+        .or_else(|_| base64_simd::URL_SAFE.decode_to_vec(head))
+        .unwrap_or_default()
+}
+
+/// A zip whose first entry is an Office Open XML part (its local header's
+/// name): `[Content_Types].xml`, `_rels/`, `docProps/`, `word/`, `ppt/`,
+/// `xl/`. Other zips are not Office files.
+fn office_zip(head: &[u8]) -> bool {
+    if !head.starts_with(b"PK\x03\x04") {
+        return false;
+    }
+    let len = head
+        .get(26..28)
+        .map_or(0, |l| usize::from(u16::from_le_bytes([l[0], l[1]])));
+    let name = head
+        .get(30..30 + len)
+        .unwrap_or(head.get(30..).unwrap_or_default());
+    [
+        &b"[Content_Types].xml"[..],
+        b"_rels/",
+        b"docProps/",
+        b"word/",
+        b"ppt/",
+        b"xl/",
+    ]
+    .iter()
+    .any(|p| {
+        name.starts_with(p) || (name.len() < p.len() && p.starts_with(name) && !name.is_empty())
+    })
+}
+
+/// Whether the first bytes of base64 data are an image's (PNG, JPEG, GIF,
+/// WebP): a `file` part that holds a picture is an image.
+fn image_head(b64_head: &[u8]) -> bool {
+    let head = head_bytes(b64_head);
+    head.starts_with(b"\x89PNG")
+        || head.starts_with(b"\xff\xd8\xff")
+        || head.starts_with(b"GIF8")
+        || (head.starts_with(b"RIFF") && head.get(8..12) == Some(b"WEBP"))
 }
 
 /// Where an image sits in the request.
@@ -366,6 +427,8 @@ pub(super) struct PartFields {
     /// Chat `input_audio`: `data` and `format`.
     pub(super) audio_data: Option<Str>,
     pub(super) audio_format: Option<Str>,
+    /// A `file` object member (Chat `file` parts), whatever it holds.
+    pub(super) chat_file: bool,
 }
 
 impl PartFields {
@@ -424,6 +487,7 @@ impl PartFields {
         } else if kind == Kind::Object && k("file") {
             // Chat `file` part: `{"file": {"file_data", "file_id",
             // "filename"}}`.
+            self.chat_file = true;
             string_slots(
                 c,
                 src,
@@ -883,19 +947,10 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
     let document = |mt: &Option<Str>, name: &Option<Str>, data: Option<&Str>| {
         let mt = text(mt).unwrap_or_default();
         let name = text(name);
-        let head = data.map(|d| {
-            let raw = d.raw(src);
-            let raw = raw.strip_prefix(b"\"").unwrap_or(raw);
-            // Past a data URL's header.
-            match memchr::memchr(b',', &raw[..raw.len().min(200)]) {
-                Some(at) if raw.starts_with(b"data:") => &raw[at + 1..],
-                _ => raw,
-            }
-        });
+        let head = data.map(|d| data_head(d.raw(src)));
         let mt = match (mt.is_empty(), data) {
-            (true, Some(d)) if d.raw(src).starts_with(b"\"data:") => {
-                let raw = d.raw(src);
-                super::decode::data_url_payload(&raw[1..])
+            (true, Some(d)) if d.raw(src).starts_with(b"data:") => {
+                super::decode::data_url_payload(d.raw(src))
                     .map(|(m, _)| m)
                     .unwrap_or_default()
             }
@@ -907,36 +962,51 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
         }
     };
     let media_of = |m: &Option<Str>| text(m).map(|m| m.to_ascii_lowercase()).unwrap_or_default();
-    // `file_data` is a data URL; some clients send the bare base64.
-    let file_data = |d: &Str| {
+    // `file_data` is a data URL; some clients send the bare base64, and
+    // SDK parts put a URL where the data goes.
+    let file_data = |d: &Str, mt: &Option<Str>| {
         let raw = d.raw(src);
-        let raw = raw.strip_prefix(b"\"").unwrap_or(raw);
         if raw.starts_with(b"data:") || raw.starts_with(b"http://") || raw.starts_with(b"https://")
         {
             url_like(d)
         } else {
-            Raw::Base64(d.clone(), None)
+            Raw::Base64(d.clone(), mt.clone())
         }
     };
-    if is("file") && (f.file_data.is_some() || (f.file_id.is_some() && f.data.is_none())) {
+    // A `file` part whose data is a picture is an image, whatever carries it.
+    let picture = |d: Option<&Str>| {
+        d.is_some_and(|d| {
+            let raw = d.raw(src);
+            raw.starts_with(b"data:image/") || image_head(data_head(raw))
+        })
+    };
+    if is("file")
+        && (f.chat_file
+            || f.file_data.is_some()
+            || (f.file_id.is_some() && f.data.is_none() && f.url.is_none()))
+    {
         // Chat `file` part.
-        let medium = document(&None, &f.filename, f.file_data.as_ref());
         let raw = match (&f.file_data, &f.file_id) {
-            (Some(d), _) => file_data(d),
+            (Some(d), _) => file_data(d, &None),
             (None, Some(id)) => Raw::File(id.clone()),
             (None, None) => Raw::Broken("file part without file_data or file_id"),
         };
-        return Some((medium, raw));
+        if picture(f.file_data.as_ref()) {
+            return Some((Medium::Image, raw));
+        }
+        return Some((document(&None, &f.filename, f.file_data.as_ref()), raw));
     }
     if is("input_file") {
-        let medium = document(&None, &f.filename, f.file_data.as_ref());
         let raw = match (&f.file_data, &f.file_url, &f.file_id) {
-            (Some(d), _, _) => file_data(d),
+            (Some(d), _, _) => file_data(d, &None),
             (None, Some(u), _) => Raw::Url(u.clone()),
             (None, None, Some(id)) => Raw::File(id.clone()),
             (None, None, None) => Raw::Broken("input_file without file_data, file_url or file_id"),
         };
-        return Some((medium, raw));
+        if picture(f.file_data.as_ref()) {
+            return Some((Medium::Image, raw));
+        }
+        return Some((document(&None, &f.filename, f.file_data.as_ref()), raw));
     }
     if is("document") && (f.source_type.is_some() || f.source_bad) && f.source_content.is_none() {
         let st = f.source_type.as_ref();
@@ -1013,12 +1083,15 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
         return None;
     }
     // SDK file parts of a document or audio type (Vercel `file-data`,
-    // `media`, v7 `file`; LangChain `file`).
-    if (is("file-data") || is("media") || is("file"))
-        && let Some(d) = &f.data
-    {
+    // `media`, v7 `file`; LangChain `file`), their data inline, a data URL
+    // or an http(s) URL (in `data` or `url`).
+    if is("file-data") || is("media") || is("file") {
         let mt = media_of(&f.media_type);
-        let raw = Raw::Base64(d.clone(), f.media_type.clone());
+        let (raw, data) = match (&f.data, &f.url) {
+            (Some(d), _) => (file_data(d, &f.media_type), Some(d)),
+            (None, Some(u)) => (url_like(u), None),
+            (None, None) => return None,
+        };
         if let Some(format) = audio_format(&mt) {
             return Some((
                 Medium::Audio {
@@ -1027,12 +1100,21 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
                 raw,
             ));
         }
-        let family = DocFamily::of(&mt, text(&f.filename).as_deref(), d.raw(src));
+        let head = data.map(|d| data_head(d.raw(src))).unwrap_or_default();
+        let family = DocFamily::of(&mt, text(&f.filename).as_deref(), head);
         if family != DocFamily::Other || mt.starts_with("text/") {
-            return Some((document(&f.media_type, &f.filename, Some(d)), raw));
+            return Some((document(&f.media_type, &f.filename, data), raw));
         }
     }
     None
+}
+
+/// Where a data string's payload starts: past a data URL's header.
+fn data_head(raw: &[u8]) -> &[u8] {
+    match memchr::memchr(b',', &raw[..raw.len().min(200)]) {
+        Some(at) if raw.starts_with(b"data:") => &raw[at + 1..],
+        _ => raw,
+    }
 }
 
 /// Decides whether a part is an image, and where its bytes are.

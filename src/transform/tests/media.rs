@@ -267,8 +267,7 @@ fn a_later_copy_of_a_document_is_a_reference_and_the_first_never_changes() {
 
 #[test]
 fn dedup_never_touches_the_text_of_a_document_and_a_second_pass_changes_nothing() {
-    // Two different documents whose texts share a long run of lines, and a
-    // tool result that repeats it too.
+    // Two different documents whose texts share a long run of lines.
     let lines: Vec<String> = (0..12)
         .map(|i| format!("Paragraph {i} of the shared terms and conditions, long enough."))
         .collect();
@@ -354,6 +353,28 @@ fn query_aware_subjects_carry_their_own_message_text_only() {
             .unwrap()
             .contains("about And the colour")
     );
+    // The first turn, sent alone before: its message reads the same in
+    // the later request (the later question never reshapes it), and the
+    // two keys differ.
+    let turn1 = json!({"model": "m", "messages": [body["messages"][0].clone()]});
+    let bytes1 = serde_json::to_vec(&turn1).unwrap();
+    let scanned1 = scan(&bytes1, &p).unwrap();
+    let subjects1 = scanned1.subjects(&bytes1);
+    assert_eq!(subjects1.len(), 1);
+    let texts1: Vec<(String, Arc<str>)> = subjects1
+        .iter()
+        .map(|(_, s)| {
+            let key = subject_key(&s.sha256, s.query.as_deref());
+            let text = texts.iter().find(|(k, _)| *k == key).unwrap().1.clone();
+            (key, text)
+        })
+        .collect();
+    let keys: Vec<&String> = texts.iter().map(|(k, _)| k).collect();
+    assert_ne!(keys[0], keys[1], "one key per question");
+    let out1 = scanned1.finish(&bytes1, &texts1);
+    let v1: Value = serde_json::from_slice(out1.body.as_deref().unwrap()).unwrap();
+    assert_eq!(v1["messages"][0], v["messages"][0], "prefix stable");
+
     // Without query_aware: one subject, no query.
     let plain = Plan {
         query_aware: false,
@@ -429,4 +450,108 @@ fn a_declared_media_type_is_trusted_only_when_it_is_one() {
     let (_, _, jobs) = convert(&chat, &no_documents(Shape::Chat), heard);
     assert_eq!(jobs[0].media_type, "audio/m4a");
     assert_eq!(jobs[1].media_type, "application/octet-stream");
+}
+
+#[test]
+fn a_copy_under_another_file_name_is_the_same_document() {
+    let part = |name: &str| json!({"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{}", b64(PDF)), "filename": name}});
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": [part("report.pdf"), {"type": "text", "text": "read this"}]},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": [part("report (1).pdf"), {"type": "text", "text": "and this"}]},
+    ]});
+    let (out, report, jobs) = convert(&body, &no_documents(Shape::Chat), text_of);
+    assert_eq!(jobs.len(), 1);
+    let again = out["messages"][2]["content"][0]["text"].as_str().unwrap();
+    assert!(again.contains("the same document as earlier"), "{again}");
+    assert_eq!(
+        report
+            .images
+            .iter()
+            .filter(|n| n.action == "deduped")
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn file_parts_by_url_without_data_or_holding_a_picture() {
+    const PNG: &[u8] = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x01\0\0\0\x01\x08\x02\0\0\0\x90wS\xde";
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "Look at these."},
+            // LangChain: a file by URL.
+            {"type": "file", "mime_type": "application/pdf", "url": "https://example.com/lc.pdf"},
+            // Vercel AI SDK: a URL where the data goes.
+            {"type": "file", "data": "https://example.com/vercel.pdf", "mediaType": "application/pdf"},
+            // Chat: a file part with nothing to read.
+            {"type": "file", "file": {"filename": "empty.pdf"}},
+            // Chat: a file part that is a picture.
+            {"type": "file", "file": {"file_data": format!("data:image/png;base64,{}", b64(PNG)), "filename": "shot.png"}},
+            {"type": "file", "file": {"file_data": b64(PNG)}},
+        ]},
+    ]});
+    let plan = Plan {
+        vision: false,
+        ..no_documents(Shape::Chat)
+    };
+    let (out, report, jobs) = convert(&body, &plan, text_of);
+    assert!(jobs.is_empty(), "URLs are never fetched: {jobs:?}");
+    let parts = out["messages"][0]["content"].as_array().unwrap();
+    assert!(parts.iter().all(|p| p["type"] == "text"), "{parts:?}");
+    let text = |i: usize| parts[i]["text"].as_str().unwrap().to_owned();
+    assert!(
+        text(1).contains("https://example.com/lc.pdf"),
+        "{}",
+        text(1)
+    );
+    assert!(
+        text(2).contains("https://example.com/vercel.pdf"),
+        "{}",
+        text(2)
+    );
+    assert!(!text(2).contains("base64"), "{}", text(2));
+    assert!(
+        text(3).contains("without file_data or file_id"),
+        "{}",
+        text(3)
+    );
+    let media: Vec<&str> = report.images.iter().map(|n| n.medium).collect();
+    assert_eq!(
+        media,
+        ["document", "document", "document", "image", "image"],
+        "{report:?}"
+    );
+}
+
+#[test]
+fn office_files_known_by_name_type_or_first_zip_entry() {
+    fn zip_head(first_entry: &str) -> Vec<u8> {
+        // A local file header (30 bytes) and the entry's name.
+        let mut z = vec![0u8; 30];
+        z[..4].copy_from_slice(b"PK\x03\x04");
+        z[26..28].copy_from_slice(&(first_entry.len() as u16).to_le_bytes());
+        z.extend_from_slice(first_entry.as_bytes());
+        z.extend_from_slice(&[0; 40]);
+        z
+    }
+    let head = |entry: &str| b64(&zip_head(entry));
+    let of = |mt: &str, name: Option<&str>, data: &str| DocFamily::of(mt, name, data.as_bytes());
+    assert_eq!(
+        of("", None, &head("[Content_Types].xml")),
+        DocFamily::Office
+    );
+    assert_eq!(of("", None, &head("word/document.xml")), DocFamily::Office);
+    assert_eq!(
+        of("", None, &head("src/main.rs")),
+        DocFamily::Other,
+        "a zip of code"
+    );
+    assert_eq!(of("", None, &b64(PDF)), DocFamily::Pdf);
+    assert_eq!(of("", Some("show.PPSX"), ""), DocFamily::Office);
+    assert_eq!(of("", Some("letter.dotx"), ""), DocFamily::Office);
+    assert_eq!(
+        of("application/vnd.ms-excel.sheet.macroEnabled.12", None, ""),
+        DocFamily::Office
+    );
 }
