@@ -451,6 +451,12 @@ impl Describer {
         result
     }
 
+    /// Whether calls are paused after failures (back-off): work made only
+    /// to be described (rendering a page) can be skipped.
+    pub fn is_backing_off(&self) -> bool {
+        self.backing_off()
+    }
+
     fn backing_off(&self) -> bool {
         self.backoff.lock().map(|b| b.active()).unwrap_or(false)
     }

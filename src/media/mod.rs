@@ -21,8 +21,15 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 pub mod office;
 pub mod pdf;
+mod pdf_guard;
 
-pub use pdf::render_page;
+pub use pdf::{PdfRead, read_and_render, render_page};
+pub use pdf_guard::MAX_IMAGE_PIXELS;
+
+/// The version of what [`read`] makes of a document: bump it whenever the
+/// text extracted from a document may change, so that texts kept under an
+/// older version are not served again.
+pub const READER_VERSION: u32 = 2;
 
 /// The kinds of document read here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -188,8 +195,11 @@ pub struct Document {
     /// The pages read, in order.
     pub pages: Vec<Page>,
     /// Pages beyond [`Limits::max_pages`] were not read, or the text was cut
-    /// at [`Limits::max_text_bytes`].
+    /// at [`Limits::max_text_bytes`], or reading stopped early (`stopped`).
     pub truncated: bool,
+    /// Why the pages after the last one read were not read, when it was not
+    /// the page limit: "over the work budget", "over the time budget", …
+    pub stopped: Option<String>,
 }
 
 /// One page, slide or sheet.
@@ -230,6 +240,17 @@ pub struct Limits {
     pub max_text_bytes: usize,
     /// Bytes inflated from a zip (Office) over all its parts read.
     pub max_unpacked_bytes: usize,
+    /// PDF: content-stream bytes interpreted over all pages, a stream
+    /// counted again for each page that draws it; the pages after are not
+    /// read.
+    pub max_content_bytes: usize,
+    /// PDF: interpreter work over the document (drawing calls, path
+    /// elements and glyphs, in reading and in rendering); the pages after
+    /// are not read, or not rendered.
+    pub max_work: u64,
+    /// PDF: wall-clock time for reading and rendering one document, checked
+    /// between pages and inside the interpreter.
+    pub deadline: std::time::Duration,
 }
 
 impl Default for Limits {
@@ -238,6 +259,9 @@ impl Default for Limits {
             max_pages: 2000,
             max_text_bytes: 4 << 20,
             max_unpacked_bytes: 256 << 20,
+            max_content_bytes: 64 << 20,
+            max_work: 20_000_000,
+            deadline: std::time::Duration::from_secs(5),
         }
     }
 }
@@ -305,6 +329,7 @@ pub(crate) struct PageSink {
     limits: Limits,
     text_bytes: usize,
     truncated: bool,
+    stopped: Option<String>,
 }
 
 impl PageSink {
@@ -314,6 +339,7 @@ impl PageSink {
             limits: *limits,
             text_bytes: 0,
             truncated: false,
+            stopped: None,
         }
     }
 
@@ -354,11 +380,18 @@ impl PageSink {
         self.truncated = true;
     }
 
+    /// No more pages are read, because `why`.
+    pub(crate) fn stop(&mut self, why: &str) {
+        self.truncated = true;
+        self.stopped = Some(why.to_owned());
+    }
+
     pub(crate) fn finish(self, kind: DocKind) -> Document {
         Document {
             kind,
             pages: self.pages,
             truncated: self.truncated,
+            stopped: self.stopped,
         }
     }
 }
@@ -537,6 +570,7 @@ mod tests {
             max_pages: 2,
             max_text_bytes: 5,
             max_unpacked_bytes: 1,
+            ..Limits::default()
         };
         let mut sink = PageSink::new(&limits);
         assert!(sink.wants_more());

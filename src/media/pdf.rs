@@ -10,10 +10,15 @@
 //! Each page is interpreted under its own `catch_unwind`: a page that panics
 //! the interpreter comes out empty and marked for a look.
 
+use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
 
 use hayro::hayro_interpret::font::{Glyph, GlyphRun};
 use hayro::hayro_interpret::hayro_cmap::BfString;
+use hayro::hayro_interpret::hayro_syntax::object::{Array, ObjectIdentifier, Stream};
+use hayro::hayro_interpret::hayro_syntax::page::Page;
 use hayro::hayro_interpret::hayro_syntax::{LoadPdfError, Pdf};
 use hayro::hayro_interpret::kurbo::{Affine, BezPath, Point, Rect, Shape};
 use hayro::hayro_interpret::{
@@ -23,6 +28,7 @@ use hayro::hayro_interpret::{
 use hayro::vello_cpu::color::palette::css::WHITE;
 use hayro::{PixmapSettings, RenderCache, RenderSettings};
 
+use super::pdf_guard::{DrawTransform, ImageCheck, Meter, Spent, streams_within};
 use super::{DocKind, Document, Limits, PageSink, ReadError, guarded};
 
 /// The longest side of a rendered page, in pixels; larger pages are scaled down.
@@ -38,39 +44,38 @@ const PATH_SHARE: f64 = 0.05;
 /// A path covering this share of the page is a background, not a figure.
 const BACKGROUND_SHARE: f64 = 0.9;
 
-/// The most bytes a PDF's Flate streams may inflate to, all together
-/// (hayro inflates without a bound of its own: a small file whose streams
-/// inflate to gigabytes would take the process's memory).
+/// The most bytes a PDF's streams may decode to, all together (hayro
+/// decodes without a bound of its own: a small file whose streams inflate to
+/// gigabytes would take the process's memory).
 const MAX_INFLATED: usize = 256 << 20;
-/// The largest image (pixels) a PDF may declare: decoding one takes width
-/// × height × components bytes, whatever the file's size.
-const MAX_IMAGE_PIXELS: u64 = 150_000_000;
 
-fn open(bytes: &[u8]) -> Result<Pdf, ReadError> {
+/// Opens the file after checking what opening it costs: the raw file's
+/// Flate streams (hayro inflates object and xref streams as it opens the
+/// file), then every stream's filters as hayro resolves them (indirect
+/// `/Filter`, chains, LZW, RunLength). Returns the decoded size of each
+/// stream that is not an image.
+fn open(bytes: &[u8]) -> Result<(Pdf, HashMap<ObjectIdentifier, usize>), ReadError> {
     let head = bytes.get(..bytes.len().min(1024)).unwrap_or_default();
     if memchr::memmem::find(head, b"%PDF-").is_none() {
         return Err(ReadError::new("not a PDF"));
     }
-    within_bounds(bytes, MAX_INFLATED, MAX_IMAGE_PIXELS)?;
-    match Pdf::new(bytes.to_vec()) {
-        Ok(pdf) => Ok(pdf),
-        Err(LoadPdfError::Decryption(_)) => Err(ReadError::encrypted()),
+    within_bounds(bytes, MAX_INFLATED)?;
+    let pdf = match Pdf::new(bytes.to_vec()) {
+        Ok(pdf) => pdf,
+        Err(LoadPdfError::Decryption(_)) => return Err(ReadError::encrypted()),
         Err(LoadPdfError::Invalid) => {
-            Err(ReadError::damaged("the file's structure cannot be read"))
+            return Err(ReadError::damaged("the file's structure cannot be read"));
         }
-    }
+    };
+    let sizes = streams_within(pdf.objects(), MAX_INFLATED).map_err(ReadError::new)?;
+    Ok((pdf, sizes))
 }
 
-/// Checks, before hayro reads the file, what reading it would cost: every
-/// Flate stream is inflated into a scratch buffer (nothing kept) and the
-/// total counted, and every image's declared size is read from its
-/// dictionary (image XObjects are streams, so their dictionaries are in the
-/// file as written, never inside an object stream).
-pub(crate) fn within_bounds(
-    bytes: &[u8],
-    max_inflated: usize,
-    max_pixels: u64,
-) -> Result<(), ReadError> {
+/// Checks, before hayro opens the file, what its Flate streams inflate to:
+/// every stream in the file as written is tried (whatever its dictionary
+/// says: a filter may be given by reference), inflated into a scratch
+/// buffer (nothing kept) and the total counted.
+pub(crate) fn within_bounds(bytes: &[u8], max_inflated: usize) -> Result<(), ReadError> {
     let mut inflated = 0usize;
     let mut at = 0;
     let mut scratch = vec![0u8; 64 * 1024];
@@ -86,34 +91,9 @@ pub(crate) fn within_bounds(
             Some([b'\n', _]) | Some([b'\r', _]) => start + 7,
             _ => continue,
         };
-        // Its dictionary: from the object's start (`obj`) to the keyword.
-        let from = start.saturating_sub(4096);
-        let dict = &bytes[from..start];
-        let dict = match memchr::memmem::rfind(dict, b"obj") {
-            Some(o) => &dict[o..],
-            None => dict,
-        };
-        if memchr::memmem::find(dict, b"/Image").is_some() {
-            // A size given by reference (`/Width 6 0 R`) cannot be checked
-            // here: such an image is refused rather than decoded blind.
-            let (Some(w), Some(h)) = (
-                direct_number(dict, b"/Width"),
-                direct_number(dict, b"/Height"),
-            ) else {
-                return Err(ReadError::new("an image whose size is given by reference"));
-            };
-            if w.saturating_mul(h) > max_pixels {
-                return Err(ReadError::new(format!(
-                    "an image of {w}x{h} pixels is too large"
-                )));
-            }
-        }
         let end =
             memchr::memmem::find(&bytes[data..], b"endstream").map_or(bytes.len(), |e| data + e);
         at = at.max(end);
-        if memchr::memmem::find(dict, b"FlateDecode").is_none() {
-            continue;
-        }
         let mut z = flate2::Decompress::new(true);
         let mut input = &bytes[data..end];
         loop {
@@ -136,34 +116,6 @@ pub(crate) fn within_bounds(
     Ok(())
 }
 
-/// The number after `key` when it is a number and not a reference
-/// (`/Width 3162`, not `/Width 6 0 R`); `None` otherwise.
-fn direct_number(dict: &[u8], key: &[u8]) -> Option<u64> {
-    let n = number_after(dict, key)?;
-    let at = memchr::memmem::find(dict, key)? + key.len();
-    let rest = std::str::from_utf8(dict.get(at..)?).unwrap_or_default();
-    let mut words = rest.split_ascii_whitespace();
-    words.next();
-    let reference = words
-        .next()
-        .is_some_and(|w| w.chars().all(|c| c.is_ascii_digit()))
-        && words.next().is_some_and(|w| w.starts_with('R'));
-    (!reference).then_some(n)
-}
-
-/// The number after `key` in a dictionary (`/Width 3162`).
-fn number_after(dict: &[u8], key: &[u8]) -> Option<u64> {
-    let at = memchr::memmem::find(dict, key)? + key.len();
-    let rest = dict.get(at..)?;
-    let digits: Vec<u8> = rest
-        .iter()
-        .skip_while(|b| b.is_ascii_whitespace())
-        .take_while(|b| b.is_ascii_digit())
-        .copied()
-        .collect();
-    std::str::from_utf8(&digits).ok()?.parse().ok()
-}
-
 /// Whether the file ends as a PDF ends (`%%EOF` near its end): one that
 /// doesn't was cut short.
 fn looks_complete(bytes: &[u8]) -> bool {
@@ -173,36 +125,94 @@ fn looks_complete(bytes: &[u8]) -> bool {
     memchr::memmem::find(tail, b"%%EOF").is_some()
 }
 
+/// A PDF's text, and its pages that need a look rendered.
+#[derive(Debug)]
+pub struct PdfRead {
+    pub doc: Document,
+    /// Each page rendered (1-based number), or why it was not: up to the
+    /// number asked for, the pages that need a look in page order.
+    pub rendered: Vec<(usize, Result<Vec<u8>, ReadError>)>,
+    /// The interpreter work done (reading and rendering), as counted
+    /// against [`Limits::max_work`].
+    pub work: u64,
+}
+
 pub(crate) fn read(bytes: &[u8], limits: &Limits) -> Result<Document, ReadError> {
-    let pdf = open(bytes)?;
+    read_pdf(bytes, limits, &AtomicBool::new(false), 0, 72.0).map(|r| r.doc)
+}
+
+/// Reads a PDF's text and renders up to `looks` of its pages that need a
+/// look, at `dpi`, from one opening of the file, within `limits`' work
+/// budget and deadline. `stop` set (the request is gone): reading stops at
+/// the next check. Never panics.
+pub fn read_and_render(
+    bytes: &[u8],
+    limits: &Limits,
+    stop: &AtomicBool,
+    looks: usize,
+    dpi: f32,
+) -> Result<PdfRead, ReadError> {
+    guarded(|| read_pdf(bytes, limits, stop, looks, dpi))
+}
+
+/// One page read: whether it needs a look, what keeps it from being
+/// rendered, and the work reading it took.
+struct PageRead {
+    number: usize,
+    look: bool,
+    refused: Option<String>,
+    work: u64,
+}
+
+fn read_pdf(
+    bytes: &[u8],
+    limits: &Limits,
+    stop: &AtomicBool,
+    looks: usize,
+    dpi: f32,
+) -> Result<PdfRead, ReadError> {
+    let (pdf, sizes) = open(bytes)?;
+    let meter = Meter::new(limits.max_work, Instant::now() + limits.deadline, stop);
     let pages = pdf.pages();
     let cache = InterpreterCache::new();
     let mut sink = PageSink::new(limits);
     let mut anything = false;
-    for page in pages.iter() {
+    let mut content = 0usize;
+    let mut read = Vec::new();
+    for (i, page) in pages.iter().enumerate() {
         if !sink.wants_more() {
             break;
         }
-        let (w, h) = page.render_dimensions();
-        let read = catch_unwind(AssertUnwindSafe(|| {
-            let mut device = TextDevice::new(f64::from(w) * f64::from(h));
-            let mut ctx = Context::new(
-                page.initial_transform(true).to_kurbo(),
-                Rect::new(0.0, 0.0, f64::from(w), f64::from(h)),
-                &cache,
-                page.xref(),
-                InterpreterSettings::default(),
-            );
-            interpret_page(page, &mut ctx, &mut device);
-            device
-        }));
-        match read {
+        if let Some(why) = meter.spent() {
+            sink.stop(why);
+            break;
+        }
+        // Its content streams, decoded, counted before hayro decodes them.
+        content = content.saturating_add(content_len(page, &sizes));
+        if content > limits.max_content_bytes {
+            sink.stop("over the content budget");
+            break;
+        }
+        let before = meter.work();
+        match read_page(page, &cache, &meter) {
             Ok(device) => {
                 anything |= device.drew_anything();
                 let look = device.needs_look();
                 sink.push(&device.text(), look, Vec::new());
+                read.push(PageRead {
+                    number: i + 1,
+                    look,
+                    refused: device.check.refused,
+                    work: meter.work() - before,
+                });
             }
-            Err(_) => sink.push("", true, Vec::new()),
+            Err(payload) => match payload.downcast_ref::<Spent>() {
+                Some(Spent(why)) => {
+                    sink.stop(why);
+                    break;
+                }
+                None => sink.push("", true, Vec::new()),
+            },
         }
     }
     if !anything && !looks_complete(bytes) {
@@ -210,47 +220,144 @@ pub(crate) fn read(bytes: &[u8], limits: &Limits) -> Result<Document, ReadError>
         // does not (hayro rebuilds the object table by scanning).
         return Err(ReadError::damaged("the file is cut short"));
     }
-    Ok(sink.finish(DocKind::Pdf))
+    let doc = sink.finish(DocKind::Pdf);
+    let mut rendered = Vec::new();
+    for p in read.iter().filter(|p| p.look).take(looks) {
+        let result = match (&p.refused, meter.spent()) {
+            (Some(why), _) => Err(ReadError::new(why.clone())),
+            (None, Some(why)) => Err(ReadError::new(why)),
+            (None, None) => {
+                // Rendering interprets the page again: charged as much.
+                meter.add(p.work);
+                match meter.spent() {
+                    Some(why) => Err(ReadError::new(why)),
+                    None => {
+                        number_page(&pdf, p.number).and_then(|page| guarded(|| render(page, dpi)))
+                    }
+                }
+            }
+        };
+        rendered.push((p.number, result));
+    }
+    Ok(PdfRead {
+        doc,
+        rendered,
+        work: meter.work(),
+    })
+}
+
+/// Interprets one page with the text device, under its own
+/// `catch_unwind`: a page that panics the interpreter, or runs out of
+/// budget ([`Spent`]), comes out as the payload.
+fn read_page<'a, 'm, 's>(
+    page: &'a Page<'a>,
+    cache: &'a InterpreterCache<'a>,
+    meter: &'m Meter<'s>,
+) -> std::thread::Result<TextDevice<'m, 's>> {
+    let (w, h) = page.render_dimensions();
+    catch_unwind(AssertUnwindSafe(|| {
+        let mut device = TextDevice::new(f64::from(w) * f64::from(h), meter);
+        let mut ctx = Context::new(
+            page.initial_transform(true).to_kurbo(),
+            Rect::new(0.0, 0.0, f64::from(w), f64::from(h)),
+            cache,
+            page.xref(),
+            InterpreterSettings::default(),
+        );
+        interpret_page(page, &mut ctx, &mut device);
+        device
+    }))
+}
+
+/// What a page's content streams decode to, each counted as often as the
+/// page draws it (known from [`streams_within`]; a stream it did not see is
+/// counted at its raw size).
+fn content_len(page: &Page<'_>, sizes: &HashMap<ObjectIdentifier, usize>) -> usize {
+    let size = |s: Stream<'_>| {
+        sizes
+            .get(&s.obj_id())
+            .copied()
+            .unwrap_or_else(|| s.raw_data().len())
+    };
+    let dict = page.raw();
+    if let Some(s) = dict.get::<Stream<'_>>(b"Contents") {
+        size(s)
+    } else if let Some(a) = dict.get::<Array<'_>>(b"Contents") {
+        a.iter::<Stream<'_>>()
+            .map(size)
+            .fold(0usize, usize::saturating_add)
+    } else {
+        0
+    }
+}
+
+fn number_page<'p>(pdf: &'p Pdf, number: usize) -> Result<&'p Page<'p>, ReadError> {
+    number
+        .checked_sub(1)
+        .and_then(|i| pdf.pages().get(i))
+        .ok_or_else(|| ReadError::new(format!("no page {number}")))
 }
 
 /// One PDF page (1-based) rendered to PNG at `dpi` on a white background;
 /// a page larger than [`MAX_RENDER_SIDE`] pixels on a side is scaled down to
-/// fit. Never panics.
+/// fit. The page is read first (its images sized, its work counted, within
+/// the default [`Limits`]). Never panics.
 pub fn render_page(bytes: &[u8], number: usize, dpi: f32) -> Result<Vec<u8>, ReadError> {
     guarded(|| {
         if !(dpi.is_finite() && dpi > 0.0) {
             return Err(ReadError::new("invalid resolution"));
         }
-        let pdf = open(bytes)?;
-        let page = number
-            .checked_sub(1)
-            .and_then(|i| pdf.pages().get(i))
-            .ok_or_else(|| ReadError::new(format!("no page {number}")))?;
-        let (w, h) = page.render_dimensions();
-        if !(w.is_finite() && h.is_finite() && w > 0.0 && h > 0.0) {
-            return Err(ReadError::damaged("the page has no size"));
+        let limits = Limits::default();
+        let (pdf, sizes) = open(bytes)?;
+        let page = number_page(&pdf, number)?;
+        if content_len(page, &sizes) > limits.max_content_bytes {
+            return Err(ReadError::new("over the content budget"));
         }
-        let scale = (dpi / 72.0)
-            .min(MAX_RENDER_SIDE / w)
-            .min(MAX_RENDER_SIDE / h);
-        if w * scale < 1.0 || h * scale < 1.0 {
-            return Err(ReadError::damaged("the page is too small to render"));
-        }
-        let pixmap = hayro::render(
-            page,
-            &RenderCache::new(),
-            &InterpreterSettings::default(),
-            &RenderSettings::default(),
-            &PixmapSettings {
-                x_scale: scale,
-                y_scale: scale,
-                bg_color: WHITE,
+        let stop = AtomicBool::new(false);
+        let meter = Meter::new(limits.max_work, Instant::now() + limits.deadline, &stop);
+        let cache = InterpreterCache::new();
+        match read_page(page, &cache, &meter) {
+            Ok(device) => match device.check.refused {
+                Some(why) => Err(ReadError::new(why)),
+                None => render(page, dpi),
             },
-        );
-        pixmap
-            .into_png()
-            .map_err(|e| ReadError::damaged(format!("PNG encoding failed ({e})")))
+            Err(payload) => match payload.downcast_ref::<Spent>() {
+                Some(Spent(why)) => Err(ReadError::new(*why)),
+                None => Err(ReadError::damaged("the page cannot be read")),
+            },
+        }
     })
+}
+
+/// Renders a page already read and checked.
+fn render(page: &Page<'_>, dpi: f32) -> Result<Vec<u8>, ReadError> {
+    if !(dpi.is_finite() && dpi > 0.0) {
+        return Err(ReadError::new("invalid resolution"));
+    }
+    let (w, h) = page.render_dimensions();
+    if !(w.is_finite() && h.is_finite() && w > 0.0 && h > 0.0) {
+        return Err(ReadError::damaged("the page has no size"));
+    }
+    let scale = (dpi / 72.0)
+        .min(MAX_RENDER_SIDE / w)
+        .min(MAX_RENDER_SIDE / h);
+    if w * scale < 1.0 || h * scale < 1.0 {
+        return Err(ReadError::damaged("the page is too small to render"));
+    }
+    let pixmap = hayro::render(
+        page,
+        &RenderCache::new(),
+        &InterpreterSettings::default(),
+        &RenderSettings::default(),
+        &PixmapSettings {
+            x_scale: scale,
+            y_scale: scale,
+            bg_color: WHITE,
+        },
+    );
+    pixmap
+        .into_png()
+        .map_err(|e| ReadError::damaged(format!("PNG encoding failed ({e})")))
 }
 
 /// A line of text: glyphs on one baseline in one direction.
@@ -285,8 +392,10 @@ impl Line {
 }
 
 /// Collects what a page draws: glyphs into lines, and how much is image or
-/// vector graphics.
-struct TextDevice {
+/// vector graphics; sizes its images and charges its work.
+struct TextDevice<'m, 's> {
+    meter: &'m Meter<'s>,
+    check: ImageCheck,
     /// The page's area in device space (points squared).
     page_area: f64,
     lines: Vec<Line>,
@@ -299,9 +408,11 @@ struct TextDevice {
     path_box: Option<Rect>,
 }
 
-impl TextDevice {
-    fn new(page_area: f64) -> Self {
+impl<'m, 's> TextDevice<'m, 's> {
+    fn new(page_area: f64, meter: &'m Meter<'s>) -> Self {
         Self {
+            meter,
+            check: ImageCheck::default(),
             page_area,
             lines: Vec::new(),
             glyphs: 0,
@@ -441,8 +552,12 @@ fn unicode(glyph: &Glyph<'_>) -> String {
     }
 }
 
-impl<'a> Device<'a> for TextDevice {
+impl<'a> Device<'a> for TextDevice<'_, '_> {
     fn draw_path(&mut self, path: &BezPath, props: DrawProps<'a>, _mode: &DrawMode) {
+        self.meter.charge(path.elements().len() as u64);
+        self.check
+            .paint(&props.paint, DrawTransform(props.transform), self.meter);
+        self.check.mask(props.soft_mask.as_ref(), self.meter);
         let bbox = (props.transform * path.clone()).bounding_box();
         if !bbox.is_finite() || bbox.area() >= self.page_area * BACKGROUND_SHARE {
             // A background (a fill over nearly the whole page) is not a figure.
@@ -455,11 +570,20 @@ impl<'a> Device<'a> for TextDevice {
         });
     }
 
-    fn push_clip_path(&mut self, _clip: &ClipPath) {}
+    fn push_clip_path(&mut self, clip: &ClipPath) {
+        self.meter.charge(clip.path.elements().len() as u64);
+    }
 
-    fn push_transparency_group(&mut self, _o: f32, _m: Option<SoftMask<'a>>, _b: BlendMode) {}
+    fn push_transparency_group(&mut self, _o: f32, mask: Option<SoftMask<'a>>, _b: BlendMode) {
+        self.meter.charge(0);
+        self.check.mask(mask.as_ref(), self.meter);
+    }
 
     fn draw_glyph_run(&mut self, run: &GlyphRun<'_, 'a>, props: DrawProps<'a>, _mode: &DrawMode) {
+        self.meter.charge(run.glyphs().len() as u64);
+        self.check.glyphs(run, &props, self.meter);
+        self.check
+            .paint(&props.paint, DrawTransform(props.transform), self.meter);
         for glyph in run.glyphs() {
             let t: Affine = props.transform * glyph.transform();
             let origin = t * Point::ZERO;
@@ -483,7 +607,9 @@ impl<'a> Device<'a> for TextDevice {
         }
     }
 
-    fn draw_image(&mut self, _image: Image<'a, '_>, props: ImageDrawProps<'a>) {
+    fn draw_image(&mut self, image: Image<'a, '_>, props: ImageDrawProps<'a>) {
+        self.check.image(&image, self.meter);
+        self.check.mask(props.soft_mask.as_ref(), self.meter);
         self.images += 1;
         // An image fills the unit square under its transform.
         let area = props.transform.determinant().abs();
@@ -517,35 +643,279 @@ mod tests {
     }
 
     #[test]
-    fn a_flate_bomb_or_a_giant_image_is_refused_before_hayro_reads_it() {
+    fn a_flate_bomb_is_refused_before_hayro_reads_it() {
         use std::io::Write as _;
         // 4 MiB of zeros deflate to a few KB.
         let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
         z.write_all(&vec![0u8; 4 << 20]).unwrap();
-        let bomb = with_stream("/Filter /FlateDecode", &z.finish().unwrap());
+        let data = z.finish().unwrap();
+        let bomb = with_stream("/Filter /FlateDecode", &data);
         assert!(bomb.len() < 64 * 1024);
-        let err = within_bounds(&bomb, 1 << 20, MAX_IMAGE_PIXELS).unwrap_err();
+        let err = within_bounds(&bomb, 1 << 20).unwrap_err();
         assert_eq!(err.reason(), "too large when unpacked");
-        assert!(within_bounds(&bomb, 8 << 20, MAX_IMAGE_PIXELS).is_ok());
-        // An image whose declared size would take gigabytes to decode.
-        let giant = with_stream(
-            "/Type /XObject /Subtype /Image /Width 40000 /Height 40000 /BitsPerComponent 8",
-            b"tiny",
-        );
-        let err = within_bounds(&giant, MAX_INFLATED, MAX_IMAGE_PIXELS).unwrap_err();
-        assert!(err.reason().contains("40000x40000"), "{err}");
-        assert!(read(DocKind::Pdf, &giant, &Limits::default()).is_err());
-        // Its size by reference: refused, not decoded blind.
-        let hidden = with_stream(
-            "/Type /XObject /Subtype /Image /Width 6 0 R /Height 7 0 R /Filter /DCTDecode",
-            b"tiny",
-        );
-        let err = within_bounds(&hidden, MAX_INFLATED, MAX_IMAGE_PIXELS).unwrap_err();
-        assert!(err.reason().contains("by reference"), "{err}");
-        // The fixtures are within bounds, the scanned page's image included.
+        assert!(within_bounds(&bomb, 8 << 20).is_ok());
+        // Whatever the dictionary says (a filter by reference).
+        let hidden = with_stream("/Filter 7 0 R", &data);
+        assert!(within_bounds(&hidden, 1 << 20).is_err());
         for name in ["text.pdf", "chart.pdf", "scanned.pdf", "long.pdf"] {
-            within_bounds(&fixture(name), MAX_INFLATED, MAX_IMAGE_PIXELS).unwrap();
+            within_bounds(&fixture(name), MAX_INFLATED).unwrap();
         }
+    }
+
+    /// A PDF whose objects are `objects` (numbered from 3: 1 is the
+    /// catalog, 2 the page tree of `pages` pages, each drawing object 3 as
+    /// its content with `resources`), with a cross-reference table.
+    fn build(pages: usize, resources: &str, objects: &[Vec<u8>]) -> Vec<u8> {
+        let first = 3 + objects.len();
+        let kids: Vec<String> = (0..pages).map(|i| format!("{} 0 R", first + i)).collect();
+        let mut bodies: Vec<Vec<u8>> = vec![
+            b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(),
+            format!(
+                "<< /Type /Pages /Kids [{}] /Count {pages} >>",
+                kids.join(" ")
+            )
+            .into_bytes(),
+        ];
+        bodies.extend(objects.iter().cloned());
+        for _ in 0..pages {
+            bodies.push(
+                format!(
+                    "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 200] /Contents 3 0 R /Resources << {resources} >> >>"
+                )
+                .into_bytes(),
+            );
+        }
+        let mut out = b"%PDF-1.7\n".to_vec();
+        let mut offsets = Vec::new();
+        for (i, body) in bodies.iter().enumerate() {
+            offsets.push(out.len());
+            out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
+            out.extend_from_slice(body);
+            out.extend_from_slice(b"\nendobj\n");
+        }
+        let xref = out.len();
+        out.extend_from_slice(
+            format!("xref\n0 {}\n0000000000 65535 f \n", bodies.len() + 1).as_bytes(),
+        );
+        for o in offsets {
+            out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
+        }
+        out.extend_from_slice(
+            format!(
+                "trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
+                bodies.len() + 1
+            )
+            .as_bytes(),
+        );
+        out
+    }
+
+    fn stream(dict: &str, data: &[u8]) -> Vec<u8> {
+        let mut b = format!("<< {dict} /Length {} >>\nstream\n", data.len()).into_bytes();
+        b.extend_from_slice(data);
+        b.extend_from_slice(b"\nendstream");
+        b
+    }
+
+    fn deflate(data: &[u8]) -> Vec<u8> {
+        use std::io::Write as _;
+        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
+        z.write_all(data).unwrap();
+        z.finish().unwrap()
+    }
+
+    /// A JPEG's headers claiming `w`x`h` pixels in three colors (no data).
+    fn jpeg_header(w: u16, h: u16) -> Vec<u8> {
+        let mut j = vec![0xFF, 0xD8, 0xFF, 0xC0, 0x00, 0x11, 0x08];
+        j.extend_from_slice(&h.to_be_bytes());
+        j.extend_from_slice(&w.to_be_bytes());
+        j.extend_from_slice(&[3, 1, 0x11, 0, 2, 0x11, 1, 3, 0x11, 1, 0xFF, 0xD9]);
+        j
+    }
+
+    /// Reads `pdf` and renders its first page that needs a look: the text
+    /// is read, the page is not rendered, and says why.
+    fn refused_render(pdf: &[u8]) -> String {
+        let r =
+            read_and_render(pdf, &Limits::default(), &AtomicBool::new(false), 1, 110.0).unwrap();
+        assert_eq!(r.doc.pages.len(), 1);
+        assert!(r.doc.pages[0].needs_look);
+        assert_eq!(r.rendered.len(), 1, "{:?}", r.rendered);
+        let err = r.rendered[0].1.clone().unwrap_err();
+        assert!(render_page(pdf, 1, 110.0).is_err());
+        err.reason().to_owned()
+    }
+
+    const DRAW_IM: &[u8] = b"q 200 0 0 200 0 0 cm /Im1 Do Q";
+
+    #[test]
+    fn an_image_with_a_dictionary_over_4k_is_sized_where_it_is_drawn() {
+        // The old raw scan looked 4 KB back from `stream` for `/Image`.
+        let pad = "0".repeat(6000);
+        let image = stream(
+            &format!(
+                "/Type /XObject /Subtype /Image /Width 40000 /Height 40000 /ColorSpace /DeviceRGB /BitsPerComponent 8 /Filter /DCTDecode /Pad <{pad}>"
+            ),
+            &jpeg_header(40000, 40000),
+        );
+        let pdf = build(
+            1,
+            "/XObject << /Im1 4 0 R >>",
+            &[stream("", DRAW_IM), image],
+        );
+        let why = refused_render(&pdf);
+        assert!(why.contains("40000x40000"), "{why}");
+    }
+
+    #[test]
+    fn a_jpeg_larger_than_its_dictionary_says_is_refused() {
+        let image = stream(
+            "/Type /XObject /Subtype /Image /Width 10 /Height 10 /ColorSpace /DeviceRGB /BitsPerComponent 8 /Filter /DCTDecode",
+            &jpeg_header(60000, 60000),
+        );
+        let pdf = build(
+            1,
+            "/XObject << /Im1 4 0 R >>",
+            &[stream("", DRAW_IM), image],
+        );
+        let why = refused_render(&pdf);
+        assert!(why.contains("60000x60000"), "{why}");
+        // Its size given by reference is read (resolved), not refused blind.
+        let image = stream(
+            "/Type /XObject /Subtype /Image /Width 5 0 R /Height 5 0 R /ColorSpace /DeviceRGB /BitsPerComponent 8 /Filter /DCTDecode",
+            &jpeg_header(40000, 40000),
+        );
+        let pdf = build(
+            1,
+            "/XObject << /Im1 4 0 R >>",
+            &[stream("", DRAW_IM), image, b"40000".to_vec()],
+        );
+        let why = refused_render(&pdf);
+        assert!(why.contains("40000x40000"), "{why}");
+    }
+
+    #[test]
+    fn an_image_whose_filter_is_by_reference_is_inflated_within_bounds() {
+        // 100x100 gray wants 10 KB; its data inflates to 16 MiB.
+        let image = stream(
+            "/Type /XObject /Subtype /Image /Width 100 /Height 100 /ColorSpace /DeviceGray /BitsPerComponent 8 /Filter 5 0 R",
+            &deflate(&vec![0u8; 16 << 20]),
+        );
+        let pdf = build(
+            1,
+            "/XObject << /Im1 4 0 R >>",
+            &[stream("", DRAW_IM), image, b"/FlateDecode".to_vec()],
+        );
+        let why = refused_render(&pdf);
+        assert!(why.contains("too large when unpacked"), "{why}");
+    }
+
+    #[test]
+    fn inline_images_in_a_compressed_content_stream_are_sized() {
+        let giant = deflate(
+            b"q 200 0 0 200 0 0 cm BI /W 40000 /H 40000 /BPC 8 /CS /G ID \x00\x00\x00\x00 EI Q",
+        );
+        let pdf = build(1, "", &[stream("/Filter /FlateDecode", &giant)]);
+        let why = refused_render(&pdf);
+        assert!(why.contains("40000x40000"), "{why}");
+        // A small inline image whose own data is a deflate bomb.
+        let mut content = b"q 200 0 0 200 0 0 cm BI /W 10 /H 10 /BPC 8 /CS /G /F /Fl ID ".to_vec();
+        content.extend_from_slice(&deflate(&vec![0u8; 16 << 20]));
+        content.extend_from_slice(b" EI Q");
+        let pdf = build(1, "", &[stream("/Filter /FlateDecode", &deflate(&content))]);
+        let why = refused_render(&pdf);
+        assert!(why.contains("too large when unpacked"), "{why}");
+    }
+
+    #[test]
+    fn streams_are_counted_through_filter_chains_and_references() {
+        // ASCII85 around a deflate bomb: the raw scan cannot inflate it.
+        let bomb = deflate(&vec![b' '; 4 << 20]);
+        let mut a85 = Vec::new();
+        for chunk in bomb.chunks(4) {
+            let mut c = [0u8; 4];
+            c[..chunk.len()].copy_from_slice(chunk);
+            let mut v = u32::from_be_bytes(c);
+            let mut d = [0u8; 5];
+            for k in (0..5).rev() {
+                d[k] = (v % 85) as u8 + b'!';
+                v /= 85;
+            }
+            a85.extend_from_slice(&d[..chunk.len() + 1]);
+        }
+        a85.extend_from_slice(b"~>");
+        let pdf = build(
+            1,
+            "",
+            &[stream("/Filter 4 0 R", &a85), b"[/A85 /Fl]".to_vec()],
+        );
+        within_bounds(&pdf, 1 << 20).unwrap();
+        let (pdf, _) = (Pdf::new(pdf).unwrap(), ());
+        let err = streams_within(pdf.objects(), 1 << 20).unwrap_err();
+        assert_eq!(err, "too large when unpacked");
+        let sizes = streams_within(pdf.objects(), 8 << 20).unwrap();
+        assert!(sizes.values().any(|&n| n == 4 << 20), "{sizes:?}");
+    }
+
+    #[test]
+    fn pages_sharing_one_big_content_stream_stop_at_the_budget() {
+        // 20000 filled squares (about 300 KB), drawn by 400 pages.
+        let content = "0 0 1 1 re f\n".repeat(20_000);
+        let pdf = build(
+            400,
+            "",
+            &[stream("/Filter /FlateDecode", &deflate(content.as_bytes()))],
+        );
+        let stop = AtomicBool::new(false);
+        let limits = Limits {
+            max_work: 500_000,
+            ..Limits::default()
+        };
+        let r = read_and_render(&pdf, &limits, &stop, 0, 72.0).unwrap();
+        assert_eq!(r.doc.stopped.as_deref(), Some("over the work budget"));
+        assert!(r.doc.truncated);
+        // A page is ~60000 units (a call and 5 elements per square).
+        assert!(r.doc.pages.len() <= 9, "{}", r.doc.pages.len());
+        assert!(r.work <= limits.max_work + 64 * 6 + 6, "{}", r.work);
+        // The content budget counts the stream once per page.
+        let limits = Limits {
+            max_content_bytes: content.len() * 3,
+            ..Limits::default()
+        };
+        let r = read_and_render(&pdf, &limits, &stop, 0, 72.0).unwrap();
+        assert_eq!(r.doc.stopped.as_deref(), Some("over the content budget"));
+        assert_eq!(r.doc.pages.len(), 3);
+        // A request gone: nothing more is read.
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let r = read_and_render(&pdf, &Limits::default(), &stop, 0, 72.0).unwrap();
+        assert_eq!(r.doc.stopped.as_deref(), Some("the request was cancelled"));
+        assert!(r.doc.pages.is_empty());
+    }
+
+    #[test]
+    fn one_opening_reads_and_renders() {
+        let r = read_and_render(
+            &fixture("chart.pdf"),
+            &Limits::default(),
+            &AtomicBool::new(false),
+            4,
+            110.0,
+        )
+        .unwrap();
+        assert_eq!(r.doc.pages.len(), 2);
+        assert_eq!(r.rendered.len(), 1);
+        assert_eq!(r.rendered[0].0, 2);
+        let png = r.rendered[0].1.as_ref().unwrap();
+        assert_eq!(png, &render_page(&fixture("chart.pdf"), 2, 110.0).unwrap());
+        let none = read_and_render(
+            &fixture("chart.pdf"),
+            &Limits::default(),
+            &AtomicBool::new(false),
+            0,
+            110.0,
+        )
+        .unwrap();
+        assert!(none.rendered.is_empty());
     }
 
     fn pages_with(doc: &Document, needle: &str) -> Vec<usize> {

@@ -8,7 +8,11 @@
 //! a request: what cannot be read or heard becomes one line that says why.
 
 use std::fmt::Write as _;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
 
 use crate::describe::{Credential, PROMPT_VERSION, describe};
 use crate::media::{self, DocKind, Document, Limits};
@@ -19,6 +23,29 @@ use super::AppState;
 
 /// Pages are rendered for the describer at this resolution.
 const RENDER_DPI: f32 = 110.0;
+
+/// How long a document waits for a reader (see [`readers`]) before it is
+/// left unread.
+const READER_WAIT: Duration = Duration::from_secs(30);
+
+/// Documents read or rendered at once, over the process: one per core (the
+/// work is CPU-bound; more would only slow each other and the proxy).
+fn readers() -> &'static Semaphore {
+    static READERS: OnceLock<Semaphore> = OnceLock::new();
+    READERS.get_or_init(|| {
+        Semaphore::new(std::thread::available_parallelism().map_or(2, std::num::NonZero::get))
+    })
+}
+
+/// Sets the flag when dropped: the request future that owns it is gone (or
+/// done), so the blocking read it started stops at its next check.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
 
 /// The text made for one document or audio, and the `action` label of
 /// `visor_media_total` it counts under.
@@ -109,6 +136,9 @@ struct Read {
     pictures: Vec<Picture>,
     /// Pages that needed a look but could not be rendered, and why.
     unrendered: Vec<(usize, String)>,
+    /// Pages that needed a look, within the budget, not rendered because
+    /// the describer is unavailable.
+    unseen: Vec<usize>,
 }
 
 struct Picture {
@@ -145,10 +175,23 @@ async fn document(
     let bytes = job.bytes.clone();
     let media_type = job.media_type.clone();
     let name2 = name.clone();
-    let read =
-        tokio::task::spawn_blocking(move || read(&bytes, &media_type, name2.as_deref(), budget))
-            .await
-            .ok();
+    // Rendering is skipped while the describer is backing off: nothing
+    // would describe the pages.
+    let describer_up = !state.describer.is_backing_off();
+    let Ok(Ok(permit)) = tokio::time::timeout(READER_WAIT, readers().acquire()).await else {
+        return failed(job, name, "could not be read: all readers busy");
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let _stop_on_drop = StopOnDrop(stop.clone());
+    let read = tokio::task::spawn_blocking(move || {
+        // Held by the read itself: a request dropped mid-read keeps its
+        // reader until the read notices.
+        let _permit = permit;
+        let render = if describer_up { budget } else { 0 };
+        read(&bytes, &media_type, name2.as_deref(), budget, render, &stop)
+    })
+    .await
+    .ok();
     let Some(read) = read else {
         return failed(job, name, "could not be read: the reader stopped");
     };
@@ -202,9 +245,18 @@ async fn document(
         }
     }
     for (page, why) in &read.unrendered {
+        // Out of time or cancelled: another request may do better.
+        complete &= !(why.starts_with("over the time") || why.contains("cancelled"));
         notes.push((
             *page,
             format!("[page {page}: figures, not described: could not be rendered: {why}]"),
+        ));
+    }
+    for page in &read.unseen {
+        complete = false;
+        notes.push((
+            *page,
+            format!("[page {page}: figures, not described: describer unavailable]"),
         ));
     }
     let unit = read.kind.map_or("page", DocKind::unit);
@@ -222,7 +274,7 @@ async fn document(
         why_not,
     );
     let text: Arc<str> = Arc::from(text);
-    if complete {
+    if complete && doc.stopped.is_none() {
         state.describer.remember(&key, text.clone()).await;
     }
     Made {
@@ -252,7 +304,14 @@ pub fn offline(job: &MediaJob) -> Made {
             };
         }
     };
-    let read = read(&job.bytes, &job.media_type, name.as_deref(), 0);
+    let read = read(
+        &job.bytes,
+        &job.media_type,
+        name.as_deref(),
+        0,
+        0,
+        &AtomicBool::new(false),
+    );
     let why_not = "visor explain calls no describer";
     let (text, action) = match read.doc {
         Ok(Content::Parsed(doc)) => {
@@ -300,14 +359,16 @@ fn failed(job: MediaJob, name: Option<String>, why: &str) -> Made {
     }
 }
 
-/// The key a document's whole text is kept under: its hash, the describer
-/// model and prompt, how many pages may be described, and the query.
+/// The key a document's whole text is kept under: its hash, the reader's
+/// version, the describer model and prompt, how many pages may be
+/// described, and the query.
 fn document_key(state: &AppState, job: &MediaJob, budget: usize) -> String {
     let d = &state.describer;
     let q = subject_key("", job.query.as_deref());
     format!(
-        "document/{}/{}/v{PROMPT_VERSION}/p{budget}{q}",
+        "document/{}/r{}/{}/v{PROMPT_VERSION}/p{budget}{q}",
         job.sha256,
+        media::READER_VERSION,
         d.model()
     )
 }
@@ -321,8 +382,16 @@ fn picture_sha(doc_sha: &str, p: &Picture) -> String {
 
 /// Reads the document and renders (or takes) the pictures to describe:
 /// PDF pages that draw figures or hold no text, Office images, at most
-/// `budget`, in page order.
-fn read(bytes: &[u8], media_type: &str, name: Option<&str>, budget: usize) -> Read {
+/// `budget`, in page order; PDF pages are rendered only up to `render` (the
+/// rest within `budget` are `unseen`). `stop` set: the read stops early.
+fn read(
+    bytes: &[u8],
+    media_type: &str,
+    name: Option<&str>,
+    budget: usize,
+    render: usize,
+    stop: &AtomicBool,
+) -> Read {
     let kind = DocKind::detect(Some(media_type), name, bytes);
     let Some(kind) = kind else {
         // Not a document visor parses: text when it is text.
@@ -339,28 +408,55 @@ fn read(bytes: &[u8], media_type: &str, name: Option<&str>, budget: usize) -> Re
             doc,
             pictures: Vec::new(),
             unrendered: Vec::new(),
+            unseen: Vec::new(),
         };
     };
-    let doc = media::read(kind, bytes, &Limits::default()).map_err(|e| e.to_string());
     let mut pictures = Vec::new();
     let mut unrendered = Vec::new();
+    let mut unseen = Vec::new();
+    let limits = Limits::default();
+    if kind == DocKind::Pdf {
+        let read = media::read_and_render(bytes, &limits, stop, render.min(budget), RENDER_DPI);
+        let doc = match read {
+            Ok(r) => {
+                for (page, png) in r.rendered {
+                    match png {
+                        Ok(png) => pictures.push(Picture {
+                            page,
+                            label: format!("{} {page}", kind.unit()),
+                            media_type: "image/png".to_owned(),
+                            bytes: bytes::Bytes::from(png),
+                            rendered: true,
+                        }),
+                        Err(e) => unrendered.push((page, e.to_string())),
+                    }
+                }
+                if render < budget {
+                    unseen = r
+                        .doc
+                        .pages
+                        .iter()
+                        .filter(|p| p.needs_look)
+                        .map(|p| p.number)
+                        .skip(render)
+                        .take(budget - render)
+                        .collect();
+                }
+                Ok(Content::Parsed(r.doc))
+            }
+            Err(e) => Err(e.to_string()),
+        };
+        return Read {
+            kind: Some(kind),
+            doc,
+            pictures,
+            unrendered,
+            unseen,
+        };
+    }
+    let doc = media::read(kind, bytes, &limits).map_err(|e| e.to_string());
     if let Ok(d) = &doc {
         for page in &d.pages {
-            if pictures.len() >= budget {
-                break;
-            }
-            if kind == DocKind::Pdf && page.needs_look {
-                match media::render_page(bytes, page.number, RENDER_DPI) {
-                    Ok(png) => pictures.push(Picture {
-                        page: page.number,
-                        label: format!("{} {}", kind.unit(), page.number),
-                        media_type: "image/png".to_owned(),
-                        bytes: bytes::Bytes::from(png),
-                        rendered: true,
-                    }),
-                    Err(e) => unrendered.push((page.number, e.to_string())),
-                }
-            }
             for img in &page.images {
                 if pictures.len() >= budget {
                     break;
@@ -380,6 +476,7 @@ fn read(bytes: &[u8], media_type: &str, name: Option<&str>, budget: usize) -> Re
         doc: doc.map(Content::Parsed),
         pictures,
         unrendered,
+        unseen,
     }
 }
 
@@ -433,7 +530,9 @@ fn compose(
             let _ = write!(out, "\n[{unseen} image{s} not described: {why_not}]");
         }
     }
-    if doc.truncated {
+    if let Some(why) = &doc.stopped {
+        let _ = write!(out, "\n[the rest of the document is not shown: {why}]");
+    } else if doc.truncated {
         let _ = write!(
             out,
             "\n[the rest of the document is not shown: over {} {unit}s]",
