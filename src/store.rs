@@ -255,9 +255,11 @@ impl Store {
     pub async fn description(&self, key: &str) -> Result<Option<String>, StoreError> {
         let op = async {
             match &self.backend {
-                Backend::Memory(m) => {
-                    Ok(m.descriptions.lock().ok().and_then(|d| d.get(key).cloned()))
-                }
+                Backend::Memory(m) => Ok(m
+                    .descriptions
+                    .lock()
+                    .ok()
+                    .and_then(|d| d.map.get(key).cloned())),
                 Backend::Disk(d) => {
                     let key = key.to_owned();
                     d.run(move |db| {
@@ -278,7 +280,7 @@ impl Store {
             match &self.backend {
                 Backend::Memory(m) => {
                     if let Ok(mut d) = m.descriptions.lock() {
-                        d.insert(key.to_owned(), text.to_owned());
+                        d.insert(key, text);
                     }
                     Ok(())
                 }
@@ -722,9 +724,56 @@ impl Store {
 
 #[derive(Default)]
 struct Memory {
-    descriptions: Mutex<HashMap<String, String>>,
+    descriptions: Mutex<Texts>,
     learned: Mutex<BTreeSet<String>>,
     sessions: Mutex<HashMap<String, MemSession>>,
+}
+
+/// The memory backend's descriptions and document texts, at most
+/// [`MEMORY_TEXT_BYTES`] (a client sending ever new documents must not grow
+/// the process without end): past it, entries are dropped — any, it is a
+/// cache — until a quarter is free.
+#[derive(Default)]
+struct Texts {
+    map: HashMap<String, String>,
+    bytes: usize,
+}
+
+/// What the memory backend keeps of descriptions and document texts.
+const MEMORY_TEXT_BYTES: usize = 64 << 20;
+
+impl Texts {
+    fn insert(&mut self, key: &str, text: &str) {
+        let size = |k: &str, v: &str| k.len() + v.len();
+        if let Some(old) = self.map.remove(key) {
+            self.bytes -= size(key, &old);
+        }
+        let add = size(key, text);
+        if add > MEMORY_TEXT_BYTES / 4 {
+            return;
+        }
+        if self.bytes + add > MEMORY_TEXT_BYTES {
+            let keep = MEMORY_TEXT_BYTES / 4 * 3 - add;
+            let drop: Vec<String> = self
+                .map
+                .iter()
+                .scan(self.bytes, |total, (k, v)| {
+                    let over = *total > keep;
+                    *total -= size(k, v);
+                    Some((over, k))
+                })
+                .take_while(|(over, _)| *over)
+                .map(|(_, k)| k.clone())
+                .collect();
+            for k in drop {
+                if let Some(v) = self.map.remove(&k) {
+                    self.bytes -= size(&k, &v);
+                }
+            }
+        }
+        self.bytes += add;
+        self.map.insert(key.to_owned(), text.to_owned());
+    }
 }
 
 struct MemSession {
@@ -949,8 +998,26 @@ fn connection_failed(e: &redis::RedisError) -> bool {
 
 #[cfg(test)]
 mod tests {
+
     #![allow(clippy::unwrap_used)]
     use super::*;
+    #[test]
+    fn memory_texts_stay_under_their_bound() {
+        let mut t = Texts::default();
+        let text = "x".repeat(1 << 20);
+        for i in 0..200 {
+            t.insert(&format!("document/{i}"), &text);
+            assert!(t.bytes <= MEMORY_TEXT_BYTES, "{i}: {}", t.bytes);
+        }
+        let counted: usize = t.map.iter().map(|(k, v)| k.len() + v.len()).sum();
+        assert_eq!(counted, t.bytes);
+        assert!(t.map.contains_key("document/199"), "the newest is kept");
+        assert!(t.map.len() >= 40, "{}", t.map.len());
+        // Replacing an entry counts it once.
+        t.insert("document/199", "short");
+        let counted: usize = t.map.iter().map(|(k, v)| k.len() + v.len()).sum();
+        assert_eq!(counted, t.bytes);
+    }
 
     #[test]
     fn redis_urls_lose_their_password_in_labels() {

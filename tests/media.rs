@@ -134,6 +134,19 @@ async fn a_pdf_becomes_its_text_page_by_page_in_place() {
         ),
         Some(1.0)
     );
+
+    // The same bytes under another name, in another conversation: its
+    // header names its own file (the cached text is not another's).
+    let renamed = json!({"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{}", b64(&media("text.pdf"))), "filename": "copy.pdf"}});
+    post(&visor, chat_with(renamed)).await;
+    let text = replaced_text(&model_calls(&mock)[1]);
+    assert!(
+        text.starts_with(&format!(
+            "[document sha256:{}, application/pdf, 3 pages, copy.pdf]",
+            &sha[..12]
+        )),
+        "{text}"
+    );
 }
 
 #[tokio::test]

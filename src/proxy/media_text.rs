@@ -62,20 +62,32 @@ pub struct Credentials {
     pub transcriber: Credential,
 }
 
-/// The text for each job, made concurrently.
+/// The text for each job: audio transcribed concurrently, documents read
+/// one after another (a request takes at most one of the process's
+/// readers, so one request with many documents never starves the others).
 pub async fn make(
     state: &Arc<AppState>,
     jobs: Vec<MediaJob>,
     describe_pages: bool,
     creds: &Credentials,
 ) -> Vec<Made> {
-    let made = futures_util::future::join_all(jobs.into_iter().map(|job| async move {
-        match &job.medium {
-            Medium::Audio { .. } => transcribe(state, job, &creds.transcriber).await,
-            _ => document(state, job, describe_pages, &creds.describer).await,
+    let (audio, documents): (Vec<_>, Vec<_>) = jobs
+        .into_iter()
+        .partition(|j| matches!(j.medium, Medium::Audio { .. }));
+    let heard = futures_util::future::join_all(
+        audio
+            .into_iter()
+            .map(|job| transcribe(state, job, &creds.transcriber)),
+    );
+    let read = async {
+        let mut made = Vec::with_capacity(documents.len());
+        for job in documents {
+            made.push(document(state, job, describe_pages, &creds.describer).await);
         }
-    }))
-    .await;
+        made
+    };
+    let (mut made, read) = futures_util::future::join(heard, read).await;
+    made.extend(read);
     for m in &made {
         let kind = if m.action == "transcribed" || m.text.starts_with("[audio ") {
             "audio"
@@ -245,19 +257,29 @@ async fn document(
         }
     }
     for (page, why) in &read.unrendered {
-        // Out of time or cancelled: another request may do better.
-        complete &= !(why.starts_with("over the time") || why.contains("cancelled"));
+        // (A page stopped by a budget is kept as read, like the rest of
+        // the document: later turns then send the same text, and do not
+        // spend the time again. A cancelled read is never seen here: its
+        // request, and this future, are gone.)
         notes.push((
             *page,
             format!("[page {page}: figures, not described: could not be rendered: {why}]"),
         ));
     }
-    for page in &read.unseen {
-        complete = false;
-        notes.push((
-            *page,
-            format!("[page {page}: figures, not described: describer unavailable]"),
-        ));
+    for &page in &read.unseen {
+        // Not rendered (the describer is backing off), but described on
+        // an earlier turn: that description, as it was.
+        let id = subject_key(&format!("{}.p{page}", job.sha256), job.query.as_deref());
+        match state.describer.cached(&state.describer.key(&id)).await {
+            Some(d) => notes.push((page, format!("[page {page} described: {}]", one_line(&d)))),
+            None => {
+                complete = false;
+                notes.push((
+                    page,
+                    format!("[page {page}: figures, not described: describer unavailable]"),
+                ));
+            }
+        }
     }
     let unit = read.kind.map_or("page", DocKind::unit);
     let why_not = match describe_pages {
@@ -274,7 +296,7 @@ async fn document(
         why_not,
     );
     let text: Arc<str> = Arc::from(text);
-    if complete && doc.stopped.is_none() {
+    if complete {
         state.describer.remember(&key, text.clone()).await;
     }
     Made {
@@ -365,11 +387,19 @@ fn failed(job: MediaJob, name: Option<String>, why: &str) -> Made {
 fn document_key(state: &AppState, job: &MediaJob, budget: usize) -> String {
     let d = &state.describer;
     let q = subject_key("", job.query.as_deref());
+    // The text's header names the file and its type: the same bytes under
+    // another name or type are another text.
+    let name = match &job.medium {
+        Medium::Document { name, .. } => name.as_deref().unwrap_or(""),
+        _ => "",
+    };
+    let named = sha256_hex(format!("{}\0{name}", job.media_type).as_bytes());
     format!(
-        "document/{}/r{}/{}/v{PROMPT_VERSION}/p{budget}{q}",
+        "document/{}/r{}/{}/v{PROMPT_VERSION}/p{budget}/n{}{q}",
         job.sha256,
         media::READER_VERSION,
-        d.model()
+        d.model(),
+        &named[..16]
     )
 }
 

@@ -111,7 +111,7 @@ impl DocFamily {
         {
             return DocFamily::Office;
         }
-        let head = head_bytes(b64_head);
+        let head = head_bytes(b64_head, 3072);
         if head.starts_with(b"%PDF-") {
             DocFamily::Pdf
         } else if office_zip(&head) {
@@ -129,47 +129,81 @@ pub const OFFICE_EXTENSIONS: &[&str] = &[
     "xltx", "xltm",
 ];
 
-/// The first bytes of base64 data (up to 120), decoded.
-fn head_bytes(b64_head: &[u8]) -> Vec<u8> {
-    let n = b64_head.len().min(160) / 4 * 4;
-    let head = b64_head.get(..n).unwrap_or_default();
+/// The first bytes of base64 data as it sits in the JSON text (escapes
+/// such as `\/` and line breaks undone), decoded: up to `max` bytes.
+fn head_bytes(b64_head: &[u8], max: usize) -> Vec<u8> {
+    let want = max.div_ceil(3) * 4;
+    let mut chars = Vec::with_capacity(want);
+    let mut i = 0;
+    while i < b64_head.len() && chars.len() < want {
+        match b64_head[i] {
+            b'\\' => {
+                match b64_head.get(i + 1) {
+                    Some(b'/') => chars.push(b'/'),
+                    Some(b'u') => i += 4,
+                    _ => {}
+                }
+                i += 2;
+            }
+            b if b.is_ascii_whitespace() => i += 1,
+            b => {
+                chars.push(b);
+                i += 1;
+            }
+        }
+    }
+    chars.truncate(chars.len() / 4 * 4);
     base64_simd::STANDARD
-        .decode_to_vec(head)
-        .or_else(|_| base64_simd::URL_SAFE.decode_to_vec(head))
+        .decode_to_vec(&chars)
+        .or_else(|_| base64_simd::URL_SAFE.decode_to_vec(&chars))
+        .or_else(|_| base64_simd::forgiving_decode_to_vec(&chars))
         .unwrap_or_default()
 }
 
-/// A zip whose first entry is an Office Open XML part (its local header's
-/// name): `[Content_Types].xml`, `_rels/`, `docProps/`, `word/`, `ppt/`,
-/// `xl/`. Other zips are not Office files.
+/// A zip that is an Office Open XML package, from its local file headers
+/// in `head`: an entry under `word/`, `ppt/` or `xl/`, or a first entry
+/// that only such packages start with (`[Content_Types].xml`, `_rels/`,
+/// `docProps/`, `customXml/`). Other zips are not Office files.
 fn office_zip(head: &[u8]) -> bool {
-    if !head.starts_with(b"PK\x03\x04") {
-        return false;
-    }
-    let len = head
-        .get(26..28)
-        .map_or(0, |l| usize::from(u16::from_le_bytes([l[0], l[1]])));
-    let name = head
-        .get(30..30 + len)
-        .unwrap_or(head.get(30..).unwrap_or_default());
-    [
-        &b"[Content_Types].xml"[..],
+    const FIRST: [&[u8]; 4] = [
+        b"[Content_Types].xml",
         b"_rels/",
         b"docProps/",
-        b"word/",
-        b"ppt/",
-        b"xl/",
-    ]
-    .iter()
-    .any(|p| {
-        name.starts_with(p) || (name.len() < p.len() && p.starts_with(name) && !name.is_empty())
-    })
+        b"customXml/",
+    ];
+    const PARTS: [&[u8]; 3] = [b"word/", b"ppt/", b"xl/"];
+    let mut at = 0usize;
+    for entry in 0..64 {
+        let Some(header) = head.get(at..at + 30) else {
+            return false;
+        };
+        if !header.starts_with(b"PK\x03\x04") {
+            return false;
+        }
+        let word = |i: usize| usize::from(u16::from_le_bytes([header[i], header[i + 1]]));
+        let (flags, name_len, extra_len) = (word(6), word(26), word(28));
+        let compressed = u32::from_le_bytes([header[18], header[19], header[20], header[21]]);
+        let name = head.get(at + 30..).unwrap_or_default();
+        let name = name.get(..name_len).unwrap_or(name);
+        // The whole name, or as much of it as the head holds.
+        let cut = name.len() < name_len;
+        let is = |p: &[u8]| name.starts_with(p) || (cut && !name.is_empty() && p.starts_with(name));
+        if PARTS.iter().any(|p| is(p)) || (entry == 0 && FIRST.iter().any(|p| is(p))) {
+            return true;
+        }
+        if cut || flags & 0x08 != 0 {
+            // Out of head, or sizes follow the data.
+            return false;
+        }
+        at += 30 + name_len + extra_len + compressed as usize;
+    }
+    false
 }
 
 /// Whether the first bytes of base64 data are an image's (PNG, JPEG, GIF,
 /// WebP): a `file` part that holds a picture is an image.
 fn image_head(b64_head: &[u8]) -> bool {
-    let head = head_bytes(b64_head);
+    let head = head_bytes(b64_head, 16);
     head.starts_with(b"\x89PNG")
         || head.starts_with(b"\xff\xd8\xff")
         || head.starts_with(b"GIF8")

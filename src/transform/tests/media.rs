@@ -536,6 +536,13 @@ fn office_files_known_by_name_type_or_first_zip_entry() {
         z
     }
     let head = |entry: &str| b64(&zip_head(entry));
+    // Two stored entries: `first` (empty), then `second`.
+    let two = |first: &str, second: &str| {
+        let mut z = zip_head(first);
+        z.truncate(30 + first.len());
+        z.extend_from_slice(&zip_head(second));
+        b64(&z)
+    };
     let of = |mt: &str, name: Option<&str>, data: &str| DocFamily::of(mt, name, data.as_bytes());
     assert_eq!(
         of("", None, &head("[Content_Types].xml")),
@@ -547,6 +554,23 @@ fn office_files_known_by_name_type_or_first_zip_entry() {
         DocFamily::Other,
         "a zip of code"
     );
+    assert_eq!(of("", None, &head("x")), DocFamily::Other);
+    assert_eq!(
+        of("", None, &two("mimetype", "content.xml")),
+        DocFamily::Other,
+        "OpenDocument"
+    );
+    assert_eq!(
+        of("", None, &two("mimetype", "word/document.xml")),
+        DocFamily::Office
+    );
+    // Base64 as JSON may carry it: `\/` escapes, line breaks.
+    let wrapped: String = b64(PDF)
+        .as_bytes()
+        .chunks(4)
+        .map(|c| format!("{}\\n", std::str::from_utf8(c).unwrap()))
+        .collect();
+    assert_eq!(of("", None, &wrapped), DocFamily::Pdf);
     assert_eq!(of("", None, &b64(PDF)), DocFamily::Pdf);
     assert_eq!(of("", Some("show.PPSX"), ""), DocFamily::Office);
     assert_eq!(of("", Some("letter.dotx"), ""), DocFamily::Office);
@@ -554,4 +578,42 @@ fn office_files_known_by_name_type_or_first_zip_entry() {
         of("application/vnd.ms-excel.sheet.macroEnabled.12", None, ""),
         DocFamily::Office
     );
+}
+
+#[test]
+fn a_jpeg_in_a_file_part_is_an_image_even_with_escaped_slashes() {
+    let jpeg = b"\xff\xd8\xff\xe0\0\x10JFIF\0\x01\x01\0\0\x01\0\x01\0\0\xff\xd9";
+    let data = b64(jpeg).replace('/', "\\/");
+    assert!(data.starts_with("\\/9j\\/"), "{data}");
+    let body = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"file","file":{{"file_data":"{data}"}}}}]}}]}}"#
+    );
+    let plan = Plan {
+        vision: false,
+        ..no_documents(Shape::Chat)
+    };
+    let scanned = scan(body.as_bytes(), &plan).unwrap();
+    let r = scanned.finish(body.as_bytes(), &[]);
+    assert_eq!(r.report.images.len(), 1);
+    assert_eq!(r.report.images[0].medium, "image", "{:?}", r.report);
+}
+
+#[test]
+fn a_vision_model_gets_a_picture_in_a_file_part_byte_for_byte() {
+    const PNG: &[u8] = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x01\0\0\0\x01\x08\x02\0\0\0\x90wS\xde";
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "file", "file": {"file_data": format!("data:image/png;base64,{}", b64(PNG)), "filename": "shot.png"}},
+        ]},
+    ]});
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let plan = plan(Shape::Chat, true, DEFAULTS);
+    let r = match scan(&bytes, &plan) {
+        Ok(s) => s.finish(&bytes, &[]),
+        Err(done) => *done,
+    };
+    assert!(r.body.is_none(), "forwarded as it came");
+    assert_eq!(r.report.images_found, 1);
+    assert_eq!(r.report.images_replaced, 0);
 }
