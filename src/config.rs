@@ -409,14 +409,40 @@ pub struct RawDocuments {
     /// rest keep their text only, with a line that says so.
     #[serde(default = "default_max_pages_described")]
     pub max_pages_described: u32,
+    /// Read each document in a child process (this binary, `visor
+    /// media-worker`) under memory and CPU limits, so a hostile file can
+    /// only end its own reader; false: on a thread of this process.
+    #[serde(default = "default_true")]
+    pub isolate: bool,
+    /// The binary the child runs; default: this executable.
+    #[serde(default)]
+    pub reader_binary: Option<PathBuf>,
+    /// The child's address-space limit, MiB.
+    #[serde(default = "default_reader_memory_mib")]
+    pub reader_memory_mib: u64,
+    /// The child's CPU-time limit, and (with 5 s more) its wall-clock limit.
+    #[serde(default = "default_reader_cpu_secs")]
+    pub reader_cpu_secs: u64,
 }
 
 impl Default for RawDocuments {
     fn default() -> Self {
         Self {
             max_pages_described: default_max_pages_described(),
+            isolate: true,
+            reader_binary: None,
+            reader_memory_mib: default_reader_memory_mib(),
+            reader_cpu_secs: default_reader_cpu_secs(),
         }
     }
+}
+
+fn default_reader_memory_mib() -> u64 {
+    1024
+}
+
+fn default_reader_cpu_secs() -> u64 {
+    10
 }
 
 fn default_max_pages_described() -> u32 {
@@ -1209,6 +1235,15 @@ impl RawConfig {
         );
         if self.transcriber.concurrency == 0 {
             p.push("transcriber.concurrency: 0 — must be at least 1".to_owned());
+        }
+        if self.documents.reader_memory_mib < 256 {
+            p.push(format!(
+                "documents.reader_memory_mib: {} — must be at least 256 (the reader's own code and a rendered page need that much)",
+                self.documents.reader_memory_mib
+            ));
+        }
+        if self.documents.reader_cpu_secs == 0 {
+            p.push("documents.reader_cpu_secs: 0 — must be at least 1".to_owned());
         }
         if self.dedup.min_run_lines < 2 {
             p.push(format!(

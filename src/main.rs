@@ -78,6 +78,10 @@ enum Command {
         /// Request body file; `-` or nothing reads stdin
         file: Option<PathBuf>,
     },
+    /// Reads one document from stdin under memory and CPU limits (what
+    /// `serve` runs in a child process per document; not for people).
+    #[command(hide = true)]
+    MediaWorker { memory_mib: u64, cpu_secs: u64 },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -109,6 +113,10 @@ fn main() -> ExitCode {
             file,
         } => explain(&config_path(config), &model, endpoint, file),
         Command::Serve { config, listen } => serve(&config_path(config), listen),
+        Command::MediaWorker {
+            memory_mib,
+            cpu_secs,
+        } => visor::proxy::media_text::worker_main(memory_mib, cpu_secs),
     }
 }
 

@@ -521,3 +521,84 @@ async fn query_aware_descriptions_take_the_question_of_their_own_message() {
         "{prompt}"
     );
 }
+
+/// A one-page PDF (objects numbered from 1, a cross-reference table) whose
+/// page draws `content` with `resources`, on a `size` pt square.
+fn one_page_pdf(content: &[u8], resources: &str, size: u32) -> Vec<u8> {
+    let mut bodies: Vec<Vec<u8>> = vec![
+        b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(),
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>".to_vec(),
+        format!("<< /Type /Page /Parent 2 0 R /MediaBox [0 0 {size} {size}] /Contents 4 0 R /Resources << {resources} >> >>").into_bytes(),
+    ];
+    let mut stream = format!("<< /Length {} >>\nstream\n", content.len()).into_bytes();
+    stream.extend_from_slice(content);
+    stream.extend_from_slice(b"\nendstream");
+    bodies.push(stream);
+    let mut out = b"%PDF-1.7\n".to_vec();
+    let mut offsets = Vec::new();
+    for (i, body) in bodies.iter().enumerate() {
+        offsets.push(out.len());
+        out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
+        out.extend_from_slice(body);
+        out.extend_from_slice(b"\nendobj\n");
+    }
+    let xref = out.len();
+    out.extend_from_slice(
+        format!("xref\n0 {}\n0000000000 65535 f \n", bodies.len() + 1).as_bytes(),
+    );
+    for o in offsets {
+        out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
+    }
+    out.extend_from_slice(
+        format!(
+            "trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
+            bodies.len() + 1
+        )
+        .as_bytes(),
+    );
+    out
+}
+
+#[tokio::test]
+async fn a_pdf_that_would_take_minutes_to_render_costs_its_reader_not_the_request() {
+    // 20,000 half-transparent fills over most of a 3000 pt page: a few hundred KB of
+    // work for the interpreter, minutes of compositing and gigabytes for
+    // the renderer (which no budget inside the process can interrupt). The
+    // child reader hits its limits; the text is read again without
+    // rendering.
+    let mut content =
+        b"BT /F1 24 Tf 100 2800 Td (Invoice 4471 total due) Tj ET\n/A gs 0 0 1 rg\n".to_vec();
+    for _ in 0..20_000 {
+        content.extend_from_slice(b"100 100 2500 2500 re f\n");
+    }
+    let pdf = one_page_pdf(
+        &content,
+        "/ExtGState << /A << /ca 0.5 >> >> /Font << /F1 << /Type /Font /Subtype /Type1 /BaseFont /Helvetica >> >>",
+        3000,
+    );
+    let mock = MockUpstream::start(everything).await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("{DESCRIBE}[documents]\nreader_cpu_secs = 2\n"),
+    )
+    .await;
+    let part = json!({"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{}", b64(&pdf)), "filename": "fills.pdf"}});
+    post(&visor, chat_with(part)).await;
+    let text = replaced_text(&model_calls(&mock)[0]);
+    assert!(
+        text.contains("Invoice 4471 total due"),
+        "the text is read: {text}"
+    );
+    // (Gigabytes of compositing buffers, or minutes: whichever limit of
+    // the child comes first.)
+    let not_rendered = "[page 1: figures, not described: could not be rendered: over the";
+    assert!(
+        text.contains(&format!("{not_rendered} time budget]"))
+            || text.contains(&format!("{not_rendered} memory budget]")),
+        "{text}"
+    );
+    assert!(
+        mock.recorded().iter().all(|r| !is_describer_call(r)),
+        "nothing rendered, nothing described"
+    );
+}

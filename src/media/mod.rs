@@ -32,7 +32,7 @@ pub use pdf_guard::MAX_IMAGE_PIXELS;
 pub const READER_VERSION: u32 = 2;
 
 /// The kinds of document read here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum DocKind {
     /// Portable Document Format.
     Pdf,
@@ -188,7 +188,7 @@ impl DocKind {
 }
 
 /// A document's text and images, page by page.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Document {
     /// What was read.
     pub kind: DocKind,
@@ -203,7 +203,7 @@ pub struct Document {
 }
 
 /// One page, slide or sheet.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Page {
     /// 1-based.
     pub number: usize,
@@ -221,13 +221,14 @@ pub struct Page {
 }
 
 /// An image embedded in an Office document.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Embedded {
     /// The part's file name, e.g. `image1.png`.
     pub name: String,
     /// From the file name's extension, e.g. `image/png`.
     pub media_type: String,
     /// The image's bytes as stored.
+    #[serde(with = "base64_bytes")]
     pub bytes: Vec<u8>,
 }
 
@@ -445,6 +446,24 @@ pub(crate) fn image_media_type(name: &str) -> String {
         _ => "application/octet-stream",
     }
     .to_owned()
+}
+
+/// Bytes as a base64 string in JSON (a document read in another process
+/// comes back this way).
+pub mod base64_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64_simd::STANDARD.encode_to_string(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>, T: From<Vec<u8>>>(d: D) -> Result<T, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        base64_simd::STANDARD
+            .decode_to_vec(text.as_bytes())
+            .map(T::from)
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 #[cfg(test)]

@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
 use crate::describe::{Credential, PROMPT_VERSION, describe};
@@ -135,13 +137,16 @@ async fn transcribe(state: &Arc<AppState>, job: MediaJob, cred: &Credential) -> 
 }
 
 /// A document's content: parsed pages, or the text of a text document.
+#[derive(Serialize, Deserialize)]
 enum Content {
     Parsed(Document),
     Plain(String),
 }
 
-/// What a document was read into, off the worker thread: its pages, and
-/// the pictures to describe (rendered pages, embedded images).
+/// What a document was read into, off the worker thread (or in the child
+/// process, and sent back as JSON): its pages, and the pictures to
+/// describe (rendered pages, embedded images).
+#[derive(Serialize, Deserialize)]
 struct Read {
     kind: Option<DocKind>,
     doc: Result<Content, String>,
@@ -153,11 +158,13 @@ struct Read {
     unseen: Vec<usize>,
 }
 
+#[derive(Serialize, Deserialize)]
 struct Picture {
     page: usize,
     /// `page 3` (a rendered page) or an embedded image's name.
     label: String,
     media_type: String,
+    #[serde(with = "media::base64_bytes")]
     bytes: bytes::Bytes,
     /// Rendered from the document (its key is the document's hash and
     /// page); else an embedded image known by its own hash.
@@ -193,19 +200,56 @@ async fn document(
     let Ok(Ok(permit)) = tokio::time::timeout(READER_WAIT, readers().acquire()).await else {
         return failed(job, name, "could not be read: all readers busy");
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    let _stop_on_drop = StopOnDrop(stop.clone());
-    let read = tokio::task::spawn_blocking(move || {
-        // Held by the read itself: a request dropped mid-read keeps its
-        // reader until the read notices.
-        let _permit = permit;
-        let render = if describer_up { budget } else { 0 };
-        read(&bytes, &media_type, name2.as_deref(), budget, render, &stop)
-    })
-    .await
-    .ok();
-    let Some(read) = read else {
-        return failed(job, name, "could not be read: the reader stopped");
+    let ask = Ask {
+        media_type,
+        name: name2,
+        budget,
+        render: if describer_up { budget } else { 0 },
+    };
+    let read = match reader(&state.config.documents) {
+        Some(worker) => {
+            // The permit is held until the child is gone (a request
+            // dropped mid-read kills it: `kill_on_drop`).
+            let mut read = read_in_child(&worker, &ask, &bytes).await;
+            if let (Err(why), true) = (&read, ask.render > 0) {
+                // Rendering is where a hostile file costs most: its text
+                // alone, the pages it would have rendered saying why not.
+                let why = why.clone();
+                let text_only = Ask { render: 0, ..ask };
+                read = read_in_child(&worker, &text_only, &bytes)
+                    .await
+                    .map(|mut r| {
+                        let unrendered = std::mem::take(&mut r.unseen);
+                        r.unrendered = unrendered.into_iter().map(|p| (p, why.clone())).collect();
+                        r
+                    });
+            }
+            drop(permit);
+            read
+        }
+        None => {
+            let stop = Arc::new(AtomicBool::new(false));
+            let _stop_on_drop = StopOnDrop(stop.clone());
+            tokio::task::spawn_blocking(move || {
+                // Held by the read itself: a request dropped mid-read
+                // keeps its reader until the read notices.
+                let _permit = permit;
+                read(
+                    &bytes,
+                    &ask.media_type,
+                    ask.name.as_deref(),
+                    ask.budget,
+                    ask.render,
+                    &stop,
+                )
+            })
+            .await
+            .map_err(|_| "the reader stopped".to_owned())
+        }
+    };
+    let read = match read {
+        Ok(read) => read,
+        Err(why) => return failed(job, name, &format!("could not be read: {why}")),
     };
     let doc = match read.doc {
         Ok(Content::Parsed(d)) => d,
@@ -378,6 +422,161 @@ fn failed(job: MediaJob, name: Option<String>, why: &str) -> Made {
         )),
         sha256: job.sha256,
         action: "stripped",
+    }
+}
+
+/// What the child reader is asked: the document's type and name, how many
+/// pictures to make and how many pages to render (then the bytes).
+#[derive(Clone, Serialize, Deserialize)]
+struct Ask {
+    media_type: String,
+    name: Option<String>,
+    budget: usize,
+    render: usize,
+}
+
+/// The child reader's limits and binary (`[documents]`).
+struct Worker {
+    binary: std::path::PathBuf,
+    memory_mib: u64,
+    cpu_secs: u64,
+}
+
+/// The binary that reads documents in a child process, when
+/// `documents.isolate`: `reader_binary`, else this executable when it is
+/// visor's (a test harness or a bench embedding the library is not: they
+/// read on a thread unless they name the binary).
+fn reader(cfg: &crate::config::RawDocuments) -> Option<Worker> {
+    if !cfg.isolate {
+        return None;
+    }
+    let binary = match &cfg.reader_binary {
+        Some(b) => b.clone(),
+        None => {
+            let exe = std::env::current_exe().ok()?;
+            let stem = exe.file_stem()?.to_str()?;
+            if stem != "visor" {
+                return None;
+            }
+            exe
+        }
+    };
+    Some(Worker {
+        binary,
+        memory_mib: cfg.reader_memory_mib,
+        cpu_secs: cfg.reader_cpu_secs,
+    })
+}
+
+/// The most a child reader may answer (its text is bounded far below).
+const MAX_WORKER_ANSWER: u64 = 512 << 20;
+
+/// Reads the document in a child process: `visor media-worker` with the
+/// limits in its arguments, the ask and the bytes on its stdin, the
+/// [`Read`] as JSON on its stdout. A child that is killed (its CPU limit,
+/// the wall-clock limit here, memory) is a reason, never an error of the
+/// request.
+async fn read_in_child(worker: &Worker, ask: &Ask, bytes: &[u8]) -> Result<Read, String> {
+    use std::process::Stdio;
+    let mut child = tokio::process::Command::new(&worker.binary)
+        .arg("media-worker")
+        .arg(worker.memory_mib.to_string())
+        .arg(worker.cpu_secs.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| {
+            tracing::warn!(binary = %worker.binary.display(), error = %e, "cannot start the document reader");
+            "the reader could not be started".to_owned()
+        })?;
+    let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+        return Err("the reader could not be started".to_owned());
+    };
+    let mut head = serde_json::to_vec(ask).map_err(|e| e.to_string())?;
+    head.push(b'\n');
+    let write = async move {
+        // A child that stops reading (it died) ends the write early.
+        let _ = stdin.write_all(&head).await;
+        let _ = stdin.write_all(bytes).await;
+    };
+    let read = async move {
+        let mut out = Vec::new();
+        let _ = stdout.take(MAX_WORKER_ANSWER).read_to_end(&mut out).await;
+        out
+    };
+    let limit = Duration::from_secs(worker.cpu_secs + 5);
+    let done = tokio::time::timeout(limit, async {
+        let ((), out) = futures_util::future::join(write, read).await;
+        (out, child.wait().await)
+    })
+    .await;
+    let Ok((out, status)) = done else {
+        let _ = child.kill().await;
+        return Err("over the time budget".to_owned());
+    };
+    match status {
+        Ok(s) if s.success() => {
+            serde_json::from_slice(&out).map_err(|_| "the reader's answer was damaged".to_owned())
+        }
+        Ok(s) => Err(died(s)),
+        Err(e) => Err(format!("the reader failed ({e})")),
+    }
+}
+
+/// Why a child reader ended without an answer.
+fn died(status: std::process::ExitStatus) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        match status.signal() {
+            // SIGXCPU: its CPU limit; SIGKILL: the hard one.
+            Some(24 | 9) => return "over the time budget".to_owned(),
+            // An allocation over its memory limit aborts it.
+            Some(6) => return "over the memory budget".to_owned(),
+            Some(n) => return format!("the reader stopped (signal {n})"),
+            None => {}
+        }
+    }
+    format!("the reader stopped ({status})")
+}
+
+/// `visor media-worker MEMORY_MIB CPU_SECS`: reads one document from stdin
+/// (an [`Ask`] line, then its bytes) under those limits and writes what it
+/// read to stdout as JSON. Exit status 0 when it wrote an answer.
+pub fn worker_main(memory_mib: u64, cpu_secs: u64) -> std::process::ExitCode {
+    use std::io::{Read as _, Write as _};
+    use std::process::ExitCode;
+    let bytes = memory_mib.saturating_mul(1 << 20);
+    if rlimit::setrlimit(rlimit::Resource::AS, bytes, bytes).is_err()
+        || rlimit::setrlimit(rlimit::Resource::CPU, cpu_secs, cpu_secs + 1).is_err()
+    {
+        return ExitCode::from(3);
+    }
+    let mut input = Vec::new();
+    if std::io::stdin().read_to_end(&mut input).is_err() {
+        return ExitCode::from(2);
+    }
+    let Some(nl) = memchr::memchr(b'\n', &input) else {
+        return ExitCode::from(2);
+    };
+    let Ok(ask) = serde_json::from_slice::<Ask>(&input[..nl]) else {
+        return ExitCode::from(2);
+    };
+    let doc = &input[nl + 1..];
+    let read = read(
+        doc,
+        &ask.media_type,
+        ask.name.as_deref(),
+        ask.budget,
+        ask.render,
+        &AtomicBool::new(false),
+    );
+    let mut out = std::io::stdout().lock();
+    match serde_json::to_writer(&mut out, &read).map(|()| out.flush()) {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        _ => ExitCode::from(2),
     }
 }
 

@@ -633,6 +633,11 @@ impl Visor {
             cfg.server.data_dir = temp_dir("data");
             own_dir = Some(cfg.server.data_dir.clone());
         }
+        // Documents are read by the visor binary in a child process, as
+        // `visor serve` does (this process is the test harness).
+        if cfg.documents.reader_binary.is_none() {
+            cfg.documents.reader_binary = Some(PathBuf::from(env!("CARGO_BIN_EXE_visor")));
+        }
         let server = visor::server::Server::bind(cfg, Some("127.0.0.1:0".parse().unwrap()))
             .await
             .unwrap();
