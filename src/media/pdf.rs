@@ -28,7 +28,10 @@ use hayro::hayro_interpret::{
 use hayro::vello_cpu::color::palette::css::WHITE;
 use hayro::{PixmapSettings, RenderCache, RenderSettings};
 
-use super::pdf_guard::{DrawTransform, ImageCheck, Meter, Spent, streams_within};
+use super::pdf_guard::{
+    DrawTransform, Filter, ImageCheck, Meter, Spent, decoded_len, painted_area, raw_stream_filters,
+    streams_within,
+};
 use super::{DocKind, Document, Limits, PageSink, ReadError, guarded};
 
 /// The longest side of a rendered page, in pixels; larger pages are scaled down.
@@ -71,16 +74,20 @@ fn open(bytes: &[u8]) -> Result<(Pdf, HashMap<ObjectIdentifier, usize>), ReadErr
     Ok((pdf, sizes))
 }
 
-/// Checks, before hayro opens the file, what its Flate streams inflate to:
-/// every stream in the file as written is tried (whatever its dictionary
+/// Checks, before hayro opens the file, what its streams decode to: every
+/// stream in the file as written is tried as Flate (whatever its dictionary
 /// says: a filter may be given by reference), inflated into a scratch
-/// buffer (nothing kept) and the total counted.
+/// buffer (nothing kept), and, when its dictionary can be read from the
+/// bytes, run through the filters it names ([`raw_stream_filters`], bounded
+/// as [`unfilter`](super::pdf_guard) runs them). The larger of the two is
+/// counted for each stream, and the total capped.
 pub(crate) fn within_bounds(bytes: &[u8], max_inflated: usize) -> Result<(), ReadError> {
     let mut inflated = 0usize;
     let mut at = 0;
     let mut scratch = vec![0u8; 64 * 1024];
     while let Some(k) = memchr::memmem::find(&bytes[at..], b"stream") {
         let start = at + k;
+        let after_previous = at;
         at = start + 6;
         if bytes[..start].ends_with(b"end") {
             continue;
@@ -94,6 +101,15 @@ pub(crate) fn within_bounds(bytes: &[u8], max_inflated: usize) -> Result<(), Rea
         let end =
             memchr::memmem::find(&bytes[data..], b"endstream").map_or(bytes.len(), |e| data + e);
         at = at.max(end);
+        let raw = &bytes[data..end];
+        let named = match raw_stream_filters(bytes, after_previous, start) {
+            Some(chain) if chain != [Filter::FlateDecode] => {
+                decoded_len(raw, &chain, max_inflated.saturating_sub(inflated))
+                    .map_err(|_| ReadError::too_large())?
+            }
+            _ => 0,
+        };
+        let mut made_raw = 0usize;
         let mut z = flate2::Decompress::new(true);
         let mut input = &bytes[data..end];
         loop {
@@ -102,8 +118,8 @@ pub(crate) fn within_bounds(bytes: &[u8], max_inflated: usize) -> Result<(), Rea
             let used = usize::try_from(z.total_in() - in_before).unwrap_or(usize::MAX);
             let made = usize::try_from(z.total_out() - out_before).unwrap_or(usize::MAX);
             input = input.get(used..).unwrap_or_default();
-            inflated = inflated.saturating_add(made);
-            if inflated > max_inflated {
+            made_raw = made_raw.saturating_add(made);
+            if inflated.saturating_add(made_raw) > max_inflated {
                 return Err(ReadError::too_large());
             }
             match status {
@@ -112,6 +128,7 @@ pub(crate) fn within_bounds(bytes: &[u8], max_inflated: usize) -> Result<(), Rea
                 Ok(_) => {}
             }
         }
+        inflated = inflated.saturating_add(made_raw.max(named));
     }
     Ok(())
 }
@@ -256,10 +273,11 @@ fn read_page<'a, 'm, 's>(
 ) -> std::thread::Result<TextDevice<'m, 's>> {
     let (w, h) = page.render_dimensions();
     catch_unwind(AssertUnwindSafe(|| {
-        let mut device = TextDevice::new(f64::from(w) * f64::from(h), meter);
+        let area = Rect::new(0.0, 0.0, f64::from(w), f64::from(h));
+        let mut device = TextDevice::new(area, meter);
         let mut ctx = Context::new(
             page.initial_transform(true).to_kurbo(),
-            Rect::new(0.0, 0.0, f64::from(w), f64::from(h)),
+            area,
             cache,
             page.xref(),
             InterpreterSettings::default(),
@@ -396,7 +414,8 @@ impl Line {
 struct TextDevice<'m, 's> {
     meter: &'m Meter<'s>,
     check: ImageCheck,
-    /// The page's area in device space (points squared).
+    /// The page in device space, and its area (points squared).
+    page: Rect,
     page_area: f64,
     lines: Vec<Line>,
     glyphs: usize,
@@ -409,11 +428,12 @@ struct TextDevice<'m, 's> {
 }
 
 impl<'m, 's> TextDevice<'m, 's> {
-    fn new(page_area: f64, meter: &'m Meter<'s>) -> Self {
+    fn new(page: Rect, meter: &'m Meter<'s>) -> Self {
         Self {
             meter,
             check: ImageCheck::default(),
-            page_area,
+            page,
+            page_area: page.area(),
             lines: Vec::new(),
             glyphs: 0,
             image_area: 0.0,
@@ -553,10 +573,15 @@ fn unicode(glyph: &Glyph<'_>) -> String {
 }
 
 impl<'a> Device<'a> for TextDevice<'_, '_> {
-    fn draw_path(&mut self, path: &BezPath, props: DrawProps<'a>, _mode: &DrawMode) {
+    fn draw_path(&mut self, path: &BezPath, props: DrawProps<'a>, mode: &DrawMode) {
         self.meter.charge(path.elements().len() as u64);
-        self.check
-            .paint(&props.paint, DrawTransform(props.transform), self.meter);
+        let area = painted_area(path, props.transform, mode, Some(self.page));
+        self.check.paint(
+            &props.paint,
+            DrawTransform(props.transform),
+            area,
+            self.meter,
+        );
         self.check.mask(props.soft_mask.as_ref(), self.meter);
         let bbox = (props.transform * path.clone()).bounding_box();
         if !bbox.is_finite() || bbox.area() >= self.page_area * BACKGROUND_SHARE {
@@ -582,8 +607,14 @@ impl<'a> Device<'a> for TextDevice<'_, '_> {
     fn draw_glyph_run(&mut self, run: &GlyphRun<'_, 'a>, props: DrawProps<'a>, _mode: &DrawMode) {
         self.meter.charge(run.glyphs().len() as u64);
         self.check.glyphs(run, &props, self.meter);
-        self.check
-            .paint(&props.paint, DrawTransform(props.transform), self.meter);
+        // The glyphs' box is not worked out: the page (within a tile or two
+        // a side of what their box gives).
+        self.check.paint(
+            &props.paint,
+            DrawTransform(props.transform),
+            self.page,
+            self.meter,
+        );
         for glyph in run.glyphs() {
             let t: Affine = props.transform * glyph.transform();
             let origin = t * Point::ZERO;
@@ -767,8 +798,21 @@ mod tests {
         assert!(why.contains("40000x40000"), "{why}");
     }
 
+    /// Reads `pdf` and renders its first page: it needs a look and is
+    /// rendered.
+    fn renders(pdf: &[u8]) -> PdfRead {
+        let r = read_and_render(pdf, &Limits::default(), &AtomicBool::new(false), 1, 72.0).unwrap();
+        assert_eq!(r.doc.pages.len(), 1);
+        assert!(r.doc.pages[0].needs_look);
+        assert_eq!(r.rendered.len(), 1, "{:?}", r.rendered);
+        assert!(r.rendered[0].1.is_ok(), "{:?}", r.rendered[0].1);
+        render_page(pdf, 1, 72.0).unwrap();
+        r
+    }
+
     #[test]
-    fn a_jpeg_larger_than_its_dictionary_says_is_refused() {
+    fn a_jpeg_larger_than_its_dictionary_is_decoded_at_the_dictionary_size() {
+        // hayro writes the dictionary's size into the JPEG's frame header.
         let image = stream(
             "/Type /XObject /Subtype /Image /Width 10 /Height 10 /ColorSpace /DeviceRGB /BitsPerComponent 8 /Filter /DCTDecode",
             &jpeg_header(60000, 60000),
@@ -778,8 +822,19 @@ mod tests {
             "/XObject << /Im1 4 0 R >>",
             &[stream("", DRAW_IM), image],
         );
+        renders(&pdf);
+        // A dictionary that is itself huge is refused.
+        let image = stream(
+            "/Type /XObject /Subtype /Image /Width 40000 /Height 40000 /ColorSpace /DeviceRGB /BitsPerComponent 8 /Filter /DCTDecode",
+            &jpeg_header(60000, 60000),
+        );
+        let pdf = build(
+            1,
+            "/XObject << /Im1 4 0 R >>",
+            &[stream("", DRAW_IM), image],
+        );
         let why = refused_render(&pdf);
-        assert!(why.contains("60000x60000"), "{why}");
+        assert!(why.contains("40000x40000"), "{why}");
         // Its size given by reference is read (resolved), not refused blind.
         let image = stream(
             "/Type /XObject /Subtype /Image /Width 5 0 R /Height 5 0 R /ColorSpace /DeviceRGB /BitsPerComponent 8 /Filter /DCTDecode",
@@ -792,6 +847,130 @@ mod tests {
         );
         let why = refused_render(&pdf);
         assert!(why.contains("40000x40000"), "{why}");
+        // A JPEG smaller than its dictionary is decoded at its own size.
+        let image = stream(
+            "/Type /XObject /Subtype /Image /Width 10000 /Height 10000 /ColorSpace /DeviceRGB /BitsPerComponent 8 /Filter /DCTDecode",
+            &jpeg_header(20, 20),
+        );
+        let pdf = build(
+            1,
+            "/XObject << /Im1 4 0 R >>",
+            &[stream("", DRAW_IM), image],
+        );
+        renders(&pdf);
+    }
+
+    /// `bytes` with the first `from` replaced by `to`.
+    fn replace(bytes: &[u8], from: &str, to: &str) -> Vec<u8> {
+        let at = memchr::memmem::find(bytes, from.as_bytes()).unwrap();
+        [&bytes[..at], to.as_bytes(), &bytes[at + from.len()..]].concat()
+    }
+
+    #[test]
+    fn a_sampled_function_with_too_many_samples_is_refused() {
+        // One-bit samples: a byte holds eight.
+        let function = |size: u32, outputs: usize| {
+            stream(
+                &format!(
+                    "/FunctionType 0 /Domain [0 1] /Range [{}] /Size [{size}] /BitsPerSample 1 /Filter /FlateDecode",
+                    "0 1 ".repeat(outputs)
+                ),
+                &deflate(&vec![0u8; (size as usize * outputs).div_ceil(8)]),
+            )
+        };
+        let shading =
+            b"<< /ShadingType 2 /ColorSpace /DeviceGray /Coords [0 0 200 0] /Function 5 0 R >>"
+                .to_vec();
+        let with = |function: Vec<u8>| {
+            build(
+                1,
+                "/Shading << /Sh1 4 0 R >>",
+                &[stream("", b"/Sh1 sh"), shading.clone(), function],
+            )
+        };
+        let err = read(
+            DocKind::Pdf,
+            &with(function(40_000_000, 1)),
+            &Limits::default(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.reason(),
+            "a sampled function of 40000000 samples is too large"
+        );
+        // Two outputs: twice the samples.
+        let err = read(
+            DocKind::Pdf,
+            &with(function(10_000_000, 2)),
+            &Limits::default(),
+        )
+        .unwrap_err();
+        assert!(err.reason().contains(" 20000000 samples"), "{err}");
+        // A size its data does not hold is not read by hayro: not refused.
+        let short = replace(&function(1024, 1), "/Size [1024]", "/Size [40000000]");
+        read(DocKind::Pdf, &with(short), &Limits::default()).unwrap();
+        renders(&with(function(1024, 1)));
+    }
+
+    #[test]
+    fn a_pattern_of_too_many_tiles_is_not_rendered_but_its_page_is_read() {
+        let resources = "/Pattern << /P1 4 0 R >> /Font << /F1 << /Type /Font /Subtype /Type1 /BaseFont /Helvetica >> >>";
+        // Eight fills of a quarter of the page, and a word.
+        let content = format!(
+            "/Pattern cs /P1 scn {}BT /F1 12 Tf 10 180 Td (hello) Tj ET",
+            "20 20 100 100 re f ".repeat(8)
+        );
+        let with_step = |step: &str| {
+            let pattern = stream(
+                &format!(
+                    "/Type /Pattern /PatternType 1 /PaintType 1 /TilingType 1 /BBox [0 0 1000 1000] /XStep {step} /YStep {step} /Resources << >>"
+                ),
+                b"0 0 1 1 re f",
+            );
+            build(1, resources, &[stream("", content.as_bytes()), pattern])
+        };
+        // 1000 / 0.01 copies of the cell on each axis, and one more (0.01
+        // as an f32 is a little less, as hayro reads it).
+        let pdf = with_step("0.01");
+        let why = refused_render(&pdf);
+        assert_eq!(why, "a pattern of 10000200001 tiles");
+        let doc = read(DocKind::Pdf, &pdf, &Limits::default()).unwrap();
+        assert!(doc.pages[0].text.contains("hello"), "{:?}", doc.pages);
+        // One copy a side when the step is the cell's size.
+        renders(&with_step("1000"));
+    }
+
+    #[test]
+    fn xref_and_object_streams_are_bounded_through_their_filter_chains() {
+        // An xref stream (hayro decodes it as it opens the file).
+        let bomb = deflate(&deflate(&vec![0u8; 4 << 20]));
+        let mut file = b"%PDF-1.7\n1 0 obj\n<< /Type /Catalog >>\nendobj\n3 0 obj\n".to_vec();
+        file.extend_from_slice(&stream(
+            "/Type /XRef /Size 4 /W [1 4 1] /Root 1 0 R /Filter [/FlateDecode /FlateDecode]",
+            &bomb,
+        ));
+        file.extend_from_slice(b"\nendobj\nstartxref\n45\n%%EOF\n");
+        let err = within_bounds(&file, 1 << 20).unwrap_err();
+        assert_eq!(err.reason(), "too large when unpacked");
+        within_bounds(&file, 8 << 20).unwrap();
+        // An object stream: abbreviated names, hex around the deflate, a
+        // dictionary over 4 KB with a string holding `obj`.
+        let hex: Vec<u8> = deflate(&vec![0u8; 4 << 20])
+            .iter()
+            .flat_map(|b| format!("{b:02x}").into_bytes())
+            .collect();
+        let pad = "0".repeat(6000);
+        let mut file = b"%PDF-1.7\n4 0 obj\n".to_vec();
+        file.extend_from_slice(&stream(
+            &format!(
+                "/Type /ObjStm /N 1 /First 4 /Filter [/AHx /Fl] /Pad <{pad}> /Note (obj << >>)"
+            ),
+            &hex,
+        ));
+        file.extend_from_slice(b"\nendobj\n%%EOF\n");
+        let err = within_bounds(&file, 1 << 20).unwrap_err();
+        assert_eq!(err.reason(), "too large when unpacked");
+        within_bounds(&file, 8 << 20).unwrap();
     }
 
     #[test]

@@ -29,8 +29,9 @@ use hayro::hayro_interpret::font::{Glyph, GlyphRun};
 use hayro::hayro_interpret::hayro_syntax::object::{
     Array, Dict, Name, Object, ObjectIdentifier, Stream,
 };
-use hayro::hayro_interpret::kurbo::BezPath;
-use hayro::hayro_interpret::pattern::Pattern;
+use hayro::hayro_interpret::kurbo::{Affine, BezPath, Rect, Shape};
+use hayro::hayro_interpret::pattern::{Pattern, TilingPattern};
+use hayro::hayro_interpret::util::x_y_advances;
 use hayro::hayro_interpret::{
     BlendMode, CacheKey, ClipPath, Device, DrawMode, DrawProps, Image, ImageDrawProps, Paint,
     SoftMask,
@@ -194,6 +195,86 @@ pub(crate) fn filters(stream: &Stream<'_>) -> Vec<Filter> {
         .collect()
 }
 
+impl Filter {
+    /// The filter a PDF name stands for (full or abbreviated, as hayro
+    /// reads them); one hayro does not know is [`Filter::Other`].
+    fn from_name(name: &[u8]) -> Self {
+        match name {
+            b"ASCIIHexDecode" | b"AHx" => Self::AsciiHexDecode,
+            b"ASCII85Decode" | b"A85" => Self::Ascii85Decode,
+            b"LZWDecode" | b"LZW" => Self::LzwDecode,
+            b"FlateDecode" | b"Fl" => Self::FlateDecode,
+            b"RunLengthDecode" | b"RL" => Self::RunLengthDecode,
+            b"CCITTFaxDecode" | b"CCF" => Self::CcittFaxDecode,
+            b"JBIG2Decode" => Self::Jbig2Decode,
+            b"DCTDecode" | b"DCT" => Self::DctDecode,
+            b"JPXDecode" => Self::JpxDecode,
+            b"Crypt" => Self::Crypt,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// What `raw` decodes to through `filters` (up to an image codec), made
+/// within `cap` bytes: 0 when no filter decodes it. `Err`: over the cap.
+pub(crate) fn decoded_len(raw: &[u8], filters: &[Filter], cap: usize) -> Result<usize, String> {
+    let decodes = filters
+        .iter()
+        .find(|f| **f != Filter::Crypt)
+        .is_some_and(|f| !is_image_filter(*f));
+    if !decodes {
+        return Ok(0);
+    }
+    match unfilter(raw, filters, cap, false) {
+        Ok((_, made, _)) => Ok(made),
+        Err(why) if why == TOO_LARGE => Err(why),
+        // A filter after a codec: what the codec makes is sized where drawn.
+        Err(_) => Ok(0),
+    }
+}
+
+/// The filters a stream's dictionary names directly, read from the file as
+/// written (before hayro opens it): the dictionary after the nearest `obj`
+/// keyword (of at most 8, searched back to `from`) that is read to end just
+/// before the `stream` keyword at `keyword`. `None`: no such dictionary, or
+/// no direct `/Filter` in it (a name, or an array whose names are taken up
+/// to its first other entry, taken as a codec).
+pub(crate) fn raw_stream_filters(bytes: &[u8], from: usize, keyword: usize) -> Option<Vec<Filter>> {
+    use hayro::hayro_interpret::hayro_syntax::reader::{Reader, ReaderExt};
+    let region = bytes.get(from..keyword)?;
+    let mut end = region.len();
+    for _ in 0..8 {
+        let at = from + memchr::memmem::rfind(region.get(..end)?, b"obj")?;
+        end = at - from;
+        let mut r = Reader::new(bytes.get(..keyword)?);
+        r.jump(at + 3);
+        r.skip_white_spaces_and_comments();
+        let Some(dict) = r.read_without_context::<Dict<'_>>() else {
+            continue;
+        };
+        r.skip_white_spaces_and_comments();
+        if !r.at_end() {
+            continue;
+        }
+        if let Some(name) = dict.get::<Name<'_>>(b"Filter") {
+            return Some(vec![Filter::from_name(&name)]);
+        }
+        let names = dict.get::<Array<'_>>(b"Filter")?;
+        let mut chain = Vec::new();
+        for entry in names.iter::<Object<'_>>() {
+            match entry {
+                Object::Name(n) => chain.push(Filter::from_name(&n)),
+                _ => {
+                    chain.push(Filter::Other);
+                    break;
+                }
+            }
+        }
+        return Some(chain);
+    }
+    None
+}
+
 fn is_image_filter(f: Filter) -> bool {
     matches!(
         f,
@@ -231,6 +312,11 @@ impl Out {
             return Err(Over);
         }
         if self.keep {
+            // Grown by doubling, but never past the cap.
+            if self.bytes.capacity() < self.count {
+                let want = (self.bytes.capacity() * 2).clamp(self.count, self.cap);
+                self.bytes.reserve_exact(want - self.bytes.len());
+            }
             self.bytes.extend_from_slice(b);
         }
         Ok(())
@@ -354,27 +440,42 @@ fn run_length(data: &[u8], out: &mut Out) -> Result<(), Over> {
     Ok(())
 }
 
+/// Decoded bytes are handed on in chunks of this size.
+const CHUNK: usize = 16 * 1024;
+
 fn ascii_hex(data: &[u8], out: &mut Out) -> Result<(), Over> {
-    let digits = data
-        .iter()
-        .take_while(|&&b| b != b'>')
-        .filter_map(|&b| (b as char).to_digit(16))
-        .collect::<Vec<_>>();
-    let bytes: Vec<u8> = digits
-        .chunks(2)
-        .map(|p| (p[0] << 4 | p.get(1).copied().unwrap_or(0)) as u8)
-        .collect();
-    out.push(&bytes)
+    let mut buf = Vec::with_capacity(CHUNK);
+    let mut high: Option<u8> = None;
+    for &b in data.iter().take_while(|&&b| b != b'>') {
+        let Some(d) = (b as char).to_digit(16) else {
+            continue;
+        };
+        let d = d as u8;
+        match high.take() {
+            None => high = Some(d),
+            Some(hi) => {
+                buf.push(hi << 4 | d);
+                if buf.len() == CHUNK {
+                    out.push(&buf)?;
+                    buf.clear();
+                }
+            }
+        }
+    }
+    if let Some(hi) = high {
+        buf.push(hi << 4);
+    }
+    out.push(&buf)
 }
 
 fn ascii85(data: &[u8], out: &mut Out) -> Result<(), Over> {
-    let mut bytes = Vec::with_capacity(data.len());
+    let mut buf = Vec::with_capacity(CHUNK + 4);
     let mut group = [0u32; 5];
     let mut n = 0;
     for &b in data {
         match b {
             b'~' => break,
-            b'z' if n == 0 => bytes.extend_from_slice(&[0; 4]),
+            b'z' if n == 0 => buf.extend_from_slice(&[0; 4]),
             b'!'..=b'u' => {
                 group[n] = u32::from(b - b'!');
                 n += 1;
@@ -382,11 +483,15 @@ fn ascii85(data: &[u8], out: &mut Out) -> Result<(), Over> {
                     let v = group
                         .iter()
                         .fold(0u32, |a, &d| a.wrapping_mul(85).wrapping_add(d));
-                    bytes.extend_from_slice(&v.to_be_bytes());
+                    buf.extend_from_slice(&v.to_be_bytes());
                     n = 0;
                 }
             }
             _ => {}
+        }
+        if buf.len() >= CHUNK {
+            out.push(&buf)?;
+            buf.clear();
         }
     }
     if n > 1 {
@@ -396,9 +501,9 @@ fn ascii85(data: &[u8], out: &mut Out) -> Result<(), Over> {
         let v = group
             .iter()
             .fold(0u32, |a, &d| a.wrapping_mul(85).wrapping_add(d));
-        bytes.extend_from_slice(&v.to_be_bytes()[..n - 1]);
+        buf.extend_from_slice(&v.to_be_bytes()[..n - 1]);
     }
-    out.push(&bytes)
+    out.push(&buf)
 }
 
 /// The images a page draws, sized before it is rendered.
@@ -410,6 +515,10 @@ pub(crate) struct ImageCheck {
     pixels: u64,
     /// Images, patterns, masks and glyphs already looked at.
     seen: HashSet<u128>,
+    /// Pattern tiles the renderer would draw on the page, all together.
+    tiles: u64,
+    /// While a pattern's cell is looked at: how many times it is drawn.
+    tile_factor: u64,
 }
 
 impl ImageCheck {
@@ -446,11 +555,14 @@ impl ImageCheck {
         }
     }
 
-    /// Looks inside what only the renderer interprets: a tiling pattern.
+    /// Counts the tiles a tiling pattern is drawn with over `area` (what is
+    /// painted, device space), and looks inside what only the renderer
+    /// interprets: the pattern's cell.
     pub(crate) fn paint<'a>(
         &mut self,
         paint: &Paint<'a>,
         props_transform: DrawTransform,
+        area: Rect,
         meter: &Meter<'_>,
     ) {
         if self.refused.is_some() {
@@ -458,10 +570,25 @@ impl ImageCheck {
         }
         if let Paint::Pattern(p) = paint
             && let Pattern::Tiling(t) = &**p
-            && self.seen.insert(t.cache_key())
         {
-            let mut probe = Probe { check: self, meter };
-            let _ = t.interpret(&mut probe, props_transform.0, false);
+            let copies = tile_copies(t, area).saturating_mul(self.tile_factor.max(1));
+            self.tiles = self.tiles.saturating_add(copies);
+            if copies > MAX_PAGE_TILES {
+                self.refused = Some(format!("a pattern of {copies} tiles"));
+                return;
+            }
+            if self.tiles > MAX_PAGE_TILES {
+                self.refused = Some(format!("patterns of {} tiles", self.tiles));
+                return;
+            }
+            if self.seen.insert(t.cache_key()) {
+                // What the cell draws is drawn once per tile.
+                let outer = self.tile_factor;
+                self.tile_factor = copies.max(1);
+                let mut probe = Probe { check: self, meter };
+                let _ = t.interpret(&mut probe, props_transform.0, false);
+                self.tile_factor = outer;
+            }
         }
     }
 
@@ -499,9 +626,59 @@ impl ImageCheck {
     }
 }
 
+/// The most pattern tiles (copies of a tiling pattern's cell, each one
+/// interpreted and drawn by the renderer) one page may draw and still be
+/// rendered.
+pub const MAX_PAGE_TILES: u64 = 4_000_000;
+
+/// How many copies of its cell hayro's renderer draws to paint `t` over
+/// `area` (device space, clipped to the page): hayro's `tiling::TileAxis`,
+/// the copies on each axis multiplied.
+fn tile_copies(t: &TilingPattern<'_>, area: Rect) -> u64 {
+    let area = t.matrix.inverse().transform_rect_bbox(area);
+    let axis = |cell: (f64, f64), step: f32, area: (f64, f64)| -> u64 {
+        let step = f64::from(step.abs());
+        let width = cell.1 - cell.0;
+        let visible = (area.1 - area.0).max(0.0);
+        let (first, last) = if visible >= step {
+            (i64::from((-width / step).floor() as i32) + 1, 0)
+        } else {
+            (
+                i64::from(((area.0 - cell.1) / step).ceil() as i32),
+                i64::from(((area.1 - cell.0) / step).floor() as i32),
+            )
+        };
+        u64::try_from(last - first + 1).unwrap_or(0)
+    };
+    let x = axis((t.bbox.x0, t.bbox.x1), t.x_step, (area.x0, area.x1));
+    let y = axis((t.bbox.y0, t.bbox.y1), t.y_step, (area.y0, area.y1));
+    x.saturating_mul(y)
+}
+
+/// What a path paints (device space), as hayro's renderer sizes a pattern
+/// for it: its box, widened by the line width when stroked, clipped to the
+/// `page` when known.
+pub(crate) fn painted_area(
+    path: &BezPath,
+    transform: Affine,
+    mode: &DrawMode,
+    page: Option<Rect>,
+) -> Rect {
+    let mut area = transform.transform_rect_bbox(path.bounding_box());
+    if let DrawMode::Stroke(s) | DrawMode::FillAndStroke(_, s) = mode {
+        let (a, b) = x_y_advances(&transform);
+        let widen = a.length().max(b.length()) * f64::from(s.line_width);
+        area = area.inflate(widen, widen);
+    }
+    match page {
+        Some(page) => area.intersect(page),
+        None => area,
+    }
+}
+
 /// A transform handed to [`ImageCheck::paint`].
 #[derive(Clone, Copy)]
-pub(crate) struct DrawTransform(pub(crate) hayro::hayro_interpret::kurbo::Affine);
+pub(crate) struct DrawTransform(pub(crate) Affine);
 
 /// The pixels an image decodes to, or why it may not be decoded: over the
 /// caps, or a size its data does not let be known.
@@ -530,9 +707,11 @@ fn image_size(stream: &Stream<'_>, w: u64, h: u64) -> Result<u64, String> {
         .map_err(|why| format!("an image whose data is {why}"))?;
     let (cw, ch, cc) = match codec {
         None => return Ok(w.saturating_mul(h)),
-        Some(Filter::DctDecode) => {
-            jpeg_size(&data).ok_or("a JPEG image whose size cannot be read")?
-        }
+        Some(Filter::DctDecode) => match dct_decoded(&data, w, h) {
+            Some(data) => jpeg_size(&data).ok_or("a JPEG image whose size cannot be read")?,
+            // hayro does not decode it.
+            None => return Ok(w.saturating_mul(h)),
+        },
         Some(Filter::JpxDecode) => {
             jpx_size(&data).ok_or("a JPEG 2000 image whose size cannot be read")?
         }
@@ -596,6 +775,51 @@ fn components(dict: &Dict<'_>) -> u64 {
     4
 }
 
+/// The JPEG hayro-syntax decodes (its `dct::maybe_patch_jpeg_dimensions`):
+/// none when the dictionary's size is over 65535 on a side or no frame
+/// header is found; the data with the dictionary's size written into the
+/// first frame header when that header's area is larger (a JPEG that says it
+/// is larger than its dictionary is decoded at the dictionary's size).
+fn dct_decoded(data: &[u8], w: u64, h: u64) -> Option<Cow<'_, [u8]>> {
+    let (w, h) = (u16::try_from(w).ok()?, u16::try_from(h).ok()?);
+    let at = hayro_sof_marker(data)?;
+    let be = |k: usize| Some(u16::from_be_bytes([*data.get(k)?, *data.get(k + 1)?]));
+    let (jpeg_h, jpeg_w) = (be(at + 5)?, be(at + 7)?);
+    if u32::from(jpeg_w) * u32::from(jpeg_h) <= u32::from(w) * u32::from(h) {
+        return Some(Cow::Borrowed(data));
+    }
+    let mut patched = data.to_vec();
+    patched
+        .get_mut(at + 5..at + 7)?
+        .copy_from_slice(&h.to_be_bytes());
+    patched
+        .get_mut(at + 7..at + 9)?
+        .copy_from_slice(&w.to_be_bytes());
+    Some(Cow::Owned(patched))
+}
+
+/// Where hayro-syntax finds a JPEG's frame header (`dct::find_sof_marker`,
+/// the same walk): the offset of its 0xFF.
+fn hayro_sof_marker(data: &[u8]) -> Option<usize> {
+    let mut i = 0usize;
+    while i + 1 < data.len() {
+        if data[i] != 0xFF {
+            i += 1;
+            continue;
+        }
+        match data[i + 1] {
+            0xC0..=0xCF if !matches!(data[i + 1], 0xC4 | 0xC8 | 0xCC) => return Some(i),
+            0xFF => i += 1,
+            0xD8 | 0xD9 | 0x01 | 0x00 => i += 2,
+            _ => {
+                let len = u16::from_be_bytes([*data.get(i + 2)?, *data.get(i + 3)?]);
+                i = i.checked_add(2)?.checked_add(usize::from(len))?;
+            }
+        }
+    }
+    None
+}
+
 /// Width, height and components from a JPEG's frame header (SOFn).
 pub(crate) fn jpeg_size(data: &[u8]) -> Option<(u64, u64, u64)> {
     let mut i = data.windows(2).position(|w| w == [0xFF, 0xD8])? + 2;
@@ -647,10 +871,15 @@ struct Probe<'c, 'm, 's> {
 }
 
 impl<'a> Device<'a> for Probe<'_, '_, '_> {
-    fn draw_path(&mut self, path: &BezPath, props: DrawProps<'a>, _mode: &DrawMode) {
+    fn draw_path(&mut self, path: &BezPath, props: DrawProps<'a>, mode: &DrawMode) {
         self.meter.charge(path.elements().len() as u64);
-        self.check
-            .paint(&props.paint, DrawTransform(props.transform), self.meter);
+        let area = painted_area(path, props.transform, mode, None);
+        self.check.paint(
+            &props.paint,
+            DrawTransform(props.transform),
+            area,
+            self.meter,
+        );
         self.check.mask(props.soft_mask.as_ref(), self.meter);
     }
 
@@ -666,8 +895,14 @@ impl<'a> Device<'a> for Probe<'_, '_, '_> {
     fn draw_glyph_run(&mut self, run: &GlyphRun<'_, 'a>, props: DrawProps<'a>, _mode: &DrawMode) {
         self.meter.charge(run.glyphs().len() as u64);
         self.check.glyphs(run, &props, self.meter);
-        self.check
-            .paint(&props.paint, DrawTransform(props.transform), self.meter);
+        // The glyphs' place is not worked out: an empty area (within a tile
+        // or two a side of what their box gives).
+        self.check.paint(
+            &props.paint,
+            DrawTransform(props.transform),
+            Rect::ZERO,
+            self.meter,
+        );
     }
 
     fn draw_image(&mut self, image: Image<'a, '_>, props: ImageDrawProps<'a>) {
@@ -678,6 +913,36 @@ impl<'a> Device<'a> for Probe<'_, '_, '_> {
     fn pop_clip(&mut self) {}
 
     fn pop_transparency_group(&mut self) {}
+}
+
+/// The most samples (grid points × outputs) a sampled (Type 0) function may
+/// have: hayro reads them all into `f32`s when the function is used.
+pub const MAX_FUNCTION_SAMPLES: u64 = 16 << 20;
+
+/// Refuses a sampled function (`/FunctionType 0`) with more samples than
+/// [`MAX_FUNCTION_SAMPLES`] whose data (`made` bytes decoded) holds them
+/// all (hayro's `Type0::new` reads none when the data is short).
+fn sampled_function_within(dict: &Dict<'_>, made: usize) -> Result<(), String> {
+    if dict.get::<u8>(b"FunctionType") != Some(0) {
+        return Ok(());
+    }
+    let Some(sizes) = dict.get::<Array<'_>>(b"Size") else {
+        return Ok(());
+    };
+    let outputs = dict
+        .get::<Array<'_>>(b"Range")
+        .map_or(0, |r| r.iter::<f32>().count() / 2);
+    let samples = sizes
+        .iter::<u32>()
+        .fold(outputs as u64, |n, s| n.saturating_mul(u64::from(s)));
+    let bits = u64::from(dict.get::<u8>(b"BitsPerSample").unwrap_or(1).max(1));
+    let held = (made as u64).saturating_mul(8) / bits;
+    if samples > MAX_FUNCTION_SAMPLES && held >= samples {
+        return Err(format!(
+            "a sampled function of {samples} samples is too large"
+        ));
+    }
+    Ok(())
 }
 
 /// Runs every stream of the file through its non-image filters, bounded
@@ -699,9 +964,70 @@ pub(crate) fn streams_within<'o>(
             Err(why) => return Err(why),
         };
         if codec.is_none() {
+            sampled_function_within(s.dict(), made)?;
             sizes.insert(s.obj_id(), made);
         }
         total = total.saturating_add(made);
     }
     Ok(sizes)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    #[test]
+    fn ascii_filters_decode_into_the_capped_output() {
+        let run = |f: Filter, data: &[u8], cap: usize| {
+            unfilter(data, &[f], cap, true).map(|(bytes, n, _)| (bytes.into_owned(), n))
+        };
+        let hello = b"Hello".to_vec();
+        assert_eq!(
+            run(Filter::AsciiHexDecode, b"48 65\n6c6C6f>", 64).unwrap(),
+            (hello.clone(), 5)
+        );
+        // An odd last digit is followed by a 0.
+        assert_eq!(run(Filter::AsciiHexDecode, b"4", 64).unwrap().0, [0x40]);
+        assert_eq!(
+            run(Filter::Ascii85Decode, b"87cURDZ~>", 64).unwrap().0,
+            hello
+        );
+        assert_eq!(run(Filter::Ascii85Decode, b"zz~>", 64).unwrap().0, [0; 8]);
+        // Over the cap, however long the input: refused.
+        let zeros = vec![b'0'; 1 << 20];
+        assert!(run(Filter::AsciiHexDecode, &zeros, 1000).is_err());
+        assert_eq!(
+            run(Filter::AsciiHexDecode, &zeros, 1 << 19).unwrap().1,
+            1 << 19
+        );
+        let zs = vec![b'z'; 1 << 20];
+        assert!(run(Filter::Ascii85Decode, &zs, 1000).is_err());
+        // What is kept grows to the cap, not past it.
+        let mut out = Out::new(100_000, true);
+        for _ in 0..100 {
+            out.push(&[7; 1000]).ok().unwrap();
+        }
+        assert!(out.push(&[7]).is_err());
+        assert!(out.bytes.capacity() <= 100_000, "{}", out.bytes.capacity());
+    }
+
+    #[test]
+    fn a_jpeg_is_sized_as_hayro_patches_it() {
+        let jpeg = |w: u16, h: u16| {
+            let mut j = vec![0xFF, 0xD8, 0xFF, 0xC0, 0x00, 0x11, 0x08];
+            j.extend_from_slice(&h.to_be_bytes());
+            j.extend_from_slice(&w.to_be_bytes());
+            j.extend_from_slice(&[3, 1, 0x11, 0, 2, 0x11, 1, 3, 0x11, 1, 0xFF, 0xD9]);
+            j
+        };
+        let size = |data: &[u8], w, h| dct_decoded(data, w, h).and_then(|d| jpeg_size(&d));
+        assert_eq!(size(&jpeg(60000, 60000), 10, 20), Some((10, 20, 3)));
+        assert_eq!(size(&jpeg(30, 40), 100, 100), Some((30, 40, 3)));
+        // Larger in area only: patched.
+        assert_eq!(size(&jpeg(200, 1), 10, 10), Some((10, 10, 3)));
+        // A dictionary over 65535 a side: hayro does not decode it.
+        assert!(dct_decoded(&jpeg(10, 10), 70000, 1).is_none());
+    }
 }
