@@ -485,6 +485,9 @@ async fn read_in_child(worker: &Worker, ask: &Ask, bytes: &[u8]) -> Result<Read,
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
+        // Nothing of the proxy's environment (its keys) goes to a process
+        // that parses what clients send.
+        .env_clear()
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| {
