@@ -1236,6 +1236,18 @@ impl RawConfig {
         if self.transcriber.concurrency == 0 {
             p.push("transcriber.concurrency: 0 — must be at least 1".to_owned());
         }
+        if self.documents.reader_memory_mib > 1 << 20 {
+            p.push(format!(
+                "documents.reader_memory_mib: {} — at most 1048576 (1 TiB)",
+                self.documents.reader_memory_mib
+            ));
+        }
+        if self.documents.reader_cpu_secs > 3600 {
+            p.push(format!(
+                "documents.reader_cpu_secs: {} — at most 3600",
+                self.documents.reader_cpu_secs
+            ));
+        }
         if self.documents.reader_memory_mib < 256 {
             p.push(format!(
                 "documents.reader_memory_mib: {} — must be at least 256 (the reader's own code and a rendered page need that much)",

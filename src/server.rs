@@ -67,6 +67,10 @@ impl Server {
             None => tracing::info!(store = %state.store.label(), learned, "store ready"),
             Some(p) => tracing::warn!(problem = %p, "starting with memory only"),
         }
+        tracing::info!(
+            documents = %crate::proxy::media_text::reader_note(&state.config.documents),
+            "documents read"
+        );
         let first = reuseport_listener(addr, workers > 1)?;
         let addr = first.local_addr()?;
         let mut listeners = vec![first.into_std()?];

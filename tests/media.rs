@@ -150,6 +150,17 @@ async fn a_pdf_becomes_its_text_page_by_page_in_place() {
 }
 
 #[tokio::test]
+async fn with_isolate_false_documents_are_read_on_a_thread_the_same_way() {
+    let mock = MockUpstream::start(everything).await;
+    let config = format!("{DESCRIBE}[documents]\nisolate = false\n");
+    let visor = Visor::for_mock(&mock, &config).await;
+    post(&visor, chat_with(pdf_part("chart.pdf"))).await;
+    let text = replaced_text(&model_calls(&mock)[0]);
+    assert!(text.contains("--- page 2 ---"), "{text}");
+    assert!(text.contains("[page 2 described: "), "{text}");
+}
+
+#[tokio::test]
 async fn figures_and_scans_are_rendered_and_described_once_then_cached() {
     let mock = MockUpstream::start(everything).await;
     let visor = Visor::for_mock(&mock, DESCRIBE).await;

@@ -156,6 +156,10 @@ struct Read {
     /// Pages that needed a look, within the budget, not rendered because
     /// the describer is unavailable.
     unseen: Vec<usize>,
+    /// Some pages were not rendered for a reason that may not hold next
+    /// time (a busy machine): the text is not kept.
+    #[serde(default)]
+    transient: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -211,21 +215,29 @@ async fn document(
             // The permit is held until the child is gone (a request
             // dropped mid-read kills it: `kill_on_drop`).
             let mut read = read_in_child(&worker, &ask, &bytes).await;
-            if let (Err(why), true) = (&read, ask.render > 0) {
-                // Rendering is where a hostile file costs most: its text
+            let pdf = DocKind::detect(Some(&ask.media_type), ask.name.as_deref(), &bytes)
+                == Some(DocKind::Pdf);
+            if let (Err(failed), true) = (&read, pdf && ask.render > 0) {
+                // Rendering is where a hostile PDF costs most: its text
                 // alone, the pages it would have rendered saying why not.
-                let why = why.clone();
+                let failed = failed.clone();
                 let text_only = Ask { render: 0, ..ask };
                 read = read_in_child(&worker, &text_only, &bytes)
                     .await
                     .map(|mut r| {
                         let unrendered = std::mem::take(&mut r.unseen);
-                        r.unrendered = unrendered.into_iter().map(|p| (p, why.clone())).collect();
+                        r.unrendered = unrendered
+                            .into_iter()
+                            .map(|p| (p, failed.why.clone()))
+                            .collect();
+                        // A limit of the file's own making is met again
+                        // next time: kept. A busy machine is not.
+                        r.transient = !failed.repeatable;
                         r
                     });
             }
             drop(permit);
-            read
+            read.map_err(|e| e.why)
         }
         None => {
             let stop = Arc::new(AtomicBool::new(false));
@@ -300,6 +312,7 @@ async fn document(
             }
         }
     }
+    complete &= !read.transient;
     for (page, why) in &read.unrendered {
         // (A page stopped by a budget is kept as read, like the rest of
         // the document: later turns then send the same text, and do not
@@ -444,8 +457,9 @@ struct Worker {
 
 /// The binary that reads documents in a child process, when
 /// `documents.isolate`: `reader_binary`, else this executable when it is
-/// visor's (a test harness or a bench embedding the library is not: they
-/// read on a thread unless they name the binary).
+/// visor's (named `visor…`; on Linux by `/proc/self/exe`, the same file even
+/// after an upgrade replaced it on disk). A test harness or a bench that
+/// embeds the library reads on a thread unless it names the binary.
 fn reader(cfg: &crate::config::RawDocuments) -> Option<Worker> {
     if !cfg.isolate {
         return None;
@@ -454,11 +468,14 @@ fn reader(cfg: &crate::config::RawDocuments) -> Option<Worker> {
         Some(b) => b.clone(),
         None => {
             let exe = std::env::current_exe().ok()?;
-            let stem = exe.file_stem()?.to_str()?;
-            if stem != "visor" {
+            if !exe.file_name()?.to_str()?.starts_with("visor") {
                 return None;
             }
-            exe
+            let proc_exe = std::path::Path::new("/proc/self/exe");
+            match cfg!(target_os = "linux") && proc_exe.exists() {
+                true => proc_exe.to_path_buf(),
+                false => exe,
+            }
         }
     };
     Some(Worker {
@@ -468,15 +485,53 @@ fn reader(cfg: &crate::config::RawDocuments) -> Option<Worker> {
     })
 }
 
+/// How documents are read, for the start-up log line.
+pub fn reader_note(cfg: &crate::config::RawDocuments) -> String {
+    match reader(cfg) {
+        Some(w) => format!(
+            "in a child process ({}, {} MiB, {} s of CPU)",
+            w.binary.display(),
+            w.memory_mib,
+            w.cpu_secs
+        ),
+        None if cfg.isolate => {
+            "on threads of this process (isolate = true, but this executable is not visor: set documents.reader_binary)".to_owned()
+        }
+        None => "on threads of this process (isolate = false)".to_owned(),
+    }
+}
+
 /// The most a child reader may answer (its text is bounded far below).
 const MAX_WORKER_ANSWER: u64 = 512 << 20;
+
+/// Why a child reader gave no answer; `repeatable`: a limit the file
+/// itself runs into (it would again), not the machine's state.
+#[derive(Clone)]
+struct ChildError {
+    why: String,
+    repeatable: bool,
+}
+
+impl ChildError {
+    fn transient(why: &str) -> Self {
+        Self {
+            why: why.to_owned(),
+            repeatable: false,
+        }
+    }
+}
+
+/// Exit status of a child that could not hold the document in memory.
+const EXIT_TOO_LARGE: u8 = 4;
+/// Exit status of a child whose limits could not be set.
+const EXIT_LIMITS: u8 = 3;
 
 /// Reads the document in a child process: `visor media-worker` with the
 /// limits in its arguments, the ask and the bytes on its stdin, the
 /// [`Read`] as JSON on its stdout. A child that is killed (its CPU limit,
 /// the wall-clock limit here, memory) is a reason, never an error of the
 /// request.
-async fn read_in_child(worker: &Worker, ask: &Ask, bytes: &[u8]) -> Result<Read, String> {
+async fn read_in_child(worker: &Worker, ask: &Ask, bytes: &[u8]) -> Result<Read, ChildError> {
     use std::process::Stdio;
     let mut child = tokio::process::Command::new(&worker.binary)
         .arg("media-worker")
@@ -485,19 +540,19 @@ async fn read_in_child(worker: &Worker, ask: &Ask, bytes: &[u8]) -> Result<Read,
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
-        // Nothing of the proxy's environment (its keys) goes to a process
-        // that parses what clients send.
+        // Defence in depth: the proxy's environment (its keys) is not
+        // handed to a process that parses what clients send.
         .env_clear()
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| {
             tracing::warn!(binary = %worker.binary.display(), error = %e, "cannot start the document reader");
-            "the reader could not be started".to_owned()
+            ChildError::transient("the reader could not be started")
         })?;
     let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-        return Err("the reader could not be started".to_owned());
+        return Err(ChildError::transient("the reader could not be started"));
     };
-    let mut head = serde_json::to_vec(ask).map_err(|e| e.to_string())?;
+    let mut head = serde_json::to_vec(ask).map_err(|e| ChildError::transient(&e.to_string()))?;
     head.push(b'\n');
     let write = async move {
         // A child that stops reading (it died) ends the write early.
@@ -509,7 +564,7 @@ async fn read_in_child(worker: &Worker, ask: &Ask, bytes: &[u8]) -> Result<Read,
         let _ = stdout.take(MAX_WORKER_ANSWER).read_to_end(&mut out).await;
         out
     };
-    let limit = Duration::from_secs(worker.cpu_secs + 5);
+    let limit = Duration::from_secs(worker.cpu_secs.saturating_add(5));
     let done = tokio::time::timeout(limit, async {
         let ((), out) = futures_util::future::join(write, read).await;
         (out, child.wait().await)
@@ -517,49 +572,79 @@ async fn read_in_child(worker: &Worker, ask: &Ask, bytes: &[u8]) -> Result<Read,
     .await;
     let Ok((out, status)) = done else {
         let _ = child.kill().await;
-        return Err("over the time budget".to_owned());
+        return Err(ChildError::transient("over the wall-clock limit"));
     };
     match status {
         Ok(s) if s.success() => {
-            serde_json::from_slice(&out).map_err(|_| "the reader's answer was damaged".to_owned())
+            // Tens of MB of JSON for a rendered document: off the runtime.
+            tokio::task::spawn_blocking(move || serde_json::from_slice::<Read>(&out))
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .ok_or_else(|| ChildError::transient("the reader's answer was damaged"))
         }
         Ok(s) => Err(died(s)),
-        Err(e) => Err(format!("the reader failed ({e})")),
+        Err(e) => Err(ChildError::transient(&format!("the reader failed ({e})"))),
     }
 }
 
 /// Why a child reader ended without an answer.
-fn died(status: std::process::ExitStatus) -> String {
+fn died(status: std::process::ExitStatus) -> ChildError {
+    let limit = |why: &str| ChildError {
+        why: why.to_owned(),
+        repeatable: true,
+    };
     #[cfg(unix)]
     {
         use std::os::unix::process::ExitStatusExt;
+        // SIGXCPU (24): its CPU limit. SIGABRT (6): an allocation over its
+        // address-space limit aborts it ("memory allocation of N bytes
+        // failed"). SIGKILL (9), not sent here but on the wall-clock limit
+        // (answered above): the kernel's OOM killer.
         match status.signal() {
-            // SIGXCPU: its CPU limit; SIGKILL: the hard one.
-            Some(24 | 9) => return "over the time budget".to_owned(),
-            // An allocation over its memory limit aborts it.
-            Some(6) => return "over the memory budget".to_owned(),
-            Some(n) => return format!("the reader stopped (signal {n})"),
+            Some(24) => return limit("over the time budget"),
+            Some(6) => return limit("over the memory budget"),
+            Some(9) => return ChildError::transient("the reader was killed"),
+            Some(n) => return limit(&format!("the reader stopped (signal {n})")),
             None => {}
         }
     }
-    format!("the reader stopped ({status})")
+    match status.code() {
+        Some(c) if c == i32::from(EXIT_TOO_LARGE) => limit("over the memory budget"),
+        Some(c) => {
+            tracing::warn!(status = c, "document reader exited without an answer");
+            ChildError::transient(&format!("the reader stopped (exit status {c})"))
+        }
+        None => ChildError::transient("the reader stopped"),
+    }
 }
 
 /// `visor media-worker MEMORY_MIB CPU_SECS`: reads one document from stdin
-/// (an [`Ask`] line, then its bytes) under those limits and writes what it
-/// read to stdout as JSON. Exit status 0 when it wrote an answer.
+/// (an [`Ask`] line, then its bytes) under those limits (never above the
+/// hard limits it was started with) and writes what it read to stdout as
+/// JSON. No core files. Exit status 0 when it wrote an answer.
 pub fn worker_main(memory_mib: u64, cpu_secs: u64) -> std::process::ExitCode {
+    use rlimit::Resource;
     use std::io::{Read as _, Write as _};
     use std::process::ExitCode;
-    let bytes = memory_mib.saturating_mul(1 << 20);
-    if rlimit::setrlimit(rlimit::Resource::AS, bytes, bytes).is_err()
-        || rlimit::setrlimit(rlimit::Resource::CPU, cpu_secs, cpu_secs + 1).is_err()
-    {
-        return ExitCode::from(3);
+    let set = |resource: Resource, want: u64| {
+        let hard = resource.get().map_or(want, |(_, hard)| hard);
+        let value = want.min(hard);
+        resource.set(value, hard)
+    };
+    let limited = set(Resource::CORE, 0)
+        .and(set(Resource::AS, memory_mib.saturating_mul(1 << 20)))
+        .and(set(Resource::CPU, cpu_secs));
+    if limited.is_err() {
+        return ExitCode::from(EXIT_LIMITS);
     }
     let mut input = Vec::new();
-    if std::io::stdin().read_to_end(&mut input).is_err() {
-        return ExitCode::from(2);
+    match std::io::stdin().read_to_end(&mut input) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::OutOfMemory => {
+            return ExitCode::from(EXIT_TOO_LARGE);
+        }
+        Err(_) => return ExitCode::from(2),
     }
     let Some(nl) = memchr::memchr(b'\n', &input) else {
         return ExitCode::from(2);
@@ -568,7 +653,7 @@ pub fn worker_main(memory_mib: u64, cpu_secs: u64) -> std::process::ExitCode {
         return ExitCode::from(2);
     };
     let doc = &input[nl + 1..];
-    let read = read(
+    let mut read = read(
         doc,
         &ask.media_type,
         ask.name.as_deref(),
@@ -576,7 +661,14 @@ pub fn worker_main(memory_mib: u64, cpu_secs: u64) -> std::process::ExitCode {
         ask.render,
         &AtomicBool::new(false),
     );
-    let mut out = std::io::stdout().lock();
+    // An Office file's images travel once, as pictures (the pages keep
+    // their names and count).
+    if let Ok(Content::Parsed(d)) = &mut read.doc {
+        for img in d.pages.iter_mut().flat_map(|p| p.images.iter_mut()) {
+            img.bytes = Vec::new();
+        }
+    }
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     match serde_json::to_writer(&mut out, &read).map(|()| out.flush()) {
         Ok(Ok(())) => ExitCode::SUCCESS,
         _ => ExitCode::from(2),
@@ -641,6 +733,7 @@ fn read(
             pictures: Vec::new(),
             unrendered: Vec::new(),
             unseen: Vec::new(),
+            transient: false,
         };
     };
     let mut pictures = Vec::new();
@@ -684,6 +777,7 @@ fn read(
             pictures,
             unrendered,
             unseen,
+            transient: false,
         };
     }
     let doc = media::read(kind, bytes, &limits).map_err(|e| e.to_string());
@@ -709,6 +803,7 @@ fn read(
         pictures,
         unrendered,
         unseen,
+        transient: false,
     }
 }
 
