@@ -7,7 +7,7 @@
 //! - `media/pdf-render-150dpi`: `render_page` of `chart.pdf` page 2 (the bar
 //!   chart) at 150 dpi, PNG encoding included (1275x1650).
 //! - `media/docx-read`: `read` of `report.docx` (unzip, XML, the PNG copied).
-//! - `media/pdf-hostile-shared-stream`: a 600 KB PDF whose 400 pages all
+//! - `media/pdf-hostile-shared-stream`: a 46 KB PDF whose 400 pages all
 //!   draw one content stream of 40,000 filled squares, read with the default
 //!   limits until its work budget stops it (how long a hostile document
 //!   holds a reader; the 5 s deadline should not be what stops it).
