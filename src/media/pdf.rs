@@ -29,8 +29,7 @@ use hayro::vello_cpu::color::palette::css::WHITE;
 use hayro::{PixmapSettings, RenderCache, RenderSettings};
 
 use super::pdf_guard::{
-    DrawTransform, Filter, ImageCheck, Meter, Spent, decoded_len, painted_area, raw_stream_filters,
-    streams_within,
+    Filter, ImageCheck, Meter, Spent, decoded_len, raw_stream_filters, streams_within,
 };
 use super::{DocKind, Document, Limits, PageSink, ReadError, guarded};
 
@@ -574,15 +573,8 @@ fn unicode(glyph: &Glyph<'_>) -> String {
 
 impl<'a> Device<'a> for TextDevice<'_, '_> {
     fn draw_path(&mut self, path: &BezPath, props: DrawProps<'a>, mode: &DrawMode) {
-        self.meter.charge(path.elements().len() as u64);
-        let area = painted_area(path, props.transform, mode, Some(self.page));
-        self.check.paint(
-            &props.paint,
-            DrawTransform(props.transform),
-            area,
-            self.meter,
-        );
-        self.check.mask(props.soft_mask.as_ref(), self.meter);
+        self.check
+            .path(path, &props, mode, Some(self.page), self.meter);
         let bbox = (props.transform * path.clone()).bounding_box();
         if !bbox.is_finite() || bbox.area() >= self.page_area * BACKGROUND_SHARE {
             // A background (a fill over nearly the whole page) is not a figure.
@@ -600,21 +592,11 @@ impl<'a> Device<'a> for TextDevice<'_, '_> {
     }
 
     fn push_transparency_group(&mut self, _o: f32, mask: Option<SoftMask<'a>>, _b: BlendMode) {
-        self.meter.charge(0);
-        self.check.mask(mask.as_ref(), self.meter);
+        self.check.group(mask.as_ref(), self.meter);
     }
 
     fn draw_glyph_run(&mut self, run: &GlyphRun<'_, 'a>, props: DrawProps<'a>, _mode: &DrawMode) {
-        self.meter.charge(run.glyphs().len() as u64);
-        self.check.glyphs(run, &props, self.meter);
-        // The glyphs' box is not worked out: the page (within a tile or two
-        // a side of what their box gives).
-        self.check.paint(
-            &props.paint,
-            DrawTransform(props.transform),
-            self.page,
-            self.meter,
-        );
+        self.check.glyph_run(run, &props, self.page, self.meter);
         for glyph in run.glyphs() {
             let t: Affine = props.transform * glyph.transform();
             let origin = t * Point::ZERO;
@@ -639,8 +621,7 @@ impl<'a> Device<'a> for TextDevice<'_, '_> {
     }
 
     fn draw_image(&mut self, image: Image<'a, '_>, props: ImageDrawProps<'a>) {
-        self.check.image(&image, self.meter);
-        self.check.mask(props.soft_mask.as_ref(), self.meter);
+        self.check.drawn_image(&image, &props, self.meter);
         self.images += 1;
         // An image fills the unit square under its transform.
         let area = props.transform.determinant().abs();

@@ -555,6 +555,53 @@ impl ImageCheck {
         }
     }
 
+    /// A path drawn (`clip`: the page, where what is painted is clipped to
+    /// it): its work charged, its paint and its soft mask checked.
+    pub(crate) fn path<'a>(
+        &mut self,
+        path: &BezPath,
+        props: &DrawProps<'a>,
+        mode: &DrawMode,
+        clip: Option<Rect>,
+        meter: &Meter<'_>,
+    ) {
+        meter.charge(path.elements().len() as u64);
+        let area = painted_area(path, props.transform, mode, clip);
+        self.paint(&props.paint, DrawTransform(props.transform), area, meter);
+        self.mask(props.soft_mask.as_ref(), meter);
+    }
+
+    /// A glyph run drawn over `area` (its glyphs' place is not worked out:
+    /// the page, or nothing, within a tile or two a side of their box).
+    pub(crate) fn glyph_run<'a>(
+        &mut self,
+        run: &GlyphRun<'_, 'a>,
+        props: &DrawProps<'a>,
+        area: Rect,
+        meter: &Meter<'_>,
+    ) {
+        meter.charge(run.glyphs().len() as u64);
+        self.glyphs(run, props, meter);
+        self.paint(&props.paint, DrawTransform(props.transform), area, meter);
+    }
+
+    /// An image drawn, and its soft mask.
+    pub(crate) fn drawn_image<'a>(
+        &mut self,
+        image: &Image<'a, '_>,
+        props: &ImageDrawProps<'a>,
+        meter: &Meter<'_>,
+    ) {
+        self.image(image, meter);
+        self.mask(props.soft_mask.as_ref(), meter);
+    }
+
+    /// A transparency group pushed, and its soft mask.
+    pub(crate) fn group<'a>(&mut self, mask: Option<&SoftMask<'a>>, meter: &Meter<'_>) {
+        meter.charge(0);
+        self.mask(mask, meter);
+    }
+
     /// Counts the tiles a tiling pattern is drawn with over `area` (what is
     /// painted, device space), and looks inside what only the renderer
     /// interprets: the pattern's cell.
@@ -872,15 +919,7 @@ struct Probe<'c, 'm, 's> {
 
 impl<'a> Device<'a> for Probe<'_, '_, '_> {
     fn draw_path(&mut self, path: &BezPath, props: DrawProps<'a>, mode: &DrawMode) {
-        self.meter.charge(path.elements().len() as u64);
-        let area = painted_area(path, props.transform, mode, None);
-        self.check.paint(
-            &props.paint,
-            DrawTransform(props.transform),
-            area,
-            self.meter,
-        );
-        self.check.mask(props.soft_mask.as_ref(), self.meter);
+        self.check.path(path, &props, mode, None, self.meter);
     }
 
     fn push_clip_path(&mut self, clip: &ClipPath) {
@@ -888,26 +927,15 @@ impl<'a> Device<'a> for Probe<'_, '_, '_> {
     }
 
     fn push_transparency_group(&mut self, _o: f32, mask: Option<SoftMask<'a>>, _b: BlendMode) {
-        self.meter.charge(0);
-        self.check.mask(mask.as_ref(), self.meter);
+        self.check.group(mask.as_ref(), self.meter);
     }
 
     fn draw_glyph_run(&mut self, run: &GlyphRun<'_, 'a>, props: DrawProps<'a>, _mode: &DrawMode) {
-        self.meter.charge(run.glyphs().len() as u64);
-        self.check.glyphs(run, &props, self.meter);
-        // The glyphs' place is not worked out: an empty area (within a tile
-        // or two a side of what their box gives).
-        self.check.paint(
-            &props.paint,
-            DrawTransform(props.transform),
-            Rect::ZERO,
-            self.meter,
-        );
+        self.check.glyph_run(run, &props, Rect::ZERO, self.meter);
     }
 
     fn draw_image(&mut self, image: Image<'a, '_>, props: ImageDrawProps<'a>) {
-        self.check.image(&image, self.meter);
-        self.check.mask(props.soft_mask.as_ref(), self.meter);
+        self.check.drawn_image(&image, &props, self.meter);
     }
 
     fn pop_clip(&mut self) {}
