@@ -27,58 +27,19 @@ fn fixture(name: &str) -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
+#[path = "../tests/support/pdf_build.rs"]
+mod pdf_build;
+
 /// `pages` pages, each drawing object 3 (`content`, deflated) as its
-/// content, with a cross-reference table.
+/// content.
 fn shared_stream_pdf(pages: usize, content: &[u8]) -> Vec<u8> {
-    use std::io::Write as _;
-    let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
-    z.write_all(content).unwrap();
-    let data = z.finish().unwrap();
-    let kids: Vec<String> = (0..pages).map(|i| format!("{} 0 R", 4 + i)).collect();
-    let mut bodies: Vec<Vec<u8>> = vec![
-        b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(),
-        format!(
-            "<< /Type /Pages /Kids [{}] /Count {pages} >>",
-            kids.join(" ")
-        )
-        .into_bytes(),
-    ];
-    let mut stream = format!(
-        "<< /Filter /FlateDecode /Length {} >>\nstream\n",
-        data.len()
+    let data = pdf_build::deflate(content);
+    pdf_build::pdf(
+        pages,
+        200,
+        "",
+        &[pdf_build::stream("/Filter /FlateDecode", &data)],
     )
-    .into_bytes();
-    stream.extend_from_slice(&data);
-    stream.extend_from_slice(b"\nendstream");
-    bodies.push(stream);
-    for _ in 0..pages {
-        bodies.push(
-            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 200] /Contents 3 0 R >>".to_vec(),
-        );
-    }
-    let mut out = b"%PDF-1.7\n".to_vec();
-    let mut offsets = Vec::new();
-    for (i, body) in bodies.iter().enumerate() {
-        offsets.push(out.len());
-        out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
-        out.extend_from_slice(body);
-        out.extend_from_slice(b"\nendobj\n");
-    }
-    let xref = out.len();
-    out.extend_from_slice(
-        format!("xref\n0 {}\n0000000000 65535 f \n", bodies.len() + 1).as_bytes(),
-    );
-    for o in offsets {
-        out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
-    }
-    out.extend_from_slice(
-        format!(
-            "trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
-            bodies.len() + 1
-        )
-        .as_bytes(),
-    );
-    out
 }
 
 fn bench(c: &mut Criterion) {

@@ -533,41 +533,10 @@ async fn query_aware_descriptions_take_the_question_of_their_own_message() {
     );
 }
 
-/// A one-page PDF (objects numbered from 1, a cross-reference table) whose
-/// page draws `content` with `resources`, on a `size` pt square.
+/// A one-page PDF whose page draws `content` with `resources`, on a
+/// `size` pt square.
 fn one_page_pdf(content: &[u8], resources: &str, size: u32) -> Vec<u8> {
-    let mut bodies: Vec<Vec<u8>> = vec![
-        b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(),
-        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>".to_vec(),
-        format!("<< /Type /Page /Parent 2 0 R /MediaBox [0 0 {size} {size}] /Contents 4 0 R /Resources << {resources} >> >>").into_bytes(),
-    ];
-    let mut stream = format!("<< /Length {} >>\nstream\n", content.len()).into_bytes();
-    stream.extend_from_slice(content);
-    stream.extend_from_slice(b"\nendstream");
-    bodies.push(stream);
-    let mut out = b"%PDF-1.7\n".to_vec();
-    let mut offsets = Vec::new();
-    for (i, body) in bodies.iter().enumerate() {
-        offsets.push(out.len());
-        out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
-        out.extend_from_slice(body);
-        out.extend_from_slice(b"\nendobj\n");
-    }
-    let xref = out.len();
-    out.extend_from_slice(
-        format!("xref\n0 {}\n0000000000 65535 f \n", bodies.len() + 1).as_bytes(),
-    );
-    for o in offsets {
-        out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
-    }
-    out.extend_from_slice(
-        format!(
-            "trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
-            bodies.len() + 1
-        )
-        .as_bytes(),
-    );
-    out
+    pdf_build::pdf(1, size, resources, &[pdf_build::stream("", content)])
 }
 
 #[tokio::test]

@@ -635,6 +635,12 @@ impl<'a> Device<'a> for TextDevice<'_, '_> {
     fn pop_transparency_group(&mut self) {}
 }
 
+/// Hand-written PDFs for the tests (shared with the integration tests and
+/// benches).
+#[cfg(test)]
+#[path = "../../tests/support/pdf_build.rs"]
+mod pdf_build;
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -674,66 +680,11 @@ mod tests {
         }
     }
 
-    /// A PDF whose objects are `objects` (numbered from 3: 1 is the
-    /// catalog, 2 the page tree of `pages` pages, each drawing object 3 as
-    /// its content with `resources`), with a cross-reference table.
+    use super::pdf_build::{self, deflate, stream};
+
+    /// [`pdf_build::pdf`] with 200 pt pages.
     fn build(pages: usize, resources: &str, objects: &[Vec<u8>]) -> Vec<u8> {
-        let first = 3 + objects.len();
-        let kids: Vec<String> = (0..pages).map(|i| format!("{} 0 R", first + i)).collect();
-        let mut bodies: Vec<Vec<u8>> = vec![
-            b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(),
-            format!(
-                "<< /Type /Pages /Kids [{}] /Count {pages} >>",
-                kids.join(" ")
-            )
-            .into_bytes(),
-        ];
-        bodies.extend(objects.iter().cloned());
-        for _ in 0..pages {
-            bodies.push(
-                format!(
-                    "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 200] /Contents 3 0 R /Resources << {resources} >> >>"
-                )
-                .into_bytes(),
-            );
-        }
-        let mut out = b"%PDF-1.7\n".to_vec();
-        let mut offsets = Vec::new();
-        for (i, body) in bodies.iter().enumerate() {
-            offsets.push(out.len());
-            out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
-            out.extend_from_slice(body);
-            out.extend_from_slice(b"\nendobj\n");
-        }
-        let xref = out.len();
-        out.extend_from_slice(
-            format!("xref\n0 {}\n0000000000 65535 f \n", bodies.len() + 1).as_bytes(),
-        );
-        for o in offsets {
-            out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
-        }
-        out.extend_from_slice(
-            format!(
-                "trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
-                bodies.len() + 1
-            )
-            .as_bytes(),
-        );
-        out
-    }
-
-    fn stream(dict: &str, data: &[u8]) -> Vec<u8> {
-        let mut b = format!("<< {dict} /Length {} >>\nstream\n", data.len()).into_bytes();
-        b.extend_from_slice(data);
-        b.extend_from_slice(b"\nendstream");
-        b
-    }
-
-    fn deflate(data: &[u8]) -> Vec<u8> {
-        use std::io::Write as _;
-        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
-        z.write_all(data).unwrap();
-        z.finish().unwrap()
+        pdf_build::pdf(pages, 200, resources, objects)
     }
 
     /// A JPEG's headers claiming `w`x`h` pixels in three colors (no data).

@@ -1,0 +1,68 @@
+//! Small PDFs written out by hand, for hostile-input tests and benches
+//! (the `src/media` unit tests, `tests/media.rs` and `benches/media.rs`
+//! include this file by path).
+#![allow(dead_code, clippy::unwrap_used)]
+
+/// A PDF of `objects` (numbered from 3: 1 is the catalog, 2 the page tree)
+/// and `pages` pages of `size` pt square, each drawing object 3 as its
+/// content with `resources`, with a cross-reference table.
+pub fn pdf(pages: usize, size: u32, resources: &str, objects: &[Vec<u8>]) -> Vec<u8> {
+    let first = 3 + objects.len();
+    let kids: Vec<String> = (0..pages).map(|i| format!("{} 0 R", first + i)).collect();
+    let mut bodies: Vec<Vec<u8>> = vec![
+        b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(),
+        format!(
+            "<< /Type /Pages /Kids [{}] /Count {pages} >>",
+            kids.join(" ")
+        )
+        .into_bytes(),
+    ];
+    bodies.extend(objects.iter().cloned());
+    for _ in 0..pages {
+        bodies.push(
+            format!(
+                "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 {size} {size}] /Contents 3 0 R /Resources << {resources} >> >>"
+            )
+            .into_bytes(),
+        );
+    }
+    let mut out = b"%PDF-1.7\n".to_vec();
+    let mut offsets = Vec::new();
+    for (i, body) in bodies.iter().enumerate() {
+        offsets.push(out.len());
+        out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
+        out.extend_from_slice(body);
+        out.extend_from_slice(b"\nendobj\n");
+    }
+    let xref = out.len();
+    out.extend_from_slice(
+        format!("xref\n0 {}\n0000000000 65535 f \n", bodies.len() + 1).as_bytes(),
+    );
+    for o in offsets {
+        out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
+    }
+    out.extend_from_slice(
+        format!(
+            "trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
+            bodies.len() + 1
+        )
+        .as_bytes(),
+    );
+    out
+}
+
+/// A stream object: `dict`'s entries, its length, then `data`.
+pub fn stream(dict: &str, data: &[u8]) -> Vec<u8> {
+    let mut b = format!("<< {dict} /Length {} >>\nstream\n", data.len()).into_bytes();
+    b.extend_from_slice(data);
+    b.extend_from_slice(b"\nendstream");
+    b
+}
+
+/// `data` zlib-compressed (a `/FlateDecode` stream's contents).
+pub fn deflate(data: &[u8]) -> Vec<u8> {
+    use std::io::Write as _;
+    let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
+    z.write_all(data).unwrap();
+    z.finish().unwrap()
+}
