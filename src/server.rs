@@ -469,12 +469,17 @@ async fn refresh_learned(state: Arc<AppState>, mut stop: watch::Receiver<bool>) 
                     tracing::info!(new, "learned models read from the store");
                 }
                 // Every SWEEP_EVERY ticks: idle sessions leave the disk and
-                // memory stores (Redis expires its own).
+                // memory stores, expired descriptions the disk store (Redis
+                // expires its own).
                 ticks = ticks.wrapping_add(1);
                 if ticks.is_multiple_of(SWEEP_EVERY) {
                     let ttl = Duration::from_secs(state.config.sessions.idle_ttl_secs);
                     if let Ok(gone @ 1..) = state.store.sweep_sessions(ttl).await {
                         tracing::info!(sessions = gone, "idle sessions forgotten");
+                    }
+                    let ttl = crate::store::DESCRIPTION_TTL;
+                    if let Ok(gone @ 1..) = state.store.sweep_descriptions(ttl).await {
+                        tracing::info!(descriptions = gone, "expired descriptions forgotten");
                     }
                 }
             }

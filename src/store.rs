@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use redb::{ReadableTable as _, TableDefinition};
+use redb::{ReadableTable as _, ReadableTableMetadata as _, TableDefinition};
 use tokio::time::Instant;
 
 use crate::config::StoreBackend;
@@ -49,14 +49,22 @@ pub const RETRY_AFTER: Duration = Duration::from_secs(5);
 /// ([`Store::probe_if_down`]).
 pub const PROBE_EVERY: Duration = Duration::from_millis(500);
 
-/// Descriptions expire from Redis this long after they were written (so a
-/// shared Redis does not grow without bound; an expired one is made again).
-const REDIS_DESCRIPTION_TTL_SECS: u64 = 30 * 24 * 3600;
+/// Descriptions (and document texts) expire this long after they were
+/// written, so a store does not grow without bound; an expired one is made
+/// again. Redis expires its own; the disk store's are swept
+/// ([`Store::sweep_descriptions`]).
+pub const DESCRIPTION_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Expired descriptions one disk sweep removes at most (a sweep is one
+/// operation under [`OP_TIMEOUT`]; the next sweep takes the rest).
+const SWEEP_BATCH: usize = 2048;
 
 /// The disk store's file name under `server.data_dir`.
 pub const DISK_FILE: &str = "store.redb";
 
 const DESCRIPTIONS: TableDefinition<&str, &str> = TableDefinition::new("descriptions");
+/// When each description was written (Unix seconds).
+const DESCRIPTION_WRITTEN: TableDefinition<&str, u64> = TableDefinition::new("description_written");
 const LEARNED: TableDefinition<&str, &str> = TableDefinition::new("learned_non_vision");
 /// A session's messages by (session key, sequence number).
 const SESSION_MESSAGES: TableDefinition<(&str, u64), &[u8]> =
@@ -290,6 +298,8 @@ impl Store {
                         let txn = db.begin_write()?;
                         txn.open_table(DESCRIPTIONS)?
                             .insert(key.as_str(), text.as_str())?;
+                        txn.open_table(DESCRIPTION_WRITTEN)?
+                            .insert(key.as_str(), unix_now())?;
                         txn.commit()?;
                         Ok(())
                     })
@@ -301,7 +311,7 @@ impl Store {
                             .arg(r.key("desc:", key))
                             .arg(text)
                             .arg("EX")
-                            .arg(REDIS_DESCRIPTION_TTL_SECS),
+                            .arg(DESCRIPTION_TTL.as_secs()),
                     )
                     .await
                 }
@@ -639,6 +649,75 @@ impl Store {
         self.guarded("put", op).await
     }
 
+    /// Forgets descriptions written `ttl` or more ago (at most
+    /// [`SWEEP_BATCH`] a call); how many went. A description from a file
+    /// older than the write times is dated now (it expires a `ttl` later).
+    /// Redis expires its own; the memory store is bounded by size.
+    pub async fn sweep_descriptions(&self, ttl: Duration) -> Result<usize, StoreError> {
+        let Backend::Disk(d) = &self.backend else {
+            return Ok(0);
+        };
+        let op = d.run_write(move |db| {
+            let now = unix_now();
+            let (expired, undated) = {
+                let txn = db.begin_read()?;
+                let written = txn.open_table(DESCRIPTION_WRITTEN)?;
+                let mut expired = Vec::new();
+                for row in written.iter()? {
+                    let (k, v) = row?;
+                    if now.saturating_sub(v.value()) >= ttl.as_secs() {
+                        expired.push(k.value().to_owned());
+                        if expired.len() == SWEEP_BATCH {
+                            break;
+                        }
+                    }
+                }
+                let descriptions = txn.open_table(DESCRIPTIONS)?;
+                let mut undated = Vec::new();
+                if descriptions.len()? > written.len()? {
+                    for row in descriptions.iter()? {
+                        let (k, _) = row?;
+                        if written.get(k.value())?.is_none() {
+                            undated.push(k.value().to_owned());
+                            if undated.len() == SWEEP_BATCH {
+                                break;
+                            }
+                        }
+                    }
+                }
+                (expired, undated)
+            };
+            if expired.is_empty() && undated.is_empty() {
+                return Ok(0);
+            }
+            let txn = db.begin_write()?;
+            let mut gone = 0;
+            {
+                let mut written = txn.open_table(DESCRIPTION_WRITTEN)?;
+                let mut descriptions = txn.open_table(DESCRIPTIONS)?;
+                for key in &expired {
+                    // Written again since the read: kept.
+                    let still = written
+                        .get(key.as_str())?
+                        .is_some_and(|t| now.saturating_sub(t.value()) >= ttl.as_secs());
+                    if still {
+                        written.remove(key.as_str())?;
+                        descriptions.remove(key.as_str())?;
+                        gone += 1;
+                    }
+                }
+                for key in &undated {
+                    if written.get(key.as_str())?.is_none() {
+                        written.insert(key.as_str(), now)?;
+                    }
+                }
+            }
+            txn.commit()?;
+            Ok(gone)
+        });
+        self.guarded("put", op).await
+    }
+
     /// Asks the store whether it answers; `write`: whether it takes a write
     /// (the disk store commits a one-row transaction).
     async fn ping(&self, write: bool) -> Result<(), String> {
@@ -916,6 +995,7 @@ impl Disk {
         // The tables exist from the start, so a read never meets a missing one.
         let txn = db.begin_write()?;
         txn.open_table(DESCRIPTIONS)?;
+        txn.open_table(DESCRIPTION_WRITTEN)?;
         txn.open_table(LEARNED)?;
         txn.open_table(SESSION_MESSAGES)?;
         txn.open_table(SESSION_META)?;
@@ -1047,6 +1127,51 @@ mod tests {
         );
         assert_eq!(s.learned().await.unwrap(), vec!["gpt-oss".to_owned()]);
         assert!(s.problem().is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn disk_descriptions_expire_and_older_files_get_dated() {
+        let dir = std::env::temp_dir().join(format!("visor-store-ttl-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let s = Store::open(&StoreBackend::Disk, "visor:", &dir, metrics).unwrap();
+        s.put_description("new", "a chart").await.unwrap();
+        // A row from a file written before descriptions were dated.
+        let Backend::Disk(d) = &s.backend else {
+            unreachable!()
+        };
+        d.run_write(|db| {
+            let txn = db.begin_write()?;
+            txn.open_table(DESCRIPTIONS)?.insert("old", "a diagram")?;
+            txn.commit()?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+        // Within the TTL nothing goes; the undated row is dated now.
+        assert_eq!(s.sweep_descriptions(DESCRIPTION_TTL).await.unwrap(), 0);
+        assert_eq!(
+            s.description("new").await.unwrap().as_deref(),
+            Some("a chart")
+        );
+        assert_eq!(
+            s.description("old").await.unwrap().as_deref(),
+            Some("a diagram")
+        );
+        let dated = d
+            .run(|db| {
+                let txn = db.begin_read()?;
+                Ok(txn.open_table(DESCRIPTION_WRITTEN)?.len()?)
+            })
+            .await
+            .unwrap();
+        assert_eq!(dated, 2);
+        // Past it (a TTL of zero: everything written is due) both go.
+        assert_eq!(s.sweep_descriptions(Duration::ZERO).await.unwrap(), 2);
+        assert_eq!(s.description("new").await.unwrap(), None);
+        assert_eq!(s.description("old").await.unwrap(), None);
+        assert_eq!(s.sweep_descriptions(Duration::ZERO).await.unwrap(), 0);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
