@@ -167,6 +167,36 @@ impl VisorError {
         Bytes::from(v.to_string())
     }
 
+    /// The error as a Responses WebSocket-mode `error` event: the HTTP
+    /// status and headers it would have had, and the OpenAI error object.
+    pub fn ws_event(&self) -> String {
+        let (status, kind, code) = self.parts();
+        let mut headers = serde_json::Map::new();
+        if let VisorError::RateLimited {
+            retry_after_secs,
+            headers: h,
+            ..
+        } = self
+        {
+            headers.insert("retry-after".into(), retry_after_secs.to_string().into());
+            for (name, value) in h {
+                headers.insert((*name).into(), value.clone().into());
+            }
+        }
+        serde_json::json!({
+            "type": "error",
+            "status": status.as_u16(),
+            "error": {
+                "message": self.to_string(),
+                "type": kind,
+                "param": null,
+                "code": code,
+            },
+            "headers": headers,
+        })
+        .to_string()
+    }
+
     pub fn into_response<B: From<Bytes>>(self) -> http::Response<B> {
         let status = self.status();
         let mut resp = http::Response::new(B::from(self.body()));

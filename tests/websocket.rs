@@ -34,7 +34,8 @@ struct Seen {
 }
 
 /// A WebSocket upstream: answers each `response.create` with three events
-/// (the last `response.completed` with usage), echoes anything else; a
+/// (the last `response.completed` with usage: 11 input tokens, or the
+/// create's `metadata.input_tokens`), echoes anything else; a
 /// handshake with `authorization: Bearer bad` is refused with 401.
 async fn ws_mock() -> (String, Arc<Mutex<Seen>>, mpsc::UnboundedReceiver<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -83,12 +84,14 @@ async fn ws_mock() -> (String, Arc<Mutex<Seen>>, mpsc::UnboundedReceiver<()>) {
                     // `"metadata": {"stall": true}`: only the first event,
                     // then nothing (a response under way).
                     let stall = v["metadata"]["stall"] == true;
+                    // `"metadata": {"input_tokens": N}`: the usage to say.
+                    let input_tokens = v["metadata"]["input_tokens"].as_u64().unwrap_or(11);
                     if v["type"] == "response.create" {
                         for e in [
                             // As OpenAI sends it: `error: null` early in the event.
                             json!({"response": {"id": "resp_1", "status": "in_progress", "error": null}, "type": "response.created"}),
                             json!({"type": "response.output_text.delta", "delta": "hi"}),
-                            json!({"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "usage": {"input_tokens": 11, "output_tokens": 3, "input_tokens_details": {"cached_tokens": 4}}}}),
+                            json!({"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "usage": {"input_tokens": input_tokens, "output_tokens": 3, "input_tokens_details": {"cached_tokens": 4}}}}),
                         ]
                         .into_iter()
                         .take(if stall { 1 } else { 3 })
@@ -442,4 +445,174 @@ async fn shutdown_gives_a_response_under_way_the_drain_timeout() {
         .await
         .expect("shutdown finishes within the bound");
     served.unwrap().unwrap();
+}
+
+/// A `[[key]]` holds the WebSocket mode as it holds HTTP: each
+/// `response.create` is a request of the key — a model outside its
+/// `models` or a request over its limit is answered with an `error` event
+/// (the HTTP status, code and headers) and never reaches the upstream, the
+/// socket stays open; a Realtime upgrade names its model in the URL.
+#[tokio::test]
+async fn a_key_holds_each_response_create_to_its_models_and_limits() {
+    let (up, seen, _closed) = ws_mock().await;
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n\
+         [[key]]\nname = \"team-a\"\nkey = \"sk-team-a\"\nrequests_per_minute = 2\nmodels = [\"gpt-5*\"]\n"
+    ))
+    .await;
+    let open = |path: &str| {
+        let mut req = format!("ws://{}{path}", visor.addr)
+            .into_client_request()
+            .unwrap();
+        req.headers_mut()
+            .insert("authorization", "Bearer sk-team-a".parse().unwrap());
+        req
+    };
+    let (mut ws, _) = tokio::time::timeout(BOUND, connect(open("/v1/responses")))
+        .await
+        .unwrap()
+        .unwrap();
+    let create = |model: &str| {
+        Message::Text(
+            json!({"type": "response.create", "model": model, "input": [
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]})
+            .to_string()
+            .into(),
+        )
+    };
+    // A model the key may not use.
+    ws.send(create("o3-pro")).await.unwrap();
+    let e = next_text(&mut ws).await;
+    assert_eq!(e["type"], "error", "{e}");
+    assert_eq!(e["status"], 403);
+    assert_eq!(e["error"]["code"], "model_not_allowed");
+    assert!(
+        seen.lock().unwrap().events.is_empty(),
+        "it reached the upstream"
+    );
+    // One without a model, for a key limited to some.
+    ws.send(Message::Text(
+        json!({"type": "response.create", "input": []})
+            .to_string()
+            .into(),
+    ))
+    .await
+    .unwrap();
+    let e = next_text(&mut ws).await;
+    assert_eq!(
+        (e["status"].clone(), e["error"]["code"].clone()),
+        (json!(400), json!("invalid_request")),
+        "{e}"
+    );
+    // Allowed: relayed and answered, on the same socket.
+    ws.send(create("gpt-5.1")).await.unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "response.created");
+    assert_eq!(
+        next_text(&mut ws).await["type"],
+        "response.output_text.delta"
+    );
+    assert_eq!(next_text(&mut ws).await["type"], "response.completed");
+    // The limit is 2 a minute (a model refused is not counted, as over
+    // HTTP): the second goes, the third is over.
+    ws.send(create("gpt-5.1")).await.unwrap();
+    for ty in [
+        "response.created",
+        "response.output_text.delta",
+        "response.completed",
+    ] {
+        assert_eq!(next_text(&mut ws).await["type"], ty);
+    }
+    ws.send(create("gpt-5.1")).await.unwrap();
+    let e = next_text(&mut ws).await;
+    assert_eq!(e["status"], 429, "{e}");
+    assert_eq!(e["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(e["headers"]["x-ratelimit-limit-requests"], "2");
+    assert_eq!(e["headers"]["x-ratelimit-remaining-requests"], "0");
+    assert!(
+        e["headers"]["retry-after"]
+            .as_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            >= 1
+    );
+    let sent: Vec<String> = seen.lock().unwrap().events.clone();
+    assert_eq!(
+        sent.len(),
+        2,
+        "only the allowed, in-limit ones went: {sent:?}"
+    );
+    assert!(sent.iter().all(|e| e.contains("gpt-5.1")));
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_requests_total",
+            &[("upstream", "none"), ("status", "403")]
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "visor_requests_total",
+            &[("upstream", "none"), ("status", "429")]
+        ),
+        Some(1.0),
+        "{m}"
+    );
+
+    // Tokens: charged by the estimate, corrected by the usage before the
+    // client hears `response.completed`, so the next create sees it.
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n\
+         [[key]]\nname = \"small\"\nkey = \"sk-team-a\"\ntokens_per_minute = 1000\n"
+    ))
+    .await;
+    let mut req = format!("ws://{}/v1/responses", visor.addr)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("authorization", "Bearer sk-team-a".parse().unwrap());
+    let (mut small, _) = connect(req).await.unwrap();
+    let big = json!({"type": "response.create", "model": "gpt-5.1", "metadata": {"input_tokens": 5000}, "input": []});
+    small
+        .send(Message::Text(big.to_string().into()))
+        .await
+        .unwrap();
+    for ty in [
+        "response.created",
+        "response.output_text.delta",
+        "response.completed",
+    ] {
+        assert_eq!(next_text(&mut small).await["type"], ty);
+    }
+    small.send(create("gpt-5.1")).await.unwrap();
+    let e = next_text(&mut small).await;
+    assert_eq!(e["status"], 429, "the usage was not counted: {e}");
+    assert_eq!(e["headers"]["x-ratelimit-remaining-tokens"], "0");
+
+    // A Realtime upgrade: its model is in the URL, refused before any
+    // upstream is contacted; none named, for this key, is a 400.
+    for (path, status, code) in [
+        ("/v1/realtime?model=gpt-realtime", 403, "model_not_allowed"),
+        ("/v1/realtime", 400, "invalid_request"),
+    ] {
+        match connect(open(path)).await {
+            Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
+                assert_eq!(resp.status(), status, "{path}");
+                assert_eq!(error_code(resp.body().as_deref().unwrap_or_default()), code);
+            }
+            other => panic!(
+                "{path}: expected {status}, got {:?}",
+                other.map(|(_, r)| r.status())
+            ),
+        }
+    }
+    // The two Responses sockets reached the upstream; no Realtime one did.
+    assert_eq!(
+        seen.lock().unwrap().paths,
+        ["/v1/responses", "/v1/responses"]
+    );
 }

@@ -370,7 +370,7 @@ async fn read_body(
     }
     // The model is read when the route depends on it, or when the caller's
     // `[[key]]` allows only some models.
-    let restricted = caller_key(state, parts)
+    let restricted = caller_key(state, &parts.extensions)
         .and_then(|i| state.limits.key(i))
         .is_some_and(|k| !k.any_model);
     if !state.route_by_model && !restricted {
@@ -429,9 +429,9 @@ impl Grant {
 
 /// The `[[key]]` a request is held to: its own, or — without a key — the
 /// `[[key]]` that has none, if there is one.
-fn caller_key(state: &AppState, parts: &http::request::Parts) -> Option<usize> {
+pub(super) fn caller_key(state: &AppState, extensions: &http::Extensions) -> Option<usize> {
     use super::headers::Caller;
-    match parts.extensions.get::<Caller>().copied() {
+    match extensions.get::<Caller>().copied() {
         Some(Caller::Key(i)) => Some(i),
         Some(Caller::Unlimited) => None,
         Some(Caller::Anonymous) | None => state.config.keys.iter().position(|(_, k)| k.is_none()),
@@ -458,18 +458,39 @@ async fn limit(
         Held::Streamed(_) => content_length(&parts.headers).unwrap_or(0),
     };
     let estimate = bytes / crate::limits::BYTES_PER_TOKEN;
-    let key = caller_key(state, parts);
+    let key = caller_key(state, &parts.extensions);
     let label = match (caller, key.and_then(|i| state.limits.key(i))) {
         (_, Some(k)) => k.name.clone(),
         (Caller::Unlimited, None) => "api_keys".to_owned(),
         _ => "none".to_owned(),
     };
-    let Some((i, k)) = key.and_then(|i| state.limits.key(i).map(|k| (i, k))) else {
+    let Some(i) = key.filter(|&i| state.limits.key(i).is_some()) else {
         return Ok(Grant {
             key: None,
             label,
             estimate,
         });
+    };
+    admit(state, i, model, estimate).await?;
+    Ok(Grant {
+        key: Some(i),
+        label,
+        estimate,
+    })
+}
+
+/// Whether `[[key]]` `i` may send a request for `model` estimated at
+/// `estimate` tokens now: 403 for a model outside its `models`, 429 over
+/// its limits (the request is counted in its window either way it goes).
+/// The HTTP path and each `response.create` of the WebSocket mode.
+pub(super) async fn admit(
+    state: &AppState,
+    i: usize,
+    model: Option<&str>,
+    estimate: u64,
+) -> Result<(), VisorError> {
+    let Some(k) = state.limits.key(i) else {
+        return Ok(());
     };
     if let Some(m) = model
         && !k.allows(m)
@@ -477,51 +498,45 @@ async fn limit(
         return Err(VisorError::ModelNotAllowed {
             key: k.name.clone(),
             model: m.to_owned(),
-        }
-        .into());
+        });
     }
     let verdict = state.limits.check(i, estimate).await;
-    if let Some(over) = verdict.over {
-        let mut headers = Vec::new();
-        let mut add = |kind: &str, s: Option<crate::limits::Standing>| {
-            if let Some(s) = s {
-                let reset = format!("{}s", s.reset.as_secs().max(1));
-                let (l, r, t) = match kind {
-                    "requests" => (
-                        "x-ratelimit-limit-requests",
-                        "x-ratelimit-remaining-requests",
-                        "x-ratelimit-reset-requests",
-                    ),
-                    _ => (
-                        "x-ratelimit-limit-tokens",
-                        "x-ratelimit-remaining-tokens",
-                        "x-ratelimit-reset-tokens",
-                    ),
-                };
-                headers.push((l, s.limit.to_string()));
-                headers.push((r, s.remaining.to_string()));
-                headers.push((t, reset));
-            }
-        };
-        add("requests", verdict.requests);
-        add("tokens", verdict.tokens);
-        let reset = verdict
-            .requests
-            .or(verdict.tokens)
-            .map_or(60, |s| s.reset.as_secs().max(1));
-        tracing::info!(key = %k.name, limit = over.label(), "rate limited");
-        return Err(VisorError::RateLimited {
-            key: k.name.clone(),
-            limit: over.label(),
-            retry_after_secs: reset,
-            headers,
+    let Some(over) = verdict.over else {
+        return Ok(());
+    };
+    let mut headers = Vec::new();
+    let mut add = |kind: &str, s: Option<crate::limits::Standing>| {
+        if let Some(s) = s {
+            let reset = format!("{}s", s.reset.as_secs().max(1));
+            let (l, r, t) = match kind {
+                "requests" => (
+                    "x-ratelimit-limit-requests",
+                    "x-ratelimit-remaining-requests",
+                    "x-ratelimit-reset-requests",
+                ),
+                _ => (
+                    "x-ratelimit-limit-tokens",
+                    "x-ratelimit-remaining-tokens",
+                    "x-ratelimit-reset-tokens",
+                ),
+            };
+            headers.push((l, s.limit.to_string()));
+            headers.push((r, s.remaining.to_string()));
+            headers.push((t, reset));
         }
-        .into());
-    }
-    Ok(Grant {
-        key: Some(i),
-        label,
-        estimate,
+    };
+    add("requests", verdict.requests);
+    add("tokens", verdict.tokens);
+    let reset = verdict
+        .requests
+        .or(verdict.tokens)
+        .map_or(60, |s| s.reset.as_secs().max(1));
+    tracing::info!(key = %k.name, limit = over.label(), "rate limited");
+    Err(VisorError::RateLimited {
+        key: k.name.clone(),
+        limit: over.label(),
+        retry_after_secs: reset,
+        headers,
     })
 }
 

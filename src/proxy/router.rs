@@ -217,7 +217,7 @@ pub fn path_problem(path: &str) -> Option<&'static str> {
 
 /// Decodes `%XX` escapes, up to three times over (so `%252e` becomes `.`);
 /// invalid escapes stay as they are.
-fn percent_decode(s: &[u8]) -> Vec<u8> {
+pub(super) fn percent_decode(s: &[u8]) -> Vec<u8> {
     let mut cur = s.to_vec();
     for _ in 0..3 {
         if !cur.contains(&b'%') {

@@ -43,6 +43,7 @@ use super::prepare::{self, Options};
 use super::usage::Usage;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
+use crate::metrics::NO_UPSTREAM;
 use crate::transform::Shape;
 use crate::upstream::RequestBody;
 
@@ -78,6 +79,27 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
         .unwrap_or_else(|| HeaderValue::from_static("req_unknown"));
     let rest = req.uri().path()["/v1".len()..].to_owned();
     let responses = rest == "/responses";
+    // The caller's `[[key]]`: each `response.create` of the Responses mode
+    // is a request it is held to (below, as the events come); any other
+    // upgrade (the Realtime API) names its model in the URL and is one
+    // request.
+    let holder = super::forward::caller_key(&state, req.extensions())
+        .filter(|&i| state.limits.key(i).is_some());
+    if !responses && let Some(i) = holder {
+        let model = query_model(req.uri().query());
+        let restricted = state.limits.key(i).is_some_and(|k| !k.any_model);
+        if restricted && model.is_none() {
+            return refuse(
+                &state,
+                VisorError::BadRequest(
+                    "this key may use only some models: name the model in the WebSocket URL (?model=…)",
+                ),
+            );
+        }
+        if let Err(e) = super::forward::admit(&state, i, model.as_deref(), 0).await {
+            return refuse(&state, e);
+        }
+    }
     // 1. connect: the first upstream (no model at the handshake).
     let index = 0;
     let upstream = &state.config.upstreams[index];
@@ -208,6 +230,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     let relay = Relay {
         state: state.clone(),
         upstream: name,
+        key: holder,
         responses,
         opts,
         headers: req.headers().clone(),
@@ -244,6 +267,16 @@ where
     let _ = tokio::time::timeout(bound, u_tx.close()).await;
 }
 
+/// The `model` of a query string (`?model=gpt-realtime`), decoded.
+fn query_model(query: Option<&str>) -> Option<String> {
+    query?
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("model="))
+        .map(|v| super::router::percent_decode(v.replace('+', " ").as_bytes()))
+        .and_then(|v| String::from_utf8(v).ok())
+        .filter(|m| !m.is_empty())
+}
+
 /// `http(s)://…` as `ws(s)://…`.
 fn ws_uri(uri: &http::Uri) -> Option<http::Uri> {
     let scheme = match uri.scheme_str()? {
@@ -259,6 +292,8 @@ fn ws_uri(uri: &http::Uri) -> Option<http::Uri> {
 struct Relay {
     state: Arc<AppState>,
     upstream: Arc<str>,
+    /// The caller's `[[key]]`, which each `response.create` is held to.
+    key: Option<usize>,
     /// The Responses WebSocket mode: client events are transformed.
     responses: bool,
     opts: Options,
@@ -269,6 +304,9 @@ struct Relay {
 /// A response under way on the socket.
 struct InFlight {
     model: String,
+    /// Tokens the key's limit was charged before the answer (corrected by
+    /// its `usage`).
+    estimate: u64,
     since: Instant,
     images_replaced: usize,
     bytes_saved: i64,
@@ -304,7 +342,18 @@ impl Relay {
                     last_any = Instant::now();
                     match m {
                         Some(Ok(Message::Text(text))) => {
-                            let (out, started) = self.client_event(text.as_str(), &mut model).await;
+                            let (out, started) = match self.client_event(text.as_str(), &mut model).await {
+                                Ok(pair) => pair,
+                                // Refused by the key: the client hears why,
+                                // the upstream nothing.
+                                Err(refusal) => {
+                                    if c_tx.send(refusal).await.is_err() {
+                                        let _ = u_tx.close().await;
+                                        break;
+                                    }
+                                    continue;
+                                }
+                            };
                             if let Some(f) = started {
                                 last_upstream = Instant::now();
                                 inflight = Some(f);
@@ -345,7 +394,11 @@ impl Relay {
                     last_any = last_upstream;
                     match m {
                         Some(Ok(Message::Text(text))) => {
-                            self.server_event(text.as_str(), &mut inflight);
+                            // The key's tokens corrected by the usage before
+                            // the client hears the response is done.
+                            if let Some((i, estimate, used)) = self.server_event(text.as_str(), &mut inflight) {
+                                self.state.limits.correct(i, estimate, used).await;
+                            }
                             if c_tx.send(Message::Text(text)).await.is_err() {
                                 let _ = u_tx.close().await;
                                 self.finish(&mut inflight, "client_cancelled", None);
@@ -409,27 +462,39 @@ impl Relay {
     }
 
     /// A client event: transformed when it carries Responses input items;
-    /// the message to send upstream, and the response it starts, if any.
-    async fn client_event(&self, text: &str, model: &mut String) -> (Message, Option<InFlight>) {
+    /// the message to send upstream, and the response it starts, if any —
+    /// or, for a `response.create` the caller's `[[key]]` refuses, the
+    /// `error` event that answers it.
+    async fn client_event(
+        &self,
+        text: &str,
+        model: &mut String,
+    ) -> Result<(Message, Option<InFlight>), Message> {
         let unchanged = || Message::Text(text.into());
         if !self.responses {
-            return (unchanged(), None);
+            return Ok((unchanged(), None));
         }
         let Ok(Value::Object(event)) = serde_json::from_str::<Value>(text) else {
-            return (unchanged(), None);
+            return Ok((unchanged(), None));
         };
-        if let Some(m) = event.get("model").and_then(Value::as_str) {
+        let own_model = event.get("model").and_then(Value::as_str);
+        if let Some(m) = own_model {
             m.clone_into(model);
         }
         let creates = event.get("type").and_then(Value::as_str) == Some("response.create");
+        let estimate = text.len() as u64 / crate::limits::BYTES_PER_TOKEN;
+        if creates && let Some(i) = self.key {
+            self.admit(i, own_model, estimate).await?;
+        }
         let started = creates.then(|| InFlight {
             model: model.clone(),
+            estimate,
             since: Instant::now(),
             images_replaced: 0,
             bytes_saved: 0,
         });
         if !event.get("input").is_some_and(Value::is_array) {
-            return (unchanged(), started);
+            return Ok((unchanged(), started));
         }
         let asker = prepare::Asker {
             headers: &self.headers,
@@ -454,15 +519,50 @@ impl Relay {
             f
         });
         match String::from_utf8(prepared.body.to_vec()) {
-            Ok(s) => (Message::Text(s.into()), started),
-            Err(_) => (unchanged(), started),
+            Ok(s) => Ok((Message::Text(s.into()), started)),
+            Err(_) => Ok((unchanged(), started)),
         }
     }
 
-    /// A server event: the end of a response is counted.
-    fn server_event(&self, text: &str, inflight: &mut Option<InFlight>) {
+    /// Holds one `response.create` to `[[key]]` `i`: a model outside its
+    /// `models` (or none named, for a key limited to some) or a request
+    /// over its limits is answered with an `error` event carrying the
+    /// status and headers HTTP would have had, logged and counted like an
+    /// HTTP refusal; the socket stays open.
+    async fn admit(&self, i: usize, model: Option<&str>, estimate: u64) -> Result<(), Message> {
+        let restricted = self.state.limits.key(i).is_some_and(|k| !k.any_model);
+        let verdict = match model {
+            None if restricted => Err(VisorError::BadRequest(
+                "this key may use only some models: name the model in each response.create",
+            )),
+            _ => super::forward::admit(&self.state, i, model, estimate).await,
+        };
+        verdict.map_err(|e| {
+            tracing::info!(
+                error = e.label(),
+                status = e.status().as_u16(),
+                transport = "websocket",
+                "refused"
+            );
+            self.state
+                .metrics
+                .requests
+                .with_label_values(&[NO_UPSTREAM, "", e.status().as_str()])
+                .inc();
+            Message::Text(e.ws_event().into())
+        })
+    }
+
+    /// A server event: the end of a response is counted; when its `usage`
+    /// says more tokens than the caller's `[[key]]` was charged, the
+    /// correction due (key, charged, used).
+    fn server_event(
+        &self,
+        text: &str,
+        inflight: &mut Option<InFlight>,
+    ) -> Option<(usize, u64, u64)> {
         if inflight.is_none() || !self.responses {
-            return;
+            return None;
         }
         // The event's own top-level `type` (a `"status"` or `"error": null`
         // inside `response` says nothing).
@@ -472,15 +572,21 @@ impl Relay {
             ty: Option<std::borrow::Cow<'a, str>>,
         }
         let Ok(Event { ty: Some(ty) }) = serde_json::from_str::<Event<'_>>(text) else {
-            return;
+            return None;
         };
         let outcome = match ty.as_ref() {
             "response.completed" | "response.incomplete" => "complete",
             "response.failed" | "error" => "upstream_error",
-            _ => return,
+            _ => return None,
         };
         let usage = Usage::of_event(text.as_bytes());
+        let used = usage.map_or(0, |u| u.prompt + u.completion);
+        let correction = match (self.key, inflight.as_ref()) {
+            (Some(i), Some(f)) if used > f.estimate => Some((i, f.estimate, used)),
+            _ => None,
+        };
         self.finish(inflight, outcome, usage);
+        correction
     }
 
     /// Counts the response under way (once), as the HTTP path counts one.
