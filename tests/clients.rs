@@ -11,6 +11,8 @@
 //! | OpenAI Agents SDK (Python), default model | Responses SSE | same |
 //! | OpenAI Agents SDK, Chat Completions model | Chat Completions SSE | same |
 //! | `anthropic` (Python SDK), own loop | Messages SSE | same |
+//! | LangChain `ChatOpenAI` (`langchain-openai`), own loop | Chat Completions SSE | same |
+//! | LangChain `ChatAnthropic` (`langchain-anthropic`), own loop | Messages SSE | same |
 //! | Codex CLI, `codex exec`, a custom provider, a session | Responses SSE | view_image, exec_command `cat` ×2 |
 //! | Codex CLI, `supports_websockets = true` | Responses WebSocket | same (no dedup, no session there) |
 //! | Claude Code, `claude -p`, a session | Messages SSE | Read (a PNG), Bash `cat` ×2 |
@@ -979,6 +981,9 @@ async fn sdk_loop(
         "OPENAI_BASE_URL",
         "ANTHROPIC_API_KEY",
         "ANTHROPIC_BASE_URL",
+        // LangChain would send traces to LangSmith.
+        "LANGSMITH_TRACING",
+        "LANGCHAIN_TRACING_V2",
     ] {
         cmd.env_remove(k);
     }
@@ -1029,6 +1034,17 @@ sdk_tests! {
     anthropic_python_sdk_tool_loop:
         (Runtime::Python, "anthropic_sdk.py", &[]), Wire::Messages, "claude-visor-test-python",
         Image::Replaced;
+    /// The tool answers a standard `image` block (`base64`, `mime_type`):
+    /// langchain-openai sends it as an `image_url` data URL in the tool
+    /// message's content list.
+    langchain_openai_chat_tool_loop:
+        (Runtime::Python, "langchain_agent.py", &["openai"]), Wire::Chat,
+        "visor-test-langchain-openai", Image::Replaced;
+    /// The same image block: langchain-anthropic sends it as a base64
+    /// `image` block inside the `tool_result`.
+    langchain_anthropic_tool_loop:
+        (Runtime::Python, "langchain_agent.py", &["anthropic"]), Wire::Messages,
+        "claude-visor-test-langchain", Image::Replaced;
 }
 
 // ------------------------------------------------------ the coding agents
