@@ -66,9 +66,13 @@ pub struct Merged {
     /// The stored messages to insert there: the newest `depth` the client
     /// does not hold itself (often none).
     pub history: Vec<Value>,
+    /// Where `history` starts among the stored messages.
+    pub history_from: usize,
     /// The client's messages that are not stored yet (to store with the
     /// reply).
     pub new: Vec<Value>,
+    /// Their positions among the client's messages.
+    pub new_at: Vec<usize>,
     /// Stored messages inserted (`history.len()`).
     pub history_used: usize,
 }
@@ -164,32 +168,116 @@ pub fn merge(messages: &[Value], stored: &[Value], depth: usize) -> Merged {
     }) {
         // The stored tail sits further in: the client holds more.
         (None, after(p + 1))
+    } else if stored.is_empty() {
+        // A new session: the conversation the client brings is its start.
+        (None, 0)
     } else {
-        // Diverged (compacted, edited): what follows its last turn is new.
-        let last = rest.iter().rposition(model_produced).map_or(0, |i| i + 1);
-        (None, last)
+        // Diverged (compacted, edited): what follows its last turn is new —
+        // with that turn, when the tool results after it answer calls the
+        // store does not hold (so no stored result lacks its call).
+        let last = rest.iter().rposition(model_produced);
+        let from = last.map_or(0, |i| i + 1);
+        let orphan = rest[from..]
+            .iter()
+            .take_while(|m| tool_result(m))
+            .flat_map(|m| answered_calls(m))
+            .any(|id| !stored.iter().any(|s| made_calls(s).any(|c| c == id)));
+        match last {
+            Some(i) if orphan => (None, i),
+            _ => (None, from),
+        }
     };
-    let history: Vec<Value> = match history_end {
-        Some(end) => stored[limit_from(end)..end].to_vec(),
-        None => Vec::new(),
+    let (history_from, history): (usize, Vec<Value>) = match history_end {
+        Some(end) => {
+            let from = limit_from(end);
+            (from, stored[from..end].to_vec())
+        }
+        None => (stored.len(), Vec::new()),
     };
-    let new = rest[new_from.min(rest.len())..]
-        .iter()
-        .filter(|m| !not_compared(m))
-        .cloned()
+    let new_at: Vec<usize> = (new_from.min(rest.len())..rest.len())
+        .filter(|&i| !not_compared(&rest[i]))
         .collect();
+    let new = new_at.iter().map(|&i| rest[i].clone()).collect();
     Merged {
         at: system,
         history_used: history.len(),
         history,
+        history_from,
         new,
+        new_at: new_at.into_iter().map(|i| i + system).collect(),
     }
 }
 
-/// `body` with `items` inserted into its top-level array `key` before the
-/// element at `at` (at its end when `at` is past it); every other byte as
-/// it was. `None` when `body` has no such array.
-pub fn insert_items(body: &[u8], key: &str, at: usize, items: &[Value]) -> Option<Vec<u8>> {
+/// The call ids a tool result answers: a Chat `tool` message's
+/// `tool_call_id`, a Responses output item's `call_id`, an Anthropic
+/// message's `tool_result` blocks' `tool_use_id`s.
+fn answered_calls(m: &Value) -> Vec<&str> {
+    let mut out: Vec<&str> = ["tool_call_id", "call_id"]
+        .iter()
+        .filter_map(|k| m.get(*k).and_then(Value::as_str))
+        .collect();
+    if let Some(parts) = m.get("content").and_then(Value::as_array) {
+        out.extend(
+            parts
+                .iter()
+                .filter(|p| p["type"] == "tool_result")
+                .filter_map(|p| p.get("tool_use_id").and_then(Value::as_str)),
+        );
+    }
+    out
+}
+
+/// The call ids a message makes: Chat `tool_calls`, a Responses call
+/// item's `call_id`, Anthropic `tool_use` blocks.
+fn made_calls(m: &Value) -> impl Iterator<Item = &str> {
+    let chat = m
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.get("id").and_then(Value::as_str));
+    let item = m
+        .get("call_id")
+        .filter(|_| !tool_result(m))
+        .and_then(Value::as_str);
+    let blocks = m
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|p| p["type"] == "tool_use")
+        .filter_map(|p| p.get("id").and_then(Value::as_str));
+    chat.chain(item).chain(blocks)
+}
+
+/// The byte range of each element of `body`'s top-level array `key`;
+/// `None` when it has none.
+pub fn item_ranges(body: &[u8], key: &str) -> Option<Vec<std::ops::Range<usize>>> {
+    use crate::transform::json::{Cursor, Kind};
+    let mut c = Cursor::new(body);
+    let mut out: Option<Vec<std::ops::Range<usize>>> = None;
+    c.object(|c, k| {
+        if out.is_none() && k.is(body, key) && c.kind()? == Kind::Array {
+            let mut ranges = Vec::new();
+            c.array(|c, _| {
+                ranges.push(c.skip()?);
+                Ok(())
+            })?;
+            out = Some(ranges);
+            Ok(())
+        } else {
+            c.skip().map(drop)
+        }
+    })
+    .ok()?;
+    out
+}
+
+/// `body` with `items` (each one JSON value's bytes) inserted into its
+/// top-level array `key` before the element at `at` (at its end when `at`
+/// is past it); every other byte as it was. `None` when `body` has no such
+/// array.
+pub fn insert_items(body: &[u8], key: &str, at: usize, items: &[&[u8]]) -> Option<Vec<u8>> {
     use crate::transform::json::{Cursor, Kind};
     let mut c = Cursor::new(body);
     let mut spot: Option<(usize, bool)> = None; // (byte offset, comma after)
@@ -221,7 +309,7 @@ pub fn insert_items(body: &[u8], key: &str, at: usize, items: &[Value]) -> Optio
         if i > 0 {
             joined.push(b',');
         }
-        serde_json::to_writer(&mut joined, m).ok()?;
+        joined.extend_from_slice(m);
     }
     let mut out = Vec::with_capacity(body.len() + joined.len() + 2);
     out.extend_from_slice(&body[..offset]);
@@ -697,8 +785,35 @@ mod tests {
     }
 
     #[test]
+    fn a_new_session_stores_the_conversation_its_first_request_brings() {
+        let call = json!({"role": "assistant", "tool_calls": [{"id": "call_A", "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+        let result = json!({"role": "tool", "tool_call_id": "call_A", "content": "A"});
+        let client = vec![
+            json!({"role": "system", "content": "s"}),
+            user("u1"),
+            call.clone(),
+            result.clone(),
+        ];
+        let m = merge(&client, &[], 25);
+        assert_eq!(m.new, vec![user("u1"), call.clone(), result.clone()]);
+        assert_eq!(m.new_at, vec![1, 2, 3], "positions in the client's list");
+        assert!(m.history.is_empty());
+        // A stored session the client's history does not match (compacted):
+        // the result's call is not stored, so its turn is stored with it…
+        let m = merge(&client, &[user("other"), assistant("O")], 25);
+        assert_eq!(m.new, vec![call.clone(), result.clone()]);
+        // …while a result answering the stored reply's call comes alone.
+        let m = merge(&client, &[user("other"), call.clone()], 25);
+        assert_eq!(m.new, vec![result]);
+    }
+
+    #[test]
     fn history_is_spliced_into_the_client_bytes() {
-        let h = [user("h1"), assistant("H")];
+        let h: Vec<Vec<u8>> = [user("h1"), assistant("H")]
+            .iter()
+            .map(|m| serde_json::to_vec(m).unwrap())
+            .collect();
+        let h: Vec<&[u8]> = h.iter().map(Vec::as_slice).collect();
         let body = br#"{ "model" : "m", "messages" : [ {"role":"system","content":"s"} , {"role":"user","content":"new"} ], "x":1}"#;
         let out = insert_items(body, "messages", 1, &h).unwrap();
         let v: Value = serde_json::from_slice(&out).unwrap();

@@ -206,6 +206,57 @@ async fn history_is_prepended_at_the_chosen_depth_and_never_doubled() {
     );
 }
 
+/// The history a turn prepends is the bytes the client sent the turn
+/// before (its key order, its spacing), so the prefix a provider cached is
+/// sent again unchanged; a first request that brings a conversation stores
+/// all of it, calls with their results.
+#[tokio::test]
+async fn history_goes_back_as_the_bytes_it_was_sent_as() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    // Keys in an order serde would not write (role before content, a
+    // name, spaces).
+    let first = r#"{"model": "gpt-4o-mini", "messages": [ {"role": "user",  "name": "ann", "content": "hi"} ]}"#;
+    let mut req = post_json(
+        &visor.url("/v1/chat/completions"),
+        first.as_bytes().to_vec(),
+    );
+    req.headers_mut()
+        .insert("x-visor-session", "bytes".parse().unwrap());
+    assert_eq!(send(req).await.0, 200);
+    let sent_first = String::from_utf8(mock.recorded().pop().unwrap().body.to_vec()).unwrap();
+    let message = r#"{"role": "user",  "name": "ann", "content": "hi"}"#;
+    assert!(sent_first.contains(message), "{sent_first}");
+    let (status, _, _) = send(chat(&visor, "bytes", json!([user("next")]), &[])).await;
+    assert_eq!(status, 200);
+    let sent = String::from_utf8(mock.recorded().pop().unwrap().body.to_vec()).unwrap();
+    assert!(
+        sent.contains(&format!("[{message},")),
+        "the stored message was rewritten: {sent}"
+    );
+
+    // A new session whose first request carries a tool exchange: every
+    // message is stored, so no result is stored without its call.
+    let call = json!({"role": "assistant", "tool_calls": [{"id": "call_A", "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+    let result = json!({"role": "tool", "tool_call_id": "call_A", "content": "A"});
+    let (status, _, _) = send(chat(
+        &visor,
+        "carried",
+        json!([user("u1"), call, result]),
+        &[],
+    ))
+    .await;
+    assert_eq!(status, 200);
+    let (_, body) = stored(&visor, "carried", &[]).await;
+    let roles: Vec<&str> = body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"], "{body}");
+}
+
 #[tokio::test]
 async fn a_streamed_reply_is_stored_whole_before_the_stream_ends() {
     let mock = MockUpstream::start(echo).await;
@@ -686,4 +737,22 @@ async fn a_turn_cut_by_the_drain_timeout_is_still_stored() {
         "{history}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An upstream that cannot be reached (or answers an error) does not lose
+/// what the user sent: the request's messages are stored without a reply,
+/// before the client gets its 502.
+#[tokio::test]
+async fn an_unreachable_upstream_does_not_lose_the_users_message() {
+    let refusing = MockUpstream::builder()
+        .fault(Fault::RefuseConnect)
+        .start()
+        .await;
+    let visor = Visor::for_mock(&refusing, "").await;
+    let (status, _, body) = send(chat(&visor, "down", json!([user("are you there?")]), &[])).await;
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+    // Stored before the 502 went out: there at once.
+    let (code, body) = stored(&visor, "down", &[]).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["messages"], json!([user("are you there?")]), "{body}");
 }

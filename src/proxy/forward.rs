@@ -91,21 +91,27 @@ async fn handle(
     let mut prepared = transform(state, &mut call, &parts, index, &model, held, &session).await; // 5. transform
     edge.prepared(prepared.as_ref());
     grant.count_context(state, prepared.as_ref());
-    let chain = fallback_chain(state, &call, &parts, index, &mut session).await?;
-    let (exchange, resp, timer, retry_head) = match chain {
-        None => {
-            let (up_req, retry_head) =
-                upstream_request(state, &call, parts, index, &prepared, &mut session)?; // 6. send
-            let exchange = Exchange::new(state, &call, index);
-            let (resp, timer) = exchange.run(up_req, &call.exceeded, exchange.sent).await?;
-            (exchange, resp, timer, retry_head)
-        }
-        Some(chain) => {
-            let to = Chain {
-                upstreams: chain,
-                model: model.as_deref(),
-            };
-            send_chain(state, &call, edge, &parts, to, &prepared, &mut session).await? // 6. send, with fallbacks
+    let sent = send(
+        state,
+        &call,
+        edge,
+        parts,
+        index,
+        &model,
+        &prepared,
+        &mut session,
+    )
+    .await;
+    let (exchange, resp, timer, retry_head) = match sent {
+        Ok(sent) => sent,
+        Err(stop) => {
+            // No answer: the session's new messages are stored (without a
+            // reply) before the client hears why, so what it sent is there
+            // when it asks again.
+            if let Some(storing) = session.recorder.as_mut().and_then(|r| r.finish(false)) {
+                storing.await;
+            }
+            return Err(stop);
         }
     };
     let learned = learn(
@@ -393,6 +399,46 @@ async fn read_body(
         Ok(Ok((model, b))) => Ok((model, Held::Streamed(b))),
         Ok(Err(e)) => Err(e.into()),
         Err(_) => Err(VisorError::BodyTimeout.into()),
+    }
+}
+
+/// Phase 6: the request sent — to its upstream, or along its fallbacks —
+/// until a response head.
+#[allow(clippy::too_many_arguments)]
+async fn send<'s>(
+    state: &'s Arc<AppState>,
+    call: &Call,
+    edge: &mut Edge<'_>,
+    parts: http::request::Parts,
+    index: usize,
+    model: &Option<String>,
+    prepared: &Option<Prepared>,
+    session: &mut Session,
+) -> Result<
+    (
+        Exchange<'s>,
+        Response<ResponseBody>,
+        Pin<Box<Sleep>>,
+        Option<RetryHead>,
+    ),
+    Stop,
+> {
+    let chain = fallback_chain(state, call, &parts, index, session).await?;
+    match chain {
+        None => {
+            let (up_req, retry_head) =
+                upstream_request(state, call, parts, index, prepared, session)?;
+            let exchange = Exchange::new(state, call, index);
+            let (resp, timer) = exchange.run(up_req, &call.exceeded, exchange.sent).await?;
+            Ok((exchange, resp, timer, retry_head))
+        }
+        Some(chain) => {
+            let to = Chain {
+                upstreams: chain,
+                model: model.as_deref(),
+            };
+            send_chain(state, call, edge, &parts, to, prepared, session).await
+        }
     }
 }
 

@@ -105,21 +105,47 @@ pub async fn open(
         Ok(s) => s.unwrap_or_default(),
         Err(e) => return Err(VisorError::StoreUnavailable(e.to_string())),
     };
-    let stored: Vec<Value> = stored
-        .iter()
-        .filter_map(|b| serde_json::from_slice(b).ok())
-        .collect();
+    // Each stored message as its bytes (what the upstream was sent) and its
+    // value (what the merge compares).
+    let (stored_raw, stored): (Vec<Bytes>, Vec<Value>) = stored
+        .into_iter()
+        .filter_map(|b| serde_json::from_slice(&b).ok().map(|v| (b, v)))
+        .unzip();
     let merged = sessions::merge(&messages, &stored, depth);
     state
         .metrics
         .session_history
         .observe(merged.history_used as f64);
     // The client's messages go as they came: its bytes untouched when
-    // nothing is inserted, the history spliced in otherwise.
+    // nothing is inserted, the history spliced in otherwise — each stored
+    // message as the bytes it was stored as, which are the bytes its
+    // client sent (a reply: as visor wrote it), so the prefix a provider
+    // cached last turn is sent again byte for byte.
+    // The new messages are stored as the client's bytes (its key order,
+    // its spacing), so sending them again later changes nothing.
+    let ranges = as_array
+        .then(|| sessions::item_ranges(body, items))
+        .flatten()
+        .filter(|r| r.len() == messages.len());
+    let new = merged
+        .new
+        .iter()
+        .zip(&merged.new_at)
+        .filter_map(|(m, &i)| match ranges.as_ref().and_then(|r| r.get(i)) {
+            Some(r) => Some(body.slice(r.clone())),
+            None => serde_json::to_vec(m).ok().map(Bytes::from),
+        })
+        .collect();
+    let history_raw: Vec<&[u8]> = stored_raw
+        .iter()
+        .skip(merged.history_from)
+        .take(merged.history_used)
+        .map(|b| &b[..])
+        .collect();
     let body = if merged.history.is_empty() && as_array {
         body.clone()
     } else if let Some(spliced) = as_array
-        .then(|| sessions::insert_items(body, items, merged.at, &merged.history))
+        .then(|| sessions::insert_items(body, items, merged.at, &history_raw))
         .flatten()
     {
         Bytes::from(spliced)
@@ -129,11 +155,6 @@ pub async fn open(
             .map(Bytes::from)
             .map_err(|e| VisorError::InvalidJson(e.to_string()))?
     };
-    let new = merged
-        .new
-        .iter()
-        .filter_map(|m| serde_json::to_vec(m).ok().map(Bytes::from))
-        .collect();
     Ok(Opened {
         body,
         history_used: merged.history_used,
