@@ -43,14 +43,18 @@ fn history() -> Vec<Bytes> {
 /// One step of `open`: read, merge, write the body.
 async fn prepend(store: &Store, request: &Value) -> usize {
     let messages = request["messages"].as_array().unwrap().clone();
-    let stored = store.session("bench", 25, DAY).await.unwrap().unwrap();
-    let stored: Vec<Value> = stored
+    let raw = store.session("bench", 25, DAY).await.unwrap().unwrap();
+    let stored: Vec<Value> = raw
         .iter()
         .map(|b| serde_json::from_slice(b).unwrap())
         .collect();
     let merged = sessions::merge(&messages, &stored, 25);
     let body = serde_json::to_vec(request).unwrap();
-    sessions::insert_items(&body, "messages", merged.at, &merged.history)
+    let history: Vec<&[u8]> = raw[merged.history_from..][..merged.history_used]
+        .iter()
+        .map(|b| &b[..])
+        .collect();
+    sessions::insert_items(&body, "messages", merged.at, &history)
         .unwrap()
         .len()
 }
