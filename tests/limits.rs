@@ -396,3 +396,57 @@ async fn usage_over_the_estimate_is_charged_to_the_key() {
         "usage of 2000 tokens was charged to a 1000-a-minute key"
     );
 }
+
+/// A key limited to some models: a body visor streams is read whole before
+/// it goes, so one that names a second model after the allowed one (most
+/// JSON parsers and form readers take the last) is refused, never sent.
+#[tokio::test]
+async fn a_body_naming_a_second_model_cannot_slip_past_a_keys_models() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, &keys("")).await;
+    let post = |body: Vec<u8>, content_type: &str| {
+        Request::post(visor.url("/v1/embeddings"))
+            .header("content-type", content_type)
+            .header("authorization", format!("Bearer {KEY_A}"))
+            .body(Full::new(Bytes::from(body)))
+            .unwrap()
+    };
+    let json = "application/json";
+    for body in [
+        r#"{"model":"gpt-4o","input":"x","model":"claude-opus"}"#,
+        r#"{"model":"gpt-4o","input":"x","mod\u0065l":"claude-opus"}"#,
+    ] {
+        let (status, _, answer) = send(post(body.as_bytes().to_vec(), json)).await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(error_code(&answer), "model_unreadable");
+    }
+    let form = |fields: &[(&str, &str)]| {
+        let mut b = Vec::new();
+        for (k, v) in fields {
+            b.extend_from_slice(
+                format!("--XyZ\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n")
+                    .as_bytes(),
+            );
+        }
+        b.extend_from_slice(b"--XyZ--\r\n");
+        b
+    };
+    let multipart = "multipart/form-data; boundary=XyZ";
+    let (status, _, answer) = send(post(
+        form(&[
+            ("model", "gpt-4o-transcribe"),
+            ("file", "…"),
+            ("model", "claude-opus"),
+        ]),
+        multipart,
+    ))
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(error_code(&answer), "model_unreadable");
+    assert_eq!(mock.count(), 0, "nothing reached the upstream");
+    // One model, allowed: sent, whole and unchanged.
+    let body = form(&[("model", "gpt-4o-transcribe"), ("file", "…")]);
+    let (status, _, _) = send(post(body.clone(), multipart)).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.recorded().pop().unwrap().body, body);
+}

@@ -394,7 +394,11 @@ async fn read_body(
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| FormScanner::for_content_type(v.as_bytes()));
-    let scan = scan_model(body, limit, call.exceeded.clone(), form);
+    // For a key limited to some models the whole body is read first: a body
+    // that names a second model after the one checked (most parsers take
+    // the last) is refused, never sent.
+    let form = form.map(|f| if restricted { f.whole() } else { f });
+    let scan = scan_model(body, limit, call.exceeded.clone(), form, restricted);
     match tokio::time::timeout_at(call.deadline, scan).await {
         Ok(Ok((model, b))) => Ok((model, Held::Streamed(b))),
         Ok(Err(e)) => Err(e.into()),
@@ -1277,15 +1281,17 @@ impl ModelScan {
 }
 
 /// Streams a body while looking for its model: chunks are held only until
-/// the model has passed, then the rest flows straight through. An empty
-/// body, or a form without a `model` field, has none (the first upstream);
-/// a non-empty body that is not a JSON object, or whose `model` is not a
-/// string, cannot be routed: [`VisorError::Unroutable`].
+/// the model has passed (`whole`: until the body ends), then the rest flows
+/// straight through. An empty body, or a form without a `model` field, has
+/// none (the first upstream); a non-empty body that is not a JSON object,
+/// or whose `model` is not a string (`whole`: or that names it twice),
+/// cannot be routed: [`VisorError::Unroutable`].
 async fn scan_model(
     mut body: RequestBody,
     limit: u64,
     exceeded: Arc<AtomicBool>,
     form: Option<FormScanner>,
+    whole: bool,
 ) -> Result<(Option<String>, UpstreamBody), VisorError> {
     let mut scanner = match form {
         Some(f) => ModelScan::Form(f),
@@ -1294,7 +1300,7 @@ async fn scan_model(
     let mut prefix = VecDeque::new();
     let mut held: u64 = 0;
     let mut ended = false;
-    while !scanner.found() {
+    while whole || !scanner.found() {
         match body.frame().await {
             None => {
                 ended = true;
@@ -1319,6 +1325,11 @@ async fn scan_model(
     let model = match &mut scanner {
         ModelScan::Form(s) => {
             s.finish();
+            if s.duplicate() {
+                return Err(VisorError::Unroutable(
+                    "the form has more than one `model` field".to_owned(),
+                ));
+            }
             if s.too_long() {
                 return Err(VisorError::Unroutable(
                     "the form's `model` is longer than 1024 bytes".to_owned(),
@@ -1327,6 +1338,9 @@ async fn scan_model(
             s.model().map(str::to_owned)
         }
         ModelScan::Json(s) => match (s.model(), s.error()) {
+            // Read whole: a duplicate `model` (or anything else wrong after
+            // it) is refused.
+            (Some(_), Some(why)) if whole => return Err(VisorError::Unroutable(why.to_owned())),
             (Some(m), _) => Some(m.to_owned()),
             (None, Some(why)) => return Err(VisorError::Unroutable(why.to_owned())),
             // Ended before the model came: whole and valid without one

@@ -473,6 +473,11 @@ pub struct FormScanner {
     searched: usize,
     model: Option<String>,
     too_long: bool,
+    /// A `model` field was read (a second one is a duplicate).
+    seen: bool,
+    /// Read to the form's end, so a second `model` field is found.
+    whole: bool,
+    duplicate: bool,
     done: bool,
 }
 
@@ -506,8 +511,23 @@ impl FormScanner {
             searched: 0,
             model: None,
             too_long: false,
+            seen: false,
+            whole: false,
+            duplicate: false,
             done: false,
         })
+    }
+
+    /// Reads the form to its end (not only to its `model`), so a form that
+    /// names its model twice is found out ([`FormScanner::duplicate`]).
+    pub fn whole(mut self) -> Self {
+        self.whole = true;
+        self
+    }
+
+    /// True when the form has more than one `model` field.
+    pub fn duplicate(&self) -> bool {
+        self.duplicate
     }
 
     /// True once the model was read, or the form ended without one.
@@ -537,14 +557,23 @@ impl FormScanner {
             if let Some(start) = self.part
                 && let Some(value) = form_value(&self.buf[start..at], b"model")
             {
+                if self.seen {
+                    self.duplicate = true;
+                    self.done = true;
+                    self.buf = Vec::new();
+                    return;
+                }
+                self.seen = true;
                 self.too_long = value.len() > MAX_MODEL;
                 self.model = std::str::from_utf8(value)
                     .ok()
                     .filter(|_| !self.too_long)
                     .map(str::to_owned);
-                self.done = true;
-                self.buf = Vec::new();
-                return;
+                if !self.whole {
+                    self.done = true;
+                    self.buf = Vec::new();
+                    return;
+                }
             }
             let after = at + self.delimiter.len();
             if self.buf.len() < after + 2 {
