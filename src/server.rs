@@ -71,6 +71,18 @@ impl Server {
             documents = %crate::proxy::media_text::reader_note(&state.config.documents),
             "documents read"
         );
+        // The workers' listeners share the port (SO_REUSEPORT), which another
+        // process of the same user could join too: a second visor started
+        // on a port that is served would quietly take part of its traffic.
+        // It is refused instead, as a server without the option would be.
+        if workers > 1 && addr.port() != 0 && someone_listens(addr).await {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!(
+                    "{addr} is already served by another process (another visor still running or draining?): stop it first, or choose another server.listen"
+                ),
+            ));
+        }
         let first = reuseport_listener(addr, workers > 1)?;
         let addr = first.local_addr()?;
         let mut listeners = vec![first.into_std()?];
@@ -192,6 +204,23 @@ impl Server {
         }
         result
     }
+}
+
+/// Whether something accepts connections at `addr` (an unspecified address
+/// is asked on loopback).
+async fn someone_listens(addr: SocketAddr) -> bool {
+    let mut at = addr;
+    if at.ip().is_unspecified() {
+        at.set_ip(match at {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let probe = tokio::net::TcpStream::connect(at);
+    matches!(
+        tokio::time::timeout(Duration::from_millis(500), probe).await,
+        Ok(Ok(_))
+    )
 }
 
 fn reuseport_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<TcpListener> {

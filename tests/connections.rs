@@ -300,3 +300,35 @@ async fn no_connection_is_shed_while_nobody_waits() {
         "{m}"
     );
 }
+
+/// The workers share their port (SO_REUSEPORT), which another process could
+/// join: a second visor on a port that is served refuses to start instead
+/// of taking part of the first one's traffic.
+#[tokio::test]
+async fn a_second_visor_on_a_served_port_refuses_to_start() {
+    let mock = MockUpstream::start(|_| Reply::json(200, "{}")).await;
+    let toml = format!(
+        "[server]\nworkers = 2\n[[upstream]]\nname = \"mock\"\nbase_url = \"{}/v1\"\n",
+        mock.url()
+    );
+    let first = Visor::start(&toml).await;
+    let mut cfg =
+        visor::config::Config::from_toml(&toml, std::path::Path::new("t.toml"), &|_| None).unwrap();
+    cfg.server.data_dir = temp_dir("second-visor");
+    let second = visor::server::Server::bind(cfg, Some(first.addr)).await;
+    let Err(e) = second else {
+        panic!("a second visor started on {}", first.addr)
+    };
+    assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+    assert!(e.to_string().contains("already served"), "{e}");
+    // The first one still answers all requests.
+    for _ in 0..4 {
+        let (status, _, _) = send(
+            Request::get(first.url("/healthz"))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+}
