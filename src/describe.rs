@@ -513,7 +513,7 @@ impl Describer {
                 }
             }
         }
-        let no_limit = AtomicBool::new(false);
+        let no_limit = crate::upstream::BodyState::default();
         let resp = self
             .upstreams
             .send(i, req, &no_limit)

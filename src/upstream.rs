@@ -15,7 +15,7 @@
 use std::error::Error as StdError;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -223,20 +223,56 @@ impl Body for RequestBody {
     }
 }
 
-/// The client's body, streamed, failing once more than `remaining` bytes pass.
-/// `exceeded` lets the proxy tell "too large" (413) from a broken upstream.
+/// What went wrong with the client's streamed body, if anything: shared by
+/// the body and the proxy, so a send that failed because of the client
+/// (too large: 413; broken off) is told apart from a broken upstream.
+#[derive(Debug, Default)]
+pub struct BodyState(AtomicU8);
+
+const BODY_EXCEEDED: u8 = 1;
+const BODY_BROKEN: u8 = 2;
+
+impl BodyState {
+    /// More than `max_body_bytes` came.
+    pub fn exceeded(&self) -> bool {
+        self.0.load(Ordering::Relaxed) == BODY_EXCEEDED
+    }
+
+    /// The client's body broke off (it went away mid-upload).
+    pub fn broken(&self) -> bool {
+        self.0.load(Ordering::Relaxed) == BODY_BROKEN
+    }
+
+    /// The first thing that went wrong, if any.
+    fn failure(&self) -> Option<SendFailure> {
+        match self.0.load(Ordering::Relaxed) {
+            BODY_EXCEEDED => Some(SendFailure::BodyTooLarge),
+            BODY_BROKEN => Some(SendFailure::ClientBody),
+            _ => None,
+        }
+    }
+
+    fn set(&self, what: u8) {
+        let _ = self
+            .0
+            .compare_exchange(0, what, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+/// The client's body, streamed, failing once more than `remaining` bytes
+/// pass; what went wrong is told in its [`BodyState`].
 pub struct LimitedBody {
     inner: RequestBody,
     remaining: u64,
-    exceeded: Arc<AtomicBool>,
+    state: Arc<BodyState>,
 }
 
 impl LimitedBody {
-    pub fn new(inner: RequestBody, remaining: u64, exceeded: Arc<AtomicBool>) -> Self {
+    pub fn new(inner: RequestBody, remaining: u64, state: Arc<BodyState>) -> Self {
         Self {
             inner,
             remaining,
-            exceeded,
+            state,
         }
     }
 }
@@ -254,14 +290,17 @@ impl Body for LimitedBody {
                 if let Some(data) = frame.data_ref() {
                     let len = data.len() as u64;
                     if len > self.remaining {
-                        self.exceeded.store(true, Ordering::Relaxed);
+                        self.state.set(BODY_EXCEEDED);
                         return Poll::Ready(Some(Err(Box::new(BodyLimitExceeded))));
                     }
                     self.remaining -= len;
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+            Poll::Ready(Some(Err(e))) => {
+                self.state.set(BODY_BROKEN);
+                Poll::Ready(Some(Err(e)))
+            }
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
         }
@@ -287,6 +326,8 @@ pub enum SendFailure {
     Reset,
     /// The client's body went over `max_body_bytes` while streaming.
     BodyTooLarge,
+    /// The client's body broke off while streaming (the client went away).
+    ClientBody,
 }
 
 impl SendFailure {
@@ -296,6 +337,7 @@ impl SendFailure {
             SendFailure::ConnectTimeout => "connect_timeout",
             SendFailure::Reset => "reset",
             SendFailure::BodyTooLarge => "body_too_large",
+            SendFailure::ClientBody => "client_body",
         }
     }
 }
@@ -307,6 +349,7 @@ impl SendFailure {
             SendFailure::ConnectTimeout => "timed out",
             SendFailure::Reset => "connection closed before a response",
             SendFailure::BodyTooLarge => "request body too large",
+            SendFailure::ClientBody => "the client's request body broke off",
         }
     }
 }
@@ -353,9 +396,9 @@ pub fn cause_of(err: &(dyn StdError + 'static)) -> &'static str {
 }
 
 /// Sorts a client error into a [`SendFailure`].
-pub fn classify(err: &hyper_util::client::legacy::Error, body_exceeded: bool) -> SendFailure {
-    if body_exceeded {
-        return SendFailure::BodyTooLarge;
+pub fn classify(err: &hyper_util::client::legacy::Error, body: &BodyState) -> SendFailure {
+    if let Some(f) = body.failure() {
+        return f;
     }
     let mut timed_out = false;
     let mut source: Option<&(dyn StdError + 'static)> = err.source();
@@ -617,12 +660,12 @@ impl Upstreams {
     }
 
     /// Sends `req` (absolute URI) to upstream `index` and waits for the
-    /// response head. `exceeded` is the request body's limit flag.
+    /// response head. `body` tells what the client's body did.
     pub async fn send(
         &self,
         index: usize,
         req: Request<UpstreamBody>,
-        exceeded: &AtomicBool,
+        body: &BodyState,
     ) -> Result<Response<ResponseBody>, Failed> {
         let Some(route) = self.routes.get(index) else {
             return Err(Failed {
@@ -634,13 +677,12 @@ impl Upstreams {
             Route::Tls => match self.tls[index].request(req).await {
                 Ok(resp) => Ok(resp.map(|body| ResponseBody::new(body, None))),
                 Err(e) => Err(Failed {
-                    failure: classify(&e, exceeded.load(Ordering::Relaxed)),
+                    failure: classify(&e, body),
                     cause: cause_of(&e),
                 }),
             },
             Route::Plain { authority, host } => {
-                self.send_inline(index, authority, host, req, exceeded)
-                    .await
+                self.send_inline(index, authority, host, req, body).await
             }
         }
     }
@@ -651,7 +693,7 @@ impl Upstreams {
         authority: &str,
         host: &http::HeaderValue,
         mut req: Request<UpstreamBody>,
-        exceeded: &AtomicBool,
+        body: &BodyState,
     ) -> Result<Response<ResponseBody>, Failed> {
         // Origin-form target and a Host header, as a client library would.
         if let Some(pq) = req.uri().path_and_query().cloned() {
@@ -689,8 +731,8 @@ impl Upstreams {
                         .map(|body| ResponseBody::new(body, Some(Inline { conn, pool, index }))));
                 }
                 Err(mut e) => {
-                    if exceeded.load(Ordering::Relaxed) {
-                        return Err(fail(SendFailure::BodyTooLarge));
+                    if let Some(f) = body.failure() {
+                        return Err(fail(f));
                     }
                     match e.take_message() {
                         Some(unsent) if pooled => req = Some(unsent),

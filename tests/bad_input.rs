@@ -299,3 +299,43 @@ async fn expect_100_continue_is_answered_by_visor_and_not_forwarded() {
     assert!(rec.headers.get("expect").is_none());
     assert_eq!(rec.body, Bytes::from_static(body));
 }
+
+/// A client that goes away mid-upload on a body visor streams (here:
+/// promises 1000 bytes, sends 28, closes its side) is the client's doing:
+/// counted as a 400 of visor's, not as an upstream that broke.
+#[tokio::test]
+async fn a_client_that_abandons_its_upload_is_not_an_upstream_failure() {
+    let mock = ok_mock().await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let mut s = TcpStream::connect(visor.addr).await.unwrap();
+    s.write_all(
+        b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"model\":\"m\",\"input\":\"abc",
+    )
+    .await
+    .unwrap();
+    s.shutdown().await.unwrap();
+    let resp = read_response(&mut s).await;
+    assert!(
+        resp.is_empty() || resp.starts_with("HTTP/1.1 400"),
+        "{resp}"
+    );
+    // Counted once the request is over: wait for it, bounded.
+    let deadline = Instant::now() + BOUND;
+    let m = loop {
+        let m = visor.metrics().await;
+        if m.contains("status=\"400\"") || Instant::now() > deadline {
+            break m;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(
+        metric(
+            &m,
+            "visor_requests_total",
+            &[("upstream", "none"), ("status", "400")]
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert!(!m.contains("visor_upstream_errors_total{"), "{m}");
+}

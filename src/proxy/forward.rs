@@ -40,7 +40,6 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Version, header};
 use http_body_util::BodyExt;
@@ -62,7 +61,9 @@ use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
 use crate::metrics::NO_UPSTREAM;
 use crate::transform::{Report, Shape};
-use crate::upstream::{LimitedBody, RequestBody, ResponseBody, SendFailure, UpstreamBody};
+use crate::upstream::{
+    BodyState, LimitedBody, RequestBody, ResponseBody, SendFailure, UpstreamBody,
+};
 
 pub async fn proxy(state: Arc<AppState>, req: Request<RequestBody>) -> Response<ProxyBody> {
     if super::websocket::is_upgrade(&req) {
@@ -298,7 +299,7 @@ struct Call {
     /// The request's total deadline.
     deadline: Instant,
     /// Set when a streamed body runs over `max_body_bytes`.
-    exceeded: Arc<AtomicBool>,
+    exceeded: Arc<BodyState>,
 }
 
 impl Call {
@@ -340,7 +341,7 @@ impl Call {
             // request's total deadline (no slow-loris uploads holding a
             // worker's memory).
             deadline: started + state.config.server.request_timeout,
-            exceeded: Arc::new(AtomicBool::new(false)),
+            exceeded: Arc::new(BodyState::default()),
         };
         Ok((call, parts, body))
     }
@@ -747,7 +748,7 @@ async fn fallback_chain<'s>(
     let mut held: u64 = prefix.iter().map(|b| b.len() as u64).sum();
     let read = async {
         while let Some(frame) = stream.frame().await {
-            let frame = frame.map_err(|_| match call.exceeded.load(Ordering::Relaxed) {
+            let frame = frame.map_err(|_| match call.exceeded.exceeded() {
                 true => VisorError::BodyTooLarge {
                     limit: state.config.server.max_body_bytes,
                 },
@@ -1083,7 +1084,7 @@ impl<'a> Exchange<'a> {
     async fn run(
         &self,
         req: Request<UpstreamBody>,
-        exceeded: &AtomicBool,
+        exceeded: &BodyState,
         sent: Instant,
     ) -> Result<(Response<ResponseBody>, Pin<Box<Sleep>>), Stop> {
         let state = self.state;
@@ -1119,6 +1120,13 @@ impl<'a> Exchange<'a> {
                     SendFailure::BodyTooLarge => {
                         let limit = self.limit;
                         return Err(Stop::Refused(VisorError::BodyTooLarge { limit }));
+                    }
+                    // The client went away mid-upload: its doing, not the
+                    // upstream's (no upstream error counted).
+                    SendFailure::ClientBody => {
+                        return Err(Stop::Refused(VisorError::BadRequest(
+                            "the request body could not be read: the client stopped sending it",
+                        )));
                     }
                     SendFailure::Connect | SendFailure::Reset => VisorError::UpstreamUnreachable {
                         upstream,
@@ -1289,7 +1297,7 @@ impl ModelScan {
 async fn scan_model(
     mut body: RequestBody,
     limit: u64,
-    exceeded: Arc<AtomicBool>,
+    exceeded: Arc<BodyState>,
     form: Option<FormScanner>,
     whole: bool,
 ) -> Result<(Option<String>, UpstreamBody), VisorError> {
