@@ -582,3 +582,57 @@ async fn a_pdf_that_would_take_minutes_to_render_costs_its_reader_not_the_reques
         "nothing rendered, nothing described"
     );
 }
+
+#[tokio::test]
+async fn a_text_page_with_a_picture_is_described_and_one_with_a_bullet_icon_is_not() {
+    // A line of text and a 16x16 px image: drawn at 400x300 pt (a
+    // picture, 19% of the page) or at 5x5 pt (a bullet).
+    let page = |cm: &str| {
+        let content =
+            format!("BT /F1 12 Tf 50 750 Td (Invoice 4471 total due) Tj ET\nq {cm} cm /Im1 Do Q");
+        pdf_build::pdf(
+            1,
+            800,
+            "/Font << /F1 << /Type /Font /Subtype /Type1 /BaseFont /Helvetica >> >> /XObject << /Im1 4 0 R >>",
+            &[
+                pdf_build::stream("", content.as_bytes()),
+                pdf_build::stream(
+                    "/Type /XObject /Subtype /Image /Width 16 /Height 16 /ColorSpace /DeviceGray /BitsPerComponent 8",
+                    &[0x80; 256],
+                ),
+            ],
+        )
+    };
+    let part = |pdf: &[u8], name: &str| json!({"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{}", b64(pdf)), "filename": name}});
+    let describer_calls = |mock: &MockUpstream| {
+        mock.recorded()
+            .iter()
+            .filter(|r| is_describer_call(r))
+            .count()
+    };
+    let mock = MockUpstream::start(everything).await;
+    let visor = Visor::for_mock(&mock, DESCRIBE).await;
+
+    post(
+        &visor,
+        chat_with(part(&page("400 0 0 300 100 100"), "picture.pdf")),
+    )
+    .await;
+    assert_eq!(describer_calls(&mock), 1, "the page with the picture");
+    let text = replaced_text(&model_calls(&mock)[0]);
+    assert!(text.contains("Invoice 4471 total due"), "{text}");
+    assert!(
+        text.contains("[page 1 described: A test image (image/png"),
+        "{text}"
+    );
+
+    post(
+        &visor,
+        chat_with(part(&page("5 0 0 5 40 700"), "bullet.pdf")),
+    )
+    .await;
+    assert_eq!(describer_calls(&mock), 1, "a bullet is not a figure");
+    let text = replaced_text(&model_calls(&mock)[1]);
+    assert!(text.contains("Invoice 4471 total due"), "{text}");
+    assert!(!text.contains("described"), "{text}");
+}

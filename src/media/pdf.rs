@@ -563,6 +563,26 @@ impl<'m, 's> TextDevice<'m, 's> {
     }
 }
 
+/// The area of `page` an image covers (device space, points squared),
+/// raster or stencil mask, XObject or inline. hayro hands a device the
+/// image's transform from its pixel space (`width` x `height`, y down) to
+/// the page, not from the unit square: it pre-concatenates
+/// `scale(1 / width, -1 / height)` to the CTM before `draw_image`. So the
+/// drawn area is the determinant times the pixel count, bounded by what of
+/// the image's box lies on the page.
+fn drawn_area(image: &Image<'_, '_>, transform: Affine, page: Rect) -> f64 {
+    let (w, h) = (f64::from(image.width()), f64::from(image.height()));
+    let area = transform.determinant().abs() * w * h;
+    if !area.is_finite() {
+        return area;
+    }
+    let on_page = transform
+        .transform_rect_bbox(Rect::new(0.0, 0.0, w, h))
+        .intersect(page)
+        .area();
+    area.min(on_page)
+}
+
 fn unicode(glyph: &Glyph<'_>) -> String {
     match glyph.as_unicode() {
         Some(BfString::Char(c)) => c.to_string(),
@@ -623,8 +643,7 @@ impl<'a> Device<'a> for TextDevice<'_, '_> {
     fn draw_image(&mut self, image: Image<'a, '_>, props: ImageDrawProps<'a>) {
         self.check.drawn_image(&image, &props, self.meter);
         self.images += 1;
-        // An image fills the unit square under its transform.
-        let area = props.transform.determinant().abs();
+        let area = drawn_area(&image, props.transform, self.page);
         if area.is_finite() {
             self.image_area = self.image_area.max(area);
         }
@@ -870,6 +889,73 @@ mod tests {
         assert!(doc.pages[0].text.contains("hello"), "{:?}", doc.pages);
         // One copy a side when the step is the cell's size.
         renders(&with_step("1000"));
+    }
+
+    /// Whether the one page of an 800 pt PDF needs a look when it draws a
+    /// line of text and then `draws` (with `/Im1` = object 4, `image`).
+    fn text_page_needs_look(draws: &[u8], image: Option<Vec<u8>>) -> bool {
+        let mut content = format!("BT /F1 12 Tf 50 750 Td ({SENTENCE}) Tj ET\n").into_bytes();
+        content.extend_from_slice(draws);
+        let resources = "/Font << /F1 << /Type /Font /Subtype /Type1 /BaseFont /Helvetica >> >> /XObject << /Im1 4 0 R >>";
+        let mut objects = vec![stream("", &content)];
+        objects.extend(image);
+        let pdf = pdf_build::pdf(1, 800, resources, &objects);
+        let doc = read(DocKind::Pdf, &pdf, &Limits::default()).unwrap();
+        assert_eq!(doc.pages.len(), 1);
+        assert!(doc.pages[0].text.contains(SENTENCE), "{:?}", doc.pages);
+        doc.pages[0].needs_look
+    }
+
+    /// A `w`x`h` gray image XObject.
+    fn gray_image(w: usize, h: usize) -> Vec<u8> {
+        stream(
+            &format!(
+                "/Type /XObject /Subtype /Image /Width {w} /Height {h} /ColorSpace /DeviceGray /BitsPerComponent 8"
+            ),
+            &vec![0x80; w * h],
+        )
+    }
+
+    #[test]
+    fn a_text_page_with_a_picture_holds_a_figure_whatever_its_pixel_count() {
+        // hayro's image transform maps the image's pixels, not the unit
+        // square: 16x16 px at 400x300 pt is 19% of the page, whatever
+        // 1/256 of it the determinant alone says.
+        let at_400x300 = b"q 400 0 0 300 100 100 cm /Im1 Do Q";
+        for (w, h) in [(1, 1), (2, 2), (16, 16), (40, 40), (300, 300), (32, 20)] {
+            assert!(
+                text_page_needs_look(at_400x300, Some(gray_image(w, h))),
+                "{w}x{h} px at 400x300 pt"
+            );
+        }
+        // Rotated and flipped: the same area.
+        let rotated = b"q 0 300 -400 0 500 100 cm /Im1 Do Q";
+        assert!(text_page_needs_look(rotated, Some(gray_image(16, 16))));
+        // A stencil mask and an inline image are measured the same way.
+        let mask = stream(
+            "/Type /XObject /Subtype /Image /Width 16 /Height 16 /ImageMask true /BitsPerComponent 1",
+            &[0x55; 32],
+        );
+        assert!(text_page_needs_look(at_400x300, Some(mask)));
+        let mut inline = b"q 400 0 0 300 100 100 cm BI /W 16 /H 16 /BPC 8 /CS /G ID ".to_vec();
+        inline.extend_from_slice(&[0x80; 256]);
+        inline.extend_from_slice(b" EI Q");
+        assert!(text_page_needs_look(&inline, None));
+    }
+
+    #[test]
+    fn a_text_page_with_only_icons_or_pictures_off_the_page_holds_no_figure() {
+        // A bullet: 300x300 px drawn at 5x5 pt, several times.
+        let bullets = b"q 5 0 0 5 40 700 cm /Im1 Do Q q 5 0 0 5 40 680 cm /Im1 Do Q";
+        assert!(!text_page_needs_look(bullets, Some(gray_image(300, 300))));
+        // A logo of 1x1 px at 30x30 pt (0.14% of the page).
+        let logo = b"q 30 0 0 30 700 740 cm /Im1 Do Q";
+        assert!(!text_page_needs_look(logo, Some(gray_image(1, 1))));
+        // Large, but drawn past the page's edge.
+        let off_page = b"q 400 0 0 300 900 100 cm /Im1 Do Q";
+        assert!(!text_page_needs_look(off_page, Some(gray_image(16, 16))));
+        // Text alone.
+        assert!(!text_page_needs_look(b"", None));
     }
 
     #[test]
