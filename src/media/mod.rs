@@ -28,8 +28,9 @@ pub use pdf_guard::MAX_IMAGE_PIXELS;
 
 /// The version of what [`read`] makes of a document: bump it whenever the
 /// text extracted from a document may change, so that texts kept under an
-/// older version are not served again.
-pub const READER_VERSION: u32 = 2;
+/// older version are not served again (3: a text page with a picture holds
+/// a figure, so it is described).
+pub const READER_VERSION: u32 = 3;
 
 /// The kinds of document read here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
