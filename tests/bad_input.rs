@@ -168,6 +168,17 @@ async fn a_model_no_upstream_matches_is_404() {
     let text = assert_error(&got, 404, "model_not_found");
     assert!(text.contains("llama-3-70b"), "{text}");
     assert_eq!(mock.count(), 0);
+    // Counted under the model as requested (no upstream).
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_requests_total",
+            &[("upstream", "none"), ("model", "llama-3-70b"), ("status", "404")]
+        ),
+        Some(1.0),
+        "{m}"
+    );
 }
 
 #[tokio::test]

@@ -85,6 +85,7 @@ async fn handle(
 ) -> Result<Response<ProxyBody>, Stop> {
     let (mut call, parts, body) = Call::new(state, req)?; // 1. limit
     let (model, held) = read_body(state, &call, &parts, body).await?; // 2. body
+    edge.model_read(model.as_deref());
     let index = route(state, model.as_deref())?; // 3. route
     edge.routed(index, model.as_deref());
     let grant = limit(state, &parts, model.as_deref(), &held).await?; // 3b. key limits
@@ -174,6 +175,9 @@ struct Edge<'a> {
     started: Instant,
     /// Once routed: the upstream's name and the model's metric label.
     routed: Option<(Arc<str>, String)>,
+    /// Once the body was read: the model's metric label (a request refused
+    /// for its model, 404 or 403, is counted under it).
+    model: Option<String>,
     /// Once transformed: the `x-visor-*` counts.
     counts: Option<Counts>,
 }
@@ -205,7 +209,14 @@ impl<'a> Edge<'a> {
             state,
             started: Instant::now(),
             routed: None,
+            model: None,
             counts: None,
+        }
+    }
+
+    fn model_read(&mut self, model: Option<&str>) {
+        if let Some(m) = model {
+            self.model = Some(self.state.metrics.model_label(m));
         }
     }
 
@@ -243,7 +254,18 @@ impl<'a> Edge<'a> {
     /// Visor's answer to a request that stopped.
     fn answer(self, stop: Stop) -> Response<ProxyBody> {
         match stop {
-            Stop::Refused(e) => refuse(self.state, e),
+            Stop::Refused(e) => match &self.model {
+                None => refuse(self.state, e),
+                Some(model) => {
+                    tracing::info!(error = e.label(), status = e.status().as_u16(), model = %model, "refused");
+                    self.state
+                        .metrics
+                        .requests
+                        .with_label_values(&[NO_UPSTREAM, model, e.status().as_str()])
+                        .inc();
+                    e.into_response()
+                }
+            },
             Stop::Upstream(e, kind) => {
                 let upstream = self.routed.as_ref().map_or("", |(u, _)| &**u);
                 self.state.metrics.upstream_error(upstream, kind);
