@@ -505,8 +505,13 @@ fn explain(
         }
     };
     let sent = rewrite.body.as_deref().unwrap_or(&body);
-    let request: serde_json::Value = match serde_json::from_slice(sent) {
-        Ok(v) => v,
+    // A request nested deeper than serde_json reads (128 levels; visor
+    // itself streams through any depth) is printed as it is sent.
+    let (request, verbatim) = match serde_json::from_slice::<serde_json::Value>(sent) {
+        Ok(v) => (v, None),
+        Err(e) if e.to_string().contains("recursion limit") => {
+            (serde_json::Value::Null, Some(String::from_utf8_lossy(sent)))
+        }
         Err(e) => {
             eprintln!("error: the rewritten request is not valid JSON ({e}); please report this");
             return ExitCode::FAILURE;
@@ -541,7 +546,19 @@ fn explain(
     });
     match serde_json::to_string_pretty(&out) {
         Ok(s) => {
-            out!("{s}");
+            match verbatim {
+                None => out!("{s}"),
+                // "request" is the last key (keys are sorted).
+                Some(raw) => {
+                    let slot = "\"request\": null";
+                    match s.rfind(slot) {
+                        Some(at) => {
+                            out!("{}\"request\": {raw}{}", &s[..at], &s[at + slot.len()..])
+                        }
+                        None => out!("{s}"),
+                    }
+                }
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -174,7 +174,11 @@ async fn a_model_no_upstream_matches_is_404() {
         metric(
             &m,
             "visor_requests_total",
-            &[("upstream", "none"), ("model", "llama-3-70b"), ("status", "404")]
+            &[
+                ("upstream", "none"),
+                ("model", "llama-3-70b"),
+                ("status", "404")
+            ]
         ),
         Some(1.0),
         "{m}"

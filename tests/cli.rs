@@ -396,6 +396,36 @@ fn explain_prints_the_rewritten_request_and_the_report() {
         serde_json::from_slice::<serde_json::Value>(&body).unwrap()
     );
 
+    // Nested deeper than a JSON reader goes (visor streams through it):
+    // explained, the request printed as it is sent.
+    let deep = format!(
+        r#"{{"model":"gpt-oss-120b","messages":[{{"role":"user","content":"hi"}}],"x":{}{}}}"#,
+        "[".repeat(5000),
+        "]".repeat(5000)
+    );
+    let mut child = visor()
+        .args(["explain", "--model", "gpt-oss-120b", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), deep.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.trim_end()
+            .ends_with(&format!("\"request\": {deep}\n}}")),
+        "{:.300}",
+        &text
+    );
+    assert!(text.contains("\"changed\": false"), "{text:.300}");
+
     // An agent's re-fetched history: the repeated lines are reported.
     let out = visor()
         .args(["explain", "--model", "gpt-oss-120b"])
