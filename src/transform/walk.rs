@@ -269,6 +269,9 @@ impl Found {
     /// URLs and broken data.
     pub fn subject(&self) -> Option<Subject> {
         let image = match (&self.source, &self.bytes) {
+            // Bytes no image reader knows (text, a PDF, a DOCX declared
+            // `image/png`) are not sent to a describer: no size was read.
+            (Source::Inline { dims: None, .. }, _) if self.medium == Medium::Image => return None,
             (Source::Inline { media_type, .. }, Some(bytes)) => Payload::Inline {
                 media_type: media_type.clone(),
                 bytes: bytes.clone(),

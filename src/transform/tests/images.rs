@@ -564,14 +564,16 @@ fn describe_mode_puts_each_description_in_place() {
                 {"type": "image_url", "image_url": {"url": data}},
                 {"type": "input_image", "file_id": "file-1"},
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}},
+                // Text declared a PNG: no image reader knows it.
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQsIG5vdCBhbiBpbWFnZQ=="}},
             ]},
         ],
     }))
     .unwrap();
     let plan = Plan::images_only(Shape::Chat, false, true);
     let scanned = scan(&body, &plan).unwrap();
-    // The repeated image once; the file id and the broken one cannot be
-    // described.
+    // The repeated image once; the file id, the broken one and the text
+    // that says it is a PNG cannot be described.
     let subjects = scanned.subjects(&body);
     let shas: Vec<&str> = subjects.iter().map(|(_, s)| s.sha256.as_str()).collect();
     let png_sha = sha256_hex(&png);
@@ -598,12 +600,19 @@ fn describe_mode_puts_each_description_in_place() {
         url_text.ends_with("not shown, this model cannot see images]"),
         "{url_text}"
     );
-    assert_eq!(out.report.images_replaced, 5);
+    assert_eq!(out.report.images_replaced, 6);
     assert_eq!(out.report.images_described, 2);
     let actions: Vec<&str> = out.report.images.iter().map(|n| n.action).collect();
     assert_eq!(
         actions,
-        vec!["described", "stripped", "described", "stripped", "stripped"]
+        vec![
+            "described",
+            "stripped",
+            "described",
+            "stripped",
+            "stripped",
+            "stripped"
+        ]
     );
     // Without descriptions, the same as strip mode.
     let again = scan(&body, &plan).unwrap().finish(&body, &[]);
