@@ -24,8 +24,19 @@ pub enum VisorError {
     Unauthorized,
     #[error("no upstream is configured for model `{0}`")]
     NoRoute(String),
-    #[error("unknown path `{0}`: visor serves /v1/*, /healthz, /readyz, /metrics and /visor/*")]
+    #[error(
+        "unknown path `{0}`: visor serves /v1/*, /healthz, /readyz, /metrics, /visor/artifacts/<sha256> and /visor/sessions/<id>"
+    )]
     NotFound(String),
+    #[error("method {method} is not allowed on `{path}` (it answers {allow})")]
+    MethodNotAllowed {
+        method: String,
+        path: String,
+        /// The methods it answers, as the `Allow` header lists them.
+        allow: &'static str,
+    },
+    #[error("a WebSocket upgrade needs `Sec-WebSocket-Version: 13` (RFC 6455), not {0}")]
+    WebSocketVersion(String),
     #[error("no saved image has the id `{0}`")]
     ArtifactNotFound(String),
     #[error("no session has the id `{0}`")]
@@ -95,6 +106,16 @@ impl VisorError {
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 "unknown_url",
+            ),
+            VisorError::MethodNotAllowed { .. } => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "method_not_allowed",
+            ),
+            VisorError::WebSocketVersion(_) => (
+                StatusCode::UPGRADE_REQUIRED,
+                "invalid_request_error",
+                "unsupported_websocket_version",
             ),
             VisorError::ArtifactNotFound(_) => (
                 StatusCode::NOT_FOUND,
@@ -219,6 +240,19 @@ impl VisorError {
                 }
             }
         }
+        match &self {
+            VisorError::MethodNotAllowed { allow, .. } => {
+                resp.headers_mut()
+                    .insert(header::ALLOW, HeaderValue::from_static(allow));
+            }
+            VisorError::WebSocketVersion(_) => {
+                resp.headers_mut().insert(
+                    header::SEC_WEBSOCKET_VERSION,
+                    HeaderValue::from_static("13"),
+                );
+            }
+            _ => {}
+        }
         resp
     }
 }
@@ -236,6 +270,15 @@ mod tests {
             (VisorError::Unauthorized, 401),
             (VisorError::NoRoute("m".into()), 404),
             (VisorError::NotFound("/x".into()), 404),
+            (
+                VisorError::MethodNotAllowed {
+                    method: "POST".into(),
+                    path: "/healthz".into(),
+                    allow: "GET, HEAD",
+                },
+                405,
+            ),
+            (VisorError::WebSocketVersion("`8`".into()), 426),
             (VisorError::BodyTooLarge { limit: 1 }, 413),
             (VisorError::BodyTimeout, 408),
             (

@@ -17,9 +17,13 @@ pub const MAX_ID_LEN: usize = 128;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BadHeader(pub &'static str);
 
-/// A session id: 1–128 characters of `A–Z a–z 0–9 . _ : -`.
+/// A session id: 1–128 characters of `A–Z a–z 0–9 . _ : -`, other than
+/// `.` and `..` (which, as a path segment, `/visor/sessions/<id>` cannot
+/// name: an id the header accepts can always be read and deleted).
 pub fn valid_id(id: &str) -> Result<&str, BadHeader> {
     let ok = !id.is_empty()
+        && id != "."
+        && id != ".."
         && id.len() <= MAX_ID_LEN
         && id
             .bytes()
@@ -27,10 +31,11 @@ pub fn valid_id(id: &str) -> Result<&str, BadHeader> {
     ok.then_some(id).ok_or(BadHeader(BAD_ID))
 }
 
-/// Why a session id (the header, or the path of `/visor/sessions/`) was
-/// refused.
-pub const BAD_ID: &str =
-    "a session id (x-visor-session) must be 1 to 128 characters of A-Z a-z 0-9 . _ : -";
+/// Why the session id of the `x-visor-session` header was refused.
+pub const BAD_ID: &str = "a session id (x-visor-session) must be 1 to 128 characters of A-Z a-z 0-9 . _ : -, and not `.` or `..`";
+
+/// Why the session id in the path of `/visor/sessions/<id>` was refused.
+pub const BAD_PATH_ID: &str = "a session id (the <id> of /visor/sessions/<id>) must be 1 to 128 characters of A-Z a-z 0-9 . _ : -, and not `.` or `..`";
 
 /// The history depth for a request: `x-visor-history` (a whole number,
 /// capped by `max_depth`), else `default_depth`.
@@ -725,7 +730,8 @@ mod tests {
     #[test]
     fn ids_and_depths() {
         assert!(valid_id("chat-42_a.b:c").is_ok());
-        for bad in ["", "a b", "a/b", "é", &"x".repeat(129)] {
+        assert!(valid_id("...").is_ok());
+        for bad in ["", ".", "..", "a b", "a/b", "é", &"x".repeat(129)] {
             assert!(valid_id(bad).is_err(), "{bad:?}");
         }
         assert_eq!(depth(None, 25, 200), Ok(25));

@@ -305,6 +305,104 @@ async fn own_endpoints_answer() {
     assert_eq!(error_code(&body), "unknown_url");
 }
 
+/// HEAD answers wherever GET does (same status and headers, the GET's
+/// Content-Length, no body — over HTTP/1 on the wire, and over HTTP/2); any
+/// other method on one of visor's own endpoints is 405 with `Allow`, in the
+/// OpenAI error shape; under /v1 every method is still forwarded.
+#[tokio::test]
+async fn own_endpoints_answer_head_and_refuse_other_methods() {
+    let mock = MockUpstream::start(|_| ok_chat()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let req = |method: &str, p: &str| {
+        Request::builder()
+            .method(method)
+            .uri(visor.url(p))
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let artifact = format!("/visor/artifacts/{}", "0".repeat(64));
+    for path in [
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/visor/sessions/none-yet",
+        &artifact,
+        "/nowhere",
+    ] {
+        let get = send(req("GET", path)).await;
+        let head = send(req("HEAD", path)).await;
+        assert_eq!(head.0, get.0, "{path}");
+        assert!(head.2.is_empty(), "{path}: a HEAD answer has no body");
+        assert_eq!(
+            head.1.get("content-type"),
+            get.1.get("content-type"),
+            "{path}"
+        );
+        let len: usize = head.1["content-length"].to_str().unwrap().parse().unwrap();
+        // /metrics changes between the two calls; the others do not.
+        if path != "/metrics" {
+            assert_eq!(len, get.2.len(), "{path}");
+        } else {
+            assert!(len > 0);
+        }
+    }
+    // On the wire: the head, and not a byte more.
+    let mut s = tokio::net::TcpStream::connect(visor.addr).await.unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut wire = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(10), s.read_to_end(&mut wire))
+        .await
+        .unwrap()
+        .unwrap();
+    let wire = String::from_utf8(wire).unwrap();
+    assert!(wire.starts_with("HTTP/1.1 200"), "{wire}");
+    assert!(
+        wire.to_ascii_lowercase().contains("content-length: 15\r\n"),
+        "{wire}"
+    );
+    assert!(wire.ends_with("\r\n\r\n"), "a body after the head: {wire}");
+    // Over HTTP/2 too.
+    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let got = send_on(&h2, req("HEAD", "/healthz")).await;
+    assert_eq!(got.0, 200);
+    assert!(got.2.is_empty(), "HTTP/2 HEAD with a body");
+
+    for (method, path, allow) in [
+        ("DELETE", "/healthz", "GET, HEAD"),
+        ("POST", "/healthz", "GET, HEAD"),
+        ("PUT", "/readyz", "GET, HEAD"),
+        ("POST", "/metrics", "GET, HEAD"),
+        ("OPTIONS", "/metrics", "GET, HEAD"),
+        ("DELETE", artifact.as_str(), "GET, HEAD"),
+        ("POST", "/visor/sessions/abc", "GET, HEAD, DELETE"),
+        ("PUT", "/visor/sessions/abc", "GET, HEAD, DELETE"),
+        ("PATCH", "/visor/sessions/abc", "GET, HEAD, DELETE"),
+    ] {
+        let got = send(req(method, path)).await;
+        let text = assert_error(&got, 405, "method_not_allowed");
+        assert_eq!(got.1["allow"], allow, "{method} {path}");
+        assert_eq!(got.1["content-type"], "application/json");
+        assert!(
+            text.contains(method) && !text.contains("unknown path"),
+            "{method} {path}: {text}"
+        );
+    }
+    assert_eq!(mock.count(), 0, "nothing of visor's own went upstream");
+    // /v1/* goes upstream whatever the method.
+    for method in ["DELETE", "PUT", "HEAD", "OPTIONS"] {
+        let (status, _, _) = send(req(method, "/v1/files/file-1")).await;
+        assert_eq!(status, 200, "{method}");
+    }
+    assert_eq!(mock.count(), 4);
+    let methods: Vec<_> = mock.recorded().iter().map(|r| r.method.clone()).collect();
+    assert_eq!(methods, ["DELETE", "PUT", "HEAD", "OPTIONS"]);
+}
+
 #[tokio::test]
 async fn metrics_count_requests_tokens_and_first_byte() {
     let mock = MockUpstream::start(|r| {

@@ -756,3 +756,76 @@ async fn an_unreachable_upstream_does_not_lose_the_users_message() {
     assert_eq!(code, 200, "{body}");
     assert_eq!(body["messages"], json!([user("are you there?")]), "{body}");
 }
+
+/// The header accepts the ids the path can name: `.` and `..` (dot
+/// segments, refused in any path) are 400 in `x-visor-session` too, and
+/// nothing is stored or sent; `...` is an ordinary id both ways. A bad id
+/// in the path is said to come from the path.
+#[tokio::test]
+async fn session_ids_are_the_same_in_the_header_and_the_path() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    for dots in [".", ".."] {
+        let got = send(chat(&visor, dots, json!([user("hi")]), &[])).await;
+        let text = assert_error(&got, 400, "invalid_request");
+        assert!(text.contains("x-visor-session"), "{text}");
+        let path = send(
+            Request::get(visor.url(&format!("/visor/sessions/{dots}")))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(path.0, 400, "{dots}");
+    }
+    assert_eq!(mock.count(), 0, "a refused session id is not sent upstream");
+
+    let (status, _, _) = send(chat(&visor, "...", json!([user("hi")]), &[])).await;
+    assert_eq!(status, 200);
+    let (status, v) = stored(&visor, "...", &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(v["messages"][0], user("hi"));
+    let del = Request::delete(visor.url("/visor/sessions/..."))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    assert_eq!(send(del).await.0, 204);
+    assert_eq!(stored(&visor, "...", &[]).await.0, 404);
+
+    let got = send(
+        Request::get(visor.url("/visor/sessions/not%20ok"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    let text = assert_error(&got, 400, "invalid_request");
+    assert!(
+        text.contains("/visor/sessions/") && !text.contains("x-visor-session"),
+        "the message names the path the id came from: {text}"
+    );
+}
+
+/// `x-visor-history` that is not a whole number is 400 with or without
+/// `x-visor-session` (the README's header table), before anything is
+/// sent; a whole number without a session is harmless.
+#[tokio::test]
+async fn a_bad_history_depth_is_400_without_a_session_too() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let plain = |history: &str| {
+        let mut req = post_json(
+            &visor.url("/v1/chat/completions"),
+            serde_json::to_vec(&json!({"model": "m", "messages": [user("hi")]})).unwrap(),
+        );
+        req.headers_mut()
+            .insert("x-visor-history", history.parse().unwrap());
+        req
+    };
+    for bad in ["abc", "-1", "1.5"] {
+        let got = send(plain(bad)).await;
+        let text = assert_error(&got, 400, "invalid_request");
+        assert!(text.contains("x-visor-history"), "{text}");
+    }
+    assert_eq!(mock.count(), 0, "refused before the upstream");
+    let (status, _, _) = send(plain("3")).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.count(), 1);
+}

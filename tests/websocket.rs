@@ -616,3 +616,40 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
         ["/v1/responses", "/v1/responses"]
     );
 }
+
+/// RFC 6455 4.2.2: an upgrade asking for a version other than 13 (or none)
+/// is 426 with `Sec-WebSocket-Version: 13`, in the OpenAI error shape,
+/// and no upstream is contacted; version 13 is accepted.
+#[tokio::test]
+async fn an_unsupported_websocket_version_is_426_before_any_upstream() {
+    let (up, seen, _closed) = ws_mock().await;
+    let visor = visor_for(&up).await;
+    for path in ["/v1/responses", "/v1/realtime?model=x"] {
+        for version in [Some("8"), Some("14"), Some(""), None] {
+            let mut req = http::Request::get(visor.url(path))
+                .header("connection", "Upgrade")
+                .header("upgrade", "websocket")
+                .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==");
+            if let Some(v) = version {
+                req = req.header("sec-websocket-version", v);
+            }
+            let got = send(
+                req.body(http_body_util::Full::new(bytes::Bytes::new()))
+                    .unwrap(),
+            )
+            .await;
+            assert_error(&got, 426, "unsupported_websocket_version");
+            assert_eq!(got.1["sec-websocket-version"], "13", "{path} {version:?}");
+        }
+    }
+    assert!(
+        seen.lock().unwrap().paths.is_empty(),
+        "no upstream handshake for a refused version"
+    );
+    // The version every client sends is accepted.
+    let (mut ws, resp) = connect(format!("ws://{}/v1/responses", visor.addr))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 101);
+    ws.close(None).await.unwrap();
+}

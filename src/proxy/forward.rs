@@ -345,7 +345,12 @@ impl Call {
             false => None,
         };
         let opts = match shape {
-            Some(_) => Options::from_headers(&parts.headers)?,
+            Some(_) => {
+                // A malformed x-visor-history is refused even without
+                // x-visor-session (the header table says 400).
+                session_turn::check_history(&parts.headers)?;
+                Options::from_headers(&parts.headers)?
+            }
             None => Options::default(),
         };
         let limit = state.config.server.max_body_bytes;

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, Version, header};
+use http_body::Body as _;
 
 use super::AppState;
 use super::answer::refuse;
@@ -18,9 +19,27 @@ pub async fn handle(state: Arc<AppState>, req: Request<RequestBody>) -> Response
         return refuse(&state, e);
     }
     let path = req.uri().path();
-    match (req.method(), path) {
-        (&Method::GET, "/healthz") => json(StatusCode::OK, r#"{"status":"ok"}"#),
-        (&Method::GET, "/readyz") => {
+    // Everything under /v1 goes upstream, whatever its method.
+    if path == "/v1" || path.starts_with("/v1/") {
+        return forward::proxy(state, req).await;
+    }
+    let head = req.method() == Method::HEAD;
+    let Some(endpoint) = Own::of(path) else {
+        let resp = refuse(&state, VisorError::NotFound(truncate(path, 200)));
+        return if head { without_body(resp) } else { resp };
+    };
+    let method = req.method().clone();
+    if !endpoint.answers(&method) {
+        let e = VisorError::MethodNotAllowed {
+            method: truncate(method.as_str(), 40),
+            path: truncate(path, 200),
+            allow: endpoint.allow(),
+        };
+        return refuse(&state, e);
+    }
+    let resp = match endpoint {
+        Own::Healthz => json(StatusCode::OK, r#"{"status":"ok"}"#),
+        Own::Readyz => {
             if state.draining.load(Ordering::Relaxed) {
                 json(StatusCode::SERVICE_UNAVAILABLE, r#"{"status":"draining"}"#)
             } else if let Some(problem) = state.store.check().await {
@@ -30,7 +49,7 @@ pub async fn handle(state: Arc<AppState>, req: Request<RequestBody>) -> Response
                 json(StatusCode::OK, r#"{"status":"ready"}"#)
             }
         }
-        (&Method::GET, "/metrics") => {
+        Own::Metrics => {
             state
                 .metrics
                 .describe_cache_entries
@@ -42,20 +61,70 @@ pub async fn handle(state: Arc<AppState>, req: Request<RequestBody>) -> Response
             );
             resp
         }
-        _ if path == "/v1" || path.starts_with("/v1/") => forward::proxy(state, req).await,
-        (&Method::GET | &Method::HEAD, _) if path.starts_with("/visor/artifacts/") => {
-            let id = path["/visor/artifacts/".len()..].to_owned();
-            artifact(&state, id).await
+        Own::Artifact(id) => artifact(&state, id.to_owned()).await,
+        Own::Session(id) => {
+            let id = id.to_owned();
+            session_endpoint(&state, method == Method::DELETE, req.headers(), id).await
         }
-        (&Method::GET | &Method::DELETE, _) if path.starts_with("/visor/sessions/") => {
-            let id = path["/visor/sessions/".len()..].to_owned();
-            session_endpoint(&state, req.method() == Method::DELETE, req.headers(), id).await
-        }
-        _ => {
-            let e = VisorError::NotFound(truncate(path, 200));
-            refuse(&state, e)
+    };
+    if head { without_body(resp) } else { resp }
+}
+
+/// One of visor's own endpoints (outside `/v1`).
+enum Own<'a> {
+    Healthz,
+    Readyz,
+    Metrics,
+    /// `/visor/artifacts/<id>`
+    Artifact(&'a str),
+    /// `/visor/sessions/<id>`
+    Session(&'a str),
+}
+
+impl<'a> Own<'a> {
+    fn of(path: &'a str) -> Option<Self> {
+        match path {
+            "/healthz" => Some(Own::Healthz),
+            "/readyz" => Some(Own::Readyz),
+            "/metrics" => Some(Own::Metrics),
+            _ => {
+                if let Some(id) = path.strip_prefix("/visor/artifacts/") {
+                    Some(Own::Artifact(id))
+                } else {
+                    path.strip_prefix("/visor/sessions/").map(Own::Session)
+                }
+            }
         }
     }
+
+    /// The methods it answers, as an `Allow` header lists them: HEAD
+    /// wherever GET is.
+    fn allow(&self) -> &'static str {
+        match self {
+            Own::Session(_) => "GET, HEAD, DELETE",
+            _ => "GET, HEAD",
+        }
+    }
+
+    fn answers(&self, method: &Method) -> bool {
+        *method == Method::GET
+            || *method == Method::HEAD
+            || (*method == Method::DELETE && matches!(self, Own::Session(_)))
+    }
+}
+
+/// The answer to a HEAD request: the GET's status and headers (its
+/// `Content-Length` included), no body.
+fn without_body(resp: Response<ProxyBody>) -> Response<ProxyBody> {
+    let (mut parts, body) = resp.into_parts();
+    if let Some(len) = body.size_hint().exact()
+        && !parts.headers.contains_key(header::CONTENT_LENGTH)
+    {
+        parts
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    Response::from_parts(parts, ProxyBody::from(Bytes::new()))
 }
 
 /// `GET /visor/artifacts/<sha256>`: a replaced image, with its media type.
@@ -110,8 +179,8 @@ async fn session_endpoint(
     headers: &http::HeaderMap,
     id: String,
 ) -> Response<ProxyBody> {
-    if let Err(e) = crate::sessions::valid_id(&id) {
-        return refuse(state, VisorError::BadRequest(e.0));
+    if crate::sessions::valid_id(&id).is_err() {
+        return refuse(state, VisorError::BadRequest(crate::sessions::BAD_PATH_ID));
     }
     let key = super::session_turn::key(state, headers, &id);
     let ttl = std::time::Duration::from_secs(state.config.sessions.idle_ttl_secs);

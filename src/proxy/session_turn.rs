@@ -51,6 +51,25 @@ pub fn requested(headers: &HeaderMap) -> Result<Option<String>, VisorError> {
     Ok(Some(id.to_owned()))
 }
 
+/// Checks `x-visor-history` on a request to a transformed endpoint, with
+/// or without `x-visor-session`: when sent, it is a whole number (400
+/// otherwise).
+pub fn check_history(headers: &HeaderMap) -> Result<(), VisorError> {
+    history_depth(headers, 0, 0).map(|_| ())
+}
+
+/// The history depth `x-visor-history` asks for (see [`sessions::depth`]).
+fn history_depth(
+    headers: &HeaderMap,
+    default_depth: usize,
+    max_depth: usize,
+) -> Result<usize, VisorError> {
+    let header = headers
+        .get("x-visor-history")
+        .map(|v| v.to_str().unwrap_or("?"));
+    sessions::depth(header, default_depth, max_depth).map_err(bad)
+}
+
 fn bad(e: sessions::BadHeader) -> VisorError {
     VisorError::BadRequest(e.0)
 }
@@ -73,14 +92,7 @@ pub async fn open(
     body: &Bytes,
 ) -> Result<Opened, VisorError> {
     let cfg = &state.config.sessions;
-    let depth = sessions::depth(
-        headers
-            .get("x-visor-history")
-            .map(|v| v.to_str().unwrap_or("?")),
-        cfg.default_depth as usize,
-        cfg.max_depth as usize,
-    )
-    .map_err(bad)?;
+    let depth = history_depth(headers, cfg.default_depth as usize, cfg.max_depth as usize)?;
     let mut request: Value =
         serde_json::from_slice(body).map_err(|e| VisorError::InvalidJson(e.to_string()))?;
     let items = sessions::items_key(shape);

@@ -60,6 +60,25 @@ pub fn is_upgrade<B>(req: &Request<B>) -> bool {
         && has(header::CONNECTION, "upgrade")
 }
 
+/// How the client's `Sec-WebSocket-Version` is described when it is not
+/// 13, the only version visor speaks (and asks of the upstream); `None`
+/// when it is 13.
+fn unsupported_version(headers: &HeaderMap) -> Option<String> {
+    let mut values = headers.get_all(header::SEC_WEBSOCKET_VERSION).iter();
+    match (values.next(), values.next()) {
+        (None, _) => Some("none".to_owned()),
+        (Some(v), None) if v.as_bytes().trim_ascii() == b"13" => None,
+        (Some(v), None) => {
+            let shown: String = String::from_utf8_lossy(v.as_bytes())
+                .chars()
+                .take(40)
+                .collect();
+            Some(format!("`{shown}`"))
+        }
+        (Some(_), Some(_)) => Some("several".to_owned()),
+    }
+}
+
 /// Answers a WebSocket upgrade: connects upstream, then relays.
 pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Response<ProxyBody> {
     let Some(key) = req.headers().get(header::SEC_WEBSOCKET_KEY).cloned() else {
@@ -68,6 +87,11 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
             VisorError::BadRequest("a WebSocket upgrade without Sec-WebSocket-Key"),
         );
     };
+    // RFC 6455 4.2.2: a version visor does not speak (or none) is 426 with
+    // the one it does, before any upstream is contacted.
+    if let Some(other) = unsupported_version(req.headers()) {
+        return refuse(&state, VisorError::WebSocketVersion(other));
+    }
     let opts = match Options::from_headers(req.headers()) {
         Ok(o) => o,
         Err(e) => return refuse(&state, e),

@@ -79,7 +79,13 @@ fn image_text(img: &Found, description: Option<&str>, reason: Reason) -> String 
             }
             _ => format!("{noun} sha256:{short}, {media_type}{name}"),
         },
-        Source::Url(url) if keepable(url) => format!("{noun} {url} (sha256:{short}){name}"),
+        // An empty URL has nothing to show (and would leave two spaces).
+        Source::Url(url) if url.trim().is_empty() => {
+            format!("{noun} sha256:{short}, an empty URL{name}")
+        }
+        Source::Url(url) if keepable(url) => {
+            format!("{noun} {} (sha256:{short}){name}", url.trim())
+        }
         Source::Url(url) => format!("{noun} sha256:{short}, a {}-character URL{name}", url.len()),
         Source::File(id) => format!("{noun} file {id} (sha256:{short}){name}"),
         Source::Broken(why) => {
@@ -202,6 +208,15 @@ mod tests {
             assert!(
                 t.starts_with("[image sha256:7e272b7c6a81, a ") && !t.contains(odd),
                 "{t}"
+            );
+        }
+        // An empty (or blank) URL: no double space, no blank where the URL
+        // would be.
+        for blank in ["", " ", "\t"] {
+            let t = placeholder(&url(blank), None, Reason::NonVision);
+            assert_eq!(
+                t,
+                "[image sha256:7e272b7c6a81, an empty URL: not shown, this model cannot see images]"
             );
         }
         let inline = found(Source::Inline {
