@@ -144,7 +144,9 @@ pub async fn open(
         .iter()
         .zip(&merged.new_at)
         .filter_map(|(m, &i)| match ranges.as_ref().and_then(|r| r.get(i)) {
-            Some(r) => Some(body.slice(r.clone())),
+            // A copy: a slice would keep the whole request body alive in the
+            // memory store.
+            Some(r) => Some(Bytes::copy_from_slice(&body[r.clone()])),
             None => serde_json::to_vec(m).ok().map(Bytes::from),
         })
         .collect();
