@@ -335,6 +335,71 @@ pub fn insert_items(body: &[u8], key: &str, at: usize, items: &[&[u8]]) -> Optio
     Some(out)
 }
 
+/// A stored message's bytes as they are inserted again: without the prompt
+/// cache markers (`cache_control`) the client put on it, on the message,
+/// its content blocks or the blocks inside a `tool_result` — a marker
+/// belongs to the request that placed it (a client marks its newest
+/// message each turn; kept in the history, the markers would pile up past
+/// the provider's limit of four). `None` when it has none, or is not a
+/// JSON object.
+pub fn without_cache_markers(raw: &[u8]) -> Option<Vec<u8>> {
+    use crate::transform::json::{Cursor, Kind, Result as JsonResult};
+    use std::ops::Range;
+
+    /// The markers of the object at the cursor (and of the objects in its
+    /// `content` array, `depth` levels down): the ranges to cut, each with
+    /// the comma that separates it from a neighbour.
+    fn markers(
+        c: &mut Cursor<'_>,
+        src: &[u8],
+        depth: u8,
+        cut: &mut Vec<Range<usize>>,
+    ) -> JsonResult<()> {
+        let mut members: Vec<(Range<usize>, bool)> = Vec::new();
+        c.object(|c, key| {
+            let marker = key.is(src, "cache_control");
+            let end = if depth > 0 && key.is(src, "content") && c.kind()? == Kind::Array {
+                c.array(|c, _| match c.kind()? {
+                    Kind::Object => markers(c, src, depth - 1, cut),
+                    _ => c.skip().map(drop),
+                })?
+                .end
+            } else {
+                c.skip()?.end
+            };
+            members.push((key.range.start..end, marker));
+            Ok(())
+        })?;
+        for (j, (r, marker)) in members.iter().enumerate() {
+            if !marker {
+                continue;
+            }
+            cut.push(match (j.checked_sub(1), members.get(j + 1)) {
+                (_, Some((next, _))) => r.start..next.start,
+                (Some(before), None) => members[before].0.end..r.end,
+                (None, None) => r.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    if memchr::memmem::find(raw, b"\"cache_control\"").is_none() {
+        return None;
+    }
+    let mut cut = Vec::new();
+    let mut c = Cursor::new(raw);
+    if c.kind().ok()? != Kind::Object {
+        return None;
+    }
+    markers(&mut c, raw, 2, &mut cut).ok()?;
+    if cut.is_empty() {
+        return None;
+    }
+    cut.sort_by_key(|r| r.start);
+    let edits: Vec<(Range<usize>, Vec<u8>)> = cut.into_iter().map(|r| (r, Vec::new())).collect();
+    Some(crate::transform::json::splice(raw, &edits))
+}
+
 /// Messages the overlap leaves out: system and developer messages (not
 /// stored), reasoning items (not stored: they belong to the provider).
 fn not_compared(m: &Value) -> bool {
@@ -811,6 +876,41 @@ mod tests {
         // …while a result answering the stored reply's call comes alone.
         let m = merge(&client, &[user("other"), call.clone()], 25);
         assert_eq!(m.new, vec![result]);
+    }
+
+    #[test]
+    fn cache_markers_are_cut_from_inserted_history_and_nothing_else() {
+        let raw = br#"{"role": "user", "cache_control": {"type": "ephemeral"}, "content": [ {"type":"text","text":"q","cache_control":{"type":"ephemeral","ttl":"5m"}}, {"cache_control":{"type":"ephemeral"},"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"r","cache_control":{"type":"ephemeral"}}]}, {"type":"tool_use","id":"u","name":"f","input":{"cache_control":"a tool's own field"}} ]}"#;
+        let out = without_cache_markers(raw).unwrap();
+        let text = String::from_utf8(out.clone()).unwrap();
+        assert_eq!(text.matches("cache_control").count(), 1, "{text}");
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        let mut want: Value = serde_json::from_slice(raw).unwrap();
+        want.as_object_mut().unwrap().remove("cache_control");
+        for (i, path) in [(0, None), (1, None), (1, Some(0))] {
+            let block = &mut want["content"][i];
+            let block = match path {
+                Some(k) => &mut block["content"][k],
+                None => block,
+            };
+            block.as_object_mut().unwrap().remove("cache_control");
+        }
+        assert_eq!(v, want, "only the markers went");
+        // The other bytes as they were.
+        assert!(
+            text.starts_with(
+                r#"{"role": "user", "content": [ {"type":"text","text":"q"}, {"type":"tool_result""#
+            ),
+            "{text}"
+        );
+        assert_eq!(
+            without_cache_markers(br#"{"role":"user","content":"no marker"}"#),
+            None
+        );
+        assert_eq!(
+            without_cache_markers(br#"{"cache_control":{}}"#).unwrap(),
+            b"{}"
+        );
     }
 
     #[test]

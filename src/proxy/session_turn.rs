@@ -150,11 +150,19 @@ pub async fn open(
             None => serde_json::to_vec(m).ok().map(Bytes::from),
         })
         .collect();
-    let history_raw: Vec<&[u8]> = stored_raw
+    // Without the cache markers its client placed on it then (they belong
+    // to that request, and would pile up).
+    let unmarked: Vec<Option<Vec<u8>>> = stored_raw
         .iter()
         .skip(merged.history_from)
         .take(merged.history_used)
-        .map(|b| &b[..])
+        .map(|b| sessions::without_cache_markers(b))
+        .collect();
+    let history_raw: Vec<&[u8]> = stored_raw
+        .iter()
+        .skip(merged.history_from)
+        .zip(&unmarked)
+        .map(|(b, u)| u.as_deref().unwrap_or(&b[..]))
         .collect();
     let body = if merged.history.is_empty() && as_array {
         body.clone()
