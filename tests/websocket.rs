@@ -504,6 +504,38 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
         (json!(400), json!("invalid_request")),
         "{e}"
     );
+    // Events a more lenient upstream could read as naming another model
+    // are refused: a lone surrogate, nesting past serde's depth, `model`
+    // twice, a binary frame.
+    let deep = format!(
+        r#"{{"type":"response.create","model":"o3-pro","input":[],"metadata":{}{}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    for event in [
+        Message::Text(
+            r#"{"type":"response.create","model":"o3-pro","input":[],"metadata":{"n":"\ud800"}}"#
+                .into(),
+        ),
+        Message::Text(deep.into()),
+        Message::Text(
+            r#"{"type":"response.create","model":"o3-pro","input":[],"model":"gpt-5.1"}"#.into(),
+        ),
+        Message::Binary(
+            br#"{"type":"response.create","model":"o3-pro","input":[]}"#
+                .to_vec()
+                .into(),
+        ),
+    ] {
+        ws.send(event).await.unwrap();
+        let e = next_text(&mut ws).await;
+        assert_eq!(e["status"], 400, "{e}");
+        assert_eq!(e["error"]["code"], "invalid_request");
+    }
+    assert!(
+        seen.lock().unwrap().events.is_empty(),
+        "it reached the upstream"
+    );
     // Allowed: relayed and answered, on the same socket.
     ws.send(create("gpt-5.1")).await.unwrap();
     assert_eq!(next_text(&mut ws).await["type"], "response.created");

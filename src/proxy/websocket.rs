@@ -40,6 +40,7 @@ use super::answer::refuse;
 use super::body::ProxyBody;
 use super::headers::upstream_request_headers;
 use super::prepare::{self, Options};
+use super::request_body::JsonScanner;
 use super::usage::Usage;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
@@ -398,6 +399,18 @@ impl Relay {
                             self.finish(&mut inflight, "client_cancelled", None);
                             break;
                         }
+                        // A binary frame on a Responses socket held to a key:
+                        // its events are text; one visor cannot read is not
+                        // passed on.
+                        Some(Ok(Message::Binary(_))) if self.responses && self.key.is_some() => {
+                            let refusal = self.refusal(VisorError::BadRequest(
+                                "binary frames are not taken on a socket held to a key: send events as text",
+                            ));
+                            if c_tx.send(refusal).await.is_err() {
+                                let _ = u_tx.close().await;
+                                break;
+                            }
+                        }
                         Some(Ok(other)) => {
                             if u_tx.send(other).await.is_err() {
                                 let _ = c_tx.close().await;
@@ -498,6 +511,25 @@ impl Relay {
         if !self.responses {
             return Ok((unchanged(), None));
         }
+        // On a socket held to a key every event is read strictly, as an HTTP
+        // body is: one it cannot read for sure (not JSON serde takes — a lone
+        // surrogate, nesting past 128 levels —, `model` twice) might name
+        // another model to a more lenient upstream, so it is refused.
+        if self.key.is_some() {
+            let mut scan = JsonScanner::new();
+            scan.feed(text.as_bytes());
+            let strict = scan
+                .finish()
+                .map(drop)
+                .and_then(|()| serde_json::from_str::<Value>(text).map_err(|e| e.to_string()));
+            if let Err(why) = strict {
+                let shown: String = why.chars().take(200).collect();
+                tracing::debug!(why = %shown, "websocket event refused");
+                return Err(self.refusal(VisorError::BadRequest(
+                    "the event is not JSON visor can read for sure (a socket held to a key); send one JSON object with its model once",
+                )));
+            }
+        }
         let Ok(Value::Object(event)) = serde_json::from_str::<Value>(text) else {
             return Ok((unchanged(), None));
         };
@@ -561,20 +593,24 @@ impl Relay {
             )),
             _ => super::forward::admit(&self.state, i, model, estimate).await,
         };
-        verdict.map_err(|e| {
-            tracing::info!(
-                error = e.label(),
-                status = e.status().as_u16(),
-                transport = "websocket",
-                "refused"
-            );
-            self.state
-                .metrics
-                .requests
-                .with_label_values(&[NO_UPSTREAM, "", e.status().as_str()])
-                .inc();
-            Message::Text(e.ws_event().into())
-        })
+        verdict.map_err(|e| self.refusal(e))
+    }
+
+    /// A client event visor refuses: logged and counted like an HTTP
+    /// refusal, answered with an `error` event; nothing goes upstream.
+    fn refusal(&self, e: VisorError) -> Message {
+        tracing::info!(
+            error = e.label(),
+            status = e.status().as_u16(),
+            transport = "websocket",
+            "refused"
+        );
+        self.state
+            .metrics
+            .requests
+            .with_label_values(&[NO_UPSTREAM, "", e.status().as_str()])
+            .inc();
+        Message::Text(e.ws_event().into())
     }
 
     /// A server event: the end of a response is counted; when its `usage`
