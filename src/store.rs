@@ -776,6 +776,11 @@ impl Store {
         };
         if down.take().is_some() {
             self.metrics.store_up.set(1);
+            // Rate limits are shared again (the gauge follows the store, not
+            // only the next key's check).
+            if self.is_shared() {
+                self.metrics.ratelimit_shared.set(1);
+            }
             tracing::warn!(store = %self.label, "store is back: descriptions and learned models are stored again");
         }
     }
@@ -791,6 +796,9 @@ impl Store {
             retry_at: Instant::now() + RETRY_AFTER,
         });
         self.metrics.store_up.set(0);
+        if self.is_shared() {
+            self.metrics.ratelimit_shared.set(0);
+        }
         if was_up {
             tracing::warn!(store = %self.label, op, error = %reason,
                 "store unavailable: going on with memory only (requests are not failed); retrying every {} s",

@@ -207,6 +207,31 @@ async fn replicas_on_one_redis_share_a_limit_and_limit_alone_without_it() {
     .await;
     let r: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(r["status"], "degraded", "{r}");
+
+    // The gauge follows the store, not only a key's next check: replica a,
+    // which checked no key since, says 0 once its store is found down (its
+    // /readyz asks), and 1 again when Redis is back.
+    let readyz = |v: &Visor| {
+        Request::get(v.url("/readyz"))
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    send(readyz(&a)).await;
+    let m = a.metrics().await;
+    assert_eq!(metric(&m, "visor_ratelimit_shared", &[]), Some(0.0), "{m}");
+    redis.restart();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, _, body) = send(readyz(&a)).await;
+        let r: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        if r["status"] == "ready" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "store not back: {r}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = a.metrics().await;
+    assert_eq!(metric(&m, "visor_ratelimit_shared", &[]), Some(1.0), "{m}");
 }
 
 #[tokio::test]
