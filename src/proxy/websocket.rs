@@ -256,6 +256,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
         state: state.clone(),
         upstream: name,
         key: holder,
+        request_id: request_id.clone(),
         responses,
         opts,
         headers: req.headers().clone(),
@@ -319,6 +320,8 @@ struct Relay {
     upstream: Arc<str>,
     /// The caller's `[[key]]`, which each `response.create` is held to.
     key: Option<usize>,
+    /// The upgrade's request id (each response's log line carries it).
+    request_id: HeaderValue,
     /// The Responses WebSocket mode: client events are transformed.
     responses: bool,
     opts: Options,
@@ -334,6 +337,7 @@ struct InFlight {
     estimate: u64,
     since: Instant,
     images_replaced: usize,
+    media_replaced: usize,
     bytes_saved: i64,
 }
 
@@ -547,6 +551,7 @@ impl Relay {
             estimate,
             since: Instant::now(),
             images_replaced: 0,
+            media_replaced: 0,
             bytes_saved: 0,
         });
         if !event.get("input").is_some_and(Value::is_array) {
@@ -571,6 +576,7 @@ impl Relay {
         }
         let started = started.map(|mut f| {
             f.images_replaced = prepared.report.images_replaced;
+            f.media_replaced = prepared.report.media_replaced;
             f.bytes_saved = prepared.report.bytes_saved;
             f
         });
@@ -680,14 +686,18 @@ impl Relay {
             }
         }
         tracing::info!(
+            request_id = self.request_id.to_str().unwrap_or_default(),
             upstream = %self.upstream,
             model = %model,
+            status,
             transport = "websocket",
             outcome,
             prompt_tokens = u.prompt,
             completion_tokens = u.completion,
             cached_tokens = u.cached_read,
+            cache_write_tokens = u.cache_write,
             images_replaced = f.images_replaced,
+            media_replaced = f.media_replaced,
             bytes_saved = f.bytes_saved,
             duration_ms = f.since.elapsed().as_millis() as u64,
             "response finished"
