@@ -440,11 +440,23 @@ async fn a_body_naming_a_second_model_cannot_slip_past_a_keys_models() {
     for body in [
         r#"{"model":"gpt-4o","input":"x","model":"claude-opus"}"#,
         r#"{"model":"gpt-4o","input":"x","mod\u0065l":"claude-opus"}"#,
+        // A case-blind reader (Go's encoding/json) takes the last.
+        r#"{"model":"gpt-4o","input":"x","Model":"claude-opus"}"#,
+        // No model visor can read: a key limited to some must name one.
+        r#"{"input":"x"}"#,
     ] {
         let (status, _, answer) = send(post(body.as_bytes().to_vec(), json)).await;
         assert_eq!(status, 400, "{body}");
         assert_eq!(error_code(&answer), "model_unreadable");
     }
+    // `MODEL` alone is the model, in any case.
+    let (status, _, answer) = send(post(
+        br#"{"MODEL":"claude-opus","input":"x"}"#.to_vec(),
+        json,
+    ))
+    .await;
+    assert_eq!(status, 403);
+    assert_eq!(error_code(&answer), "model_not_allowed");
     let form = |fields: &[(&str, &str)]| {
         let mut b = Vec::new();
         for (k, v) in fields {
@@ -468,7 +480,38 @@ async fn a_body_naming_a_second_model_cannot_slip_past_a_keys_models() {
     .await;
     assert_eq!(status, 400);
     assert_eq!(error_code(&answer), "model_unreadable");
+    // A second model part written the ways lenient readers take too: the
+    // name unquoted, the part's head ended by a bare blank line.
+    for second in [
+        "--XyZ\r\nContent-Disposition: form-data; name=model\r\n\r\nclaude-opus\r\n",
+        "--XyZ\r\nContent-Disposition: form-data; name=\"model\"\n\nclaude-opus\r\n",
+    ] {
+        let mut body = form(&[("model", "gpt-4o-transcribe")]);
+        body.truncate(body.len() - b"--XyZ--\r\n".len());
+        body.extend_from_slice(second.as_bytes());
+        body.extend_from_slice(b"--XyZ--\r\n");
+        let (status, _, answer) = send(post(body, multipart)).await;
+        assert_eq!(status, 400, "{second:?}");
+        assert_eq!(error_code(&answer), "model_unreadable");
+    }
+    // Two boundaries: readers differ on which counts; not read as a form.
+    let (status, _, _) = send(post(
+        form(&[("model", "gpt-4o-transcribe")]),
+        "multipart/form-data; boundary=XyZ; boundary=Other",
+    ))
+    .await;
+    assert_eq!(status, 400);
     assert_eq!(mock.count(), 0, "nothing reached the upstream");
+    // A listing has no body and no model: it goes.
+    let (status, _, _) = send(
+        Request::get(visor.url("/v1/models"))
+            .header("authorization", format!("Bearer {KEY_A}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.count(), 1);
     // One model, allowed: sent, whole and unchanged.
     let body = form(&[("model", "gpt-4o-transcribe"), ("file", "…")]);
     let (status, _, _) = send(post(body.clone(), multipart)).await;

@@ -549,7 +549,16 @@ async fn limit(
             estimate,
         });
     };
-    admit(state, i, model, estimate).await?;
+    // A request with a body (a listing like `GET /v1/models` has none).
+    let bodied = match held {
+        Held::Whole(b) => !b.is_empty(),
+        Held::Streamed(b) => {
+            b.prefix.iter().any(|c| !c.is_empty())
+                || b.rest.is_some()
+                || content_length(&parts.headers).is_some_and(|n| n > 0)
+        }
+    };
+    admit(state, i, model, bodied, estimate).await?;
     Ok(Grant {
         key: Some(i),
         label,
@@ -565,6 +574,7 @@ pub(super) async fn admit(
     state: &AppState,
     i: usize,
     model: Option<&str>,
+    bodied: bool,
     estimate: u64,
 ) -> Result<(), VisorError> {
     let Some(k) = state.limits.key(i) else {
@@ -577,6 +587,15 @@ pub(super) async fn admit(
             key: k.name.clone(),
             model: m.to_owned(),
         });
+    }
+    if model.is_none() && !k.any_model && bodied {
+        // A body whose model visor cannot find might name one to the
+        // upstream (`MODEL` to a case-blind reader, a form part written
+        // another way): a key limited to some models must name it plainly.
+        return Err(VisorError::Unroutable(format!(
+            "key `{}` may use only some models, and this body names none visor can read",
+            k.name
+        )));
     }
     let verdict = state.limits.check(i, estimate).await;
     let Some(over) = verdict.over else {

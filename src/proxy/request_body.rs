@@ -420,11 +420,13 @@ impl JsonScanner {
     fn end_string(&mut self, key: bool) {
         if key {
             self.state = State::Colon;
+            // `model` in any case (Go's encoding/json matches keys so):
+            // `Model` after `model` is a duplicate, never a second opinion.
             let is_model = self.stack.len() == 1
                 && !self.key_overflow
-                && (self.key == b"model"
+                && (self.key.eq_ignore_ascii_case(b"model")
                     || (self.key.contains(&b'\\')
-                        && unescape(&self.key).as_deref() == Some("model")));
+                        && unescape(&self.key).is_some_and(|k| k.eq_ignore_ascii_case("model"))));
             if is_model {
                 if self.seen_model {
                     self.state = State::Failed;
@@ -491,12 +493,17 @@ impl FormScanner {
         if !kind.eq_ignore_ascii_case("multipart/form-data") {
             return None;
         }
-        let boundary = params.find_map(|p| {
+        let mut boundaries = params.filter_map(|p| {
             let (k, v) = p.split_once('=')?;
             k.trim()
                 .eq_ignore_ascii_case("boundary")
                 .then(|| v.trim().trim_matches('"').to_owned())
-        })?;
+        });
+        let boundary = boundaries.next()?;
+        // Two boundaries: readers differ on which one counts.
+        if boundaries.next().is_some() {
+            return None;
+        }
         if boundary.is_empty() || boundary.len() > 200 {
             return None;
         }
@@ -609,10 +616,15 @@ impl FormScanner {
             self.searched = 0;
             return;
         };
-        let Some(head_end) = memchr::memmem::find(&self.buf[start..], b"\r\n\r\n") else {
+        let part = &self.buf[start..];
+        let ends = [
+            memchr::memmem::find(part, b"\r\n\r\n").map(|i| i + 4),
+            memchr::memmem::find(part, b"\n\n").map(|i| i + 2),
+        ];
+        let Some(head_end) = ends.into_iter().flatten().min() else {
             return;
         };
-        let head = &self.buf[start..start + head_end + 4];
+        let head = &self.buf[start..start + head_end];
         if form_value(head, b"model").is_some() {
             return; // the model's value is still coming
         }
@@ -632,17 +644,47 @@ impl FormScanner {
 
 /// The value of a form part when its `Content-Disposition` names `name`.
 fn form_value<'a>(part: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
-    let head_end = memchr::memmem::find(part, b"\r\n\r\n")?;
+    // The headers end at a blank line: CRLF CRLF, or bare LF LF (which
+    // lenient readers take too).
+    let crlf = memchr::memmem::find(part, b"\r\n\r\n").map(|i| (i, i + 4));
+    let lf = memchr::memmem::find(part, b"\n\n").map(|i| (i, i + 2));
+    let (head_end, value_at) = match (crlf, lf) {
+        (Some(a), Some(b)) => a.min(b),
+        (a, b) => a.or(b)?,
+    };
     let head = &part[..head_end];
-    let wanted = [b"name=\"".as_slice(), name, b"\"".as_slice()].concat();
     let named = head.split(|&b| b == b'\n').any(|line| {
         let line = line.to_ascii_lowercase();
         line.starts_with(b"content-disposition:")
             && memchr::memmem::find(&line, b"filename=").is_none()
-            && memchr::memmem::find(&line, &wanted)
-                .is_some_and(|i| i > 0 && matches!(line[i - 1], b' ' | b';' | b'\t'))
+            && disposition_name(&line).is_some_and(|n| n == name)
     });
-    named.then(|| &part[head_end + 4..])
+    named.then(|| &part[value_at..])
+}
+
+/// The `name` parameter of a (lower-cased) `Content-Disposition` line,
+/// quoted or not.
+fn disposition_name(line: &[u8]) -> Option<&[u8]> {
+    let mut from = 0;
+    while let Some(i) = memchr::memmem::find(&line[from..], b"name=") {
+        let at = from + i;
+        from = at + 5;
+        if at == 0 || !matches!(line[at - 1], b' ' | b';' | b'\t') {
+            continue; // `filename=`, `xname=`
+        }
+        let rest = &line[at + 5..];
+        return Some(match rest.strip_prefix(b"\"") {
+            Some(q) => &q[..memchr::memchr(b'"', q).unwrap_or(q.len())],
+            None => {
+                let end = rest
+                    .iter()
+                    .position(|b| matches!(b, b';' | b' ' | b'\t' | b'\r'))
+                    .unwrap_or(rest.len());
+                &rest[..end]
+            }
+        });
+    }
+    None
 }
 
 /// The text of a JSON string's raw content (escapes resolved, UTF-8 checked).

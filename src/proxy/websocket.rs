@@ -121,7 +121,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
                 ),
             );
         }
-        if let Err(e) = super::forward::admit(&state, i, model.as_deref(), 0).await {
+        if let Err(e) = super::forward::admit(&state, i, model.as_deref(), false, 0).await {
             return refuse(&state, e);
         }
     }
@@ -597,7 +597,7 @@ impl Relay {
             None if restricted => Err(VisorError::BadRequest(
                 "this key may use only some models: name the model in each response.create",
             )),
-            _ => super::forward::admit(&self.state, i, model, estimate).await,
+            _ => super::forward::admit(&self.state, i, model, true, estimate).await,
         };
         verdict.map_err(|e| self.refusal(e))
     }
