@@ -630,6 +630,18 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
     for (path, status, code) in [
         ("/v1/realtime?model=gpt-realtime", 403, "model_not_allowed"),
         ("/v1/realtime", 400, "invalid_request"),
+        // Named twice (the second with its name encoded): refused, as
+        // readers differ on which counts.
+        (
+            "/v1/realtime?model=gpt-5.1&mod%65l=gpt-realtime",
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/realtime?model=gpt-5.1&MODEL=gpt-realtime",
+            400,
+            "invalid_request",
+        ),
     ] {
         match connect(open(path)).await {
             Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {

@@ -111,7 +111,14 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     let holder = super::forward::caller_key(&state, req.extensions())
         .filter(|&i| state.limits.key(i).is_some());
     if !responses && let Some(i) = holder {
-        let model = query_model(req.uri().query());
+        let Ok(model) = query_model(req.uri().query()) else {
+            return refuse(
+                &state,
+                VisorError::BadRequest(
+                    "the WebSocket URL names its model more than once (or not in UTF-8)",
+                ),
+            );
+        };
         let restricted = state.limits.key(i).is_some_and(|k| !k.any_model);
         if restricted && model.is_none() {
             return refuse(
@@ -293,14 +300,28 @@ where
     let _ = tokio::time::timeout(bound, u_tx.close()).await;
 }
 
-/// The `model` of a query string (`?model=gpt-realtime`), decoded.
-fn query_model(query: Option<&str>) -> Option<String> {
-    query?
-        .split('&')
-        .find_map(|pair| pair.strip_prefix("model="))
-        .map(|v| super::router::percent_decode(v.replace('+', " ").as_bytes()))
-        .and_then(|v| String::from_utf8(v).ok())
-        .filter(|m| !m.is_empty())
+/// The `model` of a query string (`?model=gpt-realtime`), name and value
+/// decoded; `Err` when it is named more than once (readers differ on which
+/// counts) or is not UTF-8.
+fn query_model(query: Option<&str>) -> Result<Option<String>, ()> {
+    let decode = |s: &str| {
+        String::from_utf8(super::router::percent_decode(
+            s.replace('+', " ").as_bytes(),
+        ))
+        .map_err(drop)
+    };
+    let mut found = None;
+    for pair in query.unwrap_or("").split('&') {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if !decode(name)?.eq_ignore_ascii_case("model") {
+            continue;
+        }
+        if found.is_some() {
+            return Err(());
+        }
+        found = Some(decode(value)?);
+    }
+    Ok(found.filter(|m| !m.is_empty()))
 }
 
 /// `http(s)://…` as `ws(s)://…`.
