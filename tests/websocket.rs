@@ -86,8 +86,12 @@ async fn ws_mock() -> (String, Arc<Mutex<Seen>>, mpsc::UnboundedReceiver<()>) {
                     let stall = v["metadata"]["stall"] == true;
                     // `"metadata": {"input_tokens": N}`: the usage to say.
                     let input_tokens = v["metadata"]["input_tokens"].as_u64().unwrap_or(11);
+                    // `"metadata": {"pause": true}`: after `response.created`,
+                    // the next client event is answered with an `error`
+                    // first, then the response goes on.
+                    let pause = v["metadata"]["pause"] == true;
                     if v["type"] == "response.create" {
-                        for e in [
+                        for (k, e) in [
                             // As OpenAI sends it: `error: null` early in the event.
                             json!({"response": {"id": "resp_1", "status": "in_progress", "error": null}, "type": "response.created"}),
                             json!({"type": "response.output_text.delta", "delta": "hi"}),
@@ -95,7 +99,17 @@ async fn ws_mock() -> (String, Arc<Mutex<Seen>>, mpsc::UnboundedReceiver<()>) {
                         ]
                         .into_iter()
                         .take(if stall { 1 } else { 3 })
+                        .enumerate()
                         {
+                            if pause && k == 1 {
+                                if let Some(Ok(Message::Text(t))) = ws.next().await {
+                                    s.lock().unwrap().events.push(t.to_string());
+                                }
+                                let error = json!({"type": "error", "error": {"type": "invalid_request_error", "message": "unknown event type"}});
+                                if ws.send(Message::Text(error.to_string().into())).await.is_err() {
+                                    break;
+                                }
+                            }
                             if ws.send(Message::Text(e.to_string().into())).await.is_err() {
                                 break;
                             }
@@ -608,16 +622,20 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
     req.headers_mut()
         .insert("authorization", "Bearer sk-team-a".parse().unwrap());
     let (mut small, _) = connect(req).await.unwrap();
-    let big = json!({"type": "response.create", "model": "gpt-5.1", "metadata": {"input_tokens": 5000}, "input": []});
+    // Another client event is answered with an `error` while the response
+    // is under way: that error does not end the response, whose usage is
+    // still charged when it completes.
+    let big = json!({"type": "response.create", "model": "gpt-5.1", "metadata": {"input_tokens": 5000, "pause": true}, "input": []});
     small
         .send(Message::Text(big.to_string().into()))
         .await
         .unwrap();
-    for ty in [
-        "response.created",
-        "response.output_text.delta",
-        "response.completed",
-    ] {
+    assert_eq!(next_text(&mut small).await["type"], "response.created");
+    small
+        .send(Message::Text(r#"{"type":"nope"}"#.into()))
+        .await
+        .unwrap();
+    for ty in ["error", "response.output_text.delta", "response.completed"] {
         assert_eq!(next_text(&mut small).await["type"], ty);
     }
     small.send(create("gpt-5.1")).await.unwrap();

@@ -21,6 +21,7 @@
 //!    under way, an upstream silent for `idle_timeout_secs` ends the socket
 //!    (1011). Either side closing or going away closes the other.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -357,6 +358,8 @@ struct InFlight {
     /// its `usage`).
     estimate: u64,
     since: Instant,
+    /// The upstream said `response.created` for it.
+    created: bool,
     images_replaced: usize,
     media_replaced: usize,
     bytes_saved: i64,
@@ -371,7 +374,9 @@ impl Relay {
         let (mut c_tx, mut c_rx) = client.split();
         let (mut u_tx, mut u_rx) = upstream.split();
         let idle = self.state.config.server.idle_timeout;
-        let mut inflight: Option<InFlight> = None;
+        // The responses under way, oldest first (a client may start one
+        // before the last ended).
+        let mut inflight: VecDeque<InFlight> = VecDeque::new();
         let mut last_upstream = Instant::now();
         let mut last_any = Instant::now();
         // Nothing in flight and nothing either way this long: the socket is
@@ -382,9 +387,9 @@ impl Relay {
         // within the drain timeout, no longer.
         let mut drain_until: Option<Instant> = None;
         loop {
-            let deadline = match inflight {
-                Some(_) => last_upstream + idle,
-                None => last_any + quiet,
+            let deadline = match inflight.is_empty() {
+                false => last_upstream + idle,
+                true => last_any + quiet,
             };
             let deadline = drain_until.map_or(deadline, |d| deadline.min(d));
             tokio::select! {
@@ -406,12 +411,12 @@ impl Relay {
                             };
                             if let Some(f) = started {
                                 last_upstream = Instant::now();
-                                inflight = Some(f);
+                                inflight.push_back(f);
                             }
                             if u_tx.send(out).await.is_err() {
                                 let _ = c_tx.send(close(CloseCode::Away, "upstream went away")).await;
                                 let _ = c_tx.close().await;
-                                self.finish(&mut inflight, "reset", None);
+                                self.finish_all(&mut inflight, "reset");
                                 break;
                             }
                         }
@@ -421,7 +426,7 @@ impl Relay {
                             // The reply to the client's close, queued by
                             // tungstenite, goes out now.
                             let _ = c_tx.close().await;
-                            self.finish(&mut inflight, "client_cancelled", None);
+                            self.finish_all(&mut inflight, "client_cancelled");
                             break;
                         }
                         // A binary frame on a Responses socket held to a key:
@@ -446,7 +451,7 @@ impl Relay {
                         Some(Err(_)) | None => {
                             let _ = u_tx.send(close(CloseCode::Away, "client went away")).await;
                             let _ = u_tx.close().await;
-                            self.finish(&mut inflight, "client_cancelled", None);
+                            self.finish_all(&mut inflight, "client_cancelled");
                             break;
                         }
                     }
@@ -463,7 +468,7 @@ impl Relay {
                             }
                             if c_tx.send(Message::Text(text)).await.is_err() {
                                 let _ = u_tx.close().await;
-                                self.finish(&mut inflight, "client_cancelled", None);
+                                self.finish_all(&mut inflight, "client_cancelled");
                                 break;
                             }
                         }
@@ -471,7 +476,7 @@ impl Relay {
                             let _ = c_tx.send(Message::Close(frame)).await;
                             let _ = c_tx.close().await;
                             let _ = u_tx.close().await;
-                            self.finish(&mut inflight, "reset", None);
+                            self.finish_all(&mut inflight, "reset");
                             break;
                         }
                         Some(Ok(other)) => {
@@ -483,14 +488,14 @@ impl Relay {
                         Some(Err(_)) | None => {
                             let _ = c_tx.send(close(CloseCode::Error, "upstream connection lost")).await;
                             let _ = c_tx.close().await;
-                            self.finish(&mut inflight, "reset", None);
+                            self.finish_all(&mut inflight, "reset");
                             break;
                         }
                     }
                 }
                 // Shutdown: closed once no response is under way (one that
                 // is finishes first).
-                () = self.state.shutdown.cancelled(), if inflight.is_none() => {
+                () = self.state.shutdown.cancelled(), if inflight.is_empty() => {
                     shut(&mut c_tx, &mut u_tx).await;
                     break;
                 }
@@ -499,19 +504,19 @@ impl Relay {
                 }
                 () = tokio::time::sleep_until(deadline), if drain_until.is_some_and(|d| d <= deadline) => {
                     shut(&mut c_tx, &mut u_tx).await;
-                    self.finish(&mut inflight, "client_cancelled", None);
+                    self.finish_all(&mut inflight, "client_cancelled");
                     break;
                 }
                 () = tokio::time::sleep_until(deadline), if drain_until.is_none_or(|d| d > deadline) => {
-                    let (code, why) = match inflight {
-                        Some(_) => (CloseCode::Error, "upstream idle timeout"),
-                        None => (CloseCode::Away, "idle socket closed"),
+                    let (code, why) = match inflight.is_empty() {
+                        false => (CloseCode::Error, "upstream idle timeout"),
+                        true => (CloseCode::Away, "idle socket closed"),
                     };
                     let _ = c_tx.send(close(code, why)).await;
                     let _ = c_tx.close().await;
                     let _ = u_tx.send(close(CloseCode::Away, "idle timeout")).await;
                     let _ = u_tx.close().await;
-                    self.finish(&mut inflight, "idle_timeout", None);
+                    self.finish_all(&mut inflight, "idle_timeout");
                     break;
                 }
             }
@@ -571,6 +576,7 @@ impl Relay {
             model: model.clone(),
             estimate,
             since: Instant::now(),
+            created: false,
             images_replaced: 0,
             media_replaced: 0,
             bytes_saved: 0,
@@ -642,13 +648,16 @@ impl Relay {
 
     /// A server event: the end of a response is counted; when its `usage`
     /// says more tokens than the caller's `[[key]]` was charged, the
-    /// correction due (key, charged, used).
+    /// correction due (key, charged, used). Responses end in the order they
+    /// were asked for; an `error` event ends the oldest one the upstream
+    /// has not started (a create it refused) and nothing else — it may be
+    /// the answer to another client event.
     fn server_event(
         &self,
         text: &str,
-        inflight: &mut Option<InFlight>,
+        inflight: &mut VecDeque<InFlight>,
     ) -> Option<(usize, u64, u64)> {
-        if inflight.is_none() || !self.responses {
+        if inflight.is_empty() || !self.responses {
             return None;
         }
         // The event's own top-level `type` (a `"status"` or `"error": null`
@@ -661,24 +670,40 @@ impl Relay {
         let Ok(Event { ty: Some(ty) }) = serde_json::from_str::<Event<'_>>(text) else {
             return None;
         };
-        let outcome = match ty.as_ref() {
-            "response.completed" | "response.incomplete" => "complete",
-            "response.failed" | "error" => "upstream_error",
+        let (f, outcome) = match ty.as_ref() {
+            "response.created" => {
+                if let Some(f) = inflight.iter_mut().find(|f| !f.created) {
+                    f.created = true;
+                }
+                return None;
+            }
+            "response.completed" | "response.incomplete" => (inflight.pop_front()?, "complete"),
+            "response.failed" => (inflight.pop_front()?, "upstream_error"),
+            "error" => {
+                let at = inflight.iter().position(|f| !f.created)?;
+                (inflight.remove(at)?, "upstream_error")
+            }
             _ => return None,
         };
         let usage = Usage::of_event(text.as_bytes());
         let used = usage.map_or(0, |u| u.prompt + u.completion);
-        let correction = match (self.key, inflight.as_ref()) {
-            (Some(i), Some(f)) if used > f.estimate => Some((i, f.estimate, used)),
+        let correction = match self.key {
+            Some(i) if used > f.estimate => Some((i, f.estimate, used)),
             _ => None,
         };
-        self.finish(inflight, outcome, usage);
+        self.finish(f, outcome, usage);
         correction
     }
 
+    /// Ends every response under way (the socket closed) with `outcome`.
+    fn finish_all(&self, inflight: &mut VecDeque<InFlight>, outcome: &str) {
+        while let Some(f) = inflight.pop_front() {
+            self.finish(f, outcome, None);
+        }
+    }
+
     /// Counts the response under way (once), as the HTTP path counts one.
-    fn finish(&self, inflight: &mut Option<InFlight>, outcome: &str, usage: Option<Usage>) {
-        let Some(f) = inflight.take() else { return };
+    fn finish(&self, f: InFlight, outcome: &str, usage: Option<Usage>) {
         let m = &self.state.metrics;
         let status = match outcome {
             "complete" => "200",
