@@ -188,7 +188,15 @@ pub fn merge(messages: &[Value], stored: &[Value], depth: usize) -> Merged {
             .flat_map(|m| answered_calls(m))
             .any(|id| !stored.iter().any(|s| made_calls(s).any(|c| c == id)));
         match last {
-            Some(i) if orphan => (None, i),
+            // The whole turn: a Responses turn is a run of items (each call
+            // its own), all before the results.
+            Some(i) if orphan => {
+                let start = rest[..i]
+                    .iter()
+                    .rposition(|m| !model_produced(m))
+                    .map_or(0, |j| j + 1);
+                (None, start)
+            }
             _ => (None, from),
         }
     };
@@ -395,8 +403,16 @@ pub fn without_cache_markers(raw: &[u8]) -> Option<Vec<u8>> {
         return None;
     }
     cut.sort_by_key(|r| r.start);
+    // Cuts that touch (a marker named twice in one object) would leave a
+    // stray comma: then the message goes as it was stored.
+    if cut.windows(2).any(|w| w[1].start < w[0].end) {
+        return None;
+    }
     let edits: Vec<(Range<usize>, Vec<u8>)> = cut.into_iter().map(|r| (r, Vec::new())).collect();
-    Some(crate::transform::json::splice(raw, &edits))
+    let out = crate::transform::json::splice(raw, &edits);
+    serde_json::from_slice::<serde::de::IgnoredAny>(&out)
+        .is_ok()
+        .then_some(out)
 }
 
 /// Messages the overlap leaves out: system and developer messages (not
@@ -875,6 +891,13 @@ mod tests {
         // …while a result answering the stored reply's call comes alone.
         let m = merge(&client, &[user("other"), call.clone()], 25);
         assert_eq!(m.new, vec![result]);
+        // Responses: a turn of parallel calls is several items, stored
+        // whole with their results.
+        let fc = |id: &str| json!({"type": "function_call", "call_id": id, "name": "f", "arguments": "{}"});
+        let out = |id: &str| json!({"type": "function_call_output", "call_id": id, "output": "r"});
+        let client = vec![user("u1"), fc("A"), fc("B"), out("A"), out("B")];
+        let m = merge(&client, &[user("other"), assistant("O")], 25);
+        assert_eq!(m.new, vec![fc("A"), fc("B"), out("A"), out("B")]);
     }
 
     #[test]
@@ -910,6 +933,16 @@ mod tests {
             without_cache_markers(br#"{"cache_control":{}}"#).unwrap(),
             b"{}"
         );
+        // Named twice: left as it was rather than cut into invalid JSON.
+        for twice in [
+            &br#"{"role":"user","content":"x","cache_control":{},"cache_control":{}}"#[..],
+            br#"{"cache_control":{},"cache_control":{}}"#,
+            br#"{"cache_control":{},"cache_control":{},"role":"user"}"#,
+        ] {
+            if let Some(out) = without_cache_markers(twice) {
+                serde_json::from_slice::<Value>(&out).unwrap();
+            }
+        }
     }
 
     #[test]
