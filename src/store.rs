@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use redb::{ReadableTable as _, ReadableTableMetadata as _, TableDefinition};
+use redb::{ReadableTable as _, TableDefinition};
 use tokio::time::Instant;
 
 use crate::config::StoreBackend;
@@ -58,6 +58,10 @@ pub const DESCRIPTION_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 /// Expired descriptions one disk sweep removes at most (a sweep is one
 /// operation under [`OP_TIMEOUT`]; the next sweep takes the rest).
 const SWEEP_BATCH: usize = 2048;
+
+/// Rows of each table one disk sweep looks at, at most, from where the
+/// last sweep stopped.
+const SWEEP_SCAN: usize = 16_384;
 
 /// The disk store's file name under `server.data_dir`.
 pub const DISK_FILE: &str = "store.redb";
@@ -130,6 +134,7 @@ impl Store {
                 (
                     Backend::Disk(Arc::new(Disk {
                         path,
+                        sweep_at: Mutex::new((None, None)),
                         db: Mutex::new(None),
                         writing: Mutex::new(()),
                     })),
@@ -657,38 +662,55 @@ impl Store {
         let Backend::Disk(d) = &self.backend else {
             return Ok(0);
         };
+        // Each sweep looks at a bounded stretch of each table, from where
+        // the last one stopped, so a large store is swept over several
+        // rounds, each well inside the operation's timeout.
+        let (from_written, from_undated) = d.sweep_at.lock().map(|c| c.clone()).unwrap_or_default();
         let op = d.run_write(move |db| {
             let now = unix_now();
-            let (expired, undated) = {
+            let due = |t: u64| now.saturating_sub(t) >= ttl.as_secs();
+            let (expired, undated, next) = {
                 let txn = db.begin_read()?;
                 let written = txn.open_table(DESCRIPTION_WRITTEN)?;
                 let mut expired = Vec::new();
-                for row in written.iter()? {
+                let mut seen = 0;
+                let mut last = None;
+                for row in written.range(from_written.as_deref().unwrap_or("")..)? {
                     let (k, v) = row?;
-                    if now.saturating_sub(v.value()) >= ttl.as_secs() {
+                    seen += 1;
+                    last = Some(k.value().to_owned());
+                    if due(v.value()) {
                         expired.push(k.value().to_owned());
-                        if expired.len() == SWEEP_BATCH {
-                            break;
-                        }
+                    }
+                    if seen == SWEEP_SCAN || expired.len() == SWEEP_BATCH {
+                        break;
                     }
                 }
+                let next_written = (seen == SWEEP_SCAN || expired.len() == SWEEP_BATCH)
+                    .then_some(last)
+                    .flatten();
                 let descriptions = txn.open_table(DESCRIPTIONS)?;
                 let mut undated = Vec::new();
-                if descriptions.len()? > written.len()? {
-                    for row in descriptions.iter()? {
-                        let (k, _) = row?;
-                        if written.get(k.value())?.is_none() {
-                            undated.push(k.value().to_owned());
-                            if undated.len() == SWEEP_BATCH {
-                                break;
-                            }
-                        }
+                let mut seen = 0;
+                let mut last = None;
+                for row in descriptions.range(from_undated.as_deref().unwrap_or("")..)? {
+                    let (k, _) = row?;
+                    seen += 1;
+                    last = Some(k.value().to_owned());
+                    if written.get(k.value())?.is_none() {
+                        undated.push(k.value().to_owned());
+                    }
+                    if seen == SWEEP_SCAN || undated.len() == SWEEP_BATCH {
+                        break;
                     }
                 }
-                (expired, undated)
+                let next_undated = (seen == SWEEP_SCAN || undated.len() == SWEEP_BATCH)
+                    .then_some(last)
+                    .flatten();
+                (expired, undated, (next_written, next_undated))
             };
             if expired.is_empty() && undated.is_empty() {
-                return Ok(0);
+                return Ok((0, next));
             }
             let txn = db.begin_write()?;
             let mut gone = 0;
@@ -697,9 +719,7 @@ impl Store {
                 let mut descriptions = txn.open_table(DESCRIPTIONS)?;
                 for key in &expired {
                     // Written again since the read: kept.
-                    let still = written
-                        .get(key.as_str())?
-                        .is_some_and(|t| now.saturating_sub(t.value()) >= ttl.as_secs());
+                    let still = written.get(key.as_str())?.is_some_and(|t| due(t.value()));
                     if still {
                         written.remove(key.as_str())?;
                         descriptions.remove(key.as_str())?;
@@ -713,9 +733,13 @@ impl Store {
                 }
             }
             txn.commit()?;
-            Ok(gone)
+            Ok((gone, next))
         });
-        self.guarded("put", op).await
+        let (gone, next) = self.guarded("put", op).await?;
+        if let Ok(mut at) = d.sweep_at.lock() {
+            *at = next;
+        }
+        Ok(gone)
     }
 
     /// Asks the store whether it answers; `write`: whether it takes a write
@@ -870,6 +894,9 @@ struct MemSession {
 
 struct Disk {
     path: PathBuf,
+    /// Where the next description sweep goes on in each table (written
+    /// times, descriptions); `None`: from the start.
+    sweep_at: Mutex<(Option<String>, Option<String>)>,
     /// Opened on first use, and again after a failed open, an I/O error, or
     /// when the file was deleted or replaced under it; with the file's
     /// identity (device, inode) when it was opened.
@@ -1089,6 +1116,7 @@ mod tests {
 
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use redb::ReadableTableMetadata as _;
     #[test]
     fn memory_texts_stay_under_their_bound() {
         let mut t = Texts::default();
@@ -1180,6 +1208,37 @@ mod tests {
         assert_eq!(s.description("new").await.unwrap(), None);
         assert_eq!(s.description("old").await.unwrap(), None);
         assert_eq!(s.sweep_descriptions(Duration::ZERO).await.unwrap(), 0);
+
+        // Many rows: swept over several rounds, each bounded, none left.
+        d.run_write(|db| {
+            let txn = db.begin_write()?;
+            {
+                let mut t = txn.open_table(DESCRIPTIONS)?;
+                let mut w = txn.open_table(DESCRIPTION_WRITTEN)?;
+                for i in 0..5000 {
+                    let k = format!("k{i:05}");
+                    t.insert(k.as_str(), "text")?;
+                    w.insert(k.as_str(), 0)?;
+                }
+            }
+            txn.commit()?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+        let mut rounds = Vec::new();
+        for _ in 0..10 {
+            match s.sweep_descriptions(DESCRIPTION_TTL).await.unwrap() {
+                0 => break,
+                n => rounds.push(n),
+            }
+        }
+        assert_eq!(rounds, [SWEEP_BATCH, SWEEP_BATCH, 5000 - 2 * SWEEP_BATCH]);
+        let left = d
+            .run(|db| Ok(db.begin_read()?.open_table(DESCRIPTIONS)?.len()?))
+            .await
+            .unwrap();
+        assert_eq!(left, 0);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
