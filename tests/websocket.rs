@@ -535,6 +535,10 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
         Message::Text(
             r#"{"type":"response.create","model":"o3-pro","input":[],"model":"gpt-5.1"}"#.into(),
         ),
+        // `type` twice: not a create for the last-wins reader visor is.
+        Message::Text(
+            r#"{"type":"response.create","model":"o3-pro","input":[],"Type":"x"}"#.into(),
+        ),
         Message::Binary(
             br#"{"type":"response.create","model":"o3-pro","input":[]}"#
                 .to_vec()
@@ -594,7 +598,7 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
         metric(
             &m,
             "visor_requests_total",
-            &[("upstream", "none"), ("status", "403")]
+            &[("upstream", "none"), ("model", "o3-pro"), ("status", "403")]
         ),
         Some(1.0),
         "{m}"
@@ -642,6 +646,21 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
     let e = next_text(&mut small).await;
     assert_eq!(e["status"], 429, "the usage was not counted: {e}");
     assert_eq!(e["headers"]["x-ratelimit-remaining-tokens"], "0");
+    // Input that extends a response is held to the key too.
+    let before = seen.lock().unwrap().events.len();
+    small
+        .send(Message::Text(
+            r#"{"type":"response.steer","input":[{"type":"message","role":"user","content":[{"type":"input_text","text":"more"}]}]}"#.into(),
+        ))
+        .await
+        .unwrap();
+    let e = next_text(&mut small).await;
+    assert_eq!(e["status"], 429, "{e}");
+    assert_eq!(
+        seen.lock().unwrap().events.len(),
+        before,
+        "the steer went upstream"
+    );
 
     // A Realtime upgrade: its model is in the URL, refused before any
     // upstream is contacted; none named, for this key, is a 400.

@@ -325,6 +325,25 @@ fn query_model(query: Option<&str>) -> Result<Option<String>, ()> {
     Ok(found.filter(|m| !m.is_empty()))
 }
 
+/// A top-level key of the JSON object `text` named more than once (in any
+/// case: readers differ on which one counts, and some match keys without
+/// regard to case).
+fn twice_named_key(text: &[u8]) -> Option<String> {
+    use crate::transform::json::Cursor;
+    let mut keys: Vec<String> = Vec::new();
+    let mut twice = None;
+    let mut c = Cursor::new(text);
+    let walked = c.object(|c, k| {
+        let name = k.decode(text).map(|n| n.to_lowercase()).unwrap_or_default();
+        if twice.is_none() && keys.contains(&name) {
+            twice = Some(name.clone());
+        }
+        keys.push(name);
+        c.skip().map(drop)
+    });
+    walked.ok().and(twice)
+}
+
 /// `http(s)://…` as `ws(s)://…`.
 fn ws_uri(uri: &http::Uri) -> Option<http::Uri> {
     let scheme = match uri.scheme_str()? {
@@ -433,9 +452,12 @@ impl Relay {
                         // its events are text; one visor cannot read is not
                         // passed on.
                         Some(Ok(Message::Binary(_))) if self.responses && self.key.is_some() => {
-                            let refusal = self.refusal(VisorError::BadRequest(
-                                "binary frames are not taken on a socket held to a key: send events as text",
-                            ));
+                            let refusal = self.refusal(
+                                VisorError::BadRequest(
+                                    "binary frames are not taken on a socket held to a key: send events as text",
+                                ),
+                                None,
+                            );
                             if c_tx.send(refusal).await.is_err() {
                                 let _ = u_tx.close().await;
                                 break;
@@ -551,13 +573,20 @@ impl Relay {
             let strict = scan
                 .finish()
                 .map(drop)
-                .and_then(|()| serde_json::from_str::<Value>(text).map_err(|e| e.to_string()));
+                .and_then(|()| serde_json::from_str::<Value>(text).map_err(|e| e.to_string()))
+                .and_then(|_| match twice_named_key(text.as_bytes()) {
+                    Some(k) => Err(format!("`{k}` is named twice")),
+                    None => Ok(()),
+                });
             if let Err(why) = strict {
                 let shown: String = why.chars().take(200).collect();
                 tracing::debug!(why = %shown, "websocket event refused");
-                return Err(self.refusal(VisorError::BadRequest(
-                    "the event is not JSON visor can read for sure (a socket held to a key); send one JSON object with its model once",
-                )));
+                return Err(self.refusal(
+                    VisorError::BadRequest(
+                        "the event is not JSON visor can read for sure (a socket held to a key); send one JSON object, each key once",
+                    ),
+                    None,
+                ));
             }
         }
         let Ok(Value::Object(event)) = serde_json::from_str::<Value>(text) else {
@@ -567,10 +596,21 @@ impl Relay {
         if let Some(m) = own_model {
             m.clone_into(model);
         }
-        let creates = event.get("type").and_then(Value::as_str) == Some("response.create");
+        let ty = event.get("type").and_then(Value::as_str);
+        let creates = ty == Some("response.create");
         let estimate = text.len() as u64 / crate::limits::BYTES_PER_TOKEN;
-        if creates && let Some(i) = self.key {
-            self.admit(i, own_model, estimate).await?;
+        if let Some(i) = self.key {
+            match ty {
+                Some("response.create") => self.admit(i, own_model, estimate).await?,
+                // Input that extends the response under way (its model):
+                // counted and charged as a request of the key too.
+                Some("response.steer") => {
+                    super::forward::admit(&self.state, i, own_model, false, estimate)
+                        .await
+                        .map_err(|e| self.refusal(e, own_model))?
+                }
+                _ => {}
+            }
         }
         let started = creates.then(|| InFlight {
             model: model.clone(),
@@ -626,22 +666,24 @@ impl Relay {
             )),
             _ => super::forward::admit(&self.state, i, model, true, estimate).await,
         };
-        verdict.map_err(|e| self.refusal(e))
+        verdict.map_err(|e| self.refusal(e, model))
     }
 
     /// A client event visor refuses: logged and counted like an HTTP
     /// refusal, answered with an `error` event; nothing goes upstream.
-    fn refusal(&self, e: VisorError) -> Message {
+    fn refusal(&self, e: VisorError, model: Option<&str>) -> Message {
+        let model = model.map_or_else(String::new, |m| self.state.metrics.model_label(m));
         tracing::info!(
             error = e.label(),
             status = e.status().as_u16(),
+            model = %model,
             transport = "websocket",
             "refused"
         );
         self.state
             .metrics
             .requests
-            .with_label_values(&[NO_UPSTREAM, "", e.status().as_str()])
+            .with_label_values(&[NO_UPSTREAM, &model, e.status().as_str()])
             .inc();
         Message::Text(e.ws_event().into())
     }
