@@ -434,6 +434,16 @@ async fn read_body(
     }
 }
 
+/// A request sent, up to its response head: the exchange, the head (and
+/// body), the total deadline's timer, and what a learned-refusal retry
+/// needs.
+type Sent<'s> = (
+    Exchange<'s>,
+    Response<ResponseBody>,
+    Pin<Box<Sleep>>,
+    Option<RetryHead>,
+);
+
 /// Phase 6: the request sent — to its upstream, or along its fallbacks —
 /// until a response head.
 #[allow(clippy::too_many_arguments)]
@@ -446,15 +456,7 @@ async fn send<'s>(
     model: &Option<String>,
     prepared: &Option<Prepared>,
     session: &mut Session,
-) -> Result<
-    (
-        Exchange<'s>,
-        Response<ResponseBody>,
-        Pin<Box<Sleep>>,
-        Option<RetryHead>,
-    ),
-    Stop,
-> {
+) -> Result<Sent<'s>, Stop> {
     let chain = fallback_chain(state, call, &parts, index, session).await?;
     match chain {
         None => {
@@ -856,15 +858,7 @@ async fn send_chain<'s>(
     chain: Chain<'s, '_>,
     prepared: &Option<Prepared>,
     session: &mut Session,
-) -> Result<
-    (
-        Exchange<'s>,
-        Response<ResponseBody>,
-        Pin<Box<Sleep>>,
-        Option<RetryHead>,
-    ),
-    Stop,
-> {
+) -> Result<Sent<'s>, Stop> {
     let retries = &state.retries;
     retries.budget.record_request();
     // A streamed body, held whole by `fallback_chain`: sent again as is.
