@@ -112,15 +112,19 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     let holder = super::forward::caller_key(&state, req.extensions())
         .filter(|&i| state.limits.key(i).is_some());
     if !responses && let Some(i) = holder {
-        let Ok(model) = query_model(req.uri().query()) else {
-            return refuse(
-                &state,
-                VisorError::BadRequest(
-                    "the WebSocket URL names its model more than once (or not in UTF-8)",
-                ),
-            );
-        };
         let restricted = state.limits.key(i).is_some_and(|k| !k.any_model);
+        let model = match query_model(req.uri().query()) {
+            Ok(m) => m,
+            Err(()) if restricted => {
+                return refuse(
+                    &state,
+                    VisorError::BadRequest(
+                        "the WebSocket URL names its model more than once (or not in UTF-8)",
+                    ),
+                );
+            }
+            Err(()) => None,
+        };
         if restricted && model.is_none() {
             return refuse(
                 &state,
