@@ -128,11 +128,6 @@ pub async fn open(
         .metrics
         .session_history
         .observe(merged.history_used as f64);
-    // The client's messages go as they came: its bytes untouched when
-    // nothing is inserted, the history spliced in otherwise — each stored
-    // message as the bytes it was stored as, which are the bytes its
-    // client sent (a reply: as visor wrote it), so the prefix a provider
-    // cached last turn is sent again byte for byte.
     // The new messages are stored as the client's bytes (its key order,
     // its spacing), so sending them again later changes nothing.
     let ranges = as_array
@@ -164,6 +159,12 @@ pub async fn open(
         .zip(&unmarked)
         .map(|(b, u)| u.as_deref().unwrap_or(&b[..]))
         .collect();
+    // The client's messages go as they came: its bytes untouched when
+    // nothing is inserted, the history spliced in otherwise — each stored
+    // message as the bytes it was stored as, which are the bytes its
+    // client sent (a reply: as visor wrote it), so the prefix a provider
+    // cached last turn is sent again byte for byte
+    // (less the cache markers above).
     let body = if merged.history.is_empty() && as_array {
         body.clone()
     } else if let Some(spliced) = as_array
