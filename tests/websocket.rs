@@ -535,6 +535,8 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
         Message::Text(
             r#"{"type":"response.create","model":"o3-pro","input":[],"model":"gpt-5.1"}"#.into(),
         ),
+        // Not an object.
+        Message::Text(r#"[{"type":"response.create","model":"o3-pro","input":[]}]"#.into()),
         // `type` twice: not a create for the last-wins reader visor is.
         Message::Text(
             r#"{"type":"response.create","model":"o3-pro","input":[],"Type":"x"}"#.into(),

@@ -41,7 +41,6 @@ use super::answer::refuse;
 use super::body::ProxyBody;
 use super::headers::upstream_request_headers;
 use super::prepare::{self, Options};
-use super::request_body::JsonScanner;
 use super::usage::Usage;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
@@ -571,17 +570,16 @@ impl Relay {
         // body is: one it cannot read for sure (not JSON serde takes — a lone
         // surrogate, nesting past 128 levels —, `model` twice) might name
         // another model to a more lenient upstream, so it is refused.
+        let parsed = serde_json::from_str::<Value>(text);
         if self.key.is_some() {
-            let mut scan = JsonScanner::new();
-            scan.feed(text.as_bytes());
-            let strict = scan
-                .finish()
-                .map(drop)
-                .and_then(|()| serde_json::from_str::<Value>(text).map_err(|e| e.to_string()))
-                .and_then(|_| match twice_named_key(text.as_bytes()) {
+            let strict = match &parsed {
+                Err(e) => Err(e.to_string()),
+                Ok(v) if !v.is_object() => Err("not a JSON object".to_owned()),
+                Ok(_) => match twice_named_key(text.as_bytes()) {
                     Some(k) => Err(format!("`{k}` is named twice")),
                     None => Ok(()),
-                });
+                },
+            };
             if let Err(why) = strict {
                 let shown: String = why.chars().take(200).collect();
                 tracing::debug!(why = %shown, "websocket event refused");
@@ -593,7 +591,7 @@ impl Relay {
                 ));
             }
         }
-        let Ok(Value::Object(event)) = serde_json::from_str::<Value>(text) else {
+        let Ok(Value::Object(event)) = parsed else {
             return Ok((unchanged(), None));
         };
         let own_model = event.get("model").and_then(Value::as_str);
