@@ -5,14 +5,15 @@
 //! - a whole tool result (or user message) identical to an earlier one
 //!   becomes a reference to it: `[omitted: same as message 7 (call_abc)]`;
 //! - a run of consecutive lines that appears, in the same order, in one
-//!   earlier message is replaced by a note naming where:
-//!   `[omitted: message 7 lines 5-16]` — when the run has at least
-//!   `min_lines` lines and `min_bytes` bytes. Lines inside a run may be of
-//!   any length (`}` and blank lines go with their block); a single
-//!   repeated line stays. A run may chain stretches of several earlier
-//!   messages (each at least [`SEGMENT_MIN_BYTES`]); the note names each,
-//!   and a row at the same lines of evenly spaced messages once (see
-//!   [`run_note`]);
+//!   earlier message — or earlier in the same message: each line is
+//!   offered to later runs as soon as it is sent — is replaced by a note
+//!   naming where: `[omitted: message 7 lines 5-16]` — when the run has
+//!   at least `min_lines` lines and `min_bytes` bytes. Lines inside a run
+//!   may be of any length (`}` and blank lines go with their block); a
+//!   single repeated line stays. A run may chain stretches of several
+//!   earlier messages (each at least [`SEGMENT_MIN_BYTES`]); the note
+//!   names each, and a row at the same lines of evenly spaced messages
+//!   once (see [`run_note`]);
 //! - a text that is a JSON array loses the elements that appeared in an
 //!   earlier array and stays valid JSON, followed by
 //!   `[3 items omitted: message 7]`.
@@ -50,8 +51,9 @@ const ITEM_MIN_CHARS: usize = 16;
 /// Earlier places a line pair is looked up in, newest first: bounds the
 /// work on text made of one repeated pair.
 const CANDIDATES: usize = 32;
-/// A run is a chain of at most this many segments, each from one earlier
-/// message…
+/// A run is a chain of at most this many places (a place repeated back to
+/// back counts once: a block a log prints again and again), each from one
+/// earlier message…
 const MAX_SEGMENTS: usize = 32;
 /// …and each at least this many bytes, so a note never costs more than
 /// what it replaces.
@@ -117,7 +119,9 @@ struct Segment {
 /// The note that replaces a run: where each of its segments is, with a
 /// row of segments that sit at the same lines of evenly spaced messages
 /// (a sliding window re-fetched every turn) said once:
-/// `[omitted: message 4 lines 4-25; line 2 of every 4th message from 8 to 96]`.
+/// `[omitted: message 4 lines 4-25; line 2 of every 4th message from 8 to 96]`,
+/// and a segment repeated back to back (a block a log prints again and
+/// again) said once with its count: `message 3 lines 2-4, 39 times`.
 fn run_note(segments: &[Segment]) -> String {
     let lines = |s: &Segment| match s.len {
         1 => format!("line {}", s.line),
@@ -127,6 +131,15 @@ fn run_note(segments: &[Segment]) -> String {
     let mut k = 0;
     while k < segments.len() {
         let s = &segments[k];
+        let again = segments[k..].iter().take_while(|n| *n == s).count();
+        if again > 1 {
+            parts.push(match &s.label {
+                Some(id) => format!("message {} ({id}) {}, {again} times", s.message, lines(s)),
+                None => format!("message {} {}, {again} times", s.message, lines(s)),
+            });
+            k += again;
+            continue;
+        }
         let step = segments
             .get(k + 1)
             .filter(|n| {
@@ -190,8 +203,8 @@ fn ordinal(n: usize) -> String {
 
 /// One line of a rewritten text.
 enum Piece<'a> {
-    /// A line and its hash.
-    Line(&'a str, u64),
+    /// A line as it is sent.
+    Line(&'a str),
     Note(String),
 }
 
@@ -404,7 +417,6 @@ pub fn run(
             }
         }
         out.messages += usize::from(changed);
-        d.index(me);
     }
     drop(d);
     drop(inputs);
@@ -498,12 +510,33 @@ impl<'a> Dedup<'a> {
         }
     }
 
+    /// Appends a line to what message `me` sent, and offers it (and the
+    /// pair it ends) to every run read after it — the rest of this message
+    /// included.
     fn push_line(&mut self, me: usize, line: &'a str, hash: u64) {
         let own = is_own(line);
         let sent = &mut self.sent[me];
         sent.counted += usize::from(!is_image_text(line));
         sent.lines.push((!own).then_some(line));
         sent.hashes.push(if own { 0 } else { hash });
+        if own {
+            return;
+        }
+        let at = sent.lines.len() - 1;
+        let previous = at
+            .checked_sub(1)
+            .filter(|&p| sent.lines[p].is_some())
+            .map(|p| sent.hashes[p]);
+        self.singles
+            .entry(hash)
+            .or_default()
+            .push((me as u32, at as u32));
+        if let Some(h) = previous {
+            self.pairs
+                .entry(combine([h, hash]))
+                .or_default()
+                .push((me as u32, (at - 1) as u32));
+        }
     }
 
     fn push_note(&mut self, me: usize) {
@@ -575,21 +608,19 @@ impl<'a> Dedup<'a> {
                     >= self.blocks.min_bytes
             {
                 pieces.push(Piece::Note(run_note(&segments)));
+                self.push_note(me);
                 out.lines += len;
                 out.runs += 1;
                 i += len;
                 continue;
             }
-            pieces.push(Piece::Line(lines[i], hashes[i]));
+            // Sent as it is: from here on a source for the rest of this
+            // text too (a block repeated inside one result).
+            pieces.push(Piece::Line(lines[i]));
+            self.push_line(me, lines[i], hashes[i]);
             i += 1;
         }
         let changed = pieces.iter().any(|p| matches!(p, Piece::Note(_)));
-        for p in &pieces {
-            match p {
-                Piece::Line(l, h) => self.push_line(me, l, *h),
-                Piece::Note(_) => self.push_note(me),
-            }
-        }
         if !changed {
             return None;
         }
@@ -599,7 +630,7 @@ impl<'a> Dedup<'a> {
                 s.push('\n');
             }
             s.push_str(match p {
-                Piece::Line(l, _) => l,
+                Piece::Line(l) => l,
                 Piece::Note(n) => n,
             });
         }
@@ -608,17 +639,21 @@ impl<'a> Dedup<'a> {
 
     /// The repeated run starting at line `i`: a chain of segments, each the
     /// longest stretch one earlier message sent in the same order (at least
-    /// [`SEGMENT_MIN_BYTES`] long), [`MAX_SEGMENTS`] at most.
+    /// [`SEGMENT_MIN_BYTES`] long), [`MAX_SEGMENTS`] places at most.
     fn chain(&self, lines: &[&str], hashes: &[u64], barrier: &[bool], i: usize) -> Vec<Segment> {
-        let mut segments = Vec::new();
+        let mut segments: Vec<Segment> = Vec::new();
+        let mut places = 0;
         let mut q = i;
-        while segments.len() < MAX_SEGMENTS {
-            let Some(seg) = self.longest(lines, hashes, barrier, q) else {
-                break;
-            };
+        while let Some(seg) = self.longest(lines, hashes, barrier, q) {
             let bytes: usize = lines[q..q + seg.len].iter().map(|l| l.len() + 1).sum();
             if bytes < SEGMENT_MIN_BYTES {
                 break;
+            }
+            if segments.last() != Some(&seg) {
+                if places == MAX_SEGMENTS {
+                    break;
+                }
+                places += 1;
             }
             q += seg.len;
             segments.push(seg);
@@ -667,28 +702,6 @@ impl<'a> Dedup<'a> {
             }
         }
         best
-    }
-
-    /// Adds message `me`'s line pairs to what later messages are compared
-    /// with.
-    fn index(&mut self, me: usize) {
-        let sent = &self.sent[me];
-        for j in 0..sent.lines.len() {
-            if sent.lines[j].is_some() {
-                self.singles
-                    .entry(sent.hashes[j])
-                    .or_default()
-                    .push((me as u32, j as u32));
-            }
-        }
-        for j in 0..sent.lines.len().saturating_sub(1) {
-            if sent.lines[j].is_some() && sent.lines[j + 1].is_some() {
-                self.pairs
-                    .entry(combine([sent.hashes[j], sent.hashes[j + 1]]))
-                    .or_default()
-                    .push((me as u32, j as u32));
-            }
-        }
     }
 
     /// A JSON array: elements seen in an earlier array removed, the rest

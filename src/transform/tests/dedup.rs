@@ -242,6 +242,72 @@ fn a_client_line_that_looks_like_a_note_stays() {
     );
 }
 
+/// A block repeated inside one message (a log printing the same traceback
+/// twice, an agent's demonstration showing a file again) goes the first
+/// time the message is sent, its note naming the message's own lines; a
+/// later turn sends it the same.
+#[test]
+fn a_block_repeated_inside_one_message_names_its_own_lines() {
+    let trace = file(6).join("\n");
+    let log = format!("collecting 3 items\n{trace}\nretrying once\n{trace}\n1 failed");
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "run the tests"},
+        call("c1"), tool("c1", &log),
+    ]});
+    let (out, report) = chat(&body);
+    assert_eq!(
+        content(&out, 2),
+        format!(
+            "collecting 3 items\n{trace}\nretrying once\n[omitted: message 3 lines 2-7]\n1 failed"
+        )
+    );
+    assert_eq!(report.lines_omitted, 6);
+    // The next turn sends it the same: the rewrite depends on the message
+    // and what came before it only.
+    let mut next = body.clone();
+    let more = next["messages"].as_array_mut().unwrap();
+    more.push(call("c2"));
+    more.push(tool("c2", &log));
+    let (later, _) = chat(&next);
+    assert_eq!(later["messages"][2], out["messages"][2]);
+    assert_eq!(content(&later, 4), "[omitted: same as message 3 (c1)]");
+    // A user message too (single repeated lines inside it still stay).
+    let demo = format!("Here is how a run goes:\n{trace}\nok\nok\nand again:\n{trace}\nNow yours.");
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": demo}]});
+    let (out, _) = chat(&body);
+    assert_eq!(
+        content(&out, 0),
+        format!(
+            "Here is how a run goes:\n{trace}\nok\nok\nand again:\n[omitted: message 1 lines 2-7]\nNow yours."
+        )
+    );
+}
+
+/// A block a log prints again and again is one note with a count, not a
+/// note per copy.
+#[test]
+fn a_block_repeated_back_to_back_is_said_once_with_its_count() {
+    let warning = "WARNING: deprecated call to parse_config() in module alpha\n  at line 42 of config.py\n  use load_config() instead";
+    let log = format!("{}\ndone", vec![warning; 40].join("\n"));
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "run it"},
+        call("c1"), tool("c1", &log),
+    ]});
+    let (out, report) = chat(&body);
+    assert_eq!(
+        content(&out, 2),
+        format!("{warning}\n[omitted: message 3 lines 1-3, 39 times]\ndone")
+    );
+    assert_eq!(report.lines_omitted, 117);
+    let original: Vec<Vec<String>> = body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(texts)
+        .collect();
+    assert_eq!(expand(&out), original, "the note expands to the log");
+}
+
 #[test]
 fn runs_below_the_thresholds_stay() {
     let two = "first line of a short block\nsecond line of it";

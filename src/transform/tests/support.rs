@@ -358,6 +358,10 @@ pub(crate) fn note_places(note: &str) -> Vec<(usize, usize, usize)> {
     };
     let mut out = Vec::new();
     for part in note.split("; ") {
+        let (part, times) = match part.rsplit_once(", ") {
+            Some((p, t)) if t.ends_with(" times") => (p, num(t.trim_end_matches(" times"))),
+            _ => (part, 1),
+        };
         if let Some(rest) = part.strip_prefix("message ") {
             let (m, spec) = rest.split_once(' ').unwrap();
             let spec = match spec.split_once(") ") {
@@ -365,7 +369,7 @@ pub(crate) fn note_places(note: &str) -> Vec<(usize, usize, usize)> {
                 _ => spec,
             };
             let (a, b) = range(spec);
-            out.push((num(m), a, b));
+            out.extend(std::iter::repeat_n((num(m), a, b), times));
         } else if let Some((spec, rest)) = part.split_once(" of messages ") {
             let (a, b) = range(spec);
             let (m1, m2) = rest.split_once(" to ").unwrap();
