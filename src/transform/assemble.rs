@@ -21,6 +21,11 @@ impl Scan {
         }
     }
 
+    /// Where spot `s`'s string literal starts in the body.
+    pub fn spot_start(&self, s: usize) -> usize {
+        self.spots.get(s).map_or(0, |spot| spot.lit.range.start)
+    }
+
     /// The length of spot `s`'s string literal in the body, quotes included.
     pub fn spot_literal_len(&self, s: usize) -> usize {
         self.spots.get(s).map_or(0, |spot| spot.lit.range.len())

@@ -38,7 +38,7 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 use serde_json::Value;
 
 use super::json::{Cursor, is_json, quote};
-use super::walk::{Role, Scan};
+use super::walk::{Medium, Role, Scan};
 
 /// A tool result's head (its leading short lines) is at most this many
 /// lines long.
@@ -55,8 +55,8 @@ const CANDIDATES: usize = 32;
 /// back counts once: a block a log prints again and again), each from one
 /// earlier message…
 const MAX_SEGMENTS: usize = 32;
-/// …and each at least this many bytes, so a note never costs more than
-/// what it replaces.
+/// …and each at least this many bytes, so a note seldom costs more than
+/// what it replaces (one that would is not written).
 const SEGMENT_MIN_BYTES: usize = 32;
 /// Messages a JSON note names at most.
 const NOTE_MESSAGES: usize = 3;
@@ -91,9 +91,10 @@ pub struct Omitted {
 struct Sent<'a> {
     /// 0-based position in the message list.
     message: usize,
-    /// The call it answers, when its message holds several results (an
-    /// Anthropic message with parallel `tool_result`s): notes name it, as
-    /// each result's lines are numbered from 1.
+    /// Which unit of its message this is, when the message holds several
+    /// (an Anthropic message with parallel `tool_result`s, or results and
+    /// text of its own): notes name it, as each unit's lines are numbered
+    /// from 1 — the call's id, `text`, or `result 2`.
     label: Option<String>,
     /// The call it answers (for references).
     call_id: Option<String>,
@@ -110,10 +111,28 @@ struct Sent<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Segment {
     message: usize,
-    /// The earlier result's call, when its message holds several.
+    /// Which unit of that message, when it holds several (see [`Sent`]).
     label: Option<String>,
     line: usize,
     len: usize,
+    /// How many times back to back the run repeats it (a block a log
+    /// prints again and again): 1 for most.
+    times: usize,
+}
+
+impl Segment {
+    /// The same lines of the same message.
+    fn same_place(&self, other: &Segment) -> bool {
+        self.message == other.message
+            && self.label == other.label
+            && self.line == other.line
+            && self.len == other.len
+    }
+
+    /// Lines of the run it stands for.
+    fn lines(&self) -> usize {
+        self.len * self.times
+    }
 }
 
 /// The note that replaces a run: where each of its segments is, with a
@@ -131,13 +150,17 @@ fn run_note(segments: &[Segment]) -> String {
     let mut k = 0;
     while k < segments.len() {
         let s = &segments[k];
-        let again = segments[k..].iter().take_while(|n| *n == s).count();
-        if again > 1 {
+        if s.times > 1 {
             parts.push(match &s.label {
-                Some(id) => format!("message {} ({id}) {}, {again} times", s.message, lines(s)),
-                None => format!("message {} {}, {again} times", s.message, lines(s)),
+                Some(id) => format!(
+                    "message {} ({id}) {}, {} times",
+                    s.message,
+                    lines(s),
+                    s.times
+                ),
+                None => format!("message {} {}, {} times", s.message, lines(s), s.times),
             });
-            k += again;
+            k += 1;
             continue;
         }
         let step = segments
@@ -146,6 +169,7 @@ fn run_note(segments: &[Segment]) -> String {
                 n.line == s.line
                     && n.len == s.len
                     && n.message > s.message
+                    && n.times == 1
                     && s.label.is_none()
                     && n.label.is_none()
             })
@@ -158,6 +182,7 @@ fn run_note(segments: &[Segment]) -> String {
                     .take_while(|(j, n)| {
                         n.line == s.line
                             && n.len == s.len
+                            && n.times == 1
                             && n.label.is_none()
                             && n.message == s.message + d * (j + 1)
                     })
@@ -268,11 +293,18 @@ enum Target {
     /// The string a Chat tool message becomes when its parts are joined
     /// (`joined[c]`): read as it is sent, so a second pass reads the same.
     Joined(usize),
+    /// The text part that replaces an image or audio part: read, never
+    /// rewritten (one line of visor's own), so that lines after it are
+    /// numbered as they are sent — as a second pass, which finds it a
+    /// text, numbers them.
+    Replaced,
 }
 
 /// One text dedup reads, in request order.
 struct Input<'b> {
     item: usize,
+    /// Where it starts in the body: its order in its message.
+    at: usize,
     unit: u32,
     tool: bool,
     target: Target,
@@ -280,7 +312,8 @@ struct Input<'b> {
 }
 
 /// Removes repeated blocks, whole repeated results and JSON array elements
-/// from the request's texts. `spot_text[s]` is the text of spot `s` when an
+/// from the request's texts. `replaced[i]` is the text that replaces image
+/// `i` (none when it stays), `spot_text[s]` is the text of spot `s` when an
 /// earlier step changed it (images replaced in it), `joined[c]` the string
 /// collapsible tool message `c` becomes (its parts joined, see
 /// [`Scan::joined`]); the new texts are written there. A joined message is
@@ -289,6 +322,7 @@ struct Input<'b> {
 pub fn run(
     scan: &Scan,
     body: &[u8],
+    replaced: &[Option<String>],
     spot_text: &mut [Option<String>],
     joined: &mut [Option<String>],
     blocks: Blocks,
@@ -305,6 +339,7 @@ pub fn run(
         .filter(|t| !collapsed.contains_key(&t.item))
         .map(|t| Input {
             item: t.item,
+            at: scan.spot_start(t.spot),
             unit: t.unit,
             tool: t.tool,
             target: Target::Spot(t.spot),
@@ -318,17 +353,36 @@ pub fn run(
         // not a text of the walk either).
         .filter(|t| !t.text.as_deref().is_some_and(is_document_text))
         .collect();
+    // An image or audio part replaced by a text part of its own is a line
+    // of the message as it is sent (a document's text is not: it is never
+    // read, on any pass). In a joined message it is in the joined string.
+    for (f, text) in scan.images.iter().zip(replaced) {
+        if let (Some(text), Some(at)) = (text, f.part_start())
+            && !matches!(f.medium, Medium::Document { .. })
+            && !collapsed.contains_key(&f.message)
+        {
+            inputs.push(Input {
+                item: f.message,
+                at,
+                unit: f.unit,
+                tool: f.in_tool_result,
+                target: Target::Replaced,
+                text: Some(Cow::Borrowed(text.as_str())),
+            });
+        }
+    }
     for (&item, &c) in &collapsed {
         inputs.push(Input {
             item,
+            at: 0,
             unit: 0,
             tool: true,
             target: Target::Joined(c),
             text: joined.get(c).and_then(Option::as_deref).map(Cow::Borrowed),
         });
     }
-    // Stable: the texts of one message keep their order.
-    inputs.sort_by_key(|t| t.item);
+    // The texts of one message in the order they are sent.
+    inputs.sort_by_key(|t| (t.item, t.at));
     let mut d = Dedup {
         blocks,
         hasher: RandomState::new(),
@@ -350,9 +404,13 @@ pub fn run(
         .collect();
     let groups = units(&inputs);
     let mut units_of: HashMap<usize, usize> = HashMap::new();
+    let mut id_uses: HashMap<(usize, &str), usize> = HashMap::new();
     for g in &groups {
         if let Some(&j) = g.first() {
             *units_of.entry(inputs[j].item).or_default() += 1;
+            if let Some(id) = call_ids.get(&(inputs[j].item, inputs[j].unit)) {
+                *id_uses.entry((inputs[j].item, id.as_str())).or_default() += 1;
+            }
         }
     }
     for group in groups {
@@ -365,10 +423,20 @@ pub fn run(
         let eligible = tool || role == Role::User;
         let me = d.sent.len();
         let call_id = call_ids.get(&(at.item, at.unit)).cloned();
+        // In a message of several units (an Anthropic message with several
+        // `tool_result` blocks, or results and text of its own) each is
+        // numbered on its own, so a note names which: the call when its id
+        // is plain and used once there, else `text` (the message's own
+        // content) or `result 2` (its place).
         let several = units_of.get(&at.item).is_some_and(|&n| n > 1);
+        let label = several.then(|| match &call_id {
+            Some(id) if id_uses.get(&(at.item, id.as_str())) == Some(&1) => id.clone(),
+            _ if at.unit == 0 => "text".to_owned(),
+            _ => format!("result {}", at.unit),
+        });
         d.sent.push(Sent {
             message: at.item,
-            label: call_id.clone().filter(|_| several),
+            label,
             call_id,
             lines: Vec::new(),
             hashes: Vec::new(),
@@ -402,14 +470,16 @@ pub fn run(
                 }
                 .or_else(|| d.rewrite(text, split, me, tool, &mut out))
             };
-            if let Some(r) = rendered {
+            if let Some(r) = rendered
+                && !matches!(inputs[j].target, Target::Replaced)
+            {
                 let target = inputs[j].target;
                 let before = match target {
                     Target::Spot(s) => match spot_text.get(s).and_then(Option::as_ref) {
                         Some(t) => literal_len(t),
                         None => scan.spot_literal_len(s),
                     },
-                    Target::Joined(_) => literal_len(text),
+                    Target::Joined(_) | Target::Replaced => literal_len(text),
                 };
                 out.bytes += before as i64 - literal_len(&r) as i64;
                 changed = true;
@@ -424,6 +494,7 @@ pub fn run(
         let slot = match target {
             Target::Spot(s) => spot_text.get_mut(s),
             Target::Joined(c) => joined.get_mut(c),
+            Target::Replaced => None,
         };
         if let Some(slot) = slot {
             *slot = Some(text);
@@ -483,7 +554,7 @@ impl<'a> Dedup<'a> {
         };
         let first = self.sent.get(earlier)?;
         let message = first.message + 1;
-        let note = match &first.call_id {
+        let note = match first.label.as_ref().or(first.call_id.as_ref()) {
             Some(id) => format!("[omitted: same as message {message} ({id})]"),
             None => format!("[omitted: same as message {message}]"),
         };
@@ -602,12 +673,15 @@ impl<'a> Dedup<'a> {
         let mut i = 0;
         while i < lines.len() {
             let segments = self.chain(&lines, &hashes, &barrier, i);
-            let len: usize = segments.iter().map(|s| s.len).sum();
-            if len >= self.blocks.min_lines
-                && lines[i..i + len].iter().map(|l| l.len() + 1).sum::<usize>()
-                    >= self.blocks.min_bytes
-            {
-                pieces.push(Piece::Note(run_note(&segments)));
+            let len: usize = segments.iter().map(Segment::lines).sum();
+            let bytes: usize = lines[i..i + len].iter().map(|l| l.len() + 1).sum();
+            // The note, when the run is worth one and the note is shorter
+            // (a label of 64 bytes on each of many short stretches is not).
+            let note = (len >= self.blocks.min_lines && bytes >= self.blocks.min_bytes)
+                .then(|| run_note(&segments))
+                .filter(|n| n.len() < bytes);
+            if let Some(note) = note {
+                pieces.push(Piece::Note(note));
                 self.push_note(me);
                 out.lines += len;
                 out.runs += 1;
@@ -639,24 +713,23 @@ impl<'a> Dedup<'a> {
 
     /// The repeated run starting at line `i`: a chain of segments, each the
     /// longest stretch one earlier message sent in the same order (at least
-    /// [`SEGMENT_MIN_BYTES`] long), [`MAX_SEGMENTS`] places at most.
+    /// [`SEGMENT_MIN_BYTES`] long), [`MAX_SEGMENTS`] places at most; a
+    /// place repeated back to back is one segment with its count.
     fn chain(&self, lines: &[&str], hashes: &[u64], barrier: &[bool], i: usize) -> Vec<Segment> {
         let mut segments: Vec<Segment> = Vec::new();
-        let mut places = 0;
         let mut q = i;
         while let Some(seg) = self.longest(lines, hashes, barrier, q) {
             let bytes: usize = lines[q..q + seg.len].iter().map(|l| l.len() + 1).sum();
             if bytes < SEGMENT_MIN_BYTES {
                 break;
             }
-            if segments.last() != Some(&seg) {
-                if places == MAX_SEGMENTS {
-                    break;
-                }
-                places += 1;
+            let (step, full) = (seg.len, segments.len() == MAX_SEGMENTS);
+            match segments.last_mut() {
+                Some(last) if last.same_place(&seg) => last.times += 1,
+                _ if full => break,
+                _ => segments.push(seg),
             }
-            q += seg.len;
-            segments.push(seg);
+            q += step;
         }
         segments
     }
@@ -698,6 +771,7 @@ impl<'a> Dedup<'a> {
                     label: sent.label.clone(),
                     line: at + 1,
                     len,
+                    times: 1,
                 });
             }
         }

@@ -462,7 +462,7 @@ impl Scanned {
         let mut spot_text = scan.spot_texts(&texts);
         let mut joined = scan.joined(body, &texts, &spot_text);
         let omitted = match plan.rules.dedup {
-            Some(blocks) => dedup::run(&scan, body, &mut spot_text, &mut joined, blocks),
+            Some(blocks) => dedup::run(&scan, body, &texts, &mut spot_text, &mut joined, blocks),
             None => dedup::Omitted::default(),
         };
         let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined);

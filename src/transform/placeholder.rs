@@ -183,6 +183,7 @@ mod tests {
             in_tool_result: false,
             path: String::new(),
             site: Site::Part(0..0),
+            unit: 0,
             bytes: None,
             pending: None,
             markers: Vec::new(),

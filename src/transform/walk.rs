@@ -255,6 +255,9 @@ pub struct Found {
     /// A readable location, e.g. `messages[3].content[1]`.
     pub path: String,
     pub(super) site: Site,
+    /// The unit of its message it is a part of (see [`TextAt::unit`]);
+    /// 0 for an image inside a text.
+    pub(super) unit: u32,
     pub(super) bytes: Option<Bytes>,
     pub(super) pending: Option<Pending>,
     /// Prompt-cache markers of the part (`"cache_control": …`,
@@ -264,6 +267,14 @@ pub struct Found {
 }
 
 impl Found {
+    /// Where the part it is starts in the body; `None` inside a text.
+    pub(super) fn part_start(&self) -> Option<usize> {
+        match &self.site {
+            Site::Part(r) => Some(r.start),
+            Site::InText { .. } => None,
+        }
+    }
+
     /// What a describer can be sent for this image: its decoded bytes, or
     /// its http(s) URL (visor never fetches it). `None` for file ids, other
     /// URLs and broken data.
@@ -826,6 +837,7 @@ impl Walker<'_> {
                 in_tool_result: in_tool,
                 path: path.to_owned(),
                 site: Site::Part(range),
+                unit: msg.unit,
                 bytes: bytes.map(Bytes::from),
                 pending,
                 markers: std::mem::take(&mut f.markers),
@@ -884,6 +896,7 @@ impl Walker<'_> {
                     object,
                     escapes,
                 },
+                unit: 0,
                 bytes: bytes.map(Bytes::from),
                 pending,
                 markers: Vec::new(),

@@ -308,6 +308,91 @@ fn a_block_repeated_back_to_back_is_said_once_with_its_count() {
     assert_eq!(expand(&out), original, "the note expands to the log");
 }
 
+/// An image part replaced by a text part is a line of its message as it is
+/// sent: a note after it names the lines where they are (a second pass
+/// reads the image's text as a text and must number them the same).
+#[test]
+fn a_note_after_a_replaced_image_names_the_lines_as_sent() {
+    let (shots, _) = screenshots();
+    let image = shots["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["content"].as_array())
+        .flat_map(|p| p.iter().filter(|p| p["type"] == "image_url").cloned())
+        .next()
+        .unwrap();
+    let block = file(6).join("\n");
+    let chat_body = json!({"model": "m", "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "look at this\nand this"},
+            image,
+            {"type": "text", "text": format!("intro\n{block}\nmiddle\n{block}\nend")},
+        ]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": format!("again:\n{block}\nbye")},
+    ]});
+    let b64 = image_b64(&chat_body);
+    let messages_body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "t", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a", "content": [
+            {"type": "text", "text": "first part line"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+            {"type": "text", "text": format!("intro\n{block}\nmid\n{block}")},
+        ]}]},
+    ]});
+    for (shape, body) in [(Shape::Chat, chat_body), (Shape::Messages, messages_body)] {
+        let p = plan(shape, false, DEFAULTS);
+        let (out, report) = run(&body, &p);
+        assert!(report.lines_omitted >= 6, "{shape:?}: {out}");
+        let msgs = out["messages"].as_array().unwrap();
+        let mut notes = 0;
+        for m in msgs {
+            let parts: Vec<Value> = match &m["content"] {
+                Value::Array(a) if a.iter().any(|p| p["type"] == "tool_result") => {
+                    a[0]["content"].as_array().unwrap().clone()
+                }
+                Value::Array(a) => a.clone(),
+                other => vec![json!({"type": "text", "text": other})],
+            };
+            let texts: Vec<&str> = parts.iter().filter_map(|p| p["text"].as_str()).collect();
+            for line in texts.join("\n").split('\n') {
+                let Some(rest) = line.strip_prefix("[omitted: message ") else {
+                    continue;
+                };
+                for (n, a, b) in note_places(&format!("message {}", rest.trim_end_matches(']'))) {
+                    let source = &msgs[n - 1];
+                    let parts = match &source["content"] {
+                        Value::Array(a) if a.iter().any(|p| p["type"] == "tool_result") => {
+                            a[0]["content"].as_array().unwrap().clone()
+                        }
+                        Value::Array(a) => a.clone(),
+                        other => vec![json!({"type": "text", "text": other})],
+                    };
+                    let sent: Vec<&str> = parts
+                        .iter()
+                        .filter_map(|p| p["text"].as_str())
+                        .flat_map(|t| t.split('\n'))
+                        .collect();
+                    assert_eq!(sent[a - 1..b].join("\n"), block, "{shape:?}: {line}");
+                    notes += 1;
+                }
+            }
+        }
+        assert!(notes >= 1, "{shape:?}: {out}");
+        let (again, _) = run(&out, &p);
+        assert_eq!(again, out, "{shape:?}: a second pass changes nothing");
+    }
+}
+
+fn image_b64(body: &Value) -> String {
+    let url = body["messages"][0]["content"][1]["image_url"]["url"]
+        .as_str()
+        .unwrap();
+    url.split_once(',').unwrap().1.to_owned()
+}
+
 #[test]
 fn runs_below_the_thresholds_stay() {
     let two = "first line of a short block\nsecond line of it";
@@ -402,6 +487,66 @@ fn a_note_names_the_call_when_its_message_holds_several_results() {
         "header line that is new, long enough to matter\n[omitted: message 3 (toolu_b) lines 1-8]",
         "each result's lines are numbered from 1: the note says which"
     );
+}
+
+/// A message of several units numbers each on its own, so a note always
+/// says which: the call, `text` for the message's own content, `result N`
+/// when the id cannot tell (used twice, or not plain).
+#[test]
+fn a_note_names_the_unit_when_the_call_cannot() {
+    let block = file(6).join("\n");
+    let anthropic = |results: Value| {
+        json!({"model": "claude", "max_tokens": 10, "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "t", "input": {}}]},
+            {"role": "user", "content": results},
+        ]})
+    };
+    let p = plan(Shape::Messages, true, DEFAULTS);
+    let body = anthropic(json!([
+        {"type": "tool_result", "tool_use_id": "toolu_a", "content": "Exit code 0\nshort"},
+        {"type": "text", "text": format!("my notes:\n{block}\nthen\n{block}\nend")},
+    ]));
+    let (out, _) = run(&body, &p);
+    assert_eq!(
+        out["messages"][2]["content"][1]["text"],
+        format!("my notes:\n{block}\nthen\n[omitted: message 3 (text) lines 2-7]\nend")
+    );
+    let body = anthropic(json!([
+        {"type": "tool_result", "tool_use_id": "toolu_a", "content": "Exit code 0\nshort"},
+        {"type": "tool_result", "tool_use_id": "toolu_a", "content": format!("start\n{block}\nthen\n{block}")},
+    ]));
+    let (out, _) = run(&body, &p);
+    assert_eq!(
+        out["messages"][2]["content"][1]["content"],
+        format!("start\n{block}\nthen\n[omitted: message 3 (result 2) lines 2-7]")
+    );
+}
+
+/// A note is never longer than the lines it replaces: a long call id on
+/// each of many short stretches would make it so.
+#[test]
+fn a_note_longer_than_its_run_is_not_written() {
+    let id = format!("toolu_{}", "x".repeat(58));
+    let lines: Vec<String> = (0..8)
+        .map(|i| format!("line {i:02} of forty bytes, give or take a few"))
+        .collect();
+    let first: String = lines.iter().map(|l| format!("{l}\nsep{l}\n")).collect();
+    // The same lines, each alone, in another order: 8 stretches of one line.
+    let mut shuffled = lines.clone();
+    shuffled.reverse();
+    let second = shuffled.join("\n");
+    let body = json!({"model": "claude", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": id, "name": "t", "input": {}}, {"type": "tool_use", "id": "toolu_b", "name": "t", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": id, "content": format!("a first line long enough not to be a head of status\n{first}")},
+            {"type": "tool_result", "tool_use_id": "toolu_b", "content": format!("a first line long enough not to be a head of status\n{second}")},
+        ]},
+    ]});
+    let (out, report) = run(&body, &plan(Shape::Messages, true, DEFAULTS));
+    assert_eq!(out, body, "{}", out["messages"][2]);
+    assert_eq!(report.lines_omitted, 0);
 }
 
 #[test]
