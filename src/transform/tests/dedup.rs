@@ -347,8 +347,9 @@ fn a_note_after_a_replaced_image_names_the_lines_as_sent() {
         let (out, report) = run(&body, &p);
         assert!(report.lines_omitted >= 6, "{shape:?}: {out}");
         let msgs = out["messages"].as_array().unwrap();
-        let mut notes = 0;
-        for m in msgs {
+        // A message's lines as sent: its text parts (the first result's,
+        // in an Anthropic message of results), in order.
+        let sent = |m: &Value| -> Vec<String> {
             let parts: Vec<Value> = match &m["content"] {
                 Value::Array(a) if a.iter().any(|p| p["type"] == "tool_result") => {
                     a[0]["content"].as_array().unwrap().clone()
@@ -356,26 +357,22 @@ fn a_note_after_a_replaced_image_names_the_lines_as_sent() {
                 Value::Array(a) => a.clone(),
                 other => vec![json!({"type": "text", "text": other})],
             };
-            let texts: Vec<&str> = parts.iter().filter_map(|p| p["text"].as_str()).collect();
-            for line in texts.join("\n").split('\n') {
+            parts
+                .iter()
+                .filter_map(|p| p["text"].as_str())
+                .flat_map(|t| t.split('\n'))
+                .map(str::to_owned)
+                .collect()
+        };
+        let mut notes = 0;
+        for m in msgs {
+            for line in sent(m) {
                 let Some(rest) = line.strip_prefix("[omitted: message ") else {
                     continue;
                 };
                 for (n, a, b) in note_places(&format!("message {}", rest.trim_end_matches(']'))) {
-                    let source = &msgs[n - 1];
-                    let parts = match &source["content"] {
-                        Value::Array(a) if a.iter().any(|p| p["type"] == "tool_result") => {
-                            a[0]["content"].as_array().unwrap().clone()
-                        }
-                        Value::Array(a) => a.clone(),
-                        other => vec![json!({"type": "text", "text": other})],
-                    };
-                    let sent: Vec<&str> = parts
-                        .iter()
-                        .filter_map(|p| p["text"].as_str())
-                        .flat_map(|t| t.split('\n'))
-                        .collect();
-                    assert_eq!(sent[a - 1..b].join("\n"), block, "{shape:?}: {line}");
+                    let source = sent(&msgs[n - 1]);
+                    assert_eq!(source[a - 1..b].join("\n"), block, "{shape:?}: {line}");
                     notes += 1;
                 }
             }
