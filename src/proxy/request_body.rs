@@ -422,19 +422,29 @@ impl JsonScanner {
             self.state = State::Colon;
             // `model` in any case (Go's encoding/json matches keys so):
             // `Model` after `model` is a duplicate, never a second opinion.
-            let is_model = self.stack.len() == 1
-                && !self.key_overflow
-                && (self.key.eq_ignore_ascii_case(b"model")
-                    || (self.key.contains(&b'\\')
-                        && unescape(&self.key).is_some_and(|k| k.eq_ignore_ascii_case("model"))));
-            if is_model {
+            // Only `model` itself is the model (as serde and Python read
+            // it): a body with `Model` alone has none, which a key limited
+            // to some models refuses.
+            let (any_case, exact) = match self.stack.len() == 1 && !self.key_overflow {
+                false => (false, false),
+                true => match self.key.contains(&b'\\') {
+                    true => unescape(&self.key).map_or((false, false), |k| {
+                        (k.eq_ignore_ascii_case("model"), k == "model")
+                    }),
+                    false => (
+                        self.key.eq_ignore_ascii_case(b"model"),
+                        self.key == b"model",
+                    ),
+                },
+            };
+            if any_case {
                 if self.seen_model {
                     self.state = State::Failed;
                     self.error = Some("duplicate field `model`".to_owned());
                     return;
                 }
                 self.seen_model = true;
-                self.model_next = true;
+                self.model_next = exact;
             }
             return;
         }

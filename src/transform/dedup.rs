@@ -38,7 +38,7 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 use serde_json::Value;
 
 use super::json::{Cursor, is_json, quote};
-use super::walk::{Medium, Role, Scan};
+use super::walk::{Role, Scan};
 
 /// A tool result's head (its leading short lines) is at most this many
 /// lines long.
@@ -293,10 +293,9 @@ enum Target {
     /// The string a Chat tool message becomes when its parts are joined
     /// (`joined[c]`): read as it is sent, so a second pass reads the same.
     Joined(usize),
-    /// The text part that replaces an image or audio part: read, never
-    /// rewritten (one line of visor's own), so that lines after it are
-    /// numbered as they are sent — as a second pass, which finds it a
-    /// text, numbers them.
+    /// The text part that replaces an image, audio or document part: read,
+    /// never rewritten, so that lines after it are numbered as they are
+    /// sent — as a second pass, which finds it a text, numbers them.
     Replaced,
 }
 
@@ -348,17 +347,14 @@ pub fn run(
                 None => scan.spot_decoded(t.spot, body),
             },
         })
-        // The text visor wrote for a document is its own: never matched,
-        // never rewritten (in the request that replaced the document it is
-        // not a text of the walk either).
-        .filter(|t| !t.text.as_deref().is_some_and(is_document_text))
         .collect();
-    // An image or audio part replaced by a text part of its own is a line
-    // of the message as it is sent (a document's text is not: it is never
-    // read, on any pass). In a joined message it is in the joined string.
+    // A part replaced by a text part of its own (an image or audio: one
+    // line; a document: its text) is lines of the message as it is sent,
+    // read in its place so that the lines after it are numbered as a second
+    // pass, which finds it a text, numbers them. Never rewritten. In a
+    // joined message it is in the joined string.
     for (f, text) in scan.images.iter().zip(replaced) {
         if let (Some(text), Some(at)) = (text, f.part_start())
-            && !matches!(f.medium, Medium::Document { .. })
             && !collapsed.contains_key(&f.message)
         {
             inputs.push(Input {
@@ -451,7 +447,7 @@ pub fn run(
                 inputs[j]
                     .text
                     .as_deref()
-                    .is_some_and(|t| !is_image_text(t.trim_end()))
+                    .is_some_and(|t| !is_image_text(t.trim_end()) && !is_document_text(t))
             })
             .count();
         let mut changed = false;
@@ -459,7 +455,14 @@ pub fn run(
             let Some(text) = inputs[j].text.as_deref() else {
                 continue;
             };
-            let rendered = if !eligible {
+            let rendered = if is_document_text(text) {
+                // The text visor wrote for a document is its own: counted,
+                // never matched, never rewritten.
+                for _ in text.split('\n') {
+                    d.push_note(me);
+                }
+                None
+            } else if !eligible {
                 d.record(me, text);
                 None
             } else {

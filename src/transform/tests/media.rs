@@ -298,6 +298,43 @@ fn dedup_never_touches_the_text_of_a_document_and_a_second_pass_changes_nothing(
     assert_eq!(report2.lines_omitted, 0);
 }
 
+/// A document's text is lines of its message as it is sent: a note after
+/// it names the lines where they are, on the first pass as on a second.
+#[test]
+fn a_note_after_a_document_names_the_lines_as_sent() {
+    let block: String = (0..6)
+        .map(|i| format!("step {i}: run the migration and check the output carefully\n"))
+        .collect();
+    let block = block.trim_end();
+    let mut pdf = PDF.to_vec();
+    pdf.extend_from_slice(b"notes");
+    let doc = json!({"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{}", b64(&pdf)), "filename": "n.pdf"}});
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": [doc, {"type": "text", "text": format!("intro\n{block}\nmid\n{block}")}]},
+    ]});
+    let p = no_documents(Shape::Chat);
+    let made = |j: &MediaJob| {
+        format!(
+            "[document sha256:{}, application/pdf, 1 page]\n--- page 1 ---\nMeeting notes",
+            &j.sha256[..12]
+        )
+    };
+    let (out, report, _) = convert(&body, &p, made);
+    assert_eq!(report.lines_omitted, 6);
+    let parts = out["messages"][0]["content"].as_array().unwrap();
+    let sent: Vec<&str> = parts
+        .iter()
+        .filter_map(|p| p["text"].as_str())
+        .flat_map(|t| t.split('\n'))
+        .collect();
+    // 3 lines of the document's text, `intro`, then the block.
+    assert_eq!(sent.last(), Some(&"[omitted: message 1 lines 5-10]"));
+    assert_eq!(sent[4..10].join("\n"), block);
+    let (again, report2) = run(&out, &p);
+    assert_eq!(again, out, "a second pass numbers them the same");
+    assert_eq!(report2.lines_omitted, 0);
+}
+
 #[test]
 fn query_aware_subjects_carry_their_own_message_text_only() {
     let png = fixture("chart.png");
