@@ -648,6 +648,30 @@ proptest! {
     }
 
     #[test]
+    fn notes_say_truly_where_around_replaced_images(body in conversation(), at in 0..3usize) {
+        // A picture in each user message of parts, for a model that cannot
+        // see: its text part is a line of the message as sent.
+        let png = fixture("chart.png");
+        let image = json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", base64_simd::STANDARD.encode_to_string(&png))}});
+        let mut body = body;
+        for m in body["messages"].as_array_mut().unwrap() {
+            if m["role"] == "user" && let Some(parts) = m["content"].as_array_mut() {
+                parts.insert(at.min(parts.len()), image.clone());
+            }
+        }
+        let p = plan(Shape::Chat, false, DEFAULTS);
+        let (out, _) = run(&body, &p);
+        let expanded: Vec<Vec<String>> = expand(&out)
+            .into_iter()
+            .map(|m| m.into_iter().filter(|t| !t.starts_with("[image ")).collect())
+            .collect();
+        let original: Vec<Vec<String>> = body["messages"].as_array().unwrap().iter().map(texts).collect();
+        prop_assert_eq!(expanded, original);
+        let (again, _) = run(&out, &p);
+        prop_assert_eq!(again, out);
+    }
+
+    #[test]
     fn deterministic_and_idempotent(body in conversation(), bytes in prop::sample::select(vec![0usize, 16, 64])) {
         // At 0 bytes visor's own notes would be long enough to repeat.
         let p = plan(Shape::Chat, true, Rules { dedup: Some(dedup::Blocks { min_lines: 2, min_bytes: bytes }), ..DEFAULTS });
