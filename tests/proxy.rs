@@ -607,3 +607,77 @@ async fn routes_by_body_model_whatever_the_content_type() {
     }
     assert_eq!(a.count() + b.count(), 6);
 }
+
+/// An upstream that answers HTTP/1.0 (an old server, a script) does not
+/// make visor answer its own client so: the client's connection stays
+/// HTTP/1.1 and is kept for the next request.
+#[tokio::test]
+async fn an_upstream_answering_http_1_0_leaves_the_client_on_http_1_1() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                // One request (its head and body), one HTTP/1.0 answer, closed.
+                let mut got = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") || !got.ends_with(b"}") {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let body = r#"{"id":"c1","object":"chat.completion","choices":[]}"#;
+                let answer = format!(
+                    "HTTP/1.0 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname = \"old\"\nbase_url = \"http://127.0.0.1:{port}/v1\"\n"
+    ))
+    .await;
+    let mut s = TcpStream::connect(visor.addr).await.unwrap();
+    let body = r#"{"model":"m","messages":[]}"#;
+    for turn in 0..2 {
+        let request = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        // The head, then its content-length body, within the bound.
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let read = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            loop {
+                if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    if got.len() >= end + 4 + len {
+                        return head;
+                    }
+                }
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return String::from_utf8_lossy(&got).into_owned(),
+                    Ok(n) => got.extend_from_slice(&chunk[..n]),
+                }
+            }
+        })
+        .await
+        .expect("an answer within the bound");
+        assert!(read.starts_with("http/1.1 200"), "turn {turn}: {read}");
+        assert!(!read.contains("connection: close"), "turn {turn}: {read}");
+    }
+}

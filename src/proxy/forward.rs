@@ -292,7 +292,7 @@ impl<'a> Edge<'a> {
     /// An upstream 4xx read whole to look for an image refusal, and passed
     /// back as it was.
     fn passed(&self, mut head: http::response::Parts, body: Bytes) -> Response<ProxyBody> {
-        strip_hop_by_hop(&mut head.headers);
+        for_the_client(&mut head);
         if let Some(c) = self.counts {
             visor_counts(&mut head.headers, c);
         }
@@ -1039,7 +1039,7 @@ async fn respond(
     if head.status.is_server_error() {
         state.metrics.upstream_error(&upstream, "status_5xx");
     }
-    strip_hop_by_hop(&mut head.headers);
+    for_the_client(&mut head);
     if let Some(p) = prepared.as_mut() {
         visor_counts(&mut head.headers, Counts::of(&p.report));
         // The replaced images are on disk before the response is returned
@@ -1402,6 +1402,15 @@ async fn scan_model(
     };
     let rest = (!ended).then(|| LimitedBody::new(body, limit - held, exceeded));
     Ok((model, UpstreamBody { prefix, rest }))
+}
+
+/// An upstream's response head made visor's: without the hop-by-hop
+/// headers, in the protocol of the client's connection (an upstream that
+/// answers HTTP/1.0 would otherwise make visor answer its client so, and
+/// close a connection the client meant to keep).
+fn for_the_client(head: &mut http::response::Parts) {
+    strip_hop_by_hop(&mut head.headers);
+    head.version = Version::HTTP_11;
 }
 
 #[cfg(test)]
