@@ -658,16 +658,8 @@ async fn an_upstream_answering_http_1_0_leaves_the_client_on_http_1_1() {
         let mut chunk = [0u8; 4096];
         let read = tokio::time::timeout(std::time::Duration::from_secs(10), async {
             loop {
-                if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                    let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
-                    let len: usize = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length: "))
-                        .and_then(|v| v.trim().parse().ok())
-                        .unwrap_or(0);
-                    if got.len() >= end + 4 + len {
-                        return head;
-                    }
+                if let Some(len) = http_message_len(&got) {
+                    return String::from_utf8_lossy(&got[..len]).to_ascii_lowercase();
                 }
                 match s.read(&mut chunk).await {
                     Ok(0) | Err(_) => return String::from_utf8_lossy(&got).into_owned(),
