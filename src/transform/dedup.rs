@@ -3,26 +3,39 @@
 //! the messages before it as they are sent:
 //!
 //! - a whole tool result (or user message) identical to an earlier one
-//!   becomes a reference to it: `[omitted: same as message 7 (call_abc)]`;
+//!   becomes a reference to it, followed by its status lines:
+//!   `[omitted: same as message 7 (call_abc)]`;
 //! - a run of consecutive lines that appears, in the same order, in one
-//!   earlier message — or earlier in the same message: each line is
-//!   offered to later runs as soon as it is sent — is replaced by a note
-//!   naming where: `[omitted: message 7 lines 5-16]` — when the run has
-//!   at least `min_lines` lines and `min_bytes` bytes. Lines inside a run
-//!   may be of any length (`}` and blank lines go with their block); a
-//!   single repeated line stays. A run may chain stretches of several
-//!   earlier messages (each at least [`SEGMENT_MIN_BYTES`]); the note
-//!   names each, and a row at the same lines of evenly spaced messages
-//!   once (see [`run_note`]);
+//!   earlier message is replaced by a note naming where:
+//!   `[omitted: message 7 lines 5-16]` — when the run has at least
+//!   `min_lines` lines and `min_bytes` bytes. Lines inside a run may be of
+//!   any length (`}` and blank lines go with their block); a single
+//!   repeated line stays. A run may chain stretches of several earlier
+//!   messages (each at least [`SEGMENT_MIN_BYTES`]); the note names each,
+//!   and a row at the same lines of evenly spaced messages once (see
+//!   [`run_note`]). A note never points into its own message, but for a
+//!   block repeated back to back (a log printing the same lines N times):
+//!   one copy stays, and the note gives the count;
 //! - a text that is a JSON array loses the elements that appeared in an
 //!   earlier array and stays valid JSON, followed by
 //!   `[3 items omitted: message 7]`.
 //!
-//! Never changed: system, developer and assistant messages (their lines
-//! count as seen), visor's own notes and image texts (never seen, never
-//! removed), and the head of a tool result: its leading lines shorter than
-//! [`HEAD_CHARS`] bytes, [`HEAD_LINES`] at most (an exit code, a wall time,
-//! `Output:`), are never part of a run.
+//! Every note saves at least [`NOTE_MIN_SAVING`] bytes more than its own
+//! length, or is not written.
+//!
+//! Never changed (a rewrite that changes what the model can act on is a
+//! defect, whatever it saves):
+//! - system, developer and assistant messages (assistant lines count as
+//!   seen), and the first user message: the task, its instructions and
+//!   worked examples. Lines of the instructions (system prompt, Anthropic
+//!   `system`, Responses `instructions`, first user message) are never the
+//!   source of a note, and text that repeats them later (rules an agent
+//!   repeats near the end on purpose) stays;
+//! - status lines (see [`super::status`]): exit codes, a traceback's first
+//!   and last lines, error heads, denials, timings, the harness's remarks.
+//!   A run ends before one;
+//! - a tool result or observation under [`SMALL_TEXT`] bytes, as a whole;
+//! - visor's own notes and image texts (never seen, never removed).
 //!
 //! A message's rewrite depends only on itself and the messages before it
 //! (as rewritten), never on what comes after, so the rewritten messages of
@@ -32,19 +45,24 @@
 //! model can find them. Running dedup on its own output changes nothing.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 
 use serde_json::Value;
 
-use super::json::{Cursor, is_json, quote};
+use super::json::{Cursor, Kind, is_json, quote};
+use super::status;
 use super::walk::{Role, Scan};
 
-/// A tool result's head (its leading short lines) is at most this many
-/// lines long.
-pub const HEAD_LINES: usize = 5;
-/// A head line is shorter than this many bytes: a status line; it stays.
-pub const HEAD_CHARS: usize = 48;
+/// A tool result or observation shorter than this (its text, in bytes)
+/// stays whole: a look-up costs the model more than it saves.
+pub const SMALL_TEXT: usize = 256;
+/// A note saves at least this many bytes more than its own length.
+pub const NOTE_MIN_SAVING: usize = 128;
+/// A line of the instructions that a later text repeats is kept when it
+/// has at least this many bytes (not blank, not `}`), or sits next to one
+/// that is.
+const INSTRUCTION_LINE: usize = 16;
 /// JSON array elements shorter than this (canonical JSON) are never
 /// removed: `1`, `"ok"`, `null` repeat by nature.
 const ITEM_MIN_CHARS: usize = 16;
@@ -101,10 +119,6 @@ struct Sent<'a> {
     /// Its lines across its texts; `None` for visor's own lines.
     lines: Vec<Option<&'a str>>,
     hashes: Vec<u64>,
-    /// Its lines so far but the texts that replaced images (parts of their
-    /// own on a second pass, no lines on the first): where a tool result's
-    /// head stands.
-    counted: usize,
 }
 
 /// A stretch of lines an earlier message sent: 1-based message and line.
@@ -282,6 +296,10 @@ struct Dedup<'a> {
     whole: HashMap<u64, Vec<(&'a str, usize)>, Fast>,
     /// Canonical JSON array elements: the message that shows them.
     items: HashMap<String, usize>,
+    /// Lines of the instructions (system prompt, first user message), and
+    /// their consecutive pairs: never sources, and kept where repeated.
+    instruction_lines: HashSet<u64, Fast>,
+    instruction_pairs: HashSet<u64, Fast>,
 }
 
 /// Where a text dedup reads comes from, and where its rewrite goes.
@@ -387,7 +405,15 @@ pub fn run(
         singles: HashMap::default(),
         whole: HashMap::default(),
         items: HashMap::new(),
+        instruction_lines: HashSet::default(),
+        instruction_pairs: HashSet::default(),
     };
+    // Instructions outside the message list: Anthropic `system`,
+    // Responses `instructions`.
+    let top = top_level_instructions(body);
+    for text in &top {
+        d.instruct(text);
+    }
     let mut out = Omitted::default();
     let mut new_texts: Vec<(Target, String)> = Vec::new();
     let call_ids: HashMap<(usize, u32), String> = scan
@@ -409,14 +435,34 @@ pub fn run(
             }
         }
     }
+    let role_of = |item: usize| scan.items.get(item).map_or(Role::Other, |i| i.role);
+    // The first user message: the task, its instructions, worked examples.
+    let first_user = groups
+        .iter()
+        .filter_map(|g| g.first())
+        .map(|&j| inputs[j].item)
+        .find(|&item| role_of(item) == Role::User);
     for group in groups {
         let Some(&first) = group.first() else {
             continue;
         };
         let at = &inputs[first];
-        let role = scan.items.get(at.item).map_or(Role::Other, |i| i.role);
+        let role = role_of(at.item);
         let tool = role == Role::Tool || group.iter().any(|&j| inputs[j].tool);
-        let eligible = tool || role == Role::User;
+        let instruction = role == Role::System || Some(at.item) == first_user;
+        let eligible = (tool || role == Role::User) && !instruction;
+        // A small result or observation stays whole: the client's text,
+        // not the texts visor wrote for its images, documents or notes (so
+        // that a second pass, which finds them texts, decides the same).
+        let client_bytes: usize = group
+            .iter()
+            .filter_map(|&j| inputs[j].text.as_deref())
+            .filter(|t| !is_document_text(t))
+            .flat_map(|t| t.split('\n'))
+            .filter(|l| !is_own(l))
+            .map(|l| l.len() + 1)
+            .sum();
+        let small = client_bytes < SMALL_TEXT;
         let me = d.sent.len();
         let call_id = call_ids.get(&(at.item, at.unit)).cloned();
         // In a message of several units (an Anthropic message with several
@@ -436,7 +482,6 @@ pub fn run(
             call_id,
             lines: Vec::new(),
             hashes: Vec::new(),
-            counted: 0,
         });
         // A result may become a reference when it holds one text of the
         // client's: the texts that replaced its images (parts on a second
@@ -462,7 +507,10 @@ pub fn run(
                     d.push_note(me);
                 }
                 None
-            } else if !eligible {
+            } else if instruction {
+                d.record_instruction(me, text);
+                None
+            } else if !eligible || small {
                 d.record(me, text);
                 None
             } else {
@@ -471,7 +519,7 @@ pub fn run(
                     true => d.reference(text, &split, me, &mut out),
                     false => None,
                 }
-                .or_else(|| d.rewrite(text, split, me, tool, &mut out))
+                .or_else(|| d.rewrite(text, split, me, &mut out))
             };
             if let Some(r) = rendered
                 && !matches!(inputs[j].target, Target::Replaced)
@@ -539,9 +587,13 @@ impl<'a> Dedup<'a> {
         me: usize,
         out: &mut Omitted,
     ) -> Option<String> {
-        // Visor's own text, or an array it rewrote (two arrays can lose
-        // different items and read the same): never a reference.
-        if is_own(text.trim_end()) || !split_trailing_note(text).1.is_empty() {
+        // Visor's own text (a reference it wrote, followed by status
+        // lines), or an array it rewrote (two arrays can lose different
+        // items and read the same): never a reference.
+        if is_own(text.trim_end())
+            || split.lines.first().is_some_and(|l| is_note(l))
+            || !split_trailing_note(text).1.is_empty()
+        {
             return None;
         }
         // A text holding one of visor's image texts (a joined tool message)
@@ -557,16 +609,34 @@ impl<'a> Dedup<'a> {
         };
         let first = self.sent.get(earlier)?;
         let message = first.message + 1;
-        let note = match first.label.as_ref().or(first.call_id.as_ref()) {
+        let mut note = match first.label.as_ref().or(first.call_id.as_ref()) {
             Some(id) => format!("[omitted: same as message {message} ({id})]"),
             None => format!("[omitted: same as message {message}]"),
         };
-        if note.len() >= text.len() {
+        // Its status lines follow the reference: the outcome is read where
+        // it happened.
+        let marks = status::mark(&split.lines);
+        let kept: Vec<(&'a str, u64)> = split
+            .lines
+            .iter()
+            .zip(&split.hashes)
+            .zip(&marks)
+            .filter(|(_, m)| **m)
+            .map(|((l, h), _)| (*l, *h))
+            .collect();
+        for (l, _) in &kept {
+            note.push('\n');
+            note.push_str(l);
+        }
+        if note.len() + NOTE_MIN_SAVING > text.len() {
             return None;
         }
-        out.lines += split.lines.len();
+        out.lines += split.lines.len() - kept.len();
         out.references += 1;
         self.push_note(me);
+        for (l, h) in kept {
+            self.push_line(me, l, h);
+        }
         Some(note)
     }
 
@@ -574,6 +644,58 @@ impl<'a> Dedup<'a> {
         let lines: Vec<&'a str> = text.split('\n').collect();
         let hashes = lines.iter().map(|l| self.hasher.hash_one(*l)).collect();
         Split { lines, hashes }
+    }
+
+    /// Indexes a text of the instructions: its lines are kept where a
+    /// later text repeats them.
+    fn instruct(&mut self, text: &str) {
+        let mut previous: Option<u64> = None;
+        for line in text.split('\n') {
+            let h = self.hasher.hash_one(line);
+            self.instruction_lines.insert(h);
+            if let Some(p) = previous {
+                self.instruction_pairs.insert(combine([p, h]));
+            }
+            previous = Some(h);
+        }
+    }
+
+    /// Records a text of the instructions (the system prompt, the first
+    /// user message): sent as it is, counted, never a source.
+    fn record_instruction(&mut self, me: usize, text: &'a str) {
+        self.instruct(text);
+        for _ in text.split('\n') {
+            self.push_note(me);
+        }
+    }
+
+    /// Which lines of a text repeat the instructions: a line of them at
+    /// least [`INSTRUCTION_LINE`] bytes long, and the short lines (blank,
+    /// `}`) that sit beside such a line there too.
+    fn repeats_instructions(&self, lines: &[&str], hashes: &[u64]) -> Vec<bool> {
+        let mut keep: Vec<bool> = lines
+            .iter()
+            .zip(hashes)
+            .map(|(l, h)| l.trim().len() >= INSTRUCTION_LINE && self.instruction_lines.contains(h))
+            .collect();
+        if !keep.contains(&true) {
+            return keep;
+        }
+        let pair = |a: usize, b: usize| {
+            self.instruction_pairs
+                .contains(&combine([hashes[a], hashes[b]]))
+        };
+        for q in 1..lines.len() {
+            if !keep[q] && keep[q - 1] && pair(q - 1, q) {
+                keep[q] = true;
+            }
+        }
+        for q in (0..lines.len().saturating_sub(1)).rev() {
+            if !keep[q] && keep[q + 1] && pair(q, q + 1) {
+                keep[q] = true;
+            }
+        }
+        keep
     }
 
     /// Records a text that is sent as it is.
@@ -590,7 +712,6 @@ impl<'a> Dedup<'a> {
     fn push_line(&mut self, me: usize, line: &'a str, hash: u64) {
         let own = is_own(line);
         let sent = &mut self.sent[me];
-        sent.counted += usize::from(!is_image_text(line));
         sent.lines.push((!own).then_some(line));
         sent.hashes.push(if own { 0 } else { hash });
         if own {
@@ -614,7 +735,6 @@ impl<'a> Dedup<'a> {
     }
 
     fn push_note(&mut self, me: usize) {
-        self.sent[me].counted += 1;
         self.sent[me].lines.push(None);
         self.sent[me].hashes.push(0);
     }
@@ -626,14 +746,13 @@ impl<'a> Dedup<'a> {
         text: &'a str,
         split: Split<'a>,
         me: usize,
-        tool: bool,
         out: &mut Omitted,
     ) -> Option<String> {
         let (head, tail) = split_trailing_note(text);
         if let Some(JsonKind::Array) = json_kind(head) {
             return self.array(head, tail, me, out);
         }
-        self.lines(text, split, me, tool, out)
+        self.lines(text, split, me, out)
     }
 
     fn lines(
@@ -641,48 +760,29 @@ impl<'a> Dedup<'a> {
         text: &'a str,
         split: Split<'a>,
         me: usize,
-        tool: bool,
         out: &mut Omitted,
     ) -> Option<String> {
         let Split { lines, hashes } = split;
-        let base = self.sent[me].counted;
-        // Lines that never join a run: visor's own, and a tool result's
-        // short head lines.
-        // visor's image texts (a joined message's images) neither count
-        // nor end it.
-        let head = match tool {
-            true => {
-                let mut budget = HEAD_LINES.saturating_sub(base);
-                lines
-                    .iter()
-                    .take_while(|l| match is_image_text(l) {
-                        true => true,
-                        false if budget > 0 && l.len() < HEAD_CHARS => {
-                            budget -= 1;
-                            true
-                        }
-                        false => false,
-                    })
-                    .count()
-            }
-            false => 0,
-        };
+        // Lines that never join a run: visor's own, status lines, and text
+        // that repeats the instructions.
+        let status = status::mark(&lines);
+        let instructions = self.repeats_instructions(&lines, &hashes);
         let barrier: Vec<bool> = lines
             .iter()
             .enumerate()
-            .map(|(q, l)| q < head || is_own(l))
+            .map(|(q, l)| status[q] || instructions[q] || is_own(l))
             .collect();
         let mut pieces: Vec<Piece<'a>> = Vec::with_capacity(lines.len());
         let mut i = 0;
         while i < lines.len() {
-            let segments = self.chain(&lines, &hashes, &barrier, i);
+            let segments = self.chain(&lines, &hashes, &barrier, i, me);
             let len: usize = segments.iter().map(Segment::lines).sum();
             let bytes: usize = lines[i..i + len].iter().map(|l| l.len() + 1).sum();
-            // The note, when the run is worth one and the note is shorter
-            // (a label of 64 bytes on each of many short stretches is not).
+            // The note, when the run is worth one and the note saves
+            // enough (a label on each of many short stretches does not).
             let note = (len >= self.blocks.min_lines && bytes >= self.blocks.min_bytes)
                 .then(|| run_note(&segments))
-                .filter(|n| n.len() < bytes);
+                .filter(|n| n.len() + 1 + NOTE_MIN_SAVING <= bytes);
             if let Some(note) = note {
                 pieces.push(Piece::Note(note));
                 self.push_note(me);
@@ -718,10 +818,17 @@ impl<'a> Dedup<'a> {
     /// longest stretch one earlier message sent in the same order (at least
     /// [`SEGMENT_MIN_BYTES`] long), [`MAX_SEGMENTS`] places at most; a
     /// place repeated back to back is one segment with its count.
-    fn chain(&self, lines: &[&str], hashes: &[u64], barrier: &[bool], i: usize) -> Vec<Segment> {
+    fn chain(
+        &self,
+        lines: &[&str],
+        hashes: &[u64],
+        barrier: &[bool],
+        i: usize,
+        me: usize,
+    ) -> Vec<Segment> {
         let mut segments: Vec<Segment> = Vec::new();
         let mut q = i;
-        while let Some(seg) = self.longest(lines, hashes, barrier, q) {
+        while let Some(seg) = self.longest(lines, hashes, barrier, q, me, segments.last()) {
             let bytes: usize = lines[q..q + seg.len].iter().map(|l| l.len() + 1).sum();
             if bytes < SEGMENT_MIN_BYTES {
                 break;
@@ -738,13 +845,18 @@ impl<'a> Dedup<'a> {
     }
 
     /// The longest stretch starting at line `i` that one earlier message
-    /// sent in the same order. Ties go to the newest.
+    /// sent in the same order. Ties go to the newest. The text's own
+    /// message is a source only for a block repeated back to back: the
+    /// lines just before the run (`previous`: the chain so far), and the
+    /// same place again.
     fn longest(
         &self,
         lines: &[&str],
         hashes: &[u64],
         barrier: &[bool],
         i: usize,
+        me: usize,
+        previous: Option<&Segment>,
     ) -> Option<Segment> {
         if i >= lines.len() || barrier[i] {
             return None;
@@ -760,6 +872,11 @@ impl<'a> Dedup<'a> {
         for &(src, at) in starts.iter().rev().take(CANDIDATES) {
             let (src, at) = (src as usize, at as usize);
             let sent = &self.sent[src];
+            let own = sent.message == self.sent[me].message;
+            if own && src != me {
+                // Another unit of the same message.
+                continue;
+            }
             let mut len = 0;
             while i + len < lines.len()
                 && !barrier[i + len]
@@ -768,15 +885,24 @@ impl<'a> Dedup<'a> {
             {
                 len += 1;
             }
-            if len > best.as_ref().map_or(0, |b| b.len) {
-                best = Some(Segment {
-                    message: sent.message + 1,
-                    label: sent.label.clone(),
-                    line: at + 1,
-                    len,
-                    times: 1,
-                });
+            if len <= best.as_ref().map_or(0, |b| b.len) {
+                continue;
             }
+            let seg = Segment {
+                message: sent.message + 1,
+                label: sent.label.clone(),
+                line: at + 1,
+                len,
+                times: 1,
+            };
+            let back_to_back = match previous {
+                None => at + len == sent.lines.len(),
+                Some(p) => p.same_place(&seg),
+            };
+            if own && !back_to_back {
+                continue;
+            }
+            best = Some(seg);
         }
         best
     }
@@ -852,6 +978,9 @@ impl<'a> Dedup<'a> {
         seen_in.sort_unstable();
         s.push('\n');
         s.push_str(&items_note(removed, &seen_in));
+        if s.len() + NOTE_MIN_SAVING > json.len() + tail.len() {
+            return None;
+        }
         out.items += removed;
         Some(s)
     }
@@ -1012,4 +1141,160 @@ pub fn literal_len(s: &str) -> usize {
             _ => 1,
         })
         .sum::<usize>()
+}
+
+/// The instructions a request carries outside its message list: Anthropic
+/// `system` (a string or text blocks) and Responses `instructions`.
+fn top_level_instructions(body: &[u8]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut c = Cursor::new(body);
+    let _ = c.object(|c, key| {
+        if !(key.is(body, "system") || key.is(body, "instructions")) {
+            return c.skip().map(drop);
+        }
+        match c.kind()? {
+            Kind::String => {
+                let s = c.string()?;
+                if let Some(t) = s.decode(body) {
+                    out.push(t.into_owned());
+                }
+            }
+            _ => {
+                let range = c.skip()?;
+                if let Ok(Value::Array(blocks)) = serde_json::from_slice::<Value>(&body[range]) {
+                    out.extend(
+                        blocks
+                            .iter()
+                            .filter_map(|b| b.get("text").and_then(Value::as_str))
+                            .map(str::to_owned),
+                    );
+                }
+            }
+        }
+        Ok(())
+    });
+    out
+}
+
+/// A stretch of lines a note names: 1-based message, the unit of that
+/// message when it holds several, and its first and last lines.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    pub message: usize,
+    pub label: Option<String>,
+    pub first: usize,
+    pub last: usize,
+}
+
+/// A note this module writes, read back: what the model is told to look
+/// up. (The reader of visor's own notes for tests, benches and tools.)
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Note {
+    /// `[omitted: same as message 7 (call_abc)]`: the whole text of that
+    /// message (or unit); the status lines after it restate its own.
+    Same {
+        message: usize,
+        label: Option<String>,
+    },
+    /// `[omitted: message 7 lines 5-16; …]`: these places, in order (a
+    /// place repeated N times is listed N times).
+    Run(Vec<Place>),
+    /// `[3 items omitted: messages 4, 7]`.
+    Items { removed: usize },
+}
+
+impl Note {
+    /// The note `line` is, if it is one of this module's.
+    pub fn parse(line: &str) -> Option<Note> {
+        let inner = line.trim_end().strip_prefix('[')?.strip_suffix(']')?;
+        if let Some(rest) = count(inner)
+            && (rest.starts_with(" items omitted: ") || rest.starts_with(" item omitted: "))
+        {
+            return Some(Note::Items {
+                removed: inner[..inner.len() - rest.len()].parse().ok()?,
+            });
+        }
+        let body = inner.strip_prefix("omitted: ")?;
+        if let Some(rest) = body.strip_prefix("same as message ") {
+            let (n, label) = match rest.split_once(' ') {
+                Some((n, l)) => (n, Some(l.strip_prefix('(')?.strip_suffix(')')?.to_owned())),
+                None => (rest, None),
+            };
+            return Some(Note::Same {
+                message: n.parse().ok()?,
+                label,
+            });
+        }
+        let mut out = Vec::new();
+        for part in body.split("; ") {
+            parse_part(part, &mut out)?;
+        }
+        Some(Note::Run(out))
+    }
+}
+
+/// `lines 5-16` or `line 5`.
+fn parse_lines(spec: &str) -> Option<(usize, usize)> {
+    match spec.strip_prefix("lines ") {
+        Some(r) => {
+            let (a, b) = r.split_once('-')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        }
+        None => {
+            let a = spec.strip_prefix("line ")?.parse().ok()?;
+            Some((a, a))
+        }
+    }
+}
+
+/// One part of a run note (see [`run_note`]), its places appended.
+fn parse_part(part: &str, out: &mut Vec<Place>) -> Option<()> {
+    let (part, times) = match part.rsplit_once(", ") {
+        Some((p, t)) if t.ends_with(" times") => (p, t.strip_suffix(" times")?.parse().ok()?),
+        _ => (part, 1usize),
+    };
+    if let Some(rest) = part.strip_prefix("message ") {
+        let (m, spec) = rest.split_once(' ')?;
+        let (label, spec) = match spec.strip_prefix('(') {
+            Some(l) => {
+                let (label, spec) = l.split_once(") ")?;
+                (Some(label.to_owned()), spec)
+            }
+            None => (None, spec),
+        };
+        let (first, last) = parse_lines(spec)?;
+        let place = Place {
+            message: m.parse().ok()?,
+            label,
+            first,
+            last,
+        };
+        out.extend(std::iter::repeat_n(place, times));
+        return Some(());
+    }
+    let (spec, rest, step) = match part.split_once(" of messages ") {
+        Some((spec, rest)) => (spec, rest, 1),
+        None => {
+            let (spec, rest) = part.split_once(" of every ")?;
+            let (step, rest) = rest.split_once(" message from ")?;
+            let step: usize = step
+                .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+                .parse()
+                .ok()?;
+            (spec, rest, step)
+        }
+    };
+    let (first, last) = parse_lines(spec)?;
+    let (m1, m2) = rest.split_once(" to ")?;
+    let (m1, m2): (usize, usize) = (m1.parse().ok()?, m2.parse().ok()?);
+    if step == 0 || m2 < m1 {
+        return None;
+    }
+    out.extend((m1..=m2).step_by(step).map(|message| Place {
+        message,
+        label: None,
+        first,
+        last,
+    }));
+    Some(())
 }

@@ -19,6 +19,7 @@ pub mod json;
 pub mod placeholder;
 pub mod report;
 pub mod rules;
+pub mod status;
 pub mod walk;
 
 use std::collections::HashMap;

@@ -13,7 +13,7 @@ use super::support::*;
 
 #[test]
 fn a_reread_file_becomes_one_note_naming_where() {
-    let f = file(12);
+    let f = file(16);
     let mut changed = f.clone();
     changed[6] = "    Ok(parsed * 700) // changed".to_owned();
     let body = json!({"model": "m", "messages": [
@@ -28,12 +28,12 @@ fn a_reread_file_becomes_one_note_naming_where() {
     assert_eq!(
         content(&out, 4),
         format!(
-            "[omitted: message 3 lines 1-6]\n{}\n[omitted: message 3 lines 8-12]",
+            "[omitted: message 3 lines 1-6]\n{}\n[omitted: message 3 lines 8-16]",
             changed[6]
         ),
         "short lines such as `}}` go with their block; the changed line stays"
     );
-    assert_eq!(report.lines_omitted, 11);
+    assert_eq!(report.lines_omitted, 15);
     assert_eq!(report.bytes_saved, report.bytes_saved_dedup);
     assert!(report.bytes_saved > 0);
 }
@@ -106,23 +106,24 @@ fn a_claude_code_bash_result_keeps_its_exit_code() {
 
 #[test]
 fn a_whole_repeated_tool_result_becomes_a_reference_to_the_call() {
-    let text = file(6).join("\n");
+    let text = file(10).join("\n");
+    let small = "{\"status\":\"ok\",\"rows\":3,\"table\":\"orders\"}";
     let body = json!({"model": "m", "messages": [
         {"role": "user", "content": "read it"},
         call("call_abc"), tool("call_abc", &text),
         call("call_def"), tool("call_def", &text),
-        call("call_ghi"), tool("call_ghi", "{\"status\":\"ok\",\"rows\":3,\"table\":\"orders\"}"),
-        call("call_jkl"), tool("call_jkl", "{\"status\":\"ok\",\"rows\":3,\"table\":\"orders\"}"),
+        call("call_ghi"), tool("call_ghi", small),
+        call("call_jkl"), tool("call_jkl", small),
     ]});
     let (out, report) = chat(&body);
     assert_eq!(content(&out, 4), "[omitted: same as message 3 (call_abc)]");
     assert_eq!(
         content(&out, 8),
-        "[omitted: same as message 7 (call_ghi)]",
-        "a one-line result identical to an earlier one becomes a reference"
+        small,
+        "a result under 256 bytes stays whole: a look-up would cost more than it saves"
     );
     assert_eq!(out["messages"][4]["tool_call_id"], "call_def");
-    assert_eq!(report.lines_omitted, 7);
+    assert_eq!(report.lines_omitted, 10);
     // Responses and Anthropic name their calls too.
     let responses = json!({"model": "m", "input": [
         {"role": "user", "content": "read it"},
@@ -154,17 +155,20 @@ fn a_whole_repeated_tool_result_becomes_a_reference_to_the_call() {
 #[test]
 fn the_newest_user_message_is_rewritten_when_it_arrives_and_never_again() {
     let f = file(8).join("\n");
+    let view = format!("[File: src/lib.rs (8 lines total)]\n{f}");
     let mut body = json!({"model": "m", "messages": [
         {"role": "system", "content": "You are an autonomous programmer."},
-        {"role": "user", "content": format!("[File: src/lib.rs (8 lines total)]\n{f}")},
+        {"role": "user", "content": "Fix the parser in src/lib.rs."},
+        {"role": "assistant", "content": "open src/lib.rs"},
+        {"role": "user", "content": view},
         {"role": "assistant", "content": "scroll_down"},
-        {"role": "user", "content": format!("[File: src/lib.rs (8 lines total)]\n{f}\n(Open file: src/lib.rs)")},
+        {"role": "user", "content": format!("{view}\n(Open file: src/lib.rs)")},
     ]});
     let (out, _) = chat(&body);
     assert_eq!(
-        content(&out, 3),
-        "[omitted: message 2 lines 1-9]\n(Open file: src/lib.rs)",
-        "an observation sent as a user message is deduped as soon as it arrives"
+        content(&out, 5),
+        "[File: src/lib.rs (8 lines total)]\n[omitted: message 4 lines 2-9]\n(Open file: src/lib.rs)",
+        "an observation sent as a user message is deduped as soon as it arrives; its status lines stay"
     );
     body["messages"].as_array_mut().unwrap().extend([
         json!({"role": "assistant", "content": "submit"}),
@@ -172,7 +176,7 @@ fn the_newest_user_message_is_rewritten_when_it_arrives_and_never_again() {
     ]);
     let (later, _) = chat(&body);
     assert_eq!(
-        later["messages"].as_array().unwrap()[..4],
+        later["messages"].as_array().unwrap()[..6],
         out["messages"].as_array().unwrap()[..]
     );
 }
@@ -181,26 +185,37 @@ fn the_newest_user_message_is_rewritten_when_it_arrives_and_never_again() {
 fn repeated_blocks_inside_code_fences_go_too() {
     let code = format!("```rust\n{}\n```", file(8).join("\n"));
     let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "Help me with my parser."},
+        {"role": "assistant", "content": "Show me the code."},
         {"role": "user", "content": format!("Here is the code:\n{code}")},
         {"role": "assistant", "content": "What should change?"},
         {"role": "user", "content": format!("The same code again:\n{code}\nwhy does step 5 fail?")},
     ]});
     let (out, _) = chat(&body);
     assert_eq!(
-        content(&out, 2),
-        "The same code again:\n[omitted: message 1 lines 2-11]\nwhy does step 5 fail?"
+        content(&out, 4),
+        "The same code again:\n[omitted: message 3 lines 2-11]\nwhy does step 5 fail?"
     );
 }
 
 #[test]
 fn json_arrays_lose_repeated_elements_and_pretty_objects_dedup_by_blocks() {
-    let a = json!({"id": "m1", "sender": "bob", "content": "section 4 keeps personal data"});
-    let b = json!({"id": "m2", "sender": "carol", "content": "GoBD asks for ten years"});
-    let c = json!({"id": "m3", "sender": "dave", "content": "I will redraw the chart"});
+    let long = |s: &str| {
+        format!(
+            "{s}; {}",
+            "the thread goes on about retention rules and the audit ".repeat(3)
+        )
+    };
+    let a = json!({"id": "m1", "sender": "bob", "content": long("section 4 keeps personal data")});
+    let b = json!({"id": "m2", "sender": "carol", "content": long("GoBD asks for ten years")});
+    let c = json!({"id": "m3", "sender": "dave", "content": long("I will redraw the chart")});
     // The same element with its keys in another order and other spacing.
-    let b_again = r#"{ "content": "GoBD asks for ten years", "sender": "carol", "id": "m2" }"#;
+    let b_again = format!(
+        r#"{{ "content": {}, "sender": "carol", "id": "m2" }}"#,
+        json!(long("GoBD asks for ten years"))
+    );
     let second = format!("[\n  {b_again},\n  {c},\n  1,\n  1\n]");
-    let object = "{\n  \"customer_id\": \"C1001\",\n  \"full_name\": \"John Smith\",\n  \"email\": \"john.smith@example.com\",\n  \"address\": {\n    \"street\": \"123 Main St\",\n    \"city\": \"Anytown\",\n    \"zip_code\": \"90210\"\n  },\n  \"plan\": \"P1001\"\n}".to_owned();
+    let object = "{\n  \"customer_id\": \"C1001\",\n  \"full_name\": \"John Smith\",\n  \"email\": \"john.smith@example.com\",\n  \"address\": {\n    \"street\": \"123 Main St\",\n    \"city\": \"Anytown\",\n    \"zip_code\": \"90210\"\n  },\n  \"notes\": \"Prefers email contact; account opened in 2019 after the spring promotion.\",\n  \"plan\": \"P1001\"\n}".to_owned();
     let object2 = object.replace("P1001", "P2002");
     let body = json!({"model": "m", "messages": [
         {"role": "user", "content": "fetch"},
@@ -222,73 +237,67 @@ fn json_arrays_lose_repeated_elements_and_pretty_objects_dedup_by_blocks() {
     assert_eq!(report.items_omitted, 4);
     assert_eq!(
         content(&out, 5),
-        "{\n  \"customer_id\": \"C1001\",\n  \"full_name\": \"John Smith\",\n  \"email\": \"john.smith@example.com\",\n  \"address\": {\n[omitted: message 5 lines 6-9]\n  \"plan\": \"P2002\"\n}",
-        "a pretty-printed object loses its repeated block (its first five short lines are the result's head: they stay)"
+        "[omitted: message 5 lines 1-10]\n  \"plan\": \"P2002\"\n}",
+        "a pretty-printed object loses its repeated block"
     );
 }
 
 #[test]
 fn a_client_line_that_looks_like_a_note_stays() {
-    let f = file(6).join("\n");
+    let f = file(8).join("\n");
     let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "Look at the notes."},
+        {"role": "assistant", "content": "show me"},
         {"role": "user", "content": format!("[omitted: message 9 lines 1-2]\n{f}")},
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": format!("[omitted: message 9 lines 1-2]\n{f}\nmore")},
     ]});
     let (out, _) = chat(&body);
     assert_eq!(
-        content(&out, 2),
-        "[omitted: message 9 lines 1-2]\n[omitted: message 1 lines 2-7]\nmore"
+        content(&out, 4),
+        "[omitted: message 9 lines 1-2]\n[omitted: message 3 lines 2-9]\nmore"
     );
 }
 
-/// A block repeated inside one message (a log printing the same traceback
-/// twice, an agent's demonstration showing a file again) goes the first
-/// time the message is sent, its note naming the message's own lines; a
-/// later turn sends it the same.
+/// A note never points into its own message (but for a block repeated back
+/// to back): a log printing a traceback twice, or a demonstration showing a
+/// file again, stays as it is; the whole log sent again later is a
+/// reference followed by its status lines.
 #[test]
-fn a_block_repeated_inside_one_message_names_its_own_lines() {
-    let trace = file(6).join("\n");
+fn a_block_repeated_apart_inside_one_message_stays() {
+    let trace = file(8).join("\n");
     let log = format!("collecting 3 items\n{trace}\nretrying once\n{trace}\n1 failed");
     let body = json!({"model": "m", "messages": [
         {"role": "user", "content": "run the tests"},
         call("c1"), tool("c1", &log),
     ]});
     let (out, report) = chat(&body);
-    assert_eq!(
-        content(&out, 2),
-        format!(
-            "collecting 3 items\n{trace}\nretrying once\n[omitted: message 3 lines 2-7]\n1 failed"
-        )
-    );
-    assert_eq!(report.lines_omitted, 6);
-    // The next turn sends it the same: the rewrite depends on the message
-    // and what came before it only.
+    assert_eq!(out, body);
+    assert_eq!(report.lines_omitted, 0);
     let mut next = body.clone();
     let more = next["messages"].as_array_mut().unwrap();
     more.push(call("c2"));
     more.push(tool("c2", &log));
     let (later, _) = chat(&next);
     assert_eq!(later["messages"][2], out["messages"][2]);
-    assert_eq!(content(&later, 4), "[omitted: same as message 3 (c1)]");
-    // A user message too (single repeated lines inside it still stay).
+    assert_eq!(
+        content(&later, 4),
+        "[omitted: same as message 3 (c1)]\ncollecting 3 items\n1 failed",
+        "the outcome is read where it happened"
+    );
+    // A demonstration in the first user message stays whole.
     let demo = format!("Here is how a run goes:\n{trace}\nok\nok\nand again:\n{trace}\nNow yours.");
     let body = json!({"model": "m", "messages": [{"role": "user", "content": demo}]});
     let (out, _) = chat(&body);
-    assert_eq!(
-        content(&out, 0),
-        format!(
-            "Here is how a run goes:\n{trace}\nok\nok\nand again:\n[omitted: message 1 lines 2-7]\nNow yours."
-        )
-    );
+    assert_eq!(out, body);
 }
 
-/// A block a log prints again and again is one note with a count, not a
-/// note per copy.
+/// A block a log prints again and again, back to back, is one copy and a
+/// note with the count — the one note that may point into its own message.
 #[test]
 fn a_block_repeated_back_to_back_is_said_once_with_its_count() {
-    let warning = "WARNING: deprecated call to parse_config() in module alpha\n  at line 42 of config.py\n  use load_config() instead";
-    let log = format!("{}\ndone", vec![warning; 40].join("\n"));
+    let block = "polling the job queue for worker alpha-7 (queue depth 12)\n  lease renewed for task 4411 on worker alpha-7\n  heartbeat sent to coordinator at 10.0.0.5:7000";
+    let log = format!("{}\ndone", vec![block; 40].join("\n"));
     let body = json!({"model": "m", "messages": [
         {"role": "user", "content": "run it"},
         call("c1"), tool("c1", &log),
@@ -296,7 +305,7 @@ fn a_block_repeated_back_to_back_is_said_once_with_its_count() {
     let (out, report) = chat(&body);
     assert_eq!(
         content(&out, 2),
-        format!("{warning}\n[omitted: message 3 lines 1-3, 39 times]\ndone")
+        format!("{block}\n[omitted: message 3 lines 1-3, 39 times]\ndone")
     );
     assert_eq!(report.lines_omitted, 117);
     let original: Vec<Vec<String>> = body["messages"]
@@ -306,6 +315,15 @@ fn a_block_repeated_back_to_back_is_said_once_with_its_count() {
         .map(texts)
         .collect();
     assert_eq!(expand(&out), original, "the note expands to the log");
+    // With a status line in each copy, the copies stay: a status line is
+    // never inside a removed run.
+    let warning = "WARNING: deprecated call to parse_config() in module alpha\n  at line 42 of config.py\n  use load_config() instead";
+    let log = format!("{}\ndone", vec![warning; 40].join("\n"));
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "run it"},
+        call("c1"), tool("c1", &log),
+    ]});
+    assert_eq!(chat(&body).0, body);
 }
 
 /// An image part replaced by a text part is a line of its message as it is
@@ -322,37 +340,50 @@ fn a_note_after_a_replaced_image_names_the_lines_as_sent() {
         .flat_map(|p| p.iter().filter(|p| p["type"] == "image_url").cloned())
         .next()
         .unwrap();
-    let block = file(6).join("\n");
+    let block = file(8).join("\n");
     let chat_body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "show me"},
         {"role": "user", "content": [
             {"type": "text", "text": "look at this\nand this"},
             image,
-            {"type": "text", "text": format!("intro\n{block}\nmiddle\n{block}\nend")},
+            {"type": "text", "text": format!("intro\n{block}\nmiddle")},
         ]},
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": format!("again:\n{block}\nbye")},
     ]});
-    let b64 = image_b64(&chat_body);
+    let b64 = chat_body["messages"][2]["content"][1]["image_url"]["url"]
+        .as_str()
+        .unwrap()
+        .split_once(',')
+        .unwrap()
+        .1
+        .to_owned();
     let messages_body = json!({"model": "m", "messages": [
         {"role": "user", "content": "go"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "t", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a", "content": [
             {"type": "text", "text": "first part line"},
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
-            {"type": "text", "text": format!("intro\n{block}\nmid\n{block}")},
+            {"type": "text", "text": format!("intro\n{block}\nmid")},
         ]}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_b", "name": "t", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_b", "content": format!("again\n{block}")}]},
     ]});
     for (shape, body) in [(Shape::Chat, chat_body), (Shape::Messages, messages_body)] {
         let p = plan(shape, false, DEFAULTS);
         let (out, report) = run(&body, &p);
-        assert!(report.lines_omitted >= 6, "{shape:?}: {out}");
+        assert!(report.lines_omitted >= 8, "{shape:?}: {out}");
         let msgs = out["messages"].as_array().unwrap();
         // A message's lines as sent: its text parts (the first result's,
         // in an Anthropic message of results), in order.
         let sent = |m: &Value| -> Vec<String> {
             let parts: Vec<Value> = match &m["content"] {
                 Value::Array(a) if a.iter().any(|p| p["type"] == "tool_result") => {
-                    a[0]["content"].as_array().unwrap().clone()
+                    match &a[0]["content"] {
+                        Value::Array(parts) => parts.clone(),
+                        text => vec![json!({"type": "text", "text": text})],
+                    }
                 }
                 Value::Array(a) => a.clone(),
                 other => vec![json!({"type": "text", "text": other})],
@@ -383,32 +414,31 @@ fn a_note_after_a_replaced_image_names_the_lines_as_sent() {
     }
 }
 
-fn image_b64(body: &Value) -> String {
-    let url = body["messages"][0]["content"][1]["image_url"]["url"]
-        .as_str()
-        .unwrap();
-    url.split_once(',').unwrap().1.to_owned()
-}
-
 #[test]
-fn runs_below_the_thresholds_stay() {
-    let two = "first line of a short block\nsecond line of it";
+fn runs_below_the_thresholds_or_saving_too_little_stay() {
+    let pad = "a line of the new output that no earlier message holds, long enough to count";
+    let two = "the first line of a block of two, long enough to be worth a look-up on its own here\nand its second line, which is just as long as the first one is, or nearly so, we think";
+    let short_two = "the first line of a short block\nand its second line";
     let body = json!({"model": "m", "messages": [
-        {"role": "user", "content": format!("{two}\nend")},
-        {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": format!("start\n{two}")},
+        {"role": "user", "content": "go"},
+        call("c1"), tool("c1", &format!("{two}\n{short_two}\n{pad}")),
+        call("c2"), tool("c2", &format!("{pad}x\n{pad}y\n{two}\n{pad}z\n{short_two}")),
     ]});
     let (out, _) = chat(&body);
-    assert_eq!(out, body, "2 lines but fewer than 64 bytes");
-    let lower = Rules {
+    assert_eq!(
+        content(&out, 4),
+        format!("{pad}x\n{pad}y\n[omitted: message 3 lines 1-2]\n{pad}z\n{short_two}"),
+        "a run saving 128 bytes more than its note goes; one saving less stays"
+    );
+    let higher = Rules {
         dedup: Some(dedup::Blocks {
             min_lines: 2,
-            min_bytes: 16,
+            min_bytes: 512,
         }),
         ..DEFAULTS
     };
-    let (out, _) = run(&body, &plan(Shape::Chat, true, lower));
-    assert_eq!(content(&out, 2), "start\n[omitted: message 1 lines 1-2]");
+    let (out, _) = run(&body, &plan(Shape::Chat, true, higher));
+    assert_eq!(out, body, "under the configured bytes");
 }
 
 #[test]
@@ -491,32 +521,34 @@ fn a_note_names_the_call_when_its_message_holds_several_results() {
 /// when the id cannot tell (used twice, or not plain).
 #[test]
 fn a_note_names_the_unit_when_the_call_cannot() {
-    let block = file(6).join("\n");
+    let block = file(8).join("\n");
     let anthropic = |results: Value| {
         json!({"model": "claude", "max_tokens": 10, "messages": [
             {"role": "user", "content": "go"},
             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "t", "input": {}}]},
             {"role": "user", "content": results},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_b", "name": "t", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_b", "content": format!("again\n{block}\nend of it")}]},
         ]})
     };
     let p = plan(Shape::Messages, true, DEFAULTS);
     let body = anthropic(json!([
         {"type": "tool_result", "tool_use_id": "toolu_a", "content": "Exit code 0\nshort"},
-        {"type": "text", "text": format!("my notes:\n{block}\nthen\n{block}\nend")},
+        {"type": "text", "text": format!("my notes:\n{block}\nend")},
     ]));
     let (out, _) = run(&body, &p);
     assert_eq!(
-        out["messages"][2]["content"][1]["text"],
-        format!("my notes:\n{block}\nthen\n[omitted: message 3 (text) lines 2-7]\nend")
+        out["messages"][4]["content"][0]["content"],
+        "again\n[omitted: message 3 (text) lines 2-9]\nend of it"
     );
     let body = anthropic(json!([
         {"type": "tool_result", "tool_use_id": "toolu_a", "content": "Exit code 0\nshort"},
-        {"type": "tool_result", "tool_use_id": "toolu_a", "content": format!("start\n{block}\nthen\n{block}")},
+        {"type": "tool_result", "tool_use_id": "toolu_a", "content": format!("start\n{block}")},
     ]));
     let (out, _) = run(&body, &p);
     assert_eq!(
-        out["messages"][2]["content"][1]["content"],
-        format!("start\n{block}\nthen\n[omitted: message 3 (result 2) lines 2-7]")
+        out["messages"][4]["content"][0]["content"],
+        "again\n[omitted: message 3 (result 2) lines 2-9]\nend of it"
     );
 }
 
@@ -550,14 +582,14 @@ fn a_note_longer_than_its_run_is_not_written() {
 fn many_results_and_many_blocks_in_one_request_stay_fast_enough_to_finish() {
     // Shapes a review found quadratic: thousands of repeated results with
     // no call id, and one message of thousands of tool_result blocks.
-    let text = "a result line that repeats, long enough to be a reference";
-    let mut msgs = vec![json!({"role": "user", "content": text})];
+    let text = "a result line that repeats, long enough to be a reference ".repeat(5);
+    let mut msgs = vec![json!({"role": "user", "content": "go"})];
     for _ in 0..20_000 {
         msgs.push(json!({"role": "tool", "tool_call_id": "c", "content": text}));
     }
     let (out, report) = chat(&json!({"model": "m", "messages": msgs}));
-    assert_eq!(report.lines_omitted, 20_000);
-    assert_eq!(content(&out, 20_000), "[omitted: same as message 1]");
+    assert_eq!(report.lines_omitted, 19_999);
+    assert_eq!(content(&out, 20_000), "[omitted: same as message 2 (c)]");
     let blocks: Vec<Value> = (0..20_000)
         .map(|i| json!({"type": "tool_result", "tool_use_id": format!("t{i}"), "content": "x"}))
         .collect();
@@ -737,6 +769,63 @@ proptest! {
     }
 
     #[test]
+    fn every_note_pays_and_points_only_at_earlier_messages(body in conversation()) {
+        let (out, _) = chat(&body);
+        let before = body["messages"].as_array().unwrap();
+        let after = out["messages"].as_array().unwrap();
+        let lines_of = |m: &Value| -> Vec<String> {
+            texts(m).join("\n").split('\n').map(str::to_owned).collect()
+        };
+        for (i, m) in after.iter().enumerate() {
+            for (pos, line) in lines_of(m).iter().enumerate() {
+                match dedup::Note::parse(line) {
+                    Some(dedup::Note::Run(places)) => {
+                        let mut bytes = 0;
+                        for p in &places {
+                            let source = lines_of(&after[p.message - 1]);
+                            bytes += source[p.first - 1..p.last].iter().map(|l| l.len() + 1).sum::<usize>();
+                            if p.message == i + 1 {
+                                // Only a block repeated back to back: the
+                                // lines just before the note.
+                                prop_assert_eq!(p.last, pos, "{} points into its own message", line);
+                            }
+                            prop_assert!(p.message <= i + 1, "{} points ahead", line);
+                        }
+                        prop_assert!(
+                            bytes >= line.len() + 1 + dedup::NOTE_MIN_SAVING,
+                            "{} saves {} bytes", line, bytes as i64 - line.len() as i64
+                        );
+                    }
+                    Some(dedup::Note::Same { message, .. }) => {
+                        prop_assert!(message <= i);
+                        let text: usize = texts(&before[i]).iter().map(String::len).sum();
+                        prop_assert!(text >= dedup::SMALL_TEXT, "a {}-byte result became {}", text, line);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn status_lines_and_the_first_user_message_are_never_removed(body in conversation()) {
+        let (out, _) = chat(&body);
+        let before = body["messages"].as_array().unwrap();
+        let after = out["messages"].as_array().unwrap();
+        for (m, (a, b)) in before.iter().zip(after).enumerate() {
+            let kept: HashSet<String> = texts(b).iter().flat_map(|t| t.split('\n').map(str::to_owned)).collect();
+            for t in texts(a) {
+                for l in t.split('\n').filter(|l| STATUS_FORMS.contains(l)) {
+                    prop_assert!(kept.contains(l), "message {}: {} removed", m + 1, l);
+                }
+            }
+        }
+        if let Some(first) = before.iter().position(|m| m["role"] == "user") {
+            prop_assert_eq!(&after[first], &before[first], "the first user message is never rewritten");
+        }
+    }
+
+    #[test]
     fn every_rewritten_message_stays_as_the_conversation_grows(body in conversation(), more in conversation()) {
         let (before, _) = chat(&body);
         let mut longer = body.clone();
@@ -837,26 +926,28 @@ fn a_second_pass_over_replaced_images_changes_nothing() {
     }
 }
 
-/// A tool result whose image comes before its text keeps its head when its
-/// parts are joined: the image text neither counts nor ends it.
+/// A tool result whose image comes before its text keeps its status lines
+/// when its parts are joined.
 #[test]
-fn a_joined_tool_result_keeps_its_head_after_an_image_text() {
+fn a_joined_tool_result_keeps_its_status_lines_after_an_image_text() {
     let png = base64_simd::STANDARD.encode_to_string(fixture("chart.png"));
     let image =
         json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{png}")}});
     let out: Vec<String> = file(12);
     let text = format!("Exit code 0\nWall time: 2s\n{}", out.join("\n"));
     let body = json!({"model": "m", "messages": [
-        {"role": "user", "content": format!("Exit code 0\nWall time: 2s\n{}", out.join("\n"))},
+        {"role": "user", "content": "run it twice"},
+        {"role": "assistant", "content": null, "tool_calls": [call("c0")]},
+        {"role": "tool", "tool_call_id": "c0", "content": text},
         {"role": "assistant", "content": null, "tool_calls": [call("c1")]},
         {"role": "tool", "tool_call_id": "c1", "content": [image, {"type": "text", "text": text}]},
     ]});
     let p = plan(Shape::Chat, false, DEFAULTS);
     let (once, _) = run(&body, &p);
-    let sent = content(&once, 2);
+    let sent = content(&once, 4);
     let lines: Vec<&str> = sent.split('\n').collect();
     assert!(lines[0].starts_with("[image sha256:"), "{sent}");
     assert_eq!(lines[1..3], ["Exit code 0", "Wall time: 2s"], "{sent}");
-    assert_eq!(lines[3], "[omitted: message 1 lines 3-14]", "{sent}");
+    assert_eq!(lines[3], "[omitted: message 3 lines 3-14]", "{sent}");
     assert_eq!(run(&once, &p).0, once);
 }

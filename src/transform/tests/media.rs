@@ -310,7 +310,11 @@ fn a_note_after_a_document_names_the_lines_as_sent() {
     pdf.extend_from_slice(b"notes");
     let doc = json!({"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{}", b64(&pdf)), "filename": "n.pdf"}});
     let body = json!({"model": "m", "messages": [
-        {"role": "user", "content": [doc, {"type": "text", "text": format!("intro\n{block}\nmid\n{block}")}]},
+        {"role": "user", "content": "read my notes"},
+        {"role": "assistant", "content": "send them"},
+        {"role": "user", "content": [doc, {"type": "text", "text": format!("intro\n{block}\nmid")}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": format!("again\n{block}")},
     ]});
     let p = no_documents(Shape::Chat);
     let made = |j: &MediaJob| {
@@ -321,14 +325,17 @@ fn a_note_after_a_document_names_the_lines_as_sent() {
     };
     let (out, report, _) = convert(&body, &p, made);
     assert_eq!(report.lines_omitted, 6);
-    let parts = out["messages"][0]["content"].as_array().unwrap();
+    let parts = out["messages"][2]["content"].as_array().unwrap();
     let sent: Vec<&str> = parts
         .iter()
         .filter_map(|p| p["text"].as_str())
         .flat_map(|t| t.split('\n'))
         .collect();
     // 3 lines of the document's text, `intro`, then the block.
-    assert_eq!(sent.last(), Some(&"[omitted: message 1 lines 5-10]"));
+    assert_eq!(
+        out["messages"][4]["content"],
+        "again\n[omitted: message 3 lines 5-10]"
+    );
     assert_eq!(sent[4..10].join("\n"), block);
     let (again, report2) = run(&out, &p);
     assert_eq!(again, out, "a second pass numbers them the same");

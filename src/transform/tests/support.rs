@@ -218,25 +218,38 @@ pub(crate) fn replay(body: &Value, rules: Rules) -> Replayed {
 
 // ---- properties ----
 
+/// Status lines of several agents' forms (see `status.rs` for all).
+pub(crate) const STATUS_FORMS: [&str; 4] = [
+    "<returncode>1</returncode>",
+    "[Command finished with exit code 0]",
+    "Traceback (most recent call last):",
+    "Permission denied",
+];
+
 /// A random conversation from a small vocabulary, so lines and blocks
 /// repeat.
 pub(crate) fn conversation() -> impl Strategy<Value = Value> {
     let line = prop::sample::select(vec![
-        "[10:00] alice: the retention policy needs a tax branch first",
-        "[10:01] bob: section 4 keeps personal data three years",
-        "[10:02] carol: GoBD asks for ten years on tax records",
-        "Always answer in English, whatever the question.",
+        "[10:00] alice: the retention policy needs a tax branch first, before section 4",
+        "[10:01] bob: section 4 keeps personal data three years after the account closes",
+        "[10:02] carol: GoBD asks for ten years on tax records, which conflicts with that",
+        "Always answer in English, whatever the question, and cite the section you used.",
         "ok",
         "",
         "}",
-        "  indented repeated line of text",
+        "  indented repeated line of text, as a file view or a log would show it to us",
         "```",
         "{\"a\": 1}",
         "[3 omitted]",
-        "ünïcödé line, long enough to matter here",
+        "ünïcödé line, long enough to matter here, and then some more of it to be sure",
+        // status lines: never inside a removed run
+        STATUS_FORMS[0],
+        STATUS_FORMS[1],
+        STATUS_FORMS[2],
+        STATUS_FORMS[3],
     ]);
-    let block = prop::collection::vec(line, 1..5);
-    let text = prop::collection::vec(block, 0..4).prop_map(|bs| {
+    let block = prop::collection::vec(line, 1..7);
+    let text = prop::collection::vec(block, 0..5).prop_map(|bs| {
         // Blocks repeat as wholes: each is used twice in a row sometimes.
         let mut out: Vec<&str> = Vec::new();
         for b in &bs {
@@ -260,7 +273,18 @@ pub(crate) fn conversation() -> impl Strategy<Value = Value> {
             _ => json!({"role": "system", "content": content}),
         }
     });
-    prop::collection::vec(message, 1..12).prop_map(|m| json!({"model": "m", "messages": m}))
+    // Some messages repeat an earlier one's content whole (a re-read file,
+    // a rerun command): references.
+    let copies = prop::collection::vec((0..12usize, 0..12usize), 0..3);
+    (prop::collection::vec(message, 1..12), copies).prop_map(|(mut m, copies)| {
+        for (from, to) in copies {
+            if from < to && to < m.len() {
+                let content = m[from]["content"].clone();
+                m[to]["content"] = content;
+            }
+        }
+        json!({"model": "m", "messages": m})
+    })
 }
 
 pub(crate) fn texts(m: &Value) -> Vec<String> {
@@ -298,8 +322,9 @@ pub(crate) fn skeleton(v: &Value) -> Vec<(Value, Value, usize)> {
 
 /// The request's texts with every note replaced by what it names: a run
 /// note by those lines of the message it names (as sent), a reference by
-/// that message's text, expanded. Gives the original back when every note
-/// says truly where its lines are.
+/// that message's text, expanded (the status lines after a reference
+/// restate its own). Gives the original back when every note says truly
+/// where its lines are.
 pub(crate) fn expand(out: &Value) -> Vec<Vec<String>> {
     let msgs = out["messages"].as_array().unwrap();
     let mut expanded: Vec<Vec<String>> = Vec::new();
@@ -309,28 +334,22 @@ pub(crate) fn expand(out: &Value) -> Vec<Vec<String>> {
         for t in &sent {
             let mut lines: Vec<String> = Vec::new();
             for l in t.split('\n') {
-                if let Some(rest) = l.strip_prefix("[omitted: same as message ") {
-                    let n: usize = rest
-                        .split(|c: char| !c.is_ascii_digit())
-                        .next()
-                        .unwrap()
-                        .parse()
-                        .unwrap();
-                    lines.push(expanded[n - 1].join("\n"));
-                } else if let Some(rest) = l
-                    .strip_prefix("[omitted: ")
-                    .filter(|_| !l.contains(" items omitted"))
-                {
-                    for (n, a, b) in note_places(rest.trim_end_matches(']')) {
-                        let source: Vec<String> = texts(&msgs[n - 1])
-                            .join("\n")
-                            .split('\n')
-                            .map(str::to_owned)
-                            .collect();
-                        lines.extend(source[a - 1..b].iter().cloned());
+                match dedup::Note::parse(l) {
+                    Some(dedup::Note::Same { message, .. }) => {
+                        lines = vec![expanded[message - 1].join("\n")];
+                        break;
                     }
-                } else {
-                    lines.push(l.to_owned());
+                    Some(dedup::Note::Run(places)) => {
+                        for p in places {
+                            let source: Vec<String> = texts(&msgs[p.message - 1])
+                                .join("\n")
+                                .split('\n')
+                                .map(str::to_owned)
+                                .collect();
+                            lines.extend(source[p.first - 1..p.last].iter().cloned());
+                        }
+                    }
+                    _ => lines.push(l.to_owned()),
                 }
             }
             mine.push(lines.join("\n"));
@@ -342,46 +361,11 @@ pub(crate) fn expand(out: &Value) -> Vec<Vec<String>> {
 
 /// The places a run note names, in order: (message, first line, last line).
 pub(crate) fn note_places(note: &str) -> Vec<(usize, usize, usize)> {
-    let num = |s: &str| -> usize { s.trim().parse().unwrap() };
-    let range = |spec: &str| -> (usize, usize) {
-        let spec = spec.trim();
-        match spec.strip_prefix("lines ") {
-            Some(r) => {
-                let (a, b) = r.split_once('-').unwrap();
-                (num(a), num(b))
-            }
-            None => {
-                let a = num(spec.strip_prefix("line ").unwrap());
-                (a, a)
-            }
-        }
-    };
-    let mut out = Vec::new();
-    for part in note.split("; ") {
-        let (part, times) = match part.rsplit_once(", ") {
-            Some((p, t)) if t.ends_with(" times") => (p, num(t.trim_end_matches(" times"))),
-            _ => (part, 1),
-        };
-        if let Some(rest) = part.strip_prefix("message ") {
-            let (m, spec) = rest.split_once(' ').unwrap();
-            let spec = match spec.split_once(") ") {
-                Some((_, spec)) if spec.starts_with("line") => spec,
-                _ => spec,
-            };
-            let (a, b) = range(spec);
-            out.extend(std::iter::repeat_n((num(m), a, b), times));
-        } else if let Some((spec, rest)) = part.split_once(" of messages ") {
-            let (a, b) = range(spec);
-            let (m1, m2) = rest.split_once(" to ").unwrap();
-            out.extend((num(m1)..=num(m2)).map(|m| (m, a, b)));
-        } else {
-            let (spec, rest) = part.split_once(" of every ").unwrap();
-            let (a, b) = range(spec);
-            let (step, rest) = rest.split_once(" message from ").unwrap();
-            let step = num(step.trim_end_matches(|c: char| c.is_ascii_alphabetic()));
-            let (m1, m2) = rest.split_once(" to ").unwrap();
-            out.extend((num(m1)..=num(m2)).step_by(step).map(|m| (m, a, b)));
-        }
+    match dedup::Note::parse(&format!("[omitted: {note}]")) {
+        Some(dedup::Note::Run(places)) => places
+            .into_iter()
+            .map(|p| (p.message, p.first, p.last))
+            .collect(),
+        other => panic!("not a run note: {note} ({other:?})"),
     }
-    out
 }
