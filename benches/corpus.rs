@@ -16,18 +16,29 @@
 //! - distinct lines lost: lines of a request's texts that appear nowhere in
 //!   its rewrite;
 //! - prefix stability: turn pairs where the rewrite of turn k is a
-//!   byte-identical prefix (message by message) of the rewrite of turn k+1.
+//!   byte-identical prefix (message by message) of the rewrite of turn k+1;
+//! - harm, on the last request of each conversation (what the model reads
+//!   at the end): status lines removed (as `transform::status` marks them),
+//!   notes saving less than 128 bytes net, references to whole results
+//!   under 256 bytes, the first user message rewritten, lines repeating
+//!   the instructions removed, notes pointing into their own message (but
+//!   for a block repeated back to back); and, as a check on the status
+//!   classifier from outside, removed lines holding an outcome word
+//!   (`exit`, `error`, `fail`, `denied`, …) — code in a re-read file view
+//!   may hold them, so these are for reading, not a target.
 //!
 //! `cargo bench --bench corpus`. It times nothing (see `benches/context.rs`
 //! for speed); the figures are in the README.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench setup
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use visor::config::Config;
 use visor::models::{Learned, ModelTable};
+use visor::transform::dedup::{NOTE_MIN_SAVING, Note, SMALL_TEXT};
+use visor::transform::status;
 use visor::transform::{Plan, Rules, Shape, Takes, rewrite};
 
 /// Tokens of an image, and bytes of text per token.
@@ -53,6 +64,53 @@ struct Figures {
     pairs: usize,
     stable: usize,
     images_replaced: usize,
+    harm: Harm,
+}
+
+/// What dedup did to the last request that it may not do.
+#[derive(Default, Clone, Copy)]
+struct Harm {
+    status_lost: usize,
+    notes_small: usize,
+    references_small: usize,
+    first_user_rewritten: usize,
+    instructions_removed: usize,
+    own_message: usize,
+    /// Removed lines holding an outcome word (for reading).
+    suspect: usize,
+    /// Bytes removed from the last request, and from its messages with
+    /// any harm.
+    removed_bytes: usize,
+    harmed_bytes: usize,
+}
+
+impl Harm {
+    fn add(&mut self, o: &Harm) {
+        self.status_lost += o.status_lost;
+        self.notes_small += o.notes_small;
+        self.references_small += o.references_small;
+        self.first_user_rewritten += o.first_user_rewritten;
+        self.instructions_removed += o.instructions_removed;
+        self.own_message += o.own_message;
+        self.suspect += o.suspect;
+        self.removed_bytes += o.removed_bytes;
+        self.harmed_bytes += o.harmed_bytes;
+    }
+
+    fn print(&self, name: &str) {
+        println!(
+            "{name:<28} {:>7} {:>7} {:>6} {:>6} {:>6} {:>5} {:>8} {:>9} {:>7}",
+            self.status_lost,
+            self.notes_small,
+            self.references_small,
+            self.first_user_rewritten,
+            self.instructions_removed,
+            self.own_message,
+            self.suspect,
+            self.removed_bytes,
+            self.harmed_bytes,
+        );
+    }
 }
 
 impl Figures {
@@ -66,6 +124,7 @@ impl Figures {
         self.pairs += o.pairs;
         self.stable += o.stable;
         self.images_replaced += o.images_replaced;
+        self.harm.add(&o.harm);
     }
 
     fn print(&self, name: &str) {
@@ -114,6 +173,152 @@ fn billed(messages: &[String], values: &[Value], previous: Option<&[String]>) ->
         .enumerate()
         .map(|(i, m)| tokens(m) * if i < cached { CACHED } else { 1.0 })
         .sum()
+}
+
+/// A message's texts joined as its lines are numbered (notes count lines
+/// across its texts).
+fn message_lines(m: &Value) -> Vec<String> {
+    let texts: Vec<&str> = match m.get("content") {
+        Some(Value::String(s)) => vec![s.as_str()],
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => vec![],
+    };
+    texts.join("\n").split('\n').map(str::to_owned).collect()
+}
+
+/// Lines of `before` missing from `after` (as a multiset), with whether
+/// each is a status line there.
+fn removed(before: &[String], after: &[String]) -> Vec<(String, bool)> {
+    let mut kept: HashMap<&str, usize> = HashMap::new();
+    for l in after {
+        *kept.entry(l.as_str()).or_default() += 1;
+    }
+    let refs: Vec<&str> = before.iter().map(String::as_str).collect();
+    let marks = status::mark(&refs);
+    let mut out = Vec::new();
+    for (l, is_status) in before.iter().zip(marks) {
+        match kept.get_mut(l.as_str()) {
+            Some(n) if *n > 0 => *n -= 1,
+            _ => out.push((l.clone(), is_status)),
+        }
+    }
+    out
+}
+
+/// The harm checks on one request and its rewrite.
+fn harm(mi: &[Value], mo: &[Value]) -> Harm {
+    let mut h = Harm::default();
+    let first_user = mi.iter().position(|m| m["role"] == "user");
+    let mut instructions: HashSet<String> = HashSet::new();
+    for (i, m) in mi.iter().enumerate() {
+        if m["role"] == "system" || m["role"] == "developer" || Some(i) == first_user {
+            instructions.extend(
+                message_lines(m)
+                    .into_iter()
+                    .filter(|l| l.trim().len() >= 16),
+            );
+        }
+    }
+    if let Some(f) = first_user
+        && mi[f] != mo[f]
+    {
+        h.first_user_rewritten += 1;
+    }
+    let sent: Vec<Vec<String>> = mo.iter().map(message_lines).collect();
+    for (i, (a, b)) in mi.iter().zip(mo).enumerate() {
+        let (la, lb) = (message_lines(a), &sent[i]);
+        let bytes = |ls: &[String]| ls.iter().map(|l| l.len() + 1).sum::<usize>();
+        let saved = bytes(&la).saturating_sub(bytes(lb));
+        h.removed_bytes += saved;
+        let mut harmed = 0;
+        for (line, is_status) in removed(&la, lb) {
+            harmed += usize::from(is_status);
+            h.status_lost += usize::from(is_status);
+            let lower = line.to_ascii_lowercase();
+            if std::env::var_os("VISOR_HARM_DEBUG").is_some()
+                && [
+                    "exit",
+                    "error",
+                    "fail",
+                    "denied",
+                    "traceback",
+                    "warning",
+                    "timed out",
+                    "returncode",
+                    "exception",
+                ]
+                .iter()
+                .any(|w| lower.contains(w))
+            {
+                eprintln!("suspect removed in message {}: {line:?}", i + 1);
+            }
+            h.suspect += usize::from(
+                [
+                    "exit",
+                    "error",
+                    "fail",
+                    "denied",
+                    "traceback",
+                    "warning",
+                    "timed out",
+                    "returncode",
+                    "exception",
+                ]
+                .iter()
+                .any(|w| lower.contains(w)),
+            );
+            if instructions.contains(&line) && a["role"] != "assistant" {
+                if std::env::var_os("VISOR_HARM_DEBUG").is_some() {
+                    eprintln!("instr removed in message {}: {line:?}", i + 1);
+                }
+                h.instructions_removed += 1;
+                harmed += 1;
+            }
+        }
+        for (pos, line) in lb.iter().enumerate() {
+            match Note::parse(line) {
+                Some(Note::Run(places)) => {
+                    let mut run = 0;
+                    for p in &places {
+                        if let Some(src) = sent.get(p.message - 1)
+                            && p.last <= src.len()
+                        {
+                            run += src[p.first - 1..p.last]
+                                .iter()
+                                .map(|l| l.len() + 1)
+                                .sum::<usize>();
+                        }
+                        if p.message == i + 1 && p.last != pos {
+                            h.own_message += 1;
+                            harmed += 1;
+                        }
+                    }
+                    if run < line.len() + 1 + NOTE_MIN_SAVING {
+                        h.notes_small += 1;
+                        harmed += 1;
+                    }
+                }
+                Some(Note::Same { .. }) => {
+                    if bytes(&la) < SMALL_TEXT {
+                        h.references_small += 1;
+                        harmed += 1;
+                    }
+                    if saved < NOTE_MIN_SAVING {
+                        h.notes_small += 1;
+                        harmed += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        if harmed > 0 {
+            h.harmed_bytes += saved;
+        }
+    }
+    h
 }
 
 /// Every line of every text of a request's messages.
@@ -191,6 +396,9 @@ fn conversation(dir: &Path, cfg: &Config, table: &ModelTable) -> Figures {
         }
         prev_in = Some(si);
         prev_out = Some(so);
+        if Some(path) == turns.last() {
+            f.harm = harm(&mi, &mo);
+        }
     }
     f
 }
@@ -238,16 +446,41 @@ fn main() {
     );
     let mut total = Figures::default();
     let mut negative = 0;
+    let mut each = Vec::new();
     for d in &names {
         let f = conversation(d, &cfg, &table);
         if f.billed_out > f.billed_in {
             negative += 1;
         }
-        f.print(&d.file_name().unwrap().to_string_lossy());
+        let name = d.file_name().unwrap().to_string_lossy().into_owned();
+        f.print(&name);
         total.add(&f);
+        each.push((name, f.harm));
     }
     total.print("overall");
     println!(
         "billed: saving of the conversation's cost through visor against the original (cached prefix at {CACHED}); {negative} conversation(s) cost more"
+    );
+    println!();
+    println!("harm, on the last request of each conversation:");
+    println!(
+        "{:<28} {:>7} {:>7} {:>6} {:>6} {:>6} {:>5} {:>8} {:>9} {:>7}",
+        "conversation",
+        "status",
+        "notes",
+        "refs",
+        "first",
+        "instr",
+        "own",
+        "suspect",
+        "removed",
+        "harmed"
+    );
+    for (name, h) in &each {
+        h.print(name);
+    }
+    total.harm.print("overall");
+    println!(
+        "status: status lines removed; notes: notes saving < {NOTE_MIN_SAVING} bytes net; refs: whole-result references under {SMALL_TEXT} bytes; first: first user message rewritten; instr: lines repeating the instructions removed; own: notes into their own message (not back to back); suspect: removed lines holding an outcome word (for reading); removed/harmed: bytes removed, and of those from messages with any harm"
     );
 }

@@ -597,8 +597,13 @@ impl<'a> Dedup<'a> {
             return None;
         }
         // A text holding one of visor's image texts (a joined tool message)
-        // is never a reference: the image text would go with it.
-        if split.lines.iter().any(|l| is_image_text(l)) {
+        // is never a reference: the image text would go with it; nor one
+        // that repeats the instructions (they stay where they are).
+        if split.lines.iter().any(|l| is_image_text(l))
+            || self
+                .repeats_instructions(&split.lines, &split.hashes)
+                .contains(&true)
+        {
             return None;
         }
         let key = combine(split.hashes.iter().copied());

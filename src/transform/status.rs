@@ -77,10 +77,15 @@ pub fn is_status(line: &str) -> bool {
         return false;
     }
     let lower = t.to_ascii_lowercase();
+    // A list's mark does not make a line less of a head (`- E999
+    // SyntaxError: …`, `* error: …`).
+    let bare = t.trim_start_matches(['-', '*', '•', '>', ' ']);
     code(&lower)
         || verdict(t)
-        || traceback_head(t)
-        || head(t)
+        || traceback_head(bare)
+        || head(bare)
+        || named_error(t)
+        || diagnostic(bare)
         || tag(&lower)
         || denial(&lower)
         || timing(&lower)
@@ -89,6 +94,55 @@ pub fn is_status(line: &str) -> bool {
         || truncation(&lower)
         || key_value(t)
         || outcome(t, &lower)
+}
+
+/// An error or exception named before a colon anywhere in the line
+/// (`- E999 SyntaxError: unmatched ')'`, `… raised KeyError: 'x'`), not
+/// a call (`raise ValueError(msg)`).
+fn named_error(t: &str) -> bool {
+    t.match_indices(':').any(|(i, _)| {
+        let word_start = t[..i]
+            .char_indices()
+            .rfind(|(_, c)| !(c.is_ascii_alphanumeric() || *c == '_'))
+            .map_or(0, |(k, c)| k + c.len_utf8());
+        let word = &t[word_start..i];
+        word.starts_with(|c: char| c.is_ascii_uppercase())
+            && ["Error", "Exception"]
+                .iter()
+                .any(|s| word.len() > s.len() && word.ends_with(s))
+    })
+}
+
+/// A compiler's or linter's diagnostic: `path:12:5: message`, `path:12:
+/// error: …`, `line 12 col 5: F821 …`.
+fn diagnostic(t: &str) -> bool {
+    if let Some(rest) = t.strip_prefix("line ") {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits > 0 && rest[digits..].trim_start().starts_with("col") {
+            return true;
+        }
+    }
+    // `:<line>:<col>: ` after a path with no spaces.
+    let Some(first_space) = t.find(' ') else {
+        return false;
+    };
+    let location = &t[..first_space];
+    let Some(location) = location.strip_suffix(':') else {
+        return false;
+    };
+    let mut parts = location.rsplit(':');
+    let (Some(col), Some(line)) = (parts.next(), parts.next()) else {
+        return false;
+    };
+    let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let severity = ["error", "warning", "note", "fatal"].iter().any(|w| {
+        t[first_space..]
+            .trim_start()
+            .to_ascii_lowercase()
+            .starts_with(w)
+    });
+    parts.next().is_some_and(|path| !path.is_empty())
+        && ((number(line) && number(col)) || (number(col) && severity))
 }
 
 /// A verdict printed alone on its line (`OK`, `PASS`, `FAIL`, `Killed`),
@@ -719,6 +773,12 @@ mod tests {
         "0.00user 0.00system 0:00.10elapsed 0%CPU (0avgtext+0avgdata 1680maxresident)k",
         "Time:        1.234 s",
         "<timestamp>2025-12-01T04:48:27.908Z</timestamp>",
+        "- E999 SyntaxError: unmatched ')'",
+        "- line 12 col 5: F821 undefined name 'foo'",
+        "src/app.py:12:5: F821 undefined name 'foo'",
+        "main.c:3: error: expected ';' before '}' token",
+        "src/lib.rs:4:9: warning: unused variable `x`",
+        "    raised KeyError: 'missing'",
     ];
 
     /// Lines of output and code that are not status (they may go in a run).
@@ -749,6 +809,9 @@ mod tests {
         "     3\u{2192}import os",
         "Collecting flask",
         "def add(a, b):",
+        "1466:            raise ValueError(msg)",
+        "src/a.py:12:    def foo():",
+        "- alice: the deploy doc is ready for review",
     ];
 
     #[test]
@@ -775,6 +838,22 @@ mod tests {
         let text = "line one of a file\n<system-reminder>\nWhenever you read a file, consider whether it is malware.\n</system-reminder>\nafter";
         let lines: Vec<&str> = text.split('\n').collect();
         assert_eq!(mark(&lines), vec![false, true, true, true, false]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_text_is_read_without_panicking(text in "\\PC{0,80}(\n\\PC{0,80}){0,4}", word in "[-*•> ]{0,3}[A-Za-z→é]{0,12}(Error|Exception)?[:( ]?") {
+            let joined = format!("{word}{text}");
+            let lines: Vec<&str> = joined.split('\n').collect();
+            proptest::prop_assert_eq!(mark(&lines).len(), lines.len());
+        }
+    }
+
+    #[test]
+    fn non_ascii_around_the_forms_is_read() {
+        assert!(!is_status("    2→check:"));
+        assert!(is_status("→ ValueError: bad"));
+        assert!(is_status("  ✗ 3 failed"));
     }
 
     #[test]
