@@ -228,7 +228,7 @@ fn harm(mi: &[Value], mo: &[Value]) -> Harm {
         h.first_user_rewritten += 1;
     }
     let sent: Vec<Vec<String>> = mo.iter().map(message_lines).collect();
-    for (i, (a, b)) in mi.iter().zip(mo).enumerate() {
+    for (i, a) in mi.iter().enumerate() {
         let (la, lb) = (message_lines(a), &sent[i]);
         let bytes = |ls: &[String]| ls.iter().map(|l| l.len() + 1).sum::<usize>();
         let saved = bytes(&la).saturating_sub(bytes(lb));
