@@ -5,6 +5,8 @@
 //!   find every message's text, remove the repeated lines, splice.
 //! - `context/dedup-30turns`, `context/dedup-30turns-jsonarray`: the
 //!   committed 30-turn fixtures (lines, and JSON array items).
+//! - (savings only) `chat-monitor-200turns`: a bot that re-reads its
+//!   channel's last 20 messages, as short markdown bullets, every turn.
 //! - `context/rules-6turns`: the 6-turn screenshot fixture for a vision
 //!   model without a provider cache: age out three screenshots (the replay
 //!   of every earlier request, decode, hash, replace).
@@ -86,6 +88,51 @@ fn report_savings(name: &str, body: &[u8]) {
         r.report.lines_omitted,
         r.report.items_omitted,
     );
+}
+
+/// A chat monitor of `turns` turns: each turn the bot is mentioned, calls
+/// `read_channel(limit=20)`, and gets the channel's last 20 messages as
+/// short markdown bullet lines (the newest one new each turn) — the
+/// O(n²) re-fetch, in short lines (~50 bytes; ~60 when `dated`, with the
+/// day in each time stamp as chat exports print it).
+fn chat_monitor(turns: usize, dated: bool) -> Vec<u8> {
+    const SAID: [(&str, &str); 6] = [
+        ("alice", "can someone review the deploy doc?"),
+        ("bob", "on it after lunch"),
+        ("carol", "staging looks fine to me"),
+        ("dave", "the dashboard is slow again"),
+        ("erin", "I moved the standup to 10"),
+        ("frank", "thanks, merged"),
+    ];
+    let line = |i: usize| {
+        let (who, text) = SAID[i % SAID.len()];
+        match dated {
+            true => format!(
+                "- **{who}** (2026-11-20 {:02}:{:02}): {text} #{i}",
+                9 + i / 60 % 12,
+                i % 60
+            ),
+            false => format!(
+                "- **{who}** ({:02}:{:02}): {text} #{i}",
+                9 + i / 60 % 12,
+                i % 60
+            ),
+        }
+    };
+    let mut msgs = vec![
+        serde_json::json!({"role": "system", "content": "You watch #ops and answer when mentioned."}),
+    ];
+    for t in 0..turns {
+        let id = format!("call_read_{t}");
+        msgs.push(serde_json::json!({"role": "user", "content": format!("@bot what is new in #ops? (turn {t})")}));
+        msgs.push(serde_json::json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "read_channel", "arguments": "{\"limit\":20}"}}]}));
+        let window: Vec<String> = (t..t + 20).map(line).collect();
+        msgs.push(
+            serde_json::json!({"role": "tool", "tool_call_id": id, "content": window.join("\n")}),
+        );
+        msgs.push(serde_json::json!({"role": "assistant", "content": format!("Nothing urgent (turn {t}).")}));
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "gpt-oss-120b", "messages": msgs})).unwrap()
 }
 
 /// A screenshot agent of `n` turns made from the 6-turn fixture: the
@@ -209,6 +256,8 @@ fn bench(c: &mut Criterion) {
     report_savings("agent-history-200turns", &big);
     report_savings("agent-history-refetch", &refetch);
     report_savings("agent-history-refetch-jsonarray", &array);
+    report_savings("chat-monitor-200turns", &chat_monitor(200, false));
+    report_savings("chat-monitor-200turns-dated", &chat_monitor(200, true));
     report_ageing(&shots);
 
     let mut g = c.benchmark_group("context");

@@ -427,3 +427,174 @@ async fn the_providers_prompt_cache_figures_are_counted_from_json_and_streams() 
     assert_eq!(grew(&after, "cache_write"), 2048.0);
     assert_eq!(grew(&after, "prompt"), 2006.0 + 12.0);
 }
+
+/// A file view of `n` numbered lines, as an editor tool prints one.
+fn view(n: usize) -> String {
+    (1..=n)
+        .map(|i| format!("{i:>4}:    value_{i} = compute(inputs[{i}], scale={i}.5)  # step {i} of the pipeline"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// What the upstream got for `messages` sent through visor.
+async fn through(visor: &Visor, mock: &MockUpstream, model: &str, messages: Value) -> Vec<Value> {
+    let body = serde_json::to_vec(&json!({"model": model, "messages": messages})).unwrap();
+    let (status, _, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    assert_eq!(status, 200);
+    let sent = json(&mock.recorded().pop().unwrap().body);
+    sent["messages"].as_array().unwrap().clone()
+}
+
+/// Each harm the dedup of an earlier version did to real agents, through
+/// the proxy: what the model needs to act reaches it.
+#[tokio::test]
+async fn dedup_never_costs_the_agent_what_it_needs_to_act() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let task = json!({"role": "user", "content": "Fix the failing test in pipeline.py."});
+    let said = |s: &str| json!({"role": "assistant", "content": s});
+    let obs = |s: &str| json!({"role": "user", "content": s});
+
+    // mini-swe-agent: an empty result with its return code, repeated (45
+    // bytes), and a result repeated whole keeps its return code.
+    let empty = "<returncode>1</returncode>\n<output>\n</output>";
+    let full = format!(
+        "<returncode>0</returncode>\n<output>\n{}\n</output>",
+        view(8)
+    );
+    let sent = through(
+        &visor,
+        &mock,
+        "m",
+        json!([
+            task,
+            said("grep -n x"),
+            obs(empty),
+            said("cat pipeline.py"),
+            obs(&full),
+            said("grep -n y"),
+            obs(empty),
+            said("cat pipeline.py"),
+            obs(&full),
+        ]),
+    )
+    .await;
+    assert_eq!(sent[6]["content"], empty, "a small result stays whole");
+    assert_eq!(
+        sent[8]["content"], "[omitted: same as message 5]\n<returncode>0</returncode>",
+        "a repeated result keeps its status lines"
+    );
+
+    // OpenHands: the exit line and the working directory inside a
+    // repeated run stay; the run ends before them.
+    let tail = "[Command finished with exit code 0]\n[Current working directory: /workspace]";
+    let sent = through(
+        &visor,
+        &mock,
+        "m",
+        json!([
+            task,
+            said("run"),
+            obs(&format!("$ python pipeline.py\n{}\n{tail}", view(10))),
+            said("run again"),
+            obs(&format!(
+                "$ python pipeline.py --again\n{}\n{tail}",
+                view(10)
+            )),
+        ]),
+    )
+    .await;
+    assert_eq!(
+        sent[4]["content"],
+        format!("$ python pipeline.py --again\n[omitted: message 3 lines 2-11]\n{tail}")
+    );
+
+    // A new traceback whose frames repeat an older one: its first and last
+    // lines stay.
+    let frames = (1..=6)
+        .map(|i| format!("  File \"/repo/pipeline.py\", line {}, in stage_{i}\n    return stage_{}(data, options, retries=3)", 10 * i, i + 1))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let header = "Traceback (most recent call last):";
+    let sent = through(
+        &visor,
+        &mock,
+        "m",
+        json!([
+            task,
+            said("run"),
+            obs(&format!("{header}\n{frames}\nKeyError: 'scale'")),
+            said("run again"),
+            obs(&format!(
+                "{header}\n{frames}\nValueError: scale must be positive"
+            )),
+        ]),
+    )
+    .await;
+    assert_eq!(
+        sent[4]["content"],
+        format!("{header}\n[omitted: message 3 lines 2-13]\nValueError: scale must be positive")
+    );
+
+    // SWE-agent: a demonstration that shows the same file view twice, in
+    // the first user message, stays whole.
+    let demo = format!(
+        "Here is a demonstration.\n[File: /demo/a.py (8 lines total)]\n{}\nedit 3:3\n[File: /demo/a.py (8 lines total)]\n{}\nNow your task: fix pipeline.py.",
+        view(8),
+        view(8)
+    );
+    let sent = through(
+        &visor,
+        &mock,
+        "m",
+        json!([obs(&demo), said("open pipeline.py")]),
+    )
+    .await;
+    assert_eq!(sent[0]["content"], demo);
+
+    // Aider: rules from the system prompt repeated at the end of the
+    // newest message, on purpose, stay.
+    let rules = "Every *SEARCH/REPLACE block* must use this format:\n1. The *FULL* file path alone on a line, verbatim.\n2. The opening fence and code language, eg: ```python\n3. The start of search block: <<<<<<< SEARCH\n4. A contiguous chunk of lines to search for in the existing source code";
+    let system = json!({"role": "system", "content": format!("Act as an expert software developer.\n{rules}")});
+    let sent = through(
+        &visor,
+        &mock,
+        "m",
+        json!([
+            system,
+            task,
+            said("ok"),
+            obs(&format!("Now change the scale.\n\n{rules}")),
+            said("done"),
+            obs(&format!("Now change the retries.\n\n{rules}")),
+        ]),
+    )
+    .await;
+    assert_eq!(
+        sent[5]["content"],
+        format!("Now change the retries.\n\n{rules}")
+    );
+
+    // WebVoyager: the short observation text beside each screenshot stays.
+    let png = fixture("chart.png").to_vec();
+    let shot = |n: u8| {
+        let mut p = png.clone();
+        p.push(n);
+        json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", base64_simd::STANDARD.encode_to_string(&p))}})
+    };
+    let text =
+        "Observation: please analyze the attached screenshot and give the Thought and Action.";
+    let sent = through(
+        &visor,
+        &mock,
+        "gpt-4o",
+        json!([
+            task, said("Thought: look. Action: Click [3]"),
+            {"role": "user", "content": [{"type": "text", "text": text}, shot(1)]},
+            said("Thought: scroll. Action: Scroll [WINDOW]; down"),
+            {"role": "user", "content": [{"type": "text", "text": text}, shot(2)]},
+        ]),
+    )
+    .await;
+    assert_eq!(sent[4]["content"][0]["text"], text);
+}

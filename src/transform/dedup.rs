@@ -152,7 +152,7 @@ impl Segment {
 /// The note that replaces a run: where each of its segments is, with a
 /// row of segments that sit at the same lines of evenly spaced messages
 /// (a sliding window re-fetched every turn) said once:
-/// `[omitted: message 4 lines 4-25; line 2 of every 4th message from 8 to 96]`,
+/// `[omitted: message 4 lines 4-25; line 2 of messages 8, 12 … 96]`,
 /// and a segment repeated back to back (a block a log prints again and
 /// again) said once with its count: `message 3 lines 2-4, 39 times`.
 fn run_note(segments: &[Segment]) -> String {
@@ -210,10 +210,10 @@ fn run_note(segments: &[Segment]) -> String {
             parts.push(match d {
                 1 => format!("{} of messages {} to {last}", lines(s), s.message),
                 _ => format!(
-                    "{} of every {} message from {} to {last}",
+                    "{} of messages {}, {} … {last}",
                     lines(s),
-                    ordinal(d),
-                    s.message
+                    s.message,
+                    s.message + d
                 ),
             });
             k += row;
@@ -226,18 +226,6 @@ fn run_note(segments: &[Segment]) -> String {
         }
     }
     format!("[omitted: {}]", parts.join("; "))
-}
-
-/// `2nd`, `3rd`, `4th`, `21st`.
-fn ordinal(n: usize) -> String {
-    let suffix = match (n % 10, n % 100) {
-        (_, 11..=13) => "th",
-        (1, _) => "st",
-        (2, _) => "nd",
-        (3, _) => "rd",
-        _ => "th",
-    };
-    format!("{n}{suffix}")
 }
 
 /// One line of a rewritten text.
@@ -1277,21 +1265,20 @@ fn parse_part(part: &str, out: &mut Vec<Place>) -> Option<()> {
         out.extend(std::iter::repeat_n(place, times));
         return Some(());
     }
-    let (spec, rest, step) = match part.split_once(" of messages ") {
-        Some((spec, rest)) => (spec, rest, 1),
+    // `lines 2-3 of messages 8 to 40`, `line 2 of messages 8, 12 … 96`.
+    let (spec, rest) = part.split_once(" of messages ")?;
+    let (first, last) = parse_lines(spec)?;
+    let (m1, m2, step): (usize, usize, usize) = match rest.split_once(" … ") {
+        Some((two, m2)) => {
+            let (a, b) = two.split_once(", ")?;
+            let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
+            (a, m2.parse().ok()?, b.checked_sub(a)?)
+        }
         None => {
-            let (spec, rest) = part.split_once(" of every ")?;
-            let (step, rest) = rest.split_once(" message from ")?;
-            let step: usize = step
-                .trim_end_matches(|c: char| c.is_ascii_alphabetic())
-                .parse()
-                .ok()?;
-            (spec, rest, step)
+            let (a, b) = rest.split_once(" to ")?;
+            (a.parse().ok()?, b.parse().ok()?, 1)
         }
     };
-    let (first, last) = parse_lines(spec)?;
-    let (m1, m2) = rest.split_once(" to ")?;
-    let (m1, m2): (usize, usize) = (m1.parse().ok()?, m2.parse().ok()?);
     if step == 0 || m2 < m1 {
         return None;
     }
