@@ -288,6 +288,9 @@ struct Dedup<'a> {
     /// their consecutive pairs: never sources, and kept where repeated.
     instruction_lines: HashSet<u64, Fast>,
     instruction_pairs: HashSet<u64, Fast>,
+    /// Lines judged status or not, by hash (texts repeat: each distinct
+    /// line is judged once a request).
+    status: HashMap<u64, (&'a str, bool), Fast>,
 }
 
 /// Where a text dedup reads comes from, and where its rewrite goes.
@@ -395,6 +398,7 @@ pub fn run(
         items: HashMap::new(),
         instruction_lines: HashSet::default(),
         instruction_pairs: HashSet::default(),
+        status: HashMap::default(),
     };
     // Instructions outside the message list: Anthropic `system`,
     // Responses `instructions`.
@@ -608,7 +612,7 @@ impl<'a> Dedup<'a> {
         };
         // Its status lines follow the reference: the outcome is read where
         // it happened.
-        let marks = status::mark(&split.lines);
+        let marks = self.status_marks(&split.lines, &split.hashes, false);
         let kept: Vec<(&'a str, u64)> = split
             .lines
             .iter()
@@ -637,6 +641,31 @@ impl<'a> Dedup<'a> {
         let lines: Vec<&'a str> = text.split('\n').collect();
         let hashes = lines.iter().map(|l| self.hasher.hash_one(*l)).collect();
         Split { lines, hashes }
+    }
+
+    /// Which of a text's lines are status lines. With `lazy`, only lines
+    /// that can be in a run are judged: those an earlier text sent, or that
+    /// stand earlier in this one (a block repeated back to back); each
+    /// distinct line once a request.
+    fn status_marks(&mut self, lines: &[&'a str], hashes: &[u64], lazy: bool) -> Vec<bool> {
+        let mut here: HashSet<u64, Fast> = HashSet::default();
+        let (singles, memo) = (&self.singles, &mut self.status);
+        status::mark_with(lines, |q, line| {
+            let h = hashes[q];
+            let repeats = !lazy || singles.contains_key(&h) || !here.insert(h);
+            if !repeats {
+                return false;
+            }
+            match memo.get(&h) {
+                Some(&(l, s)) if l == line => s,
+                Some(_) => status::is_status(line),
+                None => {
+                    let s = status::is_status(line);
+                    memo.insert(h, (lines[q], s));
+                    s
+                }
+            }
+        })
     }
 
     /// Indexes a text of the instructions: its lines are kept where a
@@ -758,7 +787,7 @@ impl<'a> Dedup<'a> {
         let Split { lines, hashes } = split;
         // Lines that never join a run: visor's own, status lines, and text
         // that repeats the instructions.
-        let status = status::mark(&lines);
+        let status = self.status_marks(&lines, &hashes, true);
         let instructions = self.repeats_instructions(&lines, &hashes);
         let barrier: Vec<bool> = lines
             .iter()

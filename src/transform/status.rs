@@ -31,7 +31,19 @@
 
 /// Which of `lines` (one text, in order) are status lines.
 pub fn mark(lines: &[&str]) -> Vec<bool> {
-    let mut out: Vec<bool> = lines.iter().map(|l| is_status(l)).collect();
+    mark_with(lines, |_, l| is_status(l))
+}
+
+/// [`mark`], with the line-by-line judgement `line_status(q, line)` given
+/// by the caller (one that remembers lines it has judged, or skips lines
+/// that cannot matter to it); the rules that need the lines around a line
+/// (a traceback's last line, a reminder block) are applied here.
+pub fn mark_with(lines: &[&str], mut line_status: impl FnMut(usize, &str) -> bool) -> Vec<bool> {
+    let mut out: Vec<bool> = lines
+        .iter()
+        .enumerate()
+        .map(|(q, l)| line_status(q, l))
+        .collect();
     // A reminder the harness puts in a result (`<system-reminder>` … its
     // closing tag) is an instruction: every line of it stays.
     let mut in_reminder = false;
