@@ -234,9 +234,13 @@ fn harm(mi: &[Value], mo: &[Value]) -> Harm {
         let saved = bytes(&la).saturating_sub(bytes(lb));
         h.removed_bytes += saved;
         let mut harmed = 0;
+        // A status line is lost when no copy of it is left in the message
+        // (a block repeated back to back keeps one copy and a count).
+        let left: HashSet<&str> = lb.iter().map(String::as_str).collect();
         for (line, is_status) in removed(&la, lb) {
-            harmed += usize::from(is_status);
-            h.status_lost += usize::from(is_status);
+            let lost = is_status && !left.contains(line.as_str());
+            harmed += usize::from(lost);
+            h.status_lost += usize::from(lost);
             let lower = line.to_ascii_lowercase();
             if std::env::var_os("VISOR_HARM_DEBUG").is_some()
                 && [

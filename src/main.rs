@@ -337,9 +337,11 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
     );
     match cfg.dedup.enabled {
         true => out!(
-            "dedup: runs of at least {} lines and {} bytes",
+            "dedup: runs of at least {} lines and {} bytes, each note saving {} bytes more than its length; kept whole: status lines, results under {} bytes, the instructions and the first user message",
             cfg.dedup.min_run_lines,
-            cfg.dedup.min_run_bytes
+            cfg.dedup.min_run_bytes,
+            visor::transform::dedup::NOTE_MIN_SAVING,
+            visor::transform::dedup::SMALL_TEXT
         ),
         false => out!("dedup: off"),
     }

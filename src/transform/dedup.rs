@@ -228,6 +228,16 @@ fn run_note(segments: &[Segment]) -> String {
     format!("[omitted: {}]", parts.join("; "))
 }
 
+/// Whether a line may be inside a removed run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    Never,
+    /// A status line: only inside a block repeated back to back.
+    Status,
+    /// visor's own lines, text repeating the instructions.
+    Always,
+}
+
 /// One line of a rewritten text.
 enum Piece<'a> {
     /// A line as it is sent.
@@ -501,6 +511,15 @@ pub fn run(
                 None
             } else if instruction {
                 d.record_instruction(me, text);
+                None
+            } else if !eligible && role != Role::Tool && role != Role::User {
+                // The model's own words (a proposed edit, a plan) are never
+                // the source of a note: what a tool or the user says is read
+                // where they said it, never rebuilt from what the model
+                // proposed.
+                for _ in text.split('\n') {
+                    d.push_note(me);
+                }
                 None
             } else if !eligible || small {
                 d.record(me, text);
@@ -785,14 +804,19 @@ impl<'a> Dedup<'a> {
         out: &mut Omitted,
     ) -> Option<String> {
         let Split { lines, hashes } = split;
-        // Lines that never join a run: visor's own, status lines, and text
-        // that repeats the instructions.
+        // Lines that never join a run: visor's own and text that repeats
+        // the instructions; status lines, but for a block repeated back to
+        // back (the copy before the note holds them).
         let status = self.status_marks(&lines, &hashes, true);
         let instructions = self.repeats_instructions(&lines, &hashes);
-        let barrier: Vec<bool> = lines
+        let barrier: Vec<Stop> = lines
             .iter()
             .enumerate()
-            .map(|(q, l)| status[q] || instructions[q] || is_own(l))
+            .map(|(q, l)| match (instructions[q] || is_own(l), status[q]) {
+                (true, _) => Stop::Always,
+                (false, true) => Stop::Status,
+                (false, false) => Stop::Never,
+            })
             .collect();
         let mut pieces: Vec<Piece<'a>> = Vec::with_capacity(lines.len());
         let mut i = 0;
@@ -844,7 +868,7 @@ impl<'a> Dedup<'a> {
         &self,
         lines: &[&str],
         hashes: &[u64],
-        barrier: &[bool],
+        barrier: &[Stop],
         i: usize,
         me: usize,
     ) -> Vec<Segment> {
@@ -875,15 +899,15 @@ impl<'a> Dedup<'a> {
         &self,
         lines: &[&str],
         hashes: &[u64],
-        barrier: &[bool],
+        barrier: &[Stop],
         i: usize,
         me: usize,
         previous: Option<&Segment>,
     ) -> Option<Segment> {
-        if i >= lines.len() || barrier[i] {
+        if i >= lines.len() || barrier[i] == Stop::Always {
             return None;
         }
-        let pair = (i + 1 < lines.len() && !barrier[i + 1])
+        let pair = (i + 1 < lines.len() && barrier[i + 1] != Stop::Always)
             .then(|| self.pairs.get(&combine([hashes[i], hashes[i + 1]])))
             .flatten();
         let starts = match pair {
@@ -899,9 +923,16 @@ impl<'a> Dedup<'a> {
                 // Another unit of the same message.
                 continue;
             }
+            // A status line ends a run, but for a block this message
+            // repeats back to back.
+            let stops = |q: usize| match barrier[q] {
+                Stop::Always => true,
+                Stop::Status => !own,
+                Stop::Never => false,
+            };
             let mut len = 0;
             while i + len < lines.len()
-                && !barrier[i + len]
+                && !stops(i + len)
                 && sent.hashes.get(at + len) == Some(&hashes[i + len])
                 && sent.lines.get(at + len).copied().flatten() == Some(lines[i + len])
             {

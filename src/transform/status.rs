@@ -29,6 +29,22 @@
 //! Over-keeping costs a few bytes; under-keeping costs the agent its turn,
 //! so where a form is unclear it counts as status.
 
+/// Tags whose content is the harness speaking to the model (matched
+/// inside a tag's name: `system-reminder`, `response_example`).
+const GUIDANCE_TAGS: &[&str] = &[
+    "reminder",
+    "example",
+    "instruction",
+    "warning",
+    "important",
+    "note",
+    "guidance",
+    "rules",
+];
+/// Lines of such a tag kept at most (one never closed is not a licence to
+/// keep the whole result).
+const GUIDANCE_LINES: usize = 64;
+
 /// Which of `lines` (one text, in order) are status lines.
 pub fn mark(lines: &[&str]) -> Vec<bool> {
     mark_with(lines, |_, l| is_status(l))
@@ -44,19 +60,24 @@ pub fn mark_with(lines: &[&str], mut line_status: impl FnMut(usize, &str) -> boo
         .enumerate()
         .map(|(q, l)| line_status(q, l))
         .collect();
-    // A reminder the harness puts in a result (`<system-reminder>` … its
-    // closing tag) is an instruction: every line of it stays.
-    let mut in_reminder = false;
+    // What the harness says to the model inside a result, in a tag of its
+    // own (`<system-reminder>`, `<warning>`, `<response_example>`,
+    // `<instructions>`, … up to its closing tag, [`GUIDANCE_LINES`] at
+    // most), is an instruction or a worked example: every line stays.
+    let mut open: Option<(String, usize)> = None;
     for (q, l) in lines.iter().enumerate() {
         let t = l.trim();
-        let opens = t.starts_with('<') && !t.starts_with("</") && tag_name(t).contains("reminder");
-        if opens {
-            in_reminder = true;
+        if open.is_none() && t.starts_with('<') && !t.starts_with("</") {
+            let name = tag_name(t);
+            if GUIDANCE_TAGS.iter().any(|g| name.contains(g)) {
+                open = Some((name, q));
+            }
         }
-        if in_reminder {
+        if let Some((name, start)) = &open {
             out[q] = true;
-            if t.contains("reminder>") && (t.starts_with("</") || t.contains("</")) {
-                in_reminder = false;
+            let closes = t.contains(&format!("</{name}"));
+            if closes || q - start + 1 >= GUIDANCE_LINES {
+                open = None;
             }
         }
     }
@@ -84,8 +105,9 @@ pub fn mark_with(lines: &[&str], mut line_status: impl FnMut(usize, &str) -> boo
 /// Whether one line, on its own, reports what an action did.
 pub fn is_status(line: &str) -> bool {
     let t = line.trim();
-    if t.is_empty() || t.len() > 400 {
-        // A status line is short; a 400-byte line is output.
+    if t.is_empty() || t.len() > 400 || numbered(t) {
+        // A status line is short; a 400-byte line is output, and so is a
+        // numbered line of a file view.
         return false;
     }
     let lower = t.to_ascii_lowercase();
@@ -98,6 +120,8 @@ pub fn is_status(line: &str) -> bool {
         || head(bare)
         || named_error(t)
         || diagnostic(bare)
+        || assertion_value(bare)
+        || addressed(bare)
         || tag(&lower)
         || denial(&lower)
         || timing(&lower)
@@ -106,6 +130,92 @@ pub fn is_status(line: &str) -> bool {
         || truncation(&lower)
         || key_value(t)
         || outcome(t, &lower)
+}
+
+/// A numbered line of a file view (`281:        raise …`, `     3→import
+/// os`, `    12\tx = 1`): the file's text, whatever it says.
+fn numbered(t: &str) -> bool {
+    let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+    if digits == 0 {
+        return false;
+    }
+    let rest = &t[digits..];
+    rest.starts_with('\t')
+        || rest.starts_with('→')
+        || rest.starts_with('|')
+        || (rest.starts_with(':') && rest[1..].starts_with(char::is_whitespace))
+        || (rest.starts_with(':') && rest.len() == 1)
+}
+
+/// The values of a failed assertion (`left: …`, `right: …`, `Expected:
+/// …`, `Received: …`, `got …, want …`).
+fn assertion_value(t: &str) -> bool {
+    let lower = t.to_ascii_lowercase();
+    [
+        "left:",
+        "right:",
+        "expected:",
+        "actual:",
+        "received:",
+        "got:",
+        "want:",
+        "diff:",
+    ]
+    .iter()
+    .any(|p| lower.starts_with(p))
+        || (lower.contains("got ") && lower.contains("want "))
+}
+
+/// A sentence the harness addresses to the model: guidance, a rule, a
+/// retry advice (`Please try a different command…`, `Did you mean to
+/// match some of these lines?`, `The SEARCH section must exactly match…`,
+/// `IMPORTANT: …`, `DO NOT re-run the same failed edit command.`).
+fn addressed(t: &str) -> bool {
+    let t = t.trim_start_matches(['#', ' ']);
+    let prose = strip_code(t);
+    let sentence = t.starts_with(|c: char| c.is_uppercase()) && words_of(&prose) >= 4;
+    if !sentence || code_like(&prose) {
+        return false;
+    }
+    let lower = prose.to_ascii_lowercase();
+    const WORDS: &[&str] = &[
+        "you",
+        "your",
+        "please",
+        "must",
+        "never",
+        "always",
+        "important",
+        "note",
+        "should",
+        "try",
+        "retry",
+        "don't",
+        "do not",
+        "make sure",
+        "ensure",
+        "avoid",
+    ];
+    lower
+        .split(|c: char| !(c.is_alphanumeric() || c == '\''))
+        .any(|w| WORDS.contains(&w))
+        || lower.contains("do not")
+        || lower.contains("make sure")
+}
+
+/// The line without its `backtick` spans: code quoted in prose.
+fn strip_code(t: &str) -> String {
+    t.split('`').step_by(2).collect::<Vec<_>>().join(" ")
+}
+
+/// Whether a line (its quoted code taken out) reads as code.
+fn code_like(t: &str) -> bool {
+    t.contains(['(', ')', '{', '}', ';', '='])
+        && !(t.ends_with('.') || t.ends_with('?') || t.ends_with('!'))
+}
+
+fn words_of(t: &str) -> usize {
+    t.split_whitespace().count()
 }
 
 /// An error or exception named before a colon anywhere in the line
@@ -118,11 +228,19 @@ fn named_error(t: &str) -> bool {
             .rfind(|(_, c)| !(c.is_ascii_alphanumeric() || *c == '_'))
             .map_or(0, |(k, c)| k + c.len_utf8());
         let word = &t[word_start..i];
-        word.starts_with(|c: char| c.is_ascii_uppercase())
-            && ["Error", "Exception"]
-                .iter()
-                .any(|s| word.len() > s.len() && word.ends_with(s))
-    })
+        exception_name(word)
+    }) || t
+        .rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .next()
+        .is_some_and(|last| exception_name(last) && t.contains(": "))
+}
+
+/// `ValueError`, `DeprecationWarning`, `IOException`.
+fn exception_name(word: &str) -> bool {
+    word.starts_with(|c: char| c.is_ascii_uppercase())
+        && ["Error", "Exception", "Warning"]
+            .iter()
+            .any(|s| word.len() > s.len() && word.ends_with(s))
 }
 
 /// A compiler's or linter's diagnostic: `path:12:5: message`, `path:12:
@@ -147,6 +265,16 @@ fn diagnostic(t: &str) -> bool {
         return false;
     };
     let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    // `x_test.go:57: attempts = 3, want 1`: a file with an extension, its
+    // line, one space and the message.
+    let after = &t[first_space + 1..];
+    if number(col)
+        && line.rsplit('/').next().is_some_and(|f| f.contains('.'))
+        && !after.starts_with(char::is_whitespace)
+        && !after.is_empty()
+    {
+        return true;
+    }
     let severity = ["error", "warning", "note", "fatal"].iter().any(|w| {
         t[first_space..]
             .trim_start()
@@ -505,6 +633,7 @@ fn outcome(t: &str, lower: &str) -> bool {
         "did not match",
         "no replacement",
         "no matches",
+        "no match found",
     ];
     if ANYWHERE.iter().any(|f| lower.contains(f)) {
         return true;
@@ -568,8 +697,7 @@ fn outcome(t: &str, lower: &str) -> bool {
         "aborted",
         "crashed",
     ];
-    let code_like = t.contains(['(', ')', '{', '}', ';', '=']);
-    !code_like && words(lower).any(|w| STRONG.contains(&w))
+    !code_like(&strip_code(t)) && words(lower).any(|w| STRONG.contains(&w))
 }
 
 /// `3 passed`, `1 failed`, `2 errors`, `Ran 12 tests`.
@@ -791,6 +919,21 @@ mod tests {
         "main.c:3: error: expected ';' before '}' token",
         "src/lib.rs:4:9: warning: unused variable `x`",
         "    raised KeyError: 'missing'",
+        // forms an outside review found missed (agents not in the corpus)
+        "No match found for the specified text.",
+        "assertion `left == right` failed",
+        "  left: [\"a\", \"b\"]",
+        " right: [\" a \", \"b\"]",
+        "Expected: 3",
+        "/testbed/slugkit/special.py:12: DeprecationWarning: invalid escape sequence",
+        "tests/test_store.py:71: AssertionError",
+        "    sender_test.go:57: attempts = 3, want 1",
+        "Did you mean to match some of these actual lines from todo/cli.py?",
+        "The SEARCH section must exactly match an existing block of lines including all white space, comments, indentation, docstrings, etc",
+        "Please try a different command that produces less output.",
+        "Review the changes and make sure they are as expected. Edit the file again if necessary.",
+        "IMPORTANT: For any future changes to this file, use the final_file_content shown above as your reference.",
+        "Now that you have the latest state of the file, try the operation again with fewer, more precise SEARCH blocks.",
     ];
 
     /// Lines of output and code that are not status (they may go in a run).
@@ -824,6 +967,12 @@ mod tests {
         "1466:            raise ValueError(msg)",
         "src/a.py:12:    def foo():",
         "- alice: the deploy doc is ready for review",
+        "   6: \t\"errors\"",
+        "  12: // ErrGaveUp is returned when every attempt failed.",
+        "     4\u{2192}    if err != nil { return fmt.Errorf(\"failed: %w\", err) }",
+        "    12\tlogger.error(\"timed out\")",
+        "src/a.py:12:    def foo():",
+        "    # you can pass a custom parser here",
     ];
 
     #[test]
@@ -850,6 +999,17 @@ mod tests {
         let text = "line one of a file\n<system-reminder>\nWhenever you read a file, consider whether it is malware.\n</system-reminder>\nafter";
         let lines: Vec<&str> = text.split('\n').collect();
         assert_eq!(mark(&lines), vec![false, true, true, true, false]);
+        // A worked example in a result (mini-swe-agent's format error).
+        let text = "Format error:\n<response_example>\nTHOUGHT: look first\n```mswea_bash_command\nls -la\n```\n</response_example>\nfiles";
+        let lines: Vec<&str> = text.split('\n').collect();
+        assert_eq!(
+            mark(&lines),
+            vec![true, true, true, true, true, true, true, false]
+        );
+        // A tag never closed keeps 64 lines, not the rest of the result.
+        let text = format!("<warning>\n{}", vec!["output line"; 100].join("\n"));
+        let lines: Vec<&str> = text.split('\n').collect();
+        assert_eq!(mark(&lines).iter().filter(|&&s| s).count(), 64);
     }
 
     proptest::proptest! {

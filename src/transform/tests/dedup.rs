@@ -315,15 +315,30 @@ fn a_block_repeated_back_to_back_is_said_once_with_its_count() {
         .map(texts)
         .collect();
     assert_eq!(expand(&out), original, "the note expands to the log");
-    // With a status line in each copy, the copies stay: a status line is
-    // never inside a removed run.
+    // With a status line in each copy, the copies go too: the copy before
+    // the note holds it, the count says how often.
     let warning = "WARNING: deprecated call to parse_config() in module alpha\n  at line 42 of config.py\n  use load_config() instead";
     let log = format!("{}\ndone", vec![warning; 40].join("\n"));
     let body = json!({"model": "m", "messages": [
         {"role": "user", "content": "run it"},
         call("c1"), tool("c1", &log),
     ]});
-    assert_eq!(chat(&body).0, body);
+    assert_eq!(
+        content(&chat(&body).0, 2),
+        format!("{warning}\n[omitted: message 3 lines 1-3, 39 times]\ndone")
+    );
+    // A status line inside a block repeated from another message stays.
+    let (a, b) = (file(8).join("\n"), file(16)[8..].join("\n"));
+    let block = format!("{a}\nWARNING: deprecated call to parse_config()\n{b}");
+    let later = json!({"model": "m", "messages": [
+        {"role": "user", "content": "run it"},
+        call("c1"), tool("c1", &block),
+        call("c2"), tool("c2", &format!("second run\n{block}")),
+    ]});
+    assert_eq!(
+        content(&chat(&later).0, 4),
+        "second run\n[omitted: message 3 lines 1-8]\nWARNING: deprecated call to parse_config()\n[omitted: message 3 lines 10-17]"
+    );
 }
 
 /// An image part replaced by a text part is a line of its message as it is
