@@ -50,7 +50,7 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 
 use serde_json::Value;
 
-use super::json::{Cursor, Kind, is_json, quote};
+use super::json::{Cursor, is_json, quote};
 use super::status;
 use super::walk::{Role, Scan};
 
@@ -412,7 +412,7 @@ pub fn run(
     };
     // Instructions outside the message list: Anthropic `system`,
     // Responses `instructions`.
-    let top = top_level_instructions(body);
+    let top = top_level_instructions(scan, body);
     for text in &top {
         d.instruct(text);
     }
@@ -608,13 +608,8 @@ impl<'a> Dedup<'a> {
             return None;
         }
         // A text holding one of visor's image texts (a joined tool message)
-        // is never a reference: the image text would go with it; nor one
-        // that repeats the instructions (they stay where they are).
-        if split.lines.iter().any(|l| is_image_text(l))
-            || self
-                .repeats_instructions(&split.lines, &split.hashes)
-                .contains(&true)
-        {
+        // is never a reference: the image text would go with it.
+        if split.lines.iter().any(|l| is_image_text(l)) {
             return None;
         }
         let key = combine(split.hashes.iter().copied());
@@ -623,6 +618,13 @@ impl<'a> Dedup<'a> {
             same.push((text, me));
             return None;
         };
+        // Nor one that repeats the instructions: they stay where they are.
+        if self
+            .repeats_instructions(&split.lines, &split.hashes)
+            .contains(&true)
+        {
+            return None;
+        }
         let first = self.sent.get(earlier)?;
         let message = first.message + 1;
         let mut note = match first.label.as_ref().or(first.call_id.as_ref()) {
@@ -671,19 +673,18 @@ impl<'a> Dedup<'a> {
         let (singles, memo) = (&self.singles, &mut self.status);
         status::mark_with(lines, |q, line| {
             let h = hashes[q];
+            match memo.get(&h) {
+                Some(&(l, s)) if l == line => return s,
+                Some(_) => return status::is_status(line),
+                None => {}
+            }
             let repeats = !lazy || singles.contains_key(&h) || !here.insert(h);
             if !repeats {
                 return false;
             }
-            match memo.get(&h) {
-                Some(&(l, s)) if l == line => s,
-                Some(_) => status::is_status(line),
-                None => {
-                    let s = status::is_status(line);
-                    memo.insert(h, (lines[q], s));
-                    s
-                }
-            }
+            let s = status::is_status(line);
+            memo.insert(h, (lines[q], s));
+            s
         })
     }
 
@@ -1196,36 +1197,23 @@ pub fn literal_len(s: &str) -> usize {
         .sum::<usize>()
 }
 
-/// The instructions a request carries outside its message list: Anthropic
-/// `system` (a string or text blocks) and Responses `instructions`.
-fn top_level_instructions(body: &[u8]) -> Vec<String> {
+/// The instructions a request carries outside its message list (Anthropic
+/// `system`, a string or text blocks; Responses `instructions`), from the
+/// places the scan found them.
+fn top_level_instructions(scan: &Scan, body: &[u8]) -> Vec<String> {
     let mut out = Vec::new();
-    let mut c = Cursor::new(body);
-    let _ = c.object(|c, key| {
-        if !(key.is(body, "system") || key.is(body, "instructions")) {
-            return c.skip().map(drop);
+    for range in &scan.instructions {
+        match serde_json::from_slice::<Value>(body.get(range.clone()).unwrap_or_default()) {
+            Ok(Value::String(s)) => out.push(s),
+            Ok(Value::Array(blocks)) => out.extend(
+                blocks
+                    .iter()
+                    .filter_map(|b| b.get("text").and_then(Value::as_str))
+                    .map(str::to_owned),
+            ),
+            _ => {}
         }
-        match c.kind()? {
-            Kind::String => {
-                let s = c.string()?;
-                if let Some(t) = s.decode(body) {
-                    out.push(t.into_owned());
-                }
-            }
-            _ => {
-                let range = c.skip()?;
-                if let Ok(Value::Array(blocks)) = serde_json::from_slice::<Value>(&body[range]) {
-                    out.extend(
-                        blocks
-                            .iter()
-                            .filter_map(|b| b.get("text").and_then(Value::as_str))
-                            .map(str::to_owned),
-                    );
-                }
-            }
-        }
-        Ok(())
-    });
+    }
     out
 }
 

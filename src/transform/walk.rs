@@ -387,6 +387,9 @@ pub struct Scan {
     pub call_ids: Vec<(usize, u32, Str)>,
     pub(super) spots: Vec<Spot>,
     pub(super) collapsible: Vec<Collapsible>,
+    /// Where the instructions outside the message list are: Anthropic
+    /// `system`, Responses `instructions` (their JSON values).
+    pub instructions: Vec<std::ops::Range<usize>>,
 }
 
 /// Reads the request once and finds every image in it.
@@ -408,6 +411,10 @@ pub fn scan(body: &[u8], shape: Shape) -> std::result::Result<Scan, Malformed> {
     c.object(|c, key| {
         if key.is(body, items_key) && c.kind()? == Kind::Array {
             c.array(|c, i| w.message(c, i, items_key)).map(drop)
+        } else if key.is(body, "system") || key.is(body, "instructions") {
+            let range = c.skip()?;
+            w.out.instructions.push(range);
+            Ok(())
         } else {
             c.skip().map(drop)
         }
