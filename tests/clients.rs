@@ -326,12 +326,16 @@ fn sdk_script(wire: Wire) -> Script {
     }
 }
 
-/// Lines long enough to be deduped (≥ 2 lines, ≥ 64 bytes).
+/// A result long enough to be deduped when it comes again (256 bytes or
+/// more, a reference saving 128 bytes more than its length).
 const NOTES: &str = "Release notes for the visor client test\n\
 - the proxy replaces images for text-only models\n\
 - repeated tool output is sent once\n\
 - sessions keep each turn once\n\
-- every tool result keeps its call\n";
+- every tool result keeps its call\n\
+- documents and audio are read for models that cannot take them\n\
+- prompt caches keep hitting: earlier messages never change\n\
+- keys, limits and fallbacks hold over HTTP and WebSocket alike\n";
 
 fn sse(event: Option<&str>, data: &Value) -> Chunk {
     Chunk::Data(Bytes::from(match event {

@@ -554,7 +554,7 @@ async fn dedup_never_costs_the_agent_what_it_needs_to_act() {
 
     // Aider: rules from the system prompt repeated at the end of the
     // newest message, on purpose, stay.
-    let rules = "Every *SEARCH/REPLACE block* must use this format:\n1. The *FULL* file path alone on a line, verbatim.\n2. The opening fence and code language, eg: ```python\n3. The start of search block: <<<<<<< SEARCH\n4. A contiguous chunk of lines to search for in the existing source code";
+    let rules = "Edit blocks follow these rules:\n1. Put the path of the file alone on its own line.\n2. Open a fence with the name of the language.\n3. Write the lines to find, then a divider, then the lines that replace them.\n4. Keep each block small: the lines that change and a few around them.";
     let system = json!({"role": "system", "content": format!("Act as an expert software developer.\n{rules}")});
     let sent = through(
         &visor,
