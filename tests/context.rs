@@ -105,16 +105,23 @@ async fn a_refetched_history_reaches_the_upstream_once() {
 async fn dedup_in_the_anthropic_and_responses_shapes() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
     let visor = Visor::for_mock(&mock, "").await;
-    let line = "[10:00] alice: the retention policy needs a tax branch first\n[10:01] bob: section 4 keeps personal data three years";
+    let block = (0..6)
+        .map(|i| format!("[10:0{i}] member {i}: the retention policy needs a tax branch first, see section {i}"))
+        .collect::<Vec<_>>()
+        .join("\n");
     let messages = json!({"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": format!("{line}\nwhat changed?")}]},
+        {"role": "user", "content": [{"type": "text", "text": "what changed in the channel?"}]},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "fetch", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": format!("{line}\na new line from the tool")}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": block}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "fetch", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": format!("{block}\na new line from the tool")}]},
     ]});
     let responses = json!({"model": "gpt-5", "input": [
-        {"role": "user", "content": [{"type": "input_text", "text": format!("{line}\nwhat changed?")}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "what changed in the channel?"}]},
         {"type": "function_call", "call_id": "f1", "name": "fetch", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "f1", "output": format!("{line}\na new line from the tool")},
+        {"type": "function_call_output", "call_id": "f1", "output": block},
+        {"type": "function_call", "call_id": "f2", "name": "fetch", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "f2", "output": format!("{block}\na new line from the tool")},
     ]});
     for (path, body) in [("/v1/messages", messages), ("/v1/responses", responses)] {
         let (status, headers, _) = send(post_json(
@@ -126,11 +133,11 @@ async fn dedup_in_the_anthropic_and_responses_shapes() {
         assert!(header_num(&headers, "x-visor-bytes-saved") > 0, "{path}");
         let sent = json(&mock.recorded().pop().unwrap().body);
         let text = match path {
-            "/v1/messages" => sent["messages"][2]["content"][0]["content"].clone(),
-            _ => sent["input"][2]["output"].clone(),
+            "/v1/messages" => sent["messages"][4]["content"][0]["content"].clone(),
+            _ => sent["input"][4]["output"].clone(),
         };
         assert_eq!(
-            text, "[omitted: message 1 lines 1-2]\na new line from the tool",
+            text, "[omitted: message 3 lines 1-6]\na new line from the tool",
             "{path}"
         );
     }

@@ -438,12 +438,9 @@ pub fn run(
         }
     }
     let role_of = |item: usize| scan.items.get(item).map_or(Role::Other, |i| i.role);
-    // The first user message: the task, its instructions, worked examples.
-    let first_user = groups
-        .iter()
-        .filter_map(|g| g.first())
-        .map(|&j| inputs[j].item)
-        .find(|&item| role_of(item) == Role::User);
+    // The first user message: the task, its instructions, worked examples
+    // (whatever it holds: a message of an image alone is it too).
+    let first_user = scan.items.iter().position(|i| i.role == Role::User);
     for group in groups {
         let Some(&first) = group.first() else {
             continue;
@@ -521,7 +518,15 @@ pub fn run(
                     d.push_note(me);
                 }
                 None
-            } else if !eligible || small {
+            } else if is_array(text) && eligible {
+                // A JSON array is compared by element whatever its size (a
+                // small one is not rewritten), so a second pass, which may
+                // find it shrunk under the small size, reads it the same.
+                let (head, tail) = split_trailing_note(text);
+                d.array(head, tail, me, !small, &mut out)
+            } else if !eligible || small || is_reference(text) {
+                // Sent as it is; a reference visor wrote (followed by its
+                // status lines) is final.
                 d.record(me, text);
                 None
             } else {
@@ -671,21 +676,25 @@ impl<'a> Dedup<'a> {
     fn status_marks(&mut self, lines: &[&'a str], hashes: &[u64], lazy: bool) -> Vec<bool> {
         let mut here: HashSet<u64, Fast> = HashSet::default();
         let (singles, memo) = (&self.singles, &mut self.status);
-        status::mark_with(lines, |q, line| {
-            let h = hashes[q];
-            match memo.get(&h) {
-                Some(&(l, s)) if l == line => return s,
-                Some(_) => return status::is_status(line),
-                None => {}
-            }
-            let repeats = !lazy || singles.contains_key(&h) || !here.insert(h);
-            if !repeats {
-                return false;
-            }
-            let s = status::is_status(line);
-            memo.insert(h, (lines[q], s));
-            s
-        })
+        status::mark_with(
+            lines,
+            |q, line| {
+                let h = hashes[q];
+                match memo.get(&h) {
+                    Some(&(l, s)) if l == line => return s,
+                    Some(_) => return status::is_status(line),
+                    None => {}
+                }
+                let repeats = !lazy || singles.contains_key(&h) || !here.insert(h);
+                if !repeats {
+                    return false;
+                }
+                let s = status::is_status(line);
+                memo.insert(h, (lines[q], s));
+                s
+            },
+            is_note,
+        )
     }
 
     /// Indexes a text of the instructions: its lines are kept where a
@@ -790,10 +799,6 @@ impl<'a> Dedup<'a> {
         me: usize,
         out: &mut Omitted,
     ) -> Option<String> {
-        let (head, tail) = split_trailing_note(text);
-        if let Some(JsonKind::Array) = json_kind(head) {
-            return self.array(head, tail, me, out);
-        }
         self.lines(text, split, me, out)
     }
 
@@ -924,6 +929,25 @@ impl<'a> Dedup<'a> {
                 // Another unit of the same message.
                 continue;
             }
+            // Its own lines only as a block repeated back to back: the
+            // same place as the chain's last segment, or a block ending
+            // just before the run (its last line then stands again
+            // `period` lines into the run). Checked before the scan, so a
+            // block repeated apart costs no scan per line.
+            if own {
+                let ok = match previous {
+                    Some(p) => at + 1 == p.line && p.label == sent.label,
+                    None => {
+                        let period = sent.lines.len() - at;
+                        sent.hashes
+                            .last()
+                            .is_some_and(|&h| hashes.get(i + period - 1) == Some(&h))
+                    }
+                };
+                if !ok {
+                    continue;
+                }
+            }
             // A status line ends a run, but for a block this message
             // repeats back to back.
             let stops = |q: usize| match barrier[q] {
@@ -964,8 +988,15 @@ impl<'a> Dedup<'a> {
     /// A JSON array: elements seen in an earlier array removed, the rest
     /// kept in their layout, the note after. Arrays are compared by
     /// element, never by line: their lines are not offered to later runs.
-    fn array(&mut self, json: &'a str, tail: &str, me: usize, out: &mut Omitted) -> Option<String> {
-        let rewritten = self.items(json, tail, me, out);
+    fn array(
+        &mut self,
+        json: &'a str,
+        tail: &str,
+        me: usize,
+        rewrite: bool,
+        out: &mut Omitted,
+    ) -> Option<String> {
+        let rewritten = self.items(json, tail, me, rewrite, out);
         let lines = match &rewritten {
             Some(s) => s.split('\n').count(),
             None => json.split('\n').count() + tail.split('\n').count() - 1,
@@ -978,7 +1009,14 @@ impl<'a> Dedup<'a> {
 
     /// The array without the elements an earlier array had, and its note;
     /// `None` when nothing goes.
-    fn items(&mut self, json: &str, tail: &str, me: usize, out: &mut Omitted) -> Option<String> {
+    fn items(
+        &mut self,
+        json: &str,
+        tail: &str,
+        me: usize,
+        rewrite: bool,
+        out: &mut Omitted,
+    ) -> Option<String> {
         let src = json.as_bytes();
         let mut elements = Vec::new();
         let mut c = Cursor::new(src);
@@ -1012,7 +1050,9 @@ impl<'a> Dedup<'a> {
         let (Some(first), Some(last)) = (elements.first(), elements.last()) else {
             return None;
         };
-        if removed == 0 {
+        // A small array is read (its elements offered to later arrays),
+        // never rewritten.
+        if removed == 0 || !rewrite {
             return None;
         }
         let sep = match elements.get(1) {
@@ -1126,6 +1166,22 @@ fn json_kind(text: &str) -> Option<JsonKind> {
         _ => return None,
     };
     is_json(t.as_bytes()).then_some(kind)
+}
+
+/// A text that is one JSON array (a rewritten one: followed by its note).
+fn is_array(text: &str) -> bool {
+    matches!(
+        json_kind(split_trailing_note(text).0),
+        Some(JsonKind::Array)
+    )
+}
+
+/// A reference visor wrote in place of a whole result (followed by the
+/// result's status lines).
+fn is_reference(text: &str) -> bool {
+    text.split('\n')
+        .next()
+        .is_some_and(|l| matches!(Note::parse(l), Some(Note::Same { .. })))
 }
 
 /// A text and the visor note that ends it, if one does (a text this module

@@ -47,14 +47,21 @@ const GUIDANCE_LINES: usize = 64;
 
 /// Which of `lines` (one text, in order) are status lines.
 pub fn mark(lines: &[&str]) -> Vec<bool> {
-    mark_with(lines, |_, l| is_status(l))
+    mark_with(lines, |_, l| is_status(l), |_| false)
 }
 
 /// [`mark`], with the line-by-line judgement `line_status(q, line)` given
 /// by the caller (one that remembers lines it has judged, or skips lines
 /// that cannot matter to it); the rules that need the lines around a line
 /// (a traceback's last line, a reminder block) are applied here.
-pub fn mark_with(lines: &[&str], mut line_status: impl FnMut(usize, &str) -> bool) -> Vec<bool> {
+/// `transparent` lines (visor's own notes, in a text it rewrote) are
+/// passed over by those rules, so a second pass reads a traceback whose
+/// frames became a note as the first pass read it.
+pub fn mark_with(
+    lines: &[&str],
+    mut line_status: impl FnMut(usize, &str) -> bool,
+    transparent: impl Fn(&str) -> bool,
+) -> Vec<bool> {
     let mut out: Vec<bool> = lines
         .iter()
         .enumerate()
@@ -90,7 +97,7 @@ pub fn mark_with(lines: &[&str], mut line_status: impl FnMut(usize, &str) -> boo
             in_trace = true;
             continue;
         }
-        if !in_trace || t.is_empty() {
+        if !in_trace || t.is_empty() || transparent(l) {
             continue;
         }
         let frame = l.starts_with(char::is_whitespace) || t.starts_with("File \"");

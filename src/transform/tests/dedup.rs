@@ -593,6 +593,61 @@ fn a_note_longer_than_its_run_is_not_written() {
     assert_eq!(report.lines_omitted, 0);
 }
 
+/// Cases a review found where a second pass over visor's own output
+/// changed it: a reference's status lines that read as a block repeated
+/// back to back, an array shrunk under the small size, a traceback whose
+/// frames became a note.
+#[test]
+fn a_second_pass_over_references_arrays_and_tracebacks_changes_nothing() {
+    let e1 = "error: failed to compile crate `alpha` because of previous errors in module beta, see the log above";
+    let e2 = "error: failed to compile crate `gamma` because of previous errors in module delta, see the log above";
+    let f = |n: usize| {
+        format!(
+            "   compiling dependency number {n} of the workspace, with features default and std enabled"
+        )
+    };
+    let t = format!(
+        "{e1}\n{e2}\n{}\n{}\n{e1}\n{e2}\n{}\n{}",
+        f(1),
+        f(2),
+        f(3),
+        f(4)
+    );
+    let references = json!({"model": "m", "messages": [
+        {"role": "user", "content": "build it"},
+        call("c1"), tool("c1", &t),
+        call("c2"), tool("c2", &t),
+    ]});
+    let e1j = json!({"id": 1, "body": "the first element is long enough to be removed when it repeats in a later array of results"});
+    let e2j = json!({"id": 2, "body": "the second element is long enough to be removed when it repeats in a later array of results"});
+    let k = "    \"k\": \"a value of the third element that runs on for quite a while so the line is long\",";
+    let j = "    \"j\": \"another value of the third element that also runs on so the line is long too\"";
+    let e0 = json!({"id": 0, "body": "the zeroth element only pads the first array over the size under which a result stays whole"});
+    let arrays = json!({"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        call("c1"), tool("c1", &format!("[{e0}, {e1j}, {e2j}]")),
+        call("c2"), tool("c2", &format!("[\n  {e1j},\n  {e2j},\n  {{\n{k}\n{j}\n  }}\n]")),
+        call("c3"), tool("c3", &format!("a header line of new output that no earlier message has shown to the model yet\n{k}\n{j}\na trailer line of new output that no earlier message has shown to the model yet")),
+    ]});
+    let frames = (1..6)
+        .map(|i| format!("  File \"/app/pipeline/stage_{i}.py\", line {i}0, in run_stage_{i}\n    result = run_stage_{}(config, inputs)", i + 1))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let exc = "BadCount: the value given for the count option is not a positive whole number like three or twelve";
+    let tail = "the scheduler then printed its queue summary for the operators on call tonight and stopped";
+    let traceback = json!({"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        call("c1"), tool("c1", &format!("Traceback (most recent call last):\n{frames}\n{exc}\n{tail}")),
+        call("c2"), tool("c2", &format!("second attempt starting now with the same configuration as before\nTraceback (most recent call last):\n{frames}\n{exc}\n{tail}\nsomething new")),
+    ]});
+    for body in [references, arrays, traceback] {
+        let (once, _) = chat(&body);
+        assert_ne!(once, body, "the case rewrites something");
+        let (twice, _) = chat(&once);
+        assert_eq!(twice, once);
+    }
+}
+
 #[test]
 fn many_results_and_many_blocks_in_one_request_stay_fast_enough_to_finish() {
     // Shapes a review found quadratic: thousands of repeated results with
@@ -611,6 +666,17 @@ fn many_results_and_many_blocks_in_one_request_stay_fast_enough_to_finish() {
     let anthropic = json!({"model": "claude", "max_tokens": 1, "messages": [{"role": "user", "content": blocks}]});
     let (out, _) = run(&anthropic, &plan(Shape::Messages, true, DEFAULTS));
     assert_eq!(out, anthropic);
+    // A block of 20,000 lines printed twice, apart (`cat a a`): its own
+    // lines are no source, and finding that costs no scan per line.
+    let block: Vec<String> = (0..20_000)
+        .map(|i| format!("line {i} of the generated output, padded to a realistic width"))
+        .collect();
+    let block = block.join("\n");
+    let twice = json!({"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        call("c1"), tool("c1", &format!("{block}\nseparator\n{block}")),
+    ]});
+    assert_eq!(chat(&twice).0, twice);
 }
 
 #[test]
