@@ -198,11 +198,14 @@ async fn the_fallback_gets_the_same_body_and_its_own_credential() {
         backup.upstream_toml("backup")
     );
     let visor = Visor::start(&toml).await;
-    // Chat with a repeated run of lines: dedup rewrites it.
-    let long = "the same line of a tool's output, long enough\n".repeat(4);
+    // Chat with an observation sent again whole: dedup rewrites it.
+    let long: String = (0..8)
+        .map(|i| format!("line {i} of a tool's output, long enough to be worth a note\n"))
+        .collect();
     let body = serde_json::json!({
         "model": "m",
         "messages": [
+            {"role": "user", "content": "run the tool twice"},
             {"role": "user", "content": long},
             {"role": "user", "content": long},
         ],
