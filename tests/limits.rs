@@ -246,8 +246,12 @@ async fn the_context_a_key_sends_again_is_counted_by_its_name() {
     let file: String = (0..12)
         .map(|i| format!("line {i} of a file the agent reads again and again\n"))
         .collect();
-    let mut messages = vec![serde_json::json!({"role": "user", "content": file})];
-    for i in 0..199 {
+    // (The first user message is the task: never a source of a note.)
+    let mut messages = vec![
+        serde_json::json!({"role": "user", "content": "read the file, then again at the end"}),
+        serde_json::json!({"role": "user", "content": file}),
+    ];
+    for i in 0..198 {
         messages.push(serde_json::json!({"role": if i % 2 == 0 { "assistant" } else { "user" }, "content": format!("turn {i}")}));
     }
     messages.push(serde_json::json!({"role": "user", "content": file}));
