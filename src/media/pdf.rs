@@ -65,12 +65,85 @@ fn open(bytes: &[u8]) -> Result<(Pdf, HashMap<ObjectIdentifier, usize>), ReadErr
     let pdf = match Pdf::new(bytes.to_vec()) {
         Ok(pdf) => pdf,
         Err(LoadPdfError::Decryption(_)) => return Err(ReadError::encrypted()),
+        Err(LoadPdfError::Invalid) if nesting(bytes) > MAX_NESTING => {
+            return Err(too_deep());
+        }
         Err(LoadPdfError::Invalid) => {
             return Err(ReadError::damaged("the file's structure cannot be read"));
         }
     };
     let sizes = streams_within(pdf.objects(), MAX_INFLATED).map_err(ReadError::new)?;
     Ok((pdf, sizes))
+}
+
+/// How deep hayro reads objects inside objects (its
+/// `MAX_OBJECT_NESTING_DEPTH`): an object nested deeper is not read, and a
+/// page or page tree holding one is lost without a word.
+const MAX_NESTING: usize = 512;
+
+fn too_deep() -> ReadError {
+    ReadError::new(format!(
+        "too deeply nested (objects nested over {MAX_NESTING} levels deep)"
+    ))
+}
+
+/// The deepest nesting of dictionaries and arrays in the file as written
+/// (strings, comments and stream data skipped), counted up to a little
+/// past [`MAX_NESTING`]. One pass, no allocation.
+fn nesting(bytes: &[u8]) -> usize {
+    let (mut depth, mut deepest) = (0usize, 0usize);
+    let mut i = 0;
+    while i < bytes.len() && deepest <= MAX_NESTING {
+        match bytes[i] {
+            b'%' => {
+                i = memchr::memchr2(b'\n', b'\r', &bytes[i..]).map_or(bytes.len(), |e| i + e);
+            }
+            b'(' => {
+                // A literal string: balanced parentheses, `\` escapes.
+                let mut open = 0usize;
+                while i < bytes.len() {
+                    match bytes[i] {
+                        b'\\' => i += 1,
+                        b'(' => open += 1,
+                        b')' => {
+                            open -= 1;
+                            if open == 0 {
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                    i += 1;
+                }
+            }
+            b'<' if bytes.get(i + 1) == Some(&b'<') => {
+                depth += 1;
+                i += 1;
+            }
+            b'<' => {
+                // A hex string.
+                i = memchr::memchr(b'>', &bytes[i..]).map_or(bytes.len(), |e| i + e);
+            }
+            b'>' if bytes.get(i + 1) == Some(&b'>') => {
+                depth = depth.saturating_sub(1);
+                i += 1;
+            }
+            b'[' => depth += 1,
+            b']' => depth = depth.saturating_sub(1),
+            b's' if bytes[i..].starts_with(b"stream")
+                && !bytes[..i].ends_with(b"end")
+                && matches!(bytes.get(i + 6), Some(b'\r' | b'\n')) =>
+            {
+                i = memchr::memmem::find(&bytes[i..], b"endstream")
+                    .map_or(bytes.len(), |e| i + e + 9);
+                continue;
+            }
+            _ => {}
+        }
+        deepest = deepest.max(depth);
+        i += 1;
+    }
+    deepest
 }
 
 /// Checks, before hayro opens the file, what its streams decode to: every
@@ -235,6 +308,10 @@ fn read_pdf(
         // A truncated file whose page objects survive but whose content
         // does not (hayro rebuilds the object table by scanning).
         return Err(ReadError::damaged("the file is cut short"));
+    }
+    if pages.is_empty() && nesting(bytes) > MAX_NESTING {
+        // No page at all: one that the parser could not reach.
+        return Err(too_deep());
     }
     let doc = sink.finish(DocKind::Pdf);
     let mut rendered = Vec::new();
@@ -1198,6 +1275,43 @@ mod tests {
         let doc = read(DocKind::Pdf, &bytes, &tiny).unwrap();
         assert!(doc.truncated);
         assert!(doc.pages.iter().map(|p| p.text.len()).sum::<usize>() <= 1000);
+    }
+
+    #[test]
+    fn objects_nested_deeper_than_the_parser_reads_say_so() {
+        let content = b"BT /F1 12 Tf 20 100 Td (Deep inside) Tj ET";
+        // A page tree 1,000 levels deep by reference is read.
+        let deep = pdf_build::nested_pdf(1000, content);
+        let doc = read(DocKind::Pdf, &deep, &Limits::default()).unwrap();
+        assert_eq!(doc.pages.len(), 1);
+        assert_eq!(doc.pages[0].text, "Deep inside");
+        // Written inside each other, or a page whose resources nest 1,000
+        // deep: the parser reads neither, and the reason is given.
+        let inline = pdf_build::inline_nested_pdf(1000, content);
+        let res = format!(
+            "{}/Font << /F1 << /Type /Font /Subtype /Type1 /BaseFont /Helvetica >> >>{}",
+            "/X [".repeat(1000),
+            "]".repeat(1000)
+        );
+        let resources = pdf_build::pdf(1, 200, &res, &[stream("", content)]);
+        for pdf in [inline, resources] {
+            let err = read(DocKind::Pdf, &pdf, &Limits::default()).unwrap_err();
+            assert_eq!(
+                err.reason(),
+                "too deeply nested (objects nested over 512 levels deep)"
+            );
+        }
+        // Nested as deep as it reads: read.
+        let inline = pdf_build::inline_nested_pdf(100, content);
+        assert_eq!(
+            read(DocKind::Pdf, &inline, &Limits::default())
+                .unwrap()
+                .pages
+                .len(),
+            1
+        );
+        assert_eq!(nesting(b"<< /A [ [ (]]]) <</B 1>> ] ] >> % [[[[\n"), 4);
+        assert_eq!(nesting(b"<< /Length 3 >>\nstream\n[[[\nendstream"), 1);
     }
 
     #[test]

@@ -66,3 +66,94 @@ pub fn deflate(data: &[u8]) -> Vec<u8> {
     z.write_all(data).unwrap();
     z.finish().unwrap()
 }
+
+/// A one-page PDF whose page sits `depth` `/Pages` nodes down the page
+/// tree (each node's only kid is the next), drawing `content` with
+/// Helvetica as `/F1`.
+pub fn nested_pdf(depth: usize, content: &[u8]) -> Vec<u8> {
+    // 1 the catalog, 2..=depth+1 the page tree nodes, then the page, then
+    // its content.
+    let page = depth + 2;
+    let mut bodies: Vec<Vec<u8>> = vec![b"<< /Type /Catalog /Pages 2 0 R >>".to_vec()];
+    for level in 0..depth {
+        let me = level + 2;
+        let parent = match level {
+            0 => String::new(),
+            _ => format!(" /Parent {} 0 R", me - 1),
+        };
+        bodies.push(
+            format!("<< /Type /Pages /Kids [{} 0 R] /Count 1{parent} >>", me + 1).into_bytes(),
+        );
+    }
+    bodies.push(
+        format!(
+            "<< /Type /Page /Parent {} 0 R /MediaBox [0 0 200 200] /Contents {} 0 R /Resources << /Font << /F1 << /Type /Font /Subtype /Type1 /BaseFont /Helvetica >> >> >> >>",
+            page - 1,
+            page + 1
+        )
+        .into_bytes(),
+    );
+    bodies.push(stream("", content));
+    let mut out = b"%PDF-1.7\n".to_vec();
+    let mut offsets = Vec::new();
+    for (i, body) in bodies.iter().enumerate() {
+        offsets.push(out.len());
+        out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
+        out.extend_from_slice(body);
+        out.extend_from_slice(b"\nendobj\n");
+    }
+    let xref = out.len();
+    out.extend_from_slice(
+        format!("xref\n0 {}\n0000000000 65535 f \n", bodies.len() + 1).as_bytes(),
+    );
+    for o in offsets {
+        out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
+    }
+    out.extend_from_slice(
+        format!(
+            "trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
+            bodies.len() + 1
+        )
+        .as_bytes(),
+    );
+    out
+}
+
+/// A one-page PDF whose page tree nests `depth` `/Pages` nodes written
+/// inside each other (direct objects, not references), the page at the
+/// bottom drawing `content` with Helvetica as `/F1`.
+pub fn inline_nested_pdf(depth: usize, content: &[u8]) -> Vec<u8> {
+    let page = "<< /Type /Page /MediaBox [0 0 200 200] /Contents 3 0 R /Resources << /Font << /F1 << /Type /Font /Subtype /Type1 /BaseFont /Helvetica >> >> >> >>";
+    let mut tree = page.to_owned();
+    for _ in 0..depth {
+        tree = format!("<< /Type /Pages /Kids [{tree}] /Count 1 >>");
+    }
+    let bodies: Vec<Vec<u8>> = vec![
+        b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(),
+        tree.into_bytes(),
+        stream("", content),
+    ];
+    let mut out = b"%PDF-1.7\n".to_vec();
+    let mut offsets = Vec::new();
+    for (i, body) in bodies.iter().enumerate() {
+        offsets.push(out.len());
+        out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
+        out.extend_from_slice(body);
+        out.extend_from_slice(b"\nendobj\n");
+    }
+    let xref = out.len();
+    out.extend_from_slice(
+        format!("xref\n0 {}\n0000000000 65535 f \n", bodies.len() + 1).as_bytes(),
+    );
+    for o in offsets {
+        out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
+    }
+    out.extend_from_slice(
+        format!(
+            "trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
+            bodies.len() + 1
+        )
+        .as_bytes(),
+    );
+    out
+}
