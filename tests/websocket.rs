@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
 const BOUND: Duration = Duration::from_secs(10);
@@ -30,6 +31,10 @@ struct Seen {
     paths: Vec<String>,
     headers: Vec<http::HeaderMap>,
     events: Vec<String>,
+    /// Binary messages (as they came).
+    binaries: Vec<Vec<u8>>,
+    /// Pings received.
+    pings: usize,
     closed: usize,
 }
 
@@ -72,15 +77,40 @@ async fn ws_mock() -> (String, Arc<Mutex<Seen>>, mpsc::UnboundedReceiver<()>) {
                 let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, callback).await else {
                     return;
                 };
+                // `"metadata": {"mute": true}`: nothing more is answered on
+                // this socket (a stalled upstream), events still recorded.
+                let mut mute = false;
                 while let Some(Ok(m)) = ws.next().await {
-                    let Message::Text(t) = m else {
-                        if matches!(m, Message::Close(_)) {
-                            break;
+                    let t = match m {
+                        Message::Text(t) => t,
+                        Message::Binary(b) => {
+                            s.lock().unwrap().binaries.push(b.to_vec());
+                            continue;
                         }
-                        continue;
+                        Message::Ping(_) => {
+                            s.lock().unwrap().pings += 1;
+                            continue;
+                        }
+                        Message::Close(_) => break,
+                        _ => continue,
                     };
                     s.lock().unwrap().events.push(t.to_string());
                     let v: Value = serde_json::from_str(&t).unwrap_or_default();
+                    mute |= v["metadata"]["mute"] == true;
+                    if mute {
+                        continue;
+                    }
+                    // `"metadata": {"flood": true}`: 1 MiB deltas until the
+                    // socket breaks (a reader that keeps up gets 1000).
+                    if v["metadata"]["flood"] == true {
+                        let delta = json!({"type": "response.output_text.delta", "delta": "x".repeat(1 << 20)}).to_string();
+                        for _ in 0..1000 {
+                            if ws.send(Message::Text(delta.clone().into())).await.is_err() {
+                                break;
+                            }
+                        }
+                        break;
+                    }
                     // `"metadata": {"stall": true}`: only the first event,
                     // then nothing (a response under way).
                     let stall = v["metadata"]["stall"] == true;
@@ -519,8 +549,9 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
         "{e}"
     );
     // Events a more lenient upstream could read as naming another model
-    // are refused: a lone surrogate, nesting past serde's depth, `model`
-    // twice, a binary frame.
+    // are refused as HTTP refuses a body it cannot read (400
+    // `invalid_json`): a lone surrogate, nesting past serde's depth,
+    // `model` twice.
     let deep = format!(
         r#"{{"type":"response.create","model":"o3-pro","input":[],"metadata":{}{}}}"#,
         "[".repeat(200),
@@ -541,17 +572,24 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
         Message::Text(
             r#"{"type":"response.create","model":"o3-pro","input":[],"Type":"x"}"#.into(),
         ),
-        Message::Binary(
-            br#"{"type":"response.create","model":"o3-pro","input":[]}"#
-                .to_vec()
-                .into(),
-        ),
     ] {
         ws.send(event).await.unwrap();
         let e = next_text(&mut ws).await;
         assert_eq!(e["status"], 400, "{e}");
-        assert_eq!(e["error"]["code"], "invalid_request");
+        assert_eq!(e["error"]["code"], "invalid_json");
     }
+    // A binary frame in UTF-8 is read as the same event in text: held to
+    // the key's models.
+    ws.send(Message::Binary(
+        br#"{"type":"response.create","model":"o3-pro","input":[]}"#
+            .to_vec()
+            .into(),
+    ))
+    .await
+    .unwrap();
+    let e = next_text(&mut ws).await;
+    assert_eq!(e["status"], 403, "{e}");
+    assert_eq!(e["error"]["code"], "model_not_allowed");
     assert!(
         seen.lock().unwrap().events.is_empty(),
         "it reached the upstream"
@@ -602,7 +640,7 @@ async fn a_key_holds_each_response_create_to_its_models_and_limits() {
             "visor_requests_total",
             &[("upstream", "none"), ("model", "o3-pro"), ("status", "403")]
         ),
-        Some(1.0),
+        Some(2.0),
         "{m}"
     );
     assert_eq!(
@@ -735,4 +773,403 @@ async fn an_unsupported_websocket_version_is_426_before_any_upstream() {
         .unwrap();
     assert_eq!(resp.status(), 101);
     ws.close(None).await.unwrap();
+}
+
+/// The close frame the socket ends with (other messages before it are
+/// skipped); a socket that ends without one fails the test.
+async fn next_close<S>(ws: &mut S) -> CloseFrame
+where
+    S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
+{
+    loop {
+        match tokio::time::timeout(BOUND, ws.next())
+            .await
+            .expect("a close frame within the bound")
+        {
+            Some(Ok(Message::Close(Some(f)))) => return f,
+            Some(Ok(Message::Close(None))) => panic!("a close frame without a code"),
+            Some(Ok(_)) => continue,
+            other => panic!("the socket ended without a close frame: {other:?}"),
+        }
+    }
+}
+
+/// A `response.create` with a screenshot, for `model` (none: the key is
+/// left out).
+fn create_with_image(model: Option<&str>, salt: &str) -> Value {
+    let (image, _) = png_data_url(salt);
+    let mut create = json!({"type": "response.create", "input": [
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "what is on screen?"},
+            {"type": "input_image", "image_url": image}]}]});
+    if let Some(m) = model {
+        create["model"] = json!(m);
+    }
+    create
+}
+
+async fn assert_answered<S>(ws: &mut S)
+where
+    S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
+{
+    for ty in [
+        "response.created",
+        "response.output_text.delta",
+        "response.completed",
+    ] {
+        assert_eq!(next_text(ws).await["type"], ty);
+    }
+}
+
+/// A `response.create` sent as a binary frame is read as the same event in
+/// text (lenient servers parse a binary frame's bytes as JSON): its image
+/// is replaced and it goes upstream as text. One that is not UTF-8 is
+/// refused with an `error` event and goes nowhere.
+#[tokio::test]
+async fn a_binary_event_is_read_as_text_and_one_not_in_utf8_is_refused() {
+    let (up, seen, _closed) = ws_mock().await;
+    let visor = visor_for(&up).await;
+    let (mut ws, _) =
+        tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
+            .await
+            .unwrap()
+            .unwrap();
+    let create = create_with_image(Some("gpt-oss-120b"), "ws-binary");
+    ws.send(Message::Binary(create.to_string().into_bytes().into()))
+        .await
+        .unwrap();
+    assert_answered(&mut ws).await;
+    {
+        let seen = seen.lock().unwrap();
+        assert!(seen.binaries.is_empty(), "a binary frame went upstream");
+        assert_eq!(seen.events.len(), 1);
+        assert!(
+            !seen.events[0].contains(";base64,"),
+            "{:.300}",
+            seen.events[0]
+        );
+    }
+    ws.send(Message::Binary(b"{\"type\":\"x\xff\xfe\"}".to_vec().into()))
+        .await
+        .unwrap();
+    let e = next_text(&mut ws).await;
+    assert_eq!(e["type"], "error", "{e}");
+    assert_eq!(e["status"], 400, "{e}");
+    assert_eq!(e["error"]["code"], "invalid_json", "{e}");
+    // Nothing of it went upstream: the next event is the only one after the
+    // create there.
+    ws.send(Message::Text("{\"type\":\"ping\"}".into()))
+        .await
+        .unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "ping");
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.events.len(), 2, "{:?}", seen.events);
+    assert!(seen.binaries.is_empty());
+}
+
+/// An event visor cannot read as it reads an HTTP body is refused on every
+/// Responses socket, held to a key or not, with the code HTTP answers
+/// (400 `invalid_json`), and never goes upstream with its image: a lone
+/// surrogate, nesting past 128 levels, `model` twice.
+#[tokio::test]
+async fn an_event_visor_cannot_read_is_refused_on_every_responses_socket() {
+    let (up, seen, _closed) = ws_mock().await;
+    let visor = visor_for(&up).await;
+    let (mut ws, _) =
+        tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
+            .await
+            .unwrap()
+            .unwrap();
+    let with_image = create_with_image(Some("gpt-oss-120b"), "ws-unreadable").to_string();
+    let body = with_image.trim_end_matches('}');
+    let events = [
+        format!(r#"{body},"metadata":{{"n":"\ud800"}}}}"#),
+        format!(
+            r#"{body},"metadata":{{"d":{}0{}}}}}"#,
+            "[".repeat(130),
+            "]".repeat(130)
+        ),
+        format!(r#"{body},"model":"gpt-4o"}}"#),
+    ];
+    for event in &events {
+        ws.send(Message::Text(event.clone().into())).await.unwrap();
+        let e = next_text(&mut ws).await;
+        assert_eq!(e["type"], "error", "{e}");
+        assert_eq!(e["status"], 400, "{e}");
+        assert_eq!(e["error"]["code"], "invalid_json", "{e}");
+    }
+    ws.send(Message::Text("{\"type\":\"ping\"}".into()))
+        .await
+        .unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "ping");
+    assert_eq!(
+        seen.lock().unwrap().events,
+        ["{\"type\":\"ping\"}"],
+        "an unreadable event went upstream"
+    );
+    // The same body over HTTP: the same code.
+    let got = send(post_json(&visor.url("/v1/responses"), events[2].clone())).await;
+    assert_error(&got, 400, "invalid_json");
+}
+
+/// Only `response.create` and `response.steer` say the model what follows
+/// is for: a `session.update` naming a vision model does not let the next
+/// create's image through to the text-only model it goes to.
+#[tokio::test]
+async fn only_a_create_or_a_steer_names_the_model_of_what_follows() {
+    let (up, seen, _closed) = ws_mock().await;
+    let visor = visor_for(&up).await;
+    let (mut ws, _) =
+        tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
+            .await
+            .unwrap()
+            .unwrap();
+    let first = json!({"type": "response.create", "model": "gpt-oss-120b", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]});
+    ws.send(Message::Text(first.to_string().into()))
+        .await
+        .unwrap();
+    assert_answered(&mut ws).await;
+    let update = json!({"type": "session.update", "model": "gpt-4o"});
+    ws.send(Message::Text(update.to_string().into()))
+        .await
+        .unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "session.update");
+    ws.send(Message::Text(
+        create_with_image(None, "ws-carried").to_string().into(),
+    ))
+    .await
+    .unwrap();
+    assert_answered(&mut ws).await;
+    let sent = seen.lock().unwrap().events[2].clone();
+    assert!(
+        !sent.contains(";base64,"),
+        "the image went to a text-only model: {sent:.300}"
+    );
+}
+
+/// What the client sends wrong ends its socket with a close frame that
+/// says why, and the upstream socket is closed, nothing sent: 1007 text
+/// that is not UTF-8, 1002 a protocol error (a reserved bit), 1009 an
+/// event over `server.max_body_bytes`.
+#[tokio::test]
+async fn what_breaks_the_protocol_is_closed_with_its_code() {
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    let (up, seen, mut closed) = ws_mock().await;
+    let visor = Visor::start(&format!(
+        "[server]\nmax_body_bytes = 4096\n[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n"
+    ))
+    .await;
+    let not_utf8 = Frame::message(vec![b'{', 0xff, 0xfe, b'}'], OpCode::Data(Data::Text), true);
+    let mut reserved = Frame::message(b"{}".to_vec(), OpCode::Data(Data::Text), true);
+    reserved.header_mut().rsv1 = true;
+    let big = json!({"type": "response.create", "model": "gpt-4o", "input": [], "metadata": {"pad": "x".repeat(5000)}});
+    for (message, code) in [
+        (Message::Frame(not_utf8), CloseCode::Invalid),
+        (Message::Frame(reserved), CloseCode::Protocol),
+        (Message::Text(big.to_string().into()), CloseCode::Size),
+        (
+            Message::Binary(big.to_string().into_bytes().into()),
+            CloseCode::Size,
+        ),
+    ] {
+        let (mut ws, _) =
+            tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
+                .await
+                .unwrap()
+                .unwrap();
+        ws.send(message).await.unwrap();
+        let frame = next_close(&mut ws).await;
+        assert_eq!(frame.code, code, "{frame:?}");
+        tokio::time::timeout(BOUND, closed.recv())
+            .await
+            .expect("the upstream socket is closed");
+    }
+    let seen = seen.lock().unwrap();
+    assert!(seen.events.is_empty(), "{:?}", seen.events);
+    assert!(seen.binaries.is_empty());
+}
+
+/// While a response is under way only the upstream's messages restart its
+/// idle deadline: a client that keeps sending does not hide a stalled
+/// upstream (closed 1011 after idle_timeout_secs, counted as an idle
+/// timeout).
+#[tokio::test]
+async fn client_events_do_not_restart_the_upstream_idle_deadline() {
+    let (up, _seen, _closed) = ws_mock().await;
+    let visor = Visor::start(&format!(
+        "[server]\nidle_timeout_secs = 1\n[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n"
+    ))
+    .await;
+    let (ws, _) = tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
+        .await
+        .unwrap()
+        .unwrap();
+    let (mut tx, mut rx) = ws.split();
+    let create = json!({"type": "response.create", "model": "gpt-4o", "metadata": {"mute": true}, "input": []}).to_string();
+    // A create every 250 ms, until the socket is closed.
+    let sender = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            if tx.send(Message::Text(create.clone().into())).await.is_err() {
+                break;
+            }
+        }
+    });
+    let frame = next_close(&mut rx).await;
+    sender.abort();
+    assert_eq!(frame.code, CloseCode::Error, "{frame:?}");
+    assert_eq!(frame.reason, "upstream idle timeout");
+    assert!(upstream_errors(&visor, "idle_timeout").await >= Some(1.0));
+}
+
+/// A client that stops reading does not hold both sockets: a write to it
+/// that has not gone out within idle_timeout_secs ends the socket, the
+/// upstream's is closed, and the response is counted as cancelled (499).
+#[tokio::test]
+async fn a_client_that_stops_reading_is_let_go_after_the_write_deadline() {
+    let (up, _seen, mut closed) = ws_mock().await;
+    let visor = Visor::start(&format!(
+        "[server]\nidle_timeout_secs = 1\nrequest_timeout_secs = 600\n[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n"
+    ))
+    .await;
+    let (mut ws, _) =
+        tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
+            .await
+            .unwrap()
+            .unwrap();
+    let create = json!({"type": "response.create", "model": "gpt-4o", "metadata": {"flood": true}, "input": []});
+    ws.send(Message::Text(create.to_string().into()))
+        .await
+        .unwrap();
+    // The client reads nothing more.
+    tokio::time::timeout(BOUND, closed.recv())
+        .await
+        .expect("the upstream socket is closed within the bound");
+    assert!(
+        wait_metrics(&visor, BOUND, |m| metric(
+            m,
+            "visor_requests_total",
+            &[("upstream", "ws"), ("status", "499")]
+        ) == Some(1.0))
+        .await,
+        "{}",
+        visor.metrics().await
+    );
+    drop(ws);
+}
+
+/// The upstream's refusal of the handshake reaches the client with its
+/// body, also when the body comes after the head.
+#[tokio::test]
+async fn an_upstream_refusal_reaches_the_client_with_its_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let body = r#"{"error":{"message":"Incorrect API key provided","type":"invalid_request_error","code":"invalid_api_key"}}"#;
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let answer = format!(
+                    "HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                    body.len()
+                );
+                s.write_all(answer.as_bytes()).await.unwrap();
+                s.flush().await.unwrap();
+                // The body in a later segment, as many servers send it.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let _ = s.write_all(body.as_bytes()).await;
+                let _ = s.read(&mut buf).await;
+            });
+        }
+    });
+    let visor = visor_for(&format!("http://{addr}")).await;
+    match tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
+        .await
+        .unwrap()
+    {
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
+            assert_eq!(resp.status(), 401);
+            assert_eq!(resp.headers()["content-type"], "application/json");
+            assert_eq!(
+                String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default()),
+                body
+            );
+        }
+        other => panic!("expected a 401, got {:?}", other.map(|(_, r)| r.status())),
+    }
+}
+
+/// A client's ping is answered once (by visor, not also by the upstream
+/// through it), and pings are no activity: a socket with nothing else is
+/// closed after request_timeout_secs all the same (1001), freeing its slot.
+#[tokio::test]
+async fn a_ping_is_answered_once_and_does_not_keep_a_quiet_socket_open() {
+    let (up, seen, _closed) = ws_mock().await;
+    let visor = visor_for(&up).await;
+    let (mut ws, _) =
+        tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
+            .await
+            .unwrap()
+            .unwrap();
+    ws.send(Message::Ping(b"p1".to_vec().into())).await.unwrap();
+    ws.send(Message::Text("{\"type\":\"ping\"}".into()))
+        .await
+        .unwrap();
+    let mut pongs = 0;
+    loop {
+        let m = tokio::time::timeout(BOUND, ws.next())
+            .await
+            .expect("the echo within the bound")
+            .expect("the socket is open")
+            .unwrap();
+        match m {
+            Message::Pong(p) => {
+                assert_eq!(&p[..], b"p1");
+                pongs += 1;
+            }
+            Message::Text(_) => break,
+            _ => {}
+        }
+    }
+    assert_eq!(pongs, 1, "the ping was answered {pongs} times");
+    assert_eq!(seen.lock().unwrap().pings, 0, "the ping went upstream");
+
+    // Quiet but for pings: closed after request_timeout_secs.
+    let visor = Visor::start(&format!(
+        "[server]\nrequest_timeout_secs = 1\n[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n"
+    ))
+    .await;
+    let (ws, _) = tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
+        .await
+        .unwrap()
+        .unwrap();
+    let (mut tx, mut rx) = ws.split();
+    let pinger = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tick.tick().await;
+            if tx
+                .send(Message::Ping(b"alive".to_vec().into()))
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    let frame = next_close(&mut rx).await;
+    pinger.abort();
+    assert_eq!(frame.code, CloseCode::Away, "{frame:?}");
+    assert_eq!(frame.reason, "idle socket closed");
 }

@@ -23,18 +23,21 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use tokio::time::Instant;
 use tokio_tungstenite::WebSocketStream;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::handshake::client::generate_key;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::frame::Utf8Bytes;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role};
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
 use super::answer::refuse;
@@ -46,7 +49,7 @@ use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
 use crate::metrics::NO_UPSTREAM;
 use crate::transform::Shape;
-use crate::upstream::RequestBody;
+use crate::upstream::{RawConn, RequestBody};
 
 /// True for an HTTP/1.1 WebSocket upgrade request.
 pub fn is_upgrade<B>(req: &Request<B>) -> bool {
@@ -165,20 +168,12 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     ] {
         headers.remove(h);
     }
-    let mut up_req = match ws_uri.clone().into_client_request() {
-        Ok(r) => r,
-        Err(_) => {
-            return refuse(
-                &state,
-                VisorError::BadRequest("the request target is not a valid URL path"),
-            );
-        }
+    let Some(up_req) = upstream_upgrade(&ws_uri, &headers) else {
+        return refuse(
+            &state,
+            VisorError::BadRequest("the request target is not a valid URL path"),
+        );
     };
-    for (k, v) in &headers {
-        if !up_req.headers().contains_key(k) {
-            up_req.headers_mut().append(k.clone(), v.clone());
-        }
-    }
     let server = &state.config.server;
     let started = Instant::now();
     let fail = |e: VisorError, kind: &'static str| {
@@ -208,14 +203,14 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
             return fail(e, "connect");
         }
     };
-    let handshake = tokio_tungstenite::client_async(up_req, stream);
-    let (upstream_ws, up_resp) =
+    let handshake = open_upstream(stream, up_req);
+    let (upstream_ws, up_headers) =
         match tokio::time::timeout(server.first_byte_timeout, handshake).await {
-            Ok(Ok(pair)) => pair,
-            Ok(Err(WsError::Http(resp))) => {
-                // Refused by the upstream (401, 404, 426…): its answer.
-                let (parts, body) = resp.into_parts();
-                let mut out = Response::new(ProxyBody::from(Bytes::from(body.unwrap_or_default())));
+            Ok(Ok(Opened::Open(ws, headers))) => (ws, headers),
+            Ok(Ok(Opened::Refused(parts, body))) => {
+                // Refused by the upstream (401, 404, 426…): its answer,
+                // status and body.
+                let mut out = Response::new(ProxyBody::from(body));
                 *out.status_mut() = parts.status;
                 for h in [header::CONTENT_TYPE, header::RETRY_AFTER] {
                     if let Some(v) = parts.headers.get(&h) {
@@ -229,7 +224,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
                     .inc();
                 return out;
             }
-            Ok(Err(_)) => {
+            Ok(Err(())) => {
                 let e = VisorError::UpstreamUnreachable {
                     upstream: name.to_string(),
                     reason: "the WebSocket handshake failed",
@@ -255,7 +250,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     if let Ok(v) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
         h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
     }
-    if let Some(p) = up_resp.headers().get(header::SEC_WEBSOCKET_PROTOCOL) {
+    if let Some(p) = up_headers.get(header::SEC_WEBSOCKET_PROTOCOL) {
         h.insert(header::SEC_WEBSOCKET_PROTOCOL, p.clone());
     }
     tracing::debug!(upstream = %name, path = %rest, "websocket opened");
@@ -273,13 +268,22 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
         headers: req.headers().clone(),
         started,
     };
+    // A client's event is a request body: none over max_body_bytes, whole
+    // or in one frame (1009 closes the socket before it is held).
+    let limit = usize::try_from(server.max_body_bytes).unwrap_or(usize::MAX);
+    let client_config = WebSocketConfig::default()
+        .max_message_size(Some(limit))
+        .max_frame_size(Some(limit));
     // On the tracked task set: shutdown waits for the socket to close.
     state.tasks.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) => {
-                let client =
-                    WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None)
-                        .await;
+                let client = WebSocketStream::from_raw_socket(
+                    TokioIo::new(upgraded),
+                    Role::Server,
+                    Some(client_config),
+                )
+                .await;
                 relay.run(client, upstream_ws).await;
             }
             Err(e) => tracing::debug!(error = %e, "websocket upgrade failed"),
@@ -296,12 +300,109 @@ where
     C: futures_util::Sink<Message> + Unpin,
     U: futures_util::Sink<Message> + Unpin,
 {
-    let bound = std::time::Duration::from_secs(1);
     let why = || close(CloseCode::Away, "server shutting down");
-    let _ = tokio::time::timeout(bound, c_tx.send(why())).await;
-    let _ = tokio::time::timeout(bound, c_tx.close()).await;
-    let _ = tokio::time::timeout(bound, u_tx.send(why())).await;
-    let _ = tokio::time::timeout(bound, u_tx.close()).await;
+    end(c_tx, Some(why())).await;
+    end(u_tx, Some(why())).await;
+}
+
+/// How long a close frame (or the end of a stream) may take to go out:
+/// a peer that stopped reading does not hold a closing socket up.
+const CLOSE_BOUND: Duration = Duration::from_secs(1);
+
+/// What became of one write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Put {
+    Sent,
+    /// The peer's connection broke.
+    Broken,
+    /// Not gone out within the write deadline: the peer stopped reading.
+    Stalled,
+}
+
+impl Put {
+    /// The outcome of the responses under way when a write upstream
+    /// failed, `None` when it went.
+    fn failed(self) -> Option<&'static str> {
+        match self {
+            Put::Sent => None,
+            Put::Broken => Some("reset"),
+            Put::Stalled => Some("idle_timeout"),
+        }
+    }
+}
+
+/// One message to one side, within `bound`.
+async fn put<S>(tx: &mut S, m: Message, bound: Duration) -> Put
+where
+    S: futures_util::Sink<Message> + Unpin,
+{
+    match tokio::time::timeout(bound, tx.send(m)).await {
+        Ok(Ok(())) => Put::Sent,
+        Ok(Err(_)) => Put::Broken,
+        Err(_) => Put::Stalled,
+    }
+}
+
+/// Closes one side: its close frame, if any, then the end of its stream,
+/// each within [`CLOSE_BOUND`].
+async fn end<S>(tx: &mut S, frame: Option<Message>)
+where
+    S: futures_util::Sink<Message> + Unpin,
+{
+    if let Some(frame) = frame {
+        let _ = tokio::time::timeout(CLOSE_BOUND, tx.send(frame)).await;
+    }
+    let _ = tokio::time::timeout(CLOSE_BOUND, tx.close()).await;
+}
+
+/// The close frame that tells a client why its socket ends, for an error
+/// in what it sent (RFC 6455 7.4.1): 1002 a protocol error, 1007 text
+/// that is not UTF-8, 1009 a message or frame over `max_body_bytes`;
+/// `None` when it went away.
+fn violation(e: &WsError) -> Option<Message> {
+    match e {
+        WsError::Protocol(_) => Some(close(CloseCode::Protocol, "protocol error")),
+        WsError::Utf8(_) => Some(close(CloseCode::Invalid, "text that is not UTF-8")),
+        WsError::Capacity(_) => Some(close(
+            CloseCode::Size,
+            "message too big (server.max_body_bytes)",
+        )),
+        _ => None,
+    }
+}
+
+/// The longest `model` read (as for an HTTP body).
+const MAX_MODEL: usize = 1024;
+
+/// A client event of the Responses mode read by the rules an HTTP body is
+/// read by: one JSON object (serde's reading of it: no lone surrogate, no
+/// nesting past 128 levels), no key named twice in any case, `model` a
+/// string of at most 1024 bytes; else why not, as the HTTP path refuses a
+/// body (400 `invalid_json`).
+fn read_event(text: &str) -> Result<serde_json::Map<String, Value>, VisorError> {
+    let event = match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(event)) => event,
+        Ok(_) => return Err(VisorError::InvalidJson("not a JSON object".to_owned())),
+        Err(e) => return Err(VisorError::InvalidJson(e.to_string())),
+    };
+    if let Some(k) = twice_named_key(text.as_bytes()) {
+        return Err(VisorError::InvalidJson(format!("duplicate field `{k}`")));
+    }
+    match event.get("model") {
+        None => {}
+        Some(Value::String(m)) if m.len() <= MAX_MODEL => {}
+        Some(Value::String(_)) => {
+            return Err(VisorError::InvalidJson(format!(
+                "`model` is longer than {MAX_MODEL} bytes"
+            )));
+        }
+        Some(_) => {
+            return Err(VisorError::InvalidJson(
+                "`model` must be a string".to_owned(),
+            ));
+        }
+    }
+    Ok(event)
 }
 
 /// The `model` of a query string (`?model=gpt-realtime`), name and value
@@ -358,6 +459,90 @@ fn ws_uri(uri: &http::Uri) -> Option<http::Uri> {
     format!("{scheme}://{authority}{path}").parse().ok()
 }
 
+/// The most of an upstream's refusal body (at the handshake) passed back.
+const REFUSAL_LIMIT: usize = 64 * 1024;
+
+/// The upstream's upgrade request: origin-form target, `Host` for the
+/// upstream, the WebSocket headers (a key of visor's own), then the
+/// client's headers as prepared for the upstream.
+fn upstream_upgrade(ws_uri: &http::Uri, headers: &HeaderMap) -> Option<Request<Empty<Bytes>>> {
+    let target = ws_uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut req = Request::get(target).body(Empty::new()).ok()?;
+    let h = req.headers_mut();
+    h.insert(
+        header::HOST,
+        HeaderValue::from_str(ws_uri.authority()?.as_str()).ok()?,
+    );
+    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    h.insert(
+        header::SEC_WEBSOCKET_VERSION,
+        HeaderValue::from_static("13"),
+    );
+    h.insert(
+        header::SEC_WEBSOCKET_KEY,
+        HeaderValue::from_str(&generate_key()).ok()?,
+    );
+    for (k, v) in headers {
+        if !h.contains_key(k) {
+            h.append(k.clone(), v.clone());
+        }
+    }
+    Some(req)
+}
+
+/// What the upstream said to the upgrade.
+enum Opened {
+    /// 101: its socket, and its answer's headers.
+    Open(
+        WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>,
+        HeaderMap,
+    ),
+    /// Any other answer: its head and its body (read whole, up to
+    /// [`REFUSAL_LIMIT`]: a refusal's body often comes after its head).
+    Refused(http::response::Parts, Bytes),
+}
+
+/// The upgrade sent over `stream` (HTTP/1.1, by hyper): the upstream's
+/// socket, or its refusal; `Err` when it broke off or answered 101
+/// without a WebSocket accept for visor's key.
+async fn open_upstream(stream: RawConn, req: Request<Empty<Bytes>>) -> Result<Opened, ()> {
+    let key = req
+        .headers()
+        .get(header::SEC_WEBSOCKET_KEY)
+        .map(|k| derive_accept_key(k.as_bytes()))
+        .ok_or(())?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(stream.into_inner())
+        .await
+        .map_err(drop)?;
+    // The connection's task ends when it hands over its socket (or ends).
+    tokio::spawn(conn.with_upgrades());
+    let resp = sender.send_request(req).await.map_err(drop)?;
+    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        let (parts, body) = resp.into_parts();
+        let body = match Limited::new(body, REFUSAL_LIMIT).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(_) => Bytes::new(),
+        };
+        return Ok(Opened::Refused(parts, body));
+    }
+    let accepted = resp
+        .headers()
+        .get(header::SEC_WEBSOCKET_ACCEPT)
+        .is_some_and(|v| v.as_bytes() == key.as_bytes());
+    let upgrades = resp.headers().get_all(header::UPGRADE).iter().any(|v| {
+        v.to_str()
+            .is_ok_and(|v| v.trim().eq_ignore_ascii_case("websocket"))
+    });
+    if !accepted || !upgrades {
+        return Err(());
+    }
+    let headers = resp.headers().clone();
+    let upgraded = hyper::upgrade::on(resp).await.map_err(drop)?;
+    let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Client, None).await;
+    Ok(Opened::Open(ws, headers))
+}
+
 /// What one relayed socket needs.
 struct Relay {
     state: Arc<AppState>,
@@ -396,6 +581,9 @@ impl Relay {
         let (mut c_tx, mut c_rx) = client.split();
         let (mut u_tx, mut u_rx) = upstream.split();
         let idle = self.state.config.server.idle_timeout;
+        // A write to either side that has not gone out by then: that peer
+        // stopped reading.
+        let write_bound = idle;
         // The responses under way, oldest first (a client may start one
         // before the last ended).
         let mut inflight: VecDeque<InFlight> = VecDeque::new();
@@ -416,103 +604,132 @@ impl Relay {
             let deadline = drain_until.map_or(deadline, |d| deadline.min(d));
             tokio::select! {
                 m = c_rx.next() => {
-                    last_any = Instant::now();
-                    match m {
-                        Some(Ok(Message::Text(text))) => {
-                            let (out, started) = match self.client_event(text.as_str(), &mut model).await {
-                                Ok(pair) => pair,
-                                // Refused by the key: the client hears why,
-                                // the upstream nothing.
-                                Err(refusal) => {
-                                    if c_tx.send(refusal).await.is_err() {
-                                        let _ = u_tx.close().await;
-                                        break;
-                                    }
-                                    continue;
-                                }
-                            };
-                            if let Some(f) = started {
-                                last_upstream = Instant::now();
-                                inflight.push_back(f);
+                    let m = match m {
+                        Some(Ok(m)) => m,
+                        // A frame that breaks the protocol, text that is not
+                        // UTF-8, a message over max_body_bytes: the client
+                        // hears why (1002, 1007, 1009); a client gone
+                        // nothing. The upstream socket is closed.
+                        Some(Err(e)) => {
+                            if let Some(frame) = violation(&e) {
+                                tracing::debug!(error = %e, "websocket client broke the protocol");
+                                end(&mut c_tx, Some(frame)).await;
                             }
-                            if u_tx.send(out).await.is_err() {
-                                let _ = c_tx.send(close(CloseCode::Away, "upstream went away")).await;
-                                let _ = c_tx.close().await;
-                                self.finish_all(&mut inflight, "reset");
-                                break;
-                            }
+                            end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
+                            self.finish_all(&mut inflight, "client_cancelled");
+                            break;
                         }
-                        Some(Ok(Message::Close(frame))) => {
-                            let _ = u_tx.send(Message::Close(frame)).await;
-                            let _ = u_tx.close().await;
+                        None => {
+                            end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
+                            self.finish_all(&mut inflight, "client_cancelled");
+                            break;
+                        }
+                    };
+                    let text = match m {
+                        // tungstenite answers a ping itself (once): neither
+                        // goes upstream, and neither is activity that keeps
+                        // a quiet socket open.
+                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => continue,
+                        Message::Close(frame) => {
+                            end(&mut u_tx, Some(Message::Close(frame))).await;
                             // The reply to the client's close, queued by
                             // tungstenite, goes out now.
-                            let _ = c_tx.close().await;
+                            let _ = tokio::time::timeout(CLOSE_BOUND, c_tx.close()).await;
                             self.finish_all(&mut inflight, "client_cancelled");
                             break;
                         }
-                        // A binary frame on a Responses socket held to a key:
-                        // its events are text; one visor cannot read is not
-                        // passed on.
-                        Some(Ok(Message::Binary(_))) if self.responses && self.key.is_some() => {
-                            let refusal = self.refusal(
-                                VisorError::BadRequest(
-                                    "binary frames are not taken on a socket held to a key: send events as text",
-                                ),
-                                None,
-                            );
-                            if c_tx.send(refusal).await.is_err() {
-                                let _ = u_tx.close().await;
+                        Message::Text(text) => text,
+                        // On a Responses socket a binary frame is an event
+                        // like any other when it is UTF-8 (lenient servers
+                        // read its bytes as JSON), refused when it is not.
+                        Message::Binary(bytes) if self.responses => match Utf8Bytes::try_from(bytes) {
+                            Ok(text) => text,
+                            Err(e) => {
+                                last_any = Instant::now();
+                                let why = format!("invalid UTF-8 at byte {}", e.valid_up_to());
+                                let refusal = self.refusal(VisorError::InvalidJson(why), None);
+                                if put(&mut c_tx, refusal, write_bound).await != Put::Sent {
+                                    end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
+                                    self.finish_all(&mut inflight, "client_cancelled");
+                                    break;
+                                }
+                                continue;
+                            }
+                        },
+                        other => {
+                            last_any = Instant::now();
+                            if let Some(outcome) = put(&mut u_tx, other, write_bound).await.failed() {
+                                end(&mut c_tx, Some(close(CloseCode::Away, "upstream went away"))).await;
+                                self.finish_all(&mut inflight, outcome);
                                 break;
                             }
+                            continue;
                         }
-                        Some(Ok(other)) => {
-                            if u_tx.send(other).await.is_err() {
-                                let _ = c_tx.close().await;
+                    };
+                    last_any = Instant::now();
+                    let (out, started) = match self.client_event(text, &mut model).await {
+                        Ok(pair) => pair,
+                        // Refused (unreadable, or by the key): the client
+                        // hears why, the upstream nothing.
+                        Err(refusal) => {
+                            if put(&mut c_tx, refusal, write_bound).await != Put::Sent {
+                                end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
+                                self.finish_all(&mut inflight, "client_cancelled");
                                 break;
                             }
+                            continue;
                         }
-                        // The client went away: close the upstream socket.
-                        Some(Err(_)) | None => {
-                            let _ = u_tx.send(close(CloseCode::Away, "client went away")).await;
-                            let _ = u_tx.close().await;
-                            self.finish_all(&mut inflight, "client_cancelled");
-                            break;
+                    };
+                    if let Some(f) = started {
+                        // The upstream's idle deadline starts with the first
+                        // response under way; while one is, only the
+                        // upstream's messages restart it.
+                        if inflight.is_empty() {
+                            last_upstream = Instant::now();
                         }
+                        inflight.push_back(f);
+                    }
+                    if let Some(outcome) = put(&mut u_tx, out, write_bound).await.failed() {
+                        end(&mut c_tx, Some(close(CloseCode::Away, "upstream went away"))).await;
+                        self.finish_all(&mut inflight, outcome);
+                        break;
                     }
                 }
                 m = u_rx.next() => {
+                    // Any message, a ping too, says the upstream is alive.
                     last_upstream = Instant::now();
-                    last_any = last_upstream;
                     match m {
+                        // Answered by tungstenite (pings), never relayed.
+                        Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
                         Some(Ok(Message::Text(text))) => {
+                            last_any = last_upstream;
                             // The key's tokens corrected by the usage before
                             // the client hears the response is done.
                             if let Some((i, estimate, used)) = self.server_event(text.as_str(), &mut inflight) {
                                 self.state.limits.correct(i, estimate, used).await;
                             }
-                            if c_tx.send(Message::Text(text)).await.is_err() {
-                                let _ = u_tx.close().await;
+                            if put(&mut c_tx, Message::Text(text), write_bound).await != Put::Sent {
+                                end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
                                 self.finish_all(&mut inflight, "client_cancelled");
                                 break;
                             }
                         }
                         Some(Ok(Message::Close(frame))) => {
-                            let _ = c_tx.send(Message::Close(frame)).await;
-                            let _ = c_tx.close().await;
-                            let _ = u_tx.close().await;
+                            end(&mut c_tx, Some(Message::Close(frame))).await;
+                            end(&mut u_tx, None).await;
                             self.finish_all(&mut inflight, "reset");
                             break;
                         }
                         Some(Ok(other)) => {
-                            if c_tx.send(other).await.is_err() {
-                                let _ = u_tx.close().await;
+                            last_any = last_upstream;
+                            if put(&mut c_tx, other, write_bound).await != Put::Sent {
+                                end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
+                                self.finish_all(&mut inflight, "client_cancelled");
                                 break;
                             }
                         }
                         Some(Err(_)) | None => {
-                            let _ = c_tx.send(close(CloseCode::Error, "upstream connection lost")).await;
-                            let _ = c_tx.close().await;
+                            end(&mut c_tx, Some(close(CloseCode::Error, "upstream connection lost"))).await;
                             self.finish_all(&mut inflight, "reset");
                             break;
                         }
@@ -537,10 +754,8 @@ impl Relay {
                         false => (CloseCode::Error, "upstream idle timeout"),
                         true => (CloseCode::Away, "idle socket closed"),
                     };
-                    let _ = c_tx.send(close(code, why)).await;
-                    let _ = c_tx.close().await;
-                    let _ = u_tx.send(close(CloseCode::Away, "idle timeout")).await;
-                    let _ = u_tx.close().await;
+                    end(&mut c_tx, Some(close(code, why))).await;
+                    end(&mut u_tx, Some(close(CloseCode::Away, "idle timeout"))).await;
                     self.finish_all(&mut inflight, "idle_timeout");
                     break;
                 }
@@ -555,50 +770,42 @@ impl Relay {
 
     /// A client event: transformed when it carries Responses input items;
     /// the message to send upstream, and the response it starts, if any —
-    /// or, for a `response.create` the caller's `[[key]]` refuses, the
-    /// `error` event that answers it.
+    /// or, for an event visor cannot read as it reads an HTTP body, or a
+    /// `response.create` the caller's `[[key]]` refuses, the `error` event
+    /// that answers it.
     async fn client_event(
         &self,
-        text: &str,
+        text: Utf8Bytes,
         model: &mut String,
     ) -> Result<(Message, Option<InFlight>), Message> {
-        let unchanged = || Message::Text(text.into());
         if !self.responses {
-            return Ok((unchanged(), None));
+            return Ok((Message::Text(text), None));
         }
-        // On a socket held to a key every event is read strictly, as an HTTP
-        // body is: one it cannot read for sure (not JSON serde takes — a lone
-        // surrogate, nesting past 128 levels —, `model` twice) might name
-        // another model to a more lenient upstream, so it is refused.
-        let parsed = serde_json::from_str::<Value>(text);
-        if self.key.is_some() {
-            let strict = match &parsed {
-                Err(e) => Err(e.to_string()),
-                Ok(v) if !v.is_object() => Err("not a JSON object".to_owned()),
-                Ok(_) => match twice_named_key(text.as_bytes()) {
-                    Some(k) => Err(format!("`{k}` is named twice")),
-                    None => Ok(()),
-                },
-            };
-            if let Err(why) = strict {
-                let shown: String = why.chars().take(200).collect();
-                tracing::debug!(why = %shown, "websocket event refused");
-                return Err(self.refusal(
-                    VisorError::BadRequest(
-                        "the event is not JSON visor can read for sure (a socket held to a key); send one JSON object, each key once",
-                    ),
-                    None,
-                ));
+        // Every event is read strictly, as an HTTP body is, whether or not
+        // a key holds the socket: one visor cannot read for sure (not JSON
+        // serde takes — a lone surrogate, nesting past 128 levels —, a key
+        // twice) might carry an image or name another model to a more
+        // lenient upstream, so it is refused, never passed on unread.
+        let event = match read_event(text.as_str()) {
+            Ok(event) => event,
+            Err(e) => {
+                if let VisorError::InvalidJson(why) = &e {
+                    let shown: String = why.chars().take(200).collect();
+                    tracing::debug!(why = %shown, "websocket event refused");
+                }
+                return Err(self.refusal(e, None));
             }
-        }
-        let Ok(Value::Object(event)) = parsed else {
-            return Ok((unchanged(), None));
         };
         let own_model = event.get("model").and_then(Value::as_str);
-        if let Some(m) = own_model {
+        let ty = event.get("type").and_then(Value::as_str);
+        // Only the events that start or extend a response say which model
+        // the next ones are for (a `session.update` naming another says
+        // nothing of the responses).
+        if matches!(ty, Some("response.create" | "response.steer"))
+            && let Some(m) = own_model
+        {
             m.clone_into(model);
         }
-        let ty = event.get("type").and_then(Value::as_str);
         let creates = ty == Some("response.create");
         let estimate = text.len() as u64 / crate::limits::BYTES_PER_TOKEN;
         if let Some(i) = self.key {
@@ -624,13 +831,13 @@ impl Relay {
             bytes_saved: 0,
         });
         if !event.get("input").is_some_and(Value::is_array) {
-            return Ok((unchanged(), started));
+            return Ok((Message::Text(text), started));
         }
         let asker = prepare::Asker {
             headers: &self.headers,
             upstream: 0,
         };
-        let body = Bytes::copy_from_slice(text.as_bytes());
+        let body = Bytes::from(text.clone());
         let prepared = prepare::prepare(
             &self.state,
             Shape::Responses,
@@ -649,9 +856,9 @@ impl Relay {
             f.bytes_saved = prepared.report.bytes_saved;
             f
         });
-        match String::from_utf8(prepared.body.to_vec()) {
-            Ok(s) => Ok((Message::Text(s.into()), started)),
-            Err(_) => Ok((unchanged(), started)),
+        match Utf8Bytes::try_from(prepared.body) {
+            Ok(s) => Ok((Message::Text(s), started)),
+            Err(_) => Ok((Message::Text(text), started)),
         }
     }
 
