@@ -423,6 +423,15 @@ pub struct RawDocuments {
     /// The child's CPU-time limit, and (with 5 s more) its wall-clock limit.
     #[serde(default = "default_reader_cpu_secs")]
     pub reader_cpu_secs: u64,
+    /// Characters one document's text is at most (its reader stops there);
+    /// the text says where it was cut.
+    #[serde(default = "default_max_document_chars")]
+    pub max_document_chars: u64,
+    /// Characters of document text one request carries at most, over all
+    /// its documents; absent: 1,000,000, or `server.max_body_bytes / 8`
+    /// when smaller.
+    #[serde(default)]
+    pub max_request_chars: Option<u64>,
 }
 
 impl Default for RawDocuments {
@@ -433,8 +442,14 @@ impl Default for RawDocuments {
             reader_binary: None,
             reader_memory_mib: default_reader_memory_mib(),
             reader_cpu_secs: default_reader_cpu_secs(),
+            max_document_chars: default_max_document_chars(),
+            max_request_chars: None,
         }
     }
+}
+
+fn default_max_document_chars() -> u64 {
+    150_000
 }
 
 fn default_reader_memory_mib() -> u64 {
@@ -1021,6 +1036,17 @@ impl RawConfig {
                     p.push(format!("{at}.key: \"\" — a proxy key must not be empty"));
                 }
                 Some(s)
+                    if self
+                        .server
+                        .api_keys
+                        .iter()
+                        .any(|a| a.expose() == s.expose()) =>
+                {
+                    p.push(format!(
+                        "{at}.key: also in server.api_keys, whose keys have no limits — the [[key]]'s limits would be ignored; keep it in one place"
+                    ));
+                }
+                Some(s)
                     if self.key[..i]
                         .iter()
                         .any(|o| o.key.as_ref().is_some_and(|ok| ok.expose() == s.expose())) =>
@@ -1155,6 +1181,13 @@ impl RawConfig {
             });
         }
         fallback_chains(&mut p, &mut upstreams);
+        // Without proxy keys, a client's own key is forwarded to the upstream
+        // that has none of its own: never to another provider on fallback.
+        let proxy_keys =
+            !self.server.api_keys.is_empty() || self.key.iter().any(|k| k.key.is_some());
+        if !proxy_keys {
+            fallback_credentials(&mut p, &upstreams);
+        }
         let r = &self.retries;
         if r.budget_percent > 100 {
             p.push(format!(
@@ -1392,6 +1425,35 @@ fn fallback_chains(p: &mut Vec<String>, upstreams: &mut [Upstream]) {
     }
 }
 
+/// A fallback without an `api_key` is sent the client's own key, which the
+/// client sent for the upstream it falls back from: refused unless that one
+/// also forwards the client's key and is the same origin (scheme, host,
+/// port) — the same provider.
+fn fallback_credentials(p: &mut Vec<String>, upstreams: &[Upstream]) {
+    let origin = |u: &Upstream| {
+        (
+            u.base_url.scheme_str().map(str::to_ascii_lowercase),
+            u.base_url.host().map(str::to_ascii_lowercase),
+            u.base_url.port_u16(),
+        )
+    };
+    for (i, u) in upstreams.iter().enumerate() {
+        for (j, f) in u.fallbacks.iter().enumerate() {
+            let Some(t) = upstreams.iter().find(|t| &t.name == f) else {
+                continue;
+            };
+            if t.api_key.is_some() || (u.api_key.is_none() && origin(u) == origin(t)) {
+                continue;
+            }
+            p.push(format!(
+                "upstream[{i}].fallbacks[{j}]: {f:?} has no api_key, so it would be sent the client's own key, which the client sent for {:?} ({}): give {f:?} an api_key of its own (or give visor proxy keys: server.api_keys or [[key]])",
+                u.name,
+                u.base_url.host().unwrap_or("")
+            ));
+        }
+    }
+}
+
 /// A cycle reachable from the end of `path`, as the names along it.
 fn find_cycle(edges: &[Vec<usize>], path: &mut Vec<usize>) -> Option<Vec<usize>> {
     let last = *path.last()?;
@@ -1623,10 +1685,10 @@ mod tests {
     #[test]
     fn fallback_chains_are_flattened_in_order() {
         let cfg = load(&ups(&[
-            ("a", "fallbacks = [\"b\", \"c\"]"),
-            ("b", "fallbacks = [\"d\"]"),
-            ("c", "fallbacks = [\"d\"]"),
-            ("d", ""),
+            ("a", "fallbacks = [\"b\", \"c\"]\napi_key = \"k-a\""),
+            ("b", "fallbacks = [\"d\"]\napi_key = \"k-b\""),
+            ("c", "fallbacks = [\"d\"]\napi_key = \"k-c\""),
+            ("d", "api_key = \"k-d\""),
         ]))
         .unwrap();
         assert_eq!(cfg.upstreams[0].chain, vec![0, 1, 3, 2]);
@@ -1636,6 +1698,20 @@ mod tests {
         assert_eq!(cfg.retries.budget_percent, 20);
         assert_eq!(cfg.retries.breaker_failures, 5);
         assert_eq!(cfg.retries.breaker_cooldown, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_key_in_api_keys_and_a_key_entry_is_refused() {
+        let e = problems(&format!(
+            "[server]\napi_keys = [\"sk-1\"]\n{}[[key]]\nname = \"team\"\nkey = \"sk-1\"\nrequests_per_minute = 5\n",
+            ups(&[("a", "")])
+        ));
+        assert!(e.contains("key[0].key: also in server.api_keys"), "{e}");
+        let ok = format!(
+            "[server]\napi_keys = [\"sk-1\"]\n{}[[key]]\nname = \"team\"\nkey = \"sk-2\"\n",
+            ups(&[("a", "")])
+        );
+        assert_eq!(problems(&ok), "(valid)");
     }
 
     #[test]
@@ -1658,6 +1734,38 @@ mod tests {
             ("b", "auth = \"x-api-key\""),
         ]));
         assert!(e.contains("never translates between API shapes"), "{e}");
+        // The client's key, sent for `a`, is never sent to another host.
+        let e = problems(&ups(&[("a", "fallbacks = [\"b\"]"), ("b", "")]));
+        assert!(
+            e.contains("upstream[0].fallbacks[0]: \"b\" has no api_key, so it would be sent the client's own key"),
+            "{e}"
+        );
+        // Fine: the fallback has its own key; proxy keys (clients' keys are
+        // never forwarded); the same host's other port is another origin,
+        // the same origin is the same provider.
+        assert_eq!(
+            problems(&ups(&[
+                ("a", "fallbacks = [\"b\"]"),
+                ("b", "api_key = \"k\"")
+            ])),
+            "(valid)"
+        );
+        assert_eq!(
+            problems(&format!(
+                "[server]\napi_keys = [\"p\"]\n{}",
+                ups(&[("a", "fallbacks = [\"b\"]"), ("b", "")])
+            )),
+            "(valid)"
+        );
+        let same = "[[upstream]]\nname = \"a\"\nbase_url = \"http://h.test/v1\"\nfallbacks = [\"b\"]\n\
+                    [[upstream]]\nname = \"b\"\nbase_url = \"http://h.test/v2\"\n";
+        assert_eq!(problems(same), "(valid)");
+        assert!(problems(&same.replace("h.test/v2", "h.test:8080/v2")).contains("has no api_key"));
+        // `a` has a key of its own: the client's key was not for it either.
+        assert!(
+            problems(&same.replace("fallbacks", "api_key = \"k\"\nfallbacks"))
+                .contains("has no api_key")
+        );
         let e = problems(&format!(
             "{}[retries]\nbudget_percent = 101\nbreaker_failures = 0\nbreaker_cooldown_secs = -1\n",
             ups(&[("a", "")])

@@ -87,8 +87,34 @@ pub struct Limiter {
     keys: Vec<KeyLimits>,
     store: Arc<Store>,
     metrics: Arc<Metrics>,
-    /// (key, limit) → (window, count): this replica's counters.
-    local: Mutex<HashMap<(usize, Limit), (u64, u64)>>,
+    /// Per key: this replica's view of the current window.
+    local: Mutex<HashMap<usize, Local>>,
+}
+
+/// Where a request's counts went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    /// In the shared store.
+    Shared,
+    /// Here, with no shared store.
+    Here,
+    /// Here, the shared store away: added to it when it answers again.
+    Unshared,
+}
+
+/// A key's window as this replica knows it: the counts the shared store
+/// last said (or this replica's own, without one), plus what was counted
+/// here while the store could not be reached — added to the store's
+/// counters when it answers again, so a replica that lost the store for a
+/// while neither forgets the window's earlier requests nor hides its own.
+#[derive(Debug, Clone, Copy, Default)]
+struct Local {
+    window: u64,
+    requests: u64,
+    tokens: u64,
+    /// Counted here, not yet in the shared store.
+    unshared_requests: u64,
+    unshared_tokens: u64,
 }
 
 impl Limiter {
@@ -130,25 +156,28 @@ impl Limiter {
         }
         let window = (at / WINDOW.as_secs_f64()).floor() as u64;
         let reset = Duration::from_secs_f64(((window + 1) as f64) * WINDOW.as_secs_f64() - at);
-        let (requests, used_tokens) = self.count(i, window, 1, tokens).await;
+        let (requests, mut used_tokens, counted) = self.count(i, window, 1, tokens).await;
+        // A request goes while the window has room for it: requests up to
+        // the limit, tokens while its estimate fits in what is left.
+        let over = if k.requests_per_minute.is_some_and(|l| requests > l) {
+            Some(Limit::Requests)
+        } else if k.tokens_per_minute.is_some_and(|l| used_tokens > l) {
+            Some(Limit::Tokens)
+        } else {
+            None
+        };
+        // A refused request is counted as a request, but its tokens are not
+        // spent.
+        if over.is_some() && tokens > 0 && k.tokens_per_minute.is_some() {
+            self.uncount(i, window, tokens, counted).await;
+            used_tokens = used_tokens.saturating_sub(tokens);
+        }
         let standing = |limit: Option<u64>, used: u64| {
             limit.map(|limit| Standing {
                 limit,
                 remaining: limit.saturating_sub(used),
                 reset,
             })
-        };
-        // A request goes while the window has room: requests up to the
-        // limit, tokens while some were left before it.
-        let over = if k.requests_per_minute.is_some_and(|l| requests > l) {
-            Some(Limit::Requests)
-        } else if k
-            .tokens_per_minute
-            .is_some_and(|l| used_tokens.saturating_sub(tokens) >= l)
-        {
-            Some(Limit::Tokens)
-        } else {
-            None
         };
         if let Some(limit) = over {
             self.metrics
@@ -161,6 +190,40 @@ impl Limiter {
             tokens: standing(k.tokens_per_minute, used_tokens),
             over,
         }
+    }
+
+    /// The body actually sent is larger than the one estimated (documents
+    /// read, history inserted): the `extra` tokens are counted now, and the
+    /// request may go only as [`Limiter::check`] would have let a request
+    /// of `total` tokens go. `None` for a key without a token limit.
+    pub async fn charge_more(&self, i: usize, extra: u64, total: u64) -> Option<Verdict> {
+        let k = self.keys.get(i)?;
+        let limit = k.tokens_per_minute?;
+        let at = now();
+        let window = (at / WINDOW.as_secs_f64()).floor() as u64;
+        let reset = Duration::from_secs_f64(((window + 1) as f64) * WINDOW.as_secs_f64() - at);
+        let (_, mut used, counted) = self.count(i, window, 0, extra).await;
+        let over = (used > limit).then_some(Limit::Tokens);
+        if over.is_some() {
+            // Not sent: none of its tokens are spent.
+            self.uncount(i, window, total, counted).await;
+            used = used.saturating_sub(total);
+        }
+        if let Some(limit) = over {
+            self.metrics
+                .ratelimited
+                .with_label_values(&[&k.name, limit.label()])
+                .inc();
+        }
+        Some(Verdict {
+            requests: None,
+            tokens: Some(Standing {
+                limit,
+                remaining: limit.saturating_sub(used),
+                reset,
+            }),
+            over,
+        })
     }
 
     /// After the upstream's `usage`: the tokens the estimate missed are
@@ -176,40 +239,133 @@ impl Limiter {
 
     /// Adds to the key's two counters of `window`: in the shared store when
     /// there is one, else (or while it is down) here.
-    async fn count(&self, i: usize, window: u64, requests: u64, tokens: u64) -> (u64, u64) {
+    async fn count(
+        &self,
+        i: usize,
+        window: u64,
+        requests: u64,
+        tokens: u64,
+    ) -> (u64, u64, Counted) {
         let name = self.keys.get(i).map_or("", |k| k.name.as_str());
-        if self.store.is_shared() {
-            let r = format!("{name}:r:{window}");
-            let t = format!("{name}:t:{window}");
-            // Past the window's end and a margin, the counters go.
-            match self
+        if !self.store.is_shared() {
+            let (r, t) = self.count_here(i, window, requests, tokens, false);
+            return (r, t, Counted::Here);
+        }
+        // What this replica counted while the store was away goes in with
+        // this request.
+        let (held_r, held_t) = self.take_unshared(i, window);
+        let r = format!("{name}:r:{window}");
+        let t = format!("{name}:t:{window}");
+        // Past the window's end and a margin, the counters go.
+        let shared = self
+            .store
+            .count_window(
+                &r,
+                requests + held_r,
+                &t,
+                tokens + held_t,
+                WINDOW + Duration::from_secs(5),
+            )
+            .await;
+        if let Ok(Some((r, t))) = shared {
+            self.metrics.ratelimit_shared.set(1);
+            self.seen_shared(i, window, r, t);
+            return (r, t, Counted::Shared);
+        }
+        self.give_back_unshared(i, window, held_r, held_t);
+        self.metrics.ratelimit_shared.set(0);
+        self.metrics.ratelimit_local_checks.inc();
+        let (r, t) = self.count_here(i, window, requests, tokens, true);
+        (r, t, Counted::Unshared)
+    }
+
+    /// Takes back `tokens` counted in `window` (where they were counted)
+    /// for a request that did not go.
+    async fn uncount(&self, i: usize, window: u64, tokens: u64, counted: Counted) {
+        if counted == Counted::Shared {
+            let name = self.keys.get(i).map_or("", |k| k.name.as_str());
+            // A store gone again keeps them: the limit errs on the safe side.
+            let _ = self
                 .store
-                .count_window(&r, requests, &t, tokens, WINDOW + Duration::from_secs(5))
-                .await
-            {
-                Ok(Some(counts)) => {
-                    self.metrics.ratelimit_shared.set(1);
-                    return counts;
-                }
-                Ok(None) => {}
-                Err(_) => {
-                    self.metrics.ratelimit_shared.set(0);
-                    self.metrics.ratelimit_local_checks.inc();
-                }
+                .uncount_window(&format!("{name}:t:{window}"), tokens)
+                .await;
+        }
+        if let Ok(mut local) = self.local.lock() {
+            let slot = Self::window_here(&mut local, i, window);
+            slot.tokens = slot.tokens.saturating_sub(tokens);
+            if counted == Counted::Unshared {
+                slot.unshared_tokens = slot.unshared_tokens.saturating_sub(tokens);
             }
         }
+    }
+
+    /// The key's window here, started over when `window` is a newer one.
+    fn window_here<'a>(
+        local: &'a mut HashMap<usize, Local>,
+        i: usize,
+        window: u64,
+    ) -> &'a mut Local {
+        let slot = local.entry(i).or_insert(Local {
+            window,
+            ..Local::default()
+        });
+        if slot.window != window {
+            *slot = Local {
+                window,
+                ..Local::default()
+            };
+        }
+        slot
+    }
+
+    /// Counts here; `unshared`: to be added to the shared store later.
+    fn count_here(
+        &self,
+        i: usize,
+        window: u64,
+        requests: u64,
+        tokens: u64,
+        unshared: bool,
+    ) -> (u64, u64) {
         let Ok(mut local) = self.local.lock() else {
             return (0, 0);
         };
-        let mut add = |limit: Limit, n: u64| {
-            let slot = local.entry((i, limit)).or_insert((window, 0));
-            if slot.0 != window {
-                *slot = (window, 0);
-            }
-            slot.1 = slot.1.saturating_add(n);
-            slot.1
+        let slot = Self::window_here(&mut local, i, window);
+        slot.requests = slot.requests.saturating_add(requests);
+        slot.tokens = slot.tokens.saturating_add(tokens);
+        if unshared {
+            slot.unshared_requests = slot.unshared_requests.saturating_add(requests);
+            slot.unshared_tokens = slot.unshared_tokens.saturating_add(tokens);
+        }
+        (slot.requests, slot.tokens)
+    }
+
+    fn take_unshared(&self, i: usize, window: u64) -> (u64, u64) {
+        let Ok(mut local) = self.local.lock() else {
+            return (0, 0);
         };
-        (add(Limit::Requests, requests), add(Limit::Tokens, tokens))
+        let slot = Self::window_here(&mut local, i, window);
+        (
+            std::mem::take(&mut slot.unshared_requests),
+            std::mem::take(&mut slot.unshared_tokens),
+        )
+    }
+
+    fn give_back_unshared(&self, i: usize, window: u64, requests: u64, tokens: u64) {
+        if let Ok(mut local) = self.local.lock() {
+            let slot = Self::window_here(&mut local, i, window);
+            slot.unshared_requests = slot.unshared_requests.saturating_add(requests);
+            slot.unshared_tokens = slot.unshared_tokens.saturating_add(tokens);
+        }
+    }
+
+    /// The shared store's counts of the window, as this replica's view.
+    fn seen_shared(&self, i: usize, window: u64, requests: u64, tokens: u64) {
+        if let Ok(mut local) = self.local.lock() {
+            let slot = Self::window_here(&mut local, i, window);
+            slot.requests = slot.requests.max(requests);
+            slot.tokens = slot.tokens.max(tokens);
+        }
     }
 }
 
@@ -267,16 +423,23 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn tokens_go_while_some_are_left_and_usage_corrects_the_estimate() {
+    async fn tokens_go_while_the_estimate_fits_and_usage_corrects_it() {
         let l = limiter(None, Some(1000));
         let t = 6_000_000.0;
         assert_eq!(l.check_at(0, 600, t).await.over, None);
-        // 600 used: 400 left, a request of 600 still goes…
+        // 400 left: a request of 600 does not go, and spends none of them…
         let v = l.check_at(0, 600, t + 1.0).await;
+        assert_eq!(v.over, Some(Limit::Tokens));
+        assert_eq!(v.tokens.unwrap().remaining, 400);
+        // …so one of 400 still does, and then none.
+        let v = l.check_at(0, 400, t + 2.0).await;
         assert_eq!(v.over, None);
         assert_eq!(v.tokens.unwrap().remaining, 0);
-        // …and then none does.
-        assert_eq!(l.check_at(0, 1, t + 2.0).await.over, Some(Limit::Tokens));
+        assert_eq!(l.check_at(0, 1, t + 3.0).await.over, Some(Limit::Tokens));
+        // One larger than the whole limit never goes.
+        let l = limiter(None, Some(1000));
+        assert_eq!(l.check_at(0, 1001, t).await.over, Some(Limit::Tokens));
+        assert_eq!(l.check_at(0, 1000, t).await.over, None);
         // Correction adds what the estimate missed.
         let l = limiter(None, Some(1000));
         let now = now();
@@ -286,6 +449,36 @@ mod tests {
         if (now / 60.0).floor() == (super::now() / 60.0).floor() {
             assert_eq!(v.over, Some(Limit::Tokens), "1500 used of 1000");
         }
+    }
+
+    #[tokio::test]
+    async fn a_body_larger_than_estimated_is_charged_and_may_be_refused() {
+        let l = limiter(None, Some(1000));
+        let now = now();
+        assert_eq!(l.check_at(0, 100, now).await.over, None);
+        // Sent 300 (documents read): 200 more, within the limit.
+        let v = l.charge_more(0, 200, 300).await.unwrap();
+        assert_eq!(v.over, None);
+        let same_window = |v: &Verdict| {
+            (now / 60.0).floor() == (super::now() / 60.0).floor() && v.tokens.is_some()
+        };
+        if same_window(&v) {
+            assert_eq!(v.tokens.unwrap().remaining, 700);
+        }
+        // Sent 5000 for an estimate of 100: refused, nothing spent.
+        assert_eq!(l.check_at(0, 100, now).await.over, None);
+        let v = l.charge_more(0, 4900, 5000).await.unwrap();
+        assert_eq!(v.over, Some(Limit::Tokens));
+        if same_window(&v) {
+            assert_eq!(v.tokens.unwrap().remaining, 700);
+        }
+        // A key without a token limit is not charged.
+        assert!(
+            limiter(Some(5), None)
+                .charge_more(0, 10, 10)
+                .await
+                .is_none()
+        );
     }
 
     #[test]

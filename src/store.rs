@@ -242,6 +242,24 @@ impl Store {
         self.guarded("put", op).await.map(Some)
     }
 
+    /// Takes `tokens` back off a window's counter [`Store::count_window`]
+    /// added them to (a request refused for them); a counter that is gone
+    /// stays gone. `Ok(false)` without a shared store.
+    pub async fn uncount_window(&self, tokens_key: &str, tokens: u64) -> Result<bool, StoreError> {
+        let Backend::Redis(r) = &self.backend else {
+            return Ok(false);
+        };
+        let op = async {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(UNCOUNT_WINDOW)
+                .arg(1)
+                .arg(r.key("limit:", tokens_key))
+                .arg(tokens);
+            r.query::<i64>(&mut cmd).await
+        };
+        self.guarded("put", op).await.map(|_| true)
+    }
+
     /// Whether `name` (normalised) is learned as non-vision in the store.
     pub async fn is_learned(&self, name: &str) -> Result<bool, StoreError> {
         let op = async {
@@ -1046,6 +1064,11 @@ if r == tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end \
 local t = redis.call('INCRBY', KEYS[2], ARGV[2]) \
 if t == tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end \
 return {r, t}";
+
+const UNCOUNT_WINDOW: &str = "if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end \
+local t = redis.call('DECRBY', KEYS[1], ARGV[1]) \
+if t < 0 then redis.call('INCRBY', KEYS[1], -t) return 0 end \
+return t";
 
 struct Redis {
     conn: redis::aio::ConnectionManager,

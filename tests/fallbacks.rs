@@ -14,11 +14,12 @@ use tokio::time::Instant;
 
 const BOUND: Duration = Duration::from_secs(10);
 
-/// `primary` (with `fallbacks = ["backup"]` and `more` keys) then `backup`,
-/// after `extra` (server or retries sections).
+/// `primary` (with `fallbacks = ["backup"]` and `more` keys) then `backup`
+/// (with a key of its own: the client's is never sent to a fallback on
+/// another host), after `extra` (server or retries sections).
 fn chain(primary: &MockUpstream, backup: &MockUpstream, extra: &str, more: &str) -> String {
     format!(
-        "{extra}\n{}fallbacks = [\"backup\"]\n{more}\n{}",
+        "{extra}\n{}fallbacks = [\"backup\"]\n{more}\n{}api_key = \"key-backup\"\n",
         primary.upstream_toml("primary"),
         backup.upstream_toml("backup")
     )
@@ -377,8 +378,8 @@ fn check_prints_each_routes_chain() {
             "main",
             "models = [\"gpt-*\"]\nfallbacks = [\"azure\", \"local\"]"
         ),
-        upstream("azure", "fallbacks = [\"local\"]"),
-        upstream("local", "")
+        upstream("azure", "fallbacks = [\"local\"]\napi_key = \"k-azure\""),
+        upstream("local", "api_key = \"k-local\"")
     );
     let (ok, out, err) = check_output("fallback-chain", &text);
     assert!(ok, "{err}");
@@ -421,6 +422,14 @@ fn check_refuses_bad_fallbacks() {
                 upstream("anthropic", "auth = \"x-api-key\"")
             ),
             "speaks Anthropic (auth = \"x-api-key\"), but \"openai\" speaks OpenAI (auth = \"bearer\"); visor never translates between API shapes",
+        ),
+        (
+            format!(
+                "{}{}",
+                upstream("openai", "fallbacks = [\"other\"]"),
+                upstream("other", "")
+            ),
+            "upstream[0].fallbacks[0]: \"other\" has no api_key, so it would be sent the client's own key, which the client sent for \"openai\"",
         ),
     ];
     for (i, (text, want)) in cases.iter().enumerate() {

@@ -106,6 +106,15 @@ fn oss_chat(messages: serde_json::Value) -> Vec<u8> {
     chat(&body.to_string())
 }
 
+/// A chat body for the text-only `gpt-oss-120b` with one image.
+fn oss_image_chat(data_url: &str) -> Vec<u8> {
+    serde_json::json!({"model": "gpt-oss-120b", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": data_url}}]}]})
+    .to_string()
+    .into_bytes()
+}
+
 fn b64(n: usize) -> String {
     let png = fixture("chart.png");
     let s = base64_simd::STANDARD.encode_to_string(&png);
@@ -208,6 +217,16 @@ fn cases() -> Vec<Case> {
         case("artifact unknown", get(&format!("/visor/artifacts/{}", "0".repeat(64))), error(404, "artifact_not_found"), Nobody),
         case("session id with a slash", get("/visor/sessions/a%2fb"), error(400, "invalid_request"), Nobody),
         case("healthz", get("/healthz"), status(200), Nobody),
+        // Aliases of the transformed paths are the paths themselves (servers
+        // that decode the path route them there): transformed, and sent
+        // upstream in their one spelling (checked below).
+        case("image: alias chat/completion%73", json_post("/v1/chat/completion%73", &oss_image_chat(&data_url)), status(200), A),
+        case("image: alias /v1//chat/completions", json_post("/v1//chat/completions", &oss_image_chat(&data_url)), status(200), A),
+        case("image: alias chat/completions/", json_post("/v1/chat/completions/", &oss_image_chat(&data_url)), status(200), A),
+        case("image: alias /v1//responses", json_post("/v1//responses", serde_json::json!({"model":"gpt-oss-120b","input":[{"role":"user","content":[{"type":"input_image","image_url":data_url}]}]}).to_string().as_bytes()), status(200), A),
+        case("image: alias m%65ssages", json_post("/v1/m%65ssages", serde_json::json!({"model":"gpt-oss-120b","max_tokens":5,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"base64","media_type":"image/png","data":png}}]}]}).to_string().as_bytes()), status(200), A),
+        case("escaped slash in a POST path", json_post("/v1/chat%2Fcompletions", &oss_image_chat(&data_url)), error(400, "invalid_request"), Nobody),
+        case("escaped percent in a POST path", json_post("/v1/chat/completion%2573", &oss_image_chat(&data_url)), error(400, "invalid_request"), Nobody),
         // ---- upstream faults
         case("upstream refuses connections", chat(r#"{"model":"dead-1","messages":[]}"#), error(502, "upstream_unreachable"), Nobody),
         case("upstream never answers", chat(r#"{"model":"slow-1","messages":[]}"#), error(504, "upstream_timeout"), Nobody),
@@ -380,6 +399,13 @@ async fn every_case_in_the_corpus_gets_its_answer() {
                     sent.headers.get("content-length"),
                     sent.body.len()
                 ));
+            }
+        }
+        if c.name.contains(": alias ") && reached == Reach::A {
+            let sent = a.recorded().pop().unwrap();
+            let path = sent.uri.path().to_owned();
+            if !["/v1/chat/completions", "/v1/responses", "/v1/messages"].contains(&path.as_str()) {
+                failures.push(format!("{}: sent upstream as {path}", c.name));
             }
         }
         if c.no_images_upstream && reached == Reach::A {
@@ -661,4 +687,128 @@ async fn every_fault_scenario_gets_its_answer() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+// ------------------------------------------------------- WebSocket paths
+
+/// A WebSocket upstream that accepts every upgrade, records its path and
+/// each text event, and answers nothing.
+async fn ws_recorder() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let s2 = s.clone();
+                #[allow(clippy::result_large_err)]
+                let callback =
+                    move |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
+                        s2.lock()
+                            .unwrap()
+                            .push(format!("path {}", req.uri().path()));
+                        Ok(resp)
+                    };
+                let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, callback).await else {
+                    return;
+                };
+                while let Some(Ok(m)) = ws.next().await {
+                    if let tokio_tungstenite::tungstenite::Message::Text(t) = m {
+                        s.lock().unwrap().push(t.to_string());
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+/// `GET /v1/respons%65s` and `/v1//responses` upgrades are the Responses
+/// WebSocket mode: each `response.create` is held to the caller's key and
+/// transformed for its model, and the upstream is asked for
+/// `/v1/responses`.
+#[tokio::test]
+async fn websocket_path_aliases_are_the_responses_mode() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let (up, seen) = ws_recorder().await;
+    let visor = Visor::start(&format!(
+        "[images]\nnon_vision = \"strip\"\n\
+         [[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n\
+         [[key]]\nname = \"oss-only\"\nkey = \"sk-oss\"\nmodels = [\"gpt-oss-*\"]\n"
+    ))
+    .await;
+    let png = whole_b64();
+    for alias in [
+        "/v1/respons%65s?model=vis-model",
+        "/v1//responses?model=vis-model",
+    ] {
+        seen.lock().unwrap().clear();
+        let mut req = format!("ws://{}{alias}", visor.addr)
+            .into_client_request()
+            .unwrap();
+        req.headers_mut()
+            .insert("authorization", "Bearer sk-oss".parse().unwrap());
+        let stream = TcpStream::connect(visor.addr).await.unwrap();
+        let (mut ws, _) = tokio::time::timeout(BOUND, tokio_tungstenite::client_async(req, stream))
+            .await
+            .unwrap()
+            .unwrap();
+        let create = |model: &str| {
+            let e = serde_json::json!({"type": "response.create", "model": model, "input": [
+                {"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "what is this?"},
+                    {"type": "input_image", "image_url": format!("data:image/png;base64,{png}")}]}]});
+            Message::Text(e.to_string().into())
+        };
+        // A model the key may not use: refused on the socket.
+        ws.send(create("vis-model")).await.unwrap();
+        let refusal = loop {
+            let m = tokio::time::timeout(BOUND, ws.next())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            if let Message::Text(t) = m {
+                break serde_json::from_str::<serde_json::Value>(&t).unwrap();
+            }
+        };
+        assert_eq!(
+            refusal["error"]["code"], "model_not_allowed",
+            "{alias}: {refusal}"
+        );
+        // One it may use, text-only: sent on without the image.
+        ws.send(create("gpt-oss-120b")).await.unwrap();
+        let event = tokio::time::timeout(BOUND, async {
+            loop {
+                let got = seen
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .find(|e| e.contains("response.create"))
+                    .cloned();
+                if let Some(e) = got {
+                    return e;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the allowed create reached the upstream");
+        assert!(
+            !event.contains("vis-model"),
+            "{alias}: the refused create went up"
+        );
+        assert!(
+            !event.contains(&png[..40]) && !event.contains(";base64,"),
+            "{alias}: image bytes went up"
+        );
+        assert_eq!(seen.lock().unwrap()[0], "path /v1/responses", "{alias}");
+        let _ = ws.close(None).await;
+    }
 }

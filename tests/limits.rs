@@ -120,13 +120,13 @@ async fn tokens_per_minute_are_estimated_from_the_body() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
     let visor = Visor::for_mock(
         &mock,
-        &format!("[[key]]\nname = \"small\"\nkey = \"{KEY_A}\"\ntokens_per_minute = 100\n"),
+        &format!("[[key]]\nname = \"small\"\nkey = \"{KEY_A}\"\ntokens_per_minute = 300\n"),
     )
     .await;
     let url = visor.url("/v1/chat/completions");
     room_in_this_minute(10).await;
-    // 800 bytes of text: about 200 tokens, over the 100 a minute — it goes
-    // (the window had room), the next does not.
+    // 800 bytes of text: about 200 tokens of the 300 a minute — it goes; the
+    // next does not fit in the 100 left, and spends none of them.
     let big = format!(
         r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
         "word ".repeat(160)
@@ -142,8 +142,115 @@ async fn tokens_per_minute_are_estimated_from_the_body() {
     assert_eq!(status, 200);
     let (status, h, _) = send(req(&big)).await;
     assert_eq!(status, 429);
-    assert_eq!(h["x-ratelimit-limit-tokens"], "100");
-    assert_eq!(h["x-ratelimit-remaining-tokens"], "0");
+    assert_eq!(h["x-ratelimit-limit-tokens"], "300");
+    let left: u64 = h["x-ratelimit-remaining-tokens"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((50..=100).contains(&left), "{left} left");
+    // A small one still fits.
+    let (status, _, _) = send(req(r#"{"model":"m","messages":[]}"#)).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.count(), 2);
+}
+
+/// A body sent without its length (chunked) is read whole and counted
+/// like any other: it is not a free request.
+#[tokio::test]
+async fn a_chunked_body_is_counted_against_the_tokens() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("[[key]]\nname = \"small\"\nkey = \"{KEY_A}\"\ntokens_per_minute = 2000\n"),
+    )
+    .await;
+    room_in_this_minute(10).await;
+    // A body of `tokens` × 4 bytes sent in chunks of 1 KiB, no length: the
+    // status and the tokens left.
+    let chunked = |tokens: usize| {
+        let addr = visor.addr;
+        async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let body = format!(
+                r#"{{"model":"e","input":"{}"}}"#,
+                "x".repeat(tokens * 4 - 25)
+            );
+            let mut raw = format!(
+                "POST /v1/embeddings HTTP/1.1\r\nHost: v\r\nConnection: close\r\nContent-Type: application/json\r\nAuthorization: Bearer {KEY_A}\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
+            .into_bytes();
+            for c in body.as_bytes().chunks(1024) {
+                raw.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+                raw.extend_from_slice(c);
+                raw.extend_from_slice(b"\r\n");
+            }
+            raw.extend_from_slice(b"0\r\n\r\n");
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(&raw).await.unwrap();
+            let mut got = Vec::new();
+            tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut got))
+                .await
+                .unwrap()
+                .unwrap();
+            let text = String::from_utf8_lossy(&got).to_ascii_lowercase();
+            let status: u16 = text.split(' ').nth(1).unwrap().parse().unwrap();
+            let left = text
+                .lines()
+                .find_map(|l| l.strip_prefix("x-ratelimit-remaining-tokens: "))
+                .map(|v| v.trim().to_owned());
+            (status, left)
+        }
+    };
+    // 13 000 tokens: more than the key's whole minute.
+    assert_eq!(chunked(13_000).await.0, 429);
+    // 900 twice fit in 2000; a third does not.
+    assert_eq!(chunked(900).await.0, 200);
+    assert_eq!(chunked(900).await.0, 200);
+    assert_eq!(chunked(900).await, (429, Some("200".to_owned())));
+    assert_eq!(mock.count(), 2);
+    assert_eq!(mock.recorded()[0].body.len(), 3600, "sent whole");
+}
+
+/// The key is charged for the body visor sends (the session's history
+/// inserted), not the client's few bytes.
+#[tokio::test]
+async fn the_body_sent_is_what_the_key_is_charged() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("[[key]]\nname = \"small\"\nkey = \"{KEY_A}\"\ntokens_per_minute = 2000\n"),
+    )
+    .await;
+    room_in_this_minute(10).await;
+    let req = |content: &str| {
+        let body =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": content}]});
+        Request::post(visor.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {KEY_A}"))
+            .header("x-visor-session", "charged")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap()
+    };
+    // About 1200 tokens, stored in the session.
+    let (status, _, _) = send(req(&"word ".repeat(960))).await;
+    assert_eq!(status, 200);
+    // A few bytes from the client, but the history goes with them: 1200
+    // more tokens do not fit in the 800 left.
+    let (status, h, body) = send(req("and then?")).await;
+    assert_eq!(status, 429, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(error_code(&body), "rate_limit_exceeded");
+    let left: u64 = h["x-ratelimit-remaining-tokens"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (700..=800).contains(&left),
+        "nothing of the refused one spent: {left}"
+    );
+    assert_eq!(mock.count(), 1, "the refused request was not sent");
 }
 
 #[tokio::test]

@@ -123,9 +123,10 @@ pub struct Finish {
     pub images_replaced: usize,
     pub media_replaced: usize,
     pub bytes_saved: i64,
-    /// Called with the tokens the upstream's `usage` reports (prompt and
-    /// completion): the caller's rate limit is corrected by them.
-    pub on_usage: Option<Box<dyn FnOnce(u64) + Send + Sync>>,
+    /// Called with the tokens the upstream's `usage` reports (prompt, when
+    /// it said, and completion — estimated from the text streamed when it
+    /// did not say): the caller's rate limit is corrected by them.
+    pub on_usage: Option<Box<dyn FnOnce(Option<u64>, u64) + Send + Sync>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -238,11 +239,14 @@ impl ObservedBody {
         if let Outcome::UpstreamError(kind) = outcome {
             m.upstream_error(&f.upstream, kind);
         }
-        let used = usage.prompt + usage.completion;
-        if used > 0
-            && let Some(correct) = f.on_usage
+        // A stream the client left before its usage came is charged the
+        // text it carried.
+        let prompt = (usage.prompt > 0).then_some(usage.prompt);
+        let completion = usage.completion_or_estimate();
+        if (prompt.is_some() || completion > 0)
+            && let Some(charge) = f.on_usage
         {
-            correct(used);
+            charge(prompt, completion);
         }
         tracing::info!(
             request_id = f.request_id.to_str().unwrap_or_default(),

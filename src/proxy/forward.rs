@@ -88,11 +88,16 @@ async fn handle(
     edge.model_read(model.as_deref());
     let index = route(state, model.as_deref())?; // 3. route
     edge.routed(index, model.as_deref());
-    let grant = limit(state, &parts, model.as_deref(), &held).await?; // 3b. key limits
+    let mut grant = limit(state, &parts, model.as_deref(), &held).await?; // 3b. key limits
     let (held, mut session) = open_session(state, &call, &parts, held).await?; // 4. session
     let mut prepared = transform(state, &mut call, &parts, index, &model, held, &session).await; // 5. transform
     edge.prepared(prepared.as_ref());
     grant.count_context(state, prepared.as_ref());
+    // 5b. the key charged for what goes, not for what came (documents read,
+    // history inserted).
+    if let Some(p) = &prepared {
+        grant.charge_sent(state, p.body.len() as u64).await?;
+    }
     let sent = send(
         state,
         &call,
@@ -404,15 +409,27 @@ async fn read_body(
     }
     // The model is read when the route depends on it, or when the caller's
     // `[[key]]` allows only some models.
-    let restricted = caller_key(state, &parts.extensions)
-        .and_then(|i| state.limits.key(i))
-        .is_some_and(|k| !k.any_model);
+    let key = caller_key(state, &parts.extensions).and_then(|i| state.limits.key(i));
+    let restricted = key.is_some_and(|k| !k.any_model);
+    // A key with a token limit is charged by the body's size: one that
+    // does not say it (chunked) is read whole first, so it is counted.
+    let metered = key.is_some_and(|k| k.tokens_per_minute.is_some())
+        && content_length(&parts.headers).is_none();
     if !state.route_by_model && !restricted {
         let rest = LimitedBody::new(body, limit, call.exceeded.clone());
-        let b = UpstreamBody {
+        let mut b = UpstreamBody {
             prefix: VecDeque::new(),
             rest: Some(rest),
         };
+        if metered {
+            match tokio::time::timeout_at(call.deadline, read_rest(&mut b, &call.exceeded, limit))
+                .await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => return Err(VisorError::BodyTimeout.into()),
+            }
+        }
         return Ok((None, Held::Streamed(b)));
     }
     // The route depends on the model: read it from the body whatever the
@@ -427,11 +444,44 @@ async fn read_body(
     // the last) is refused, never sent.
     let form = form.map(|f| if restricted { f.whole() } else { f });
     let scan = scan_model(body, limit, call.exceeded.clone(), form, restricted);
-    match tokio::time::timeout_at(call.deadline, scan).await {
+    let read = async {
+        let (model, mut b) = scan.await?;
+        if metered {
+            read_rest(&mut b, &call.exceeded, limit).await?;
+        }
+        Ok::<_, VisorError>((model, b))
+    };
+    match tokio::time::timeout_at(call.deadline, read).await {
         Ok(Ok((model, b))) => Ok((model, Held::Streamed(b))),
         Ok(Err(e)) => Err(e.into()),
         Err(_) => Err(VisorError::BodyTimeout.into()),
     }
+}
+
+/// Reads what is left of a streamed body into its held chunks (within its
+/// `max_body_bytes`), so its size is known before it goes.
+async fn read_rest(
+    b: &mut UpstreamBody,
+    exceeded: &BodyState,
+    limit: u64,
+) -> Result<(), VisorError> {
+    let Some(mut rest) = b.rest.take() else {
+        return Ok(());
+    };
+    while let Some(frame) = rest.frame().await {
+        match frame {
+            Ok(frame) => {
+                if let Ok(data) = frame.into_data() {
+                    b.prefix.push_back(data);
+                }
+            }
+            Err(_) if exceeded.exceeded() => {
+                return Err(VisorError::BodyTooLarge { limit });
+            }
+            Err(_) => return Err(VisorError::BadRequest("the request body could not be read")),
+        }
+    }
+    Ok(())
 }
 
 /// A request sent, up to its response head: the exchange, the head (and
@@ -488,6 +538,29 @@ struct Grant {
 }
 
 impl Grant {
+    /// The body that goes is `bytes` long: when that is more than the
+    /// estimate, the key is charged the rest, and refused (429, nothing
+    /// sent) when its window has no room for all of it.
+    async fn charge_sent(&mut self, state: &AppState, bytes: u64) -> Result<(), Stop> {
+        let Some(i) = self.key else { return Ok(()) };
+        let sent = bytes / crate::limits::BYTES_PER_TOKEN;
+        if sent <= self.estimate {
+            return Ok(());
+        }
+        let Some(verdict) = state
+            .limits
+            .charge_more(i, sent - self.estimate, sent)
+            .await
+        else {
+            return Ok(());
+        };
+        if let (Some(over), Some(k)) = (verdict.over, state.limits.key(i)) {
+            return Err(rate_limited(k, &verdict, over).into());
+        }
+        self.estimate = sent;
+        Ok(())
+    }
+
     /// The context a key sends: body bytes received, and the bytes dedup
     /// removed (context sent again).
     fn count_context(&self, state: &AppState, prepared: Option<&Prepared>) {
@@ -535,7 +608,10 @@ async fn limit(
         .unwrap_or(Caller::Anonymous);
     let bytes = match held {
         Held::Whole(b) => b.len() as u64,
-        Held::Streamed(_) => content_length(&parts.headers).unwrap_or(0),
+        // Read whole when it does not say its length and the key counts
+        // tokens (above).
+        Held::Streamed(b) => content_length(&parts.headers)
+            .unwrap_or_else(|| b.prefix.iter().map(|c| c.len() as u64).sum()),
     };
     let estimate = bytes / crate::limits::BYTES_PER_TOKEN;
     let key = caller_key(state, &parts.extensions);
@@ -603,6 +679,16 @@ pub(super) async fn admit(
     let Some(over) = verdict.over else {
         return Ok(());
     };
+    Err(rate_limited(k, &verdict, over))
+}
+
+/// The 429 for a request over key `k`'s `over` limit: `Retry-After` and
+/// the `x-ratelimit-*` headers of its standing.
+fn rate_limited(
+    k: &crate::limits::KeyLimits,
+    verdict: &crate::limits::Verdict,
+    over: crate::limits::Limit,
+) -> VisorError {
     let mut headers = Vec::new();
     let mut add = |kind: &str, s: Option<crate::limits::Standing>| {
         if let Some(s) = s {
@@ -631,12 +717,12 @@ pub(super) async fn admit(
         .or(verdict.tokens)
         .map_or(60, |s| s.reset.as_secs().max(1));
     tracing::info!(key = %k.name, limit = over.label(), "rate limited");
-    Err(VisorError::RateLimited {
+    VisorError::RateLimited {
         key: k.name.clone(),
         limit: over.label(),
         retry_after_secs: reset,
         headers,
-    })
+    }
 }
 
 fn route(state: &AppState, model: Option<&str>) -> Result<usize, Stop> {
@@ -1070,12 +1156,15 @@ async fn respond(
         on_usage: grant.key.map(|i| {
             let state = state.clone();
             let estimate = grant.estimate;
-            Box::new(move |used: u64| {
+            Box::new(move |prompt: Option<u64>, completion: u64| {
+                // The prompt as the estimate charged it when the provider
+                // did not say.
+                let used = prompt.unwrap_or(estimate) + completion;
                 let s = state.clone();
                 state.tasks.spawn(async move {
                     s.limits.correct(i, estimate, used).await;
                 });
-            }) as Box<dyn FnOnce(u64) + Send + Sync>
+            }) as Box<dyn FnOnce(Option<u64>, u64) + Send + Sync>
         }),
     };
     let mut observed = ObservedBody::new(

@@ -14,9 +14,25 @@ use super::forward;
 use crate::error::VisorError;
 use crate::upstream::RequestBody;
 
-pub async fn handle(state: Arc<AppState>, req: Request<RequestBody>) -> Response<ProxyBody> {
+pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Response<ProxyBody> {
     if let Err(e) = check_target(&req) {
         return refuse(&state, e);
+    }
+    // One spelling of each path before anything classifies it (HTTP and
+    // WebSocket alike), and the one the upstream is sent.
+    match canonical_path(req.uri().path(), plain_get(&req)) {
+        Ok(None) => {}
+        Ok(Some(path)) => {
+            if let Some(uri) = with_path(req.uri(), &path) {
+                *req.uri_mut() = uri;
+            } else {
+                return refuse(
+                    &state,
+                    VisorError::BadRequest("the request target is not a valid URL path"),
+                );
+            }
+        }
+        Err(why) => return refuse(&state, VisorError::BadRequest(why)),
     }
     let path = req.uri().path();
     // Everything under /v1 goes upstream, whatever its method.
@@ -284,6 +300,70 @@ pub fn path_problem(path: &str) -> Option<&'static str> {
     dot.then_some("paths with `.` or `..` segments are refused")
 }
 
+/// A GET or HEAD that is not a WebSocket upgrade: reads only, nothing
+/// transformed or charged by its path.
+fn plain_get<B>(req: &Request<B>) -> bool {
+    (req.method() == Method::GET || req.method() == Method::HEAD)
+        && !req.headers().contains_key(header::UPGRADE)
+}
+
+/// The one spelling of a path, as servers that decode it read it, when it
+/// is not already that (`None`): escapes of unreserved characters decoded
+/// (`/v1/chat/completion%73`), runs of `/` made one (`/v1//responses`), a
+/// trailing `/` dropped. Escaped separators and escaped `%` (`%2F`, `%5C`,
+/// `%25`), which servers read differently, are refused on anything but a
+/// plain GET (there they may name an id, `/v1/models/org%2Fname`).
+pub(super) fn canonical_path(path: &str, plain_get: bool) -> Result<Option<String>, &'static str> {
+    let b = path.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if c == b'%'
+            && i + 2 < b.len()
+            && let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2]))
+        {
+            let d = h * 16 + l;
+            if d.is_ascii_alphanumeric() || matches!(d, b'-' | b'.' | b'_' | b'~') {
+                out.push(d);
+            } else if matches!(d, b'/' | b'\\' | b'%') && !plain_get {
+                return Err(
+                    "escaped `/`, `\\` or `%` in the path are refused: servers read them differently",
+                );
+            } else {
+                out.extend_from_slice(&b[i..i + 3]);
+            }
+            i += 3;
+            continue;
+        }
+        if c == b'/' && out.last() == Some(&b'/') {
+            i += 1;
+            continue;
+        }
+        out.push(c);
+        i += 1;
+    }
+    if out.len() > 1 && out.last() == Some(&b'/') {
+        out.pop();
+    }
+    if out == b {
+        return Ok(None);
+    }
+    // Only ASCII was decoded: still UTF-8.
+    Ok(String::from_utf8(out).ok())
+}
+
+/// `uri` with its path replaced (its query kept).
+fn with_path(uri: &http::Uri, path: &str) -> Option<http::Uri> {
+    let mut parts = uri.clone().into_parts();
+    let pq = match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_owned(),
+    };
+    parts.path_and_query = Some(pq.parse().ok()?);
+    http::Uri::from_parts(parts).ok()
+}
+
 /// Decodes `%XX` escapes, up to three times over (so `%252e` becomes `.`);
 /// invalid escapes stay as they are.
 pub(super) fn percent_decode(s: &[u8]) -> Vec<u8> {
@@ -362,6 +442,54 @@ mod tests {
         ] {
             assert!(check_target(&req(good)).is_ok(), "{good} refused");
         }
+    }
+
+    #[test]
+    fn each_path_has_one_spelling() {
+        let canon = |p: &str| canonical_path(p, false);
+        for (alias, want) in [
+            ("/v1/chat/completion%73", "/v1/chat/completions"),
+            ("/v1/chat/%63ompletions", "/v1/chat/completions"),
+            ("/v1//chat/completions", "/v1/chat/completions"),
+            ("//v1///responses", "/v1/responses"),
+            ("/v1/respons%65s", "/v1/responses"),
+            ("/v1/messages/", "/v1/messages"),
+            ("/v1/%6D%65ssages", "/v1/messages"),
+            ("/v1/", "/v1"),
+        ] {
+            assert_eq!(canon(alias), Ok(Some(want.to_owned())), "{alias}");
+        }
+        for same in [
+            "/v1/chat/completions",
+            "/",
+            "/v1/models/caf%C3%A9",
+            "/v1/a%20b",
+        ] {
+            assert_eq!(canon(same), Ok(None), "{same}");
+        }
+        for refused in [
+            "/v1/chat%2Fcompletions",
+            "/v1%2fresponses",
+            "/v1/chat%5Ccompletions",
+            "/v1/x%25y",
+        ] {
+            assert!(canon(refused).is_err(), "{refused}");
+        }
+        // A plain GET may name an id with an escaped `/`.
+        assert_eq!(canonical_path("/v1/models/org%2Fname", true), Ok(None));
+        // Odd escapes are left as they are.
+        assert_eq!(canon("/v1/x%4"), Ok(None));
+        assert_eq!(canon("/v1/x%zz"), Ok(None));
+    }
+
+    #[test]
+    fn a_changed_path_keeps_its_query() {
+        let uri: http::Uri = "/v1//responses?model=m%20x".parse().unwrap();
+        let p = canonical_path(uri.path(), true).unwrap().unwrap();
+        assert_eq!(
+            with_path(&uri, &p).unwrap().to_string(),
+            "/v1/responses?model=m%20x"
+        );
     }
 
     #[test]

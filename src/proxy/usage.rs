@@ -29,6 +29,21 @@ pub struct Usage {
     pub cached_read: u64,
     /// Prompt tokens the provider wrote to its cache (Anthropic).
     pub cache_write: u64,
+    /// Bytes of generated text a stream carried (its deltas' strings): what
+    /// the answer cost when it ends before its `usage` does.
+    pub text_bytes: u64,
+}
+
+impl Usage {
+    /// Completion tokens: as the provider said, or estimated from the text
+    /// streamed when it did not say (a client that left before the usage
+    /// event).
+    pub fn completion_or_estimate(&self) -> u64 {
+        match self.completion {
+            0 => self.text_bytes / crate::limits::BYTES_PER_TOKEN,
+            n => n,
+        }
+    }
 }
 
 /// The parts of a response or event that may carry `usage`; everything else
@@ -222,12 +237,14 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     memchr::memmem::find(hay, needle).is_some()
 }
 
-/// Parses one SSE line if it is `data: {…"usage": {…}…}`.
+/// Parses one SSE line if it is `data: {…"usage": {…}…}`; otherwise
+/// counts the generated text it carries.
 fn sse_line(line: &[u8], usage: &mut Usage) {
     let Some(payload) = line.strip_prefix(b"data:") else {
         return;
     };
     let Some(at) = memchr::memmem::find(payload, b"\"usage\"") else {
+        usage.text_bytes += text_bytes(payload);
         return;
     };
     // Skip `"usage"`, whitespace and `:`; only an object is worth parsing
@@ -244,6 +261,50 @@ fn sse_line(line: &[u8], usage: &mut Usage) {
     }
 }
 
+/// Bytes of generated text in one streamed event: the string values of the
+/// keys streams carry text in (Chat `content` and tool `arguments`,
+/// Responses `delta`, Anthropic `text`, `partial_json` and `thinking`,
+/// reasoning), escapes counted as written.
+fn text_bytes(payload: &[u8]) -> u64 {
+    const KEYS: [&[u8]; 8] = [
+        b"content",
+        b"arguments",
+        b"delta",
+        b"text",
+        b"partial_json",
+        b"thinking",
+        b"reasoning",
+        b"reasoning_content",
+    ];
+    let mut n = 0;
+    for at in memchr::memmem::find_iter(payload, b"\":") {
+        let Some(open) = memchr::memrchr(b'"', &payload[..at]) else {
+            continue;
+        };
+        if !KEYS.contains(&&payload[open + 1..at]) {
+            continue;
+        }
+        let mut i = at + 2;
+        while payload.get(i).is_some_and(u8::is_ascii_whitespace) {
+            i += 1;
+        }
+        if payload.get(i) != Some(&b'"') {
+            continue;
+        }
+        let start = i + 1;
+        let mut end = start;
+        while end < payload.len() {
+            match payload[end] {
+                b'\\' => end += 2,
+                b'"' => break,
+                _ => end += 1,
+            }
+        }
+        n += (end.min(payload.len()) - start) as u64;
+    }
+    n
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,6 +313,41 @@ mod tests {
         let mut h = http::HeaderMap::new();
         h.insert(http::header::CONTENT_TYPE, ct.parse().unwrap());
         h
+    }
+
+    #[test]
+    fn text_streamed_without_usage_is_an_estimate_of_the_completion() {
+        let mut o = UsageObserver::for_response(&headers("text/event-stream"));
+        let chat = |t: &str| {
+            format!(
+                "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{t}\"}},\"finish_reason\":null}}]}}\n\n"
+            )
+        };
+        for _ in 0..10 {
+            o.observe(&Bytes::from(chat("four")));
+        }
+        o.observe(&Bytes::from(
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"function\":{\"arguments\": \"{\\\"q\\\":1}\"}}]}}]}\n\n",
+        ));
+        let u = o.finish();
+        assert_eq!(u.completion, 0);
+        // 40 bytes of content, 9 of arguments (escapes as written); the
+        // ids and the model's name are not text.
+        assert_eq!(u.text_bytes, 49);
+        assert_eq!(u.completion_or_estimate(), 12);
+        // Anthropic and Responses deltas.
+        let mut o = UsageObserver::for_response(&headers("text/event-stream"));
+        o.observe(&Bytes::from_static(
+            b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"12345678\"}}\n\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"abcd\"}\n\n",
+        ));
+        assert_eq!(o.finish().text_bytes, 12);
+        // A usage said wins.
+        let said = Usage {
+            completion: 7,
+            text_bytes: 4000,
+            ..Usage::default()
+        };
+        assert_eq!(said.completion_or_estimate(), 7);
     }
 
     #[test]
