@@ -472,7 +472,7 @@ impl Store {
                 }
             }
         };
-        self.guarded("get", op).await
+        self.guarded_needed("get", op).await
     }
 
     /// Appends `messages` to session `key` in one atomic step (no other
@@ -562,7 +562,7 @@ impl Store {
                 }
             }
         };
-        self.guarded("put", op).await
+        self.guarded_needed("put", op).await
     }
 
     /// Forgets session `key`; true when there was one.
@@ -605,7 +605,7 @@ impl Store {
                     .map(|n| n > 0),
             }
         };
-        self.guarded("put", op).await
+        self.guarded_needed("put", op).await
     }
 
     /// Forgets every session idle longer than `ttl`; how many went. Redis
@@ -791,6 +791,32 @@ impl Store {
         {
             return Err(StoreError::Down(d.reason.clone()));
         }
+        self.attempt(op, f).await
+    }
+
+    /// [`Store::guarded`] for an operation a request fails without (a
+    /// session's history): while Redis is marked down it is tried anyway
+    /// rather than at the next retry time — one restarted on its port
+    /// answers the first request after it on a new connection, instead of
+    /// a 503 until the next probe.
+    async fn guarded_needed<T>(
+        &self,
+        op: &'static str,
+        f: impl Future<Output = Result<T, String>>,
+    ) -> Result<T, StoreError> {
+        if matches!(self.backend, Backend::Redis(_)) {
+            return self.attempt(op, f).await;
+        }
+        self.guarded(op, f).await
+    }
+
+    /// Runs `f` within [`OP_TIMEOUT`], marking the store up or down by its
+    /// result.
+    async fn attempt<T>(
+        &self,
+        op: &'static str,
+        f: impl Future<Output = Result<T, String>>,
+    ) -> Result<T, StoreError> {
         let result = match tokio::time::timeout(OP_TIMEOUT, f).await {
             Ok(r) => r,
             Err(_) => Err(format!("no answer within {} ms", OP_TIMEOUT.as_millis())),
@@ -870,6 +896,9 @@ struct Texts {
 
 /// What the memory backend keeps of descriptions and document texts.
 const MEMORY_TEXT_BYTES: usize = 64 << 20;
+
+/// The disk backend's page cache (redb's default is 1 GiB).
+const DISK_CACHE_BYTES: usize = 32 << 20;
 
 impl Texts {
     fn insert(&mut self, key: &str, text: &str) {
@@ -1044,7 +1073,11 @@ impl Disk {
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir).map_err(redb::Error::Io)?;
         }
-        let db = redb::Database::create(&self.path)?;
+        // redb caches up to 1 GiB of pages by default: a store of
+        // document texts would hold that much of the process's memory.
+        let db = redb::Builder::new()
+            .set_cache_size(DISK_CACHE_BYTES)
+            .create(&self.path)?;
         // The tables exist from the start, so a read never meets a missing one.
         let txn = db.begin_write()?;
         txn.open_table(DESCRIPTIONS)?;

@@ -174,7 +174,7 @@ async fn a_chunked_body_is_counted_against_the_tokens() {
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
             let body = format!(
                 r#"{{"model":"e","input":"{}"}}"#,
-                "x".repeat(tokens * 4 - 25)
+                "x".repeat(tokens * 4 - 24)
             );
             let mut raw = format!(
                 "POST /v1/embeddings HTTP/1.1\r\nHost: v\r\nConnection: close\r\nContent-Type: application/json\r\nAuthorization: Bearer {KEY_A}\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -274,6 +274,59 @@ fn redis_config(redis: &RedisServer) -> String {
         redis.url(),
         std::process::id()
     )
+}
+
+/// Redis frozen and let go within the minute: a replica that lost it goes
+/// on from the counts it last had from it (not from zero), and what it
+/// counted alone is added to the shared counters when Redis answers again,
+/// so the other replica sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_lost_redis_for_a_while_neither_forgets_nor_hides_its_counts() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let config = redis_config(&redis).replace("requests_per_minute = 2", "requests_per_minute = 6");
+    let a = Visor::for_mock(&mock, &config).await;
+    let b = Visor::for_mock(&mock, &config).await;
+    room_in_this_minute(25).await;
+    let (ua, ub) = (a.url("/v1/chat/completions"), b.url("/v1/chat/completions"));
+    for _ in 0..3 {
+        assert_eq!(send(keyed(&ua, KEY_A, "gpt-4o")).await.0, 200);
+    }
+    redis.freeze();
+    // Three of six spent when Redis went quiet: three more, not six.
+    let mut ok = 0;
+    for _ in 0..5 {
+        if send(keyed(&ua, KEY_A, "gpt-4o")).await.0 == 200 {
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, 3, "a replica without its store went on from zero");
+    redis.resume();
+    // Once replica a has Redis again, its next request carries what it
+    // counted alone: the window is spent for both replicas.
+    let ready = |v: &Visor| {
+        Request::get(v.url("/readyz"))
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, _, body) = send(ready(&a)).await;
+        if serde_json::from_slice::<serde_json::Value>(&body).unwrap()["status"] == "ready" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "store not back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(send(keyed(&ua, KEY_A, "gpt-4o")).await.0, 429);
+    assert_eq!(
+        send(keyed(&ub, KEY_A, "gpt-4o")).await.0,
+        429,
+        "replica b did not see a's counts"
+    );
+    assert_eq!(mock.count(), 6);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -623,4 +676,64 @@ async fn a_body_naming_a_second_model_cannot_slip_past_a_keys_models() {
     let (status, _, _) = send(post(body.clone(), multipart)).await;
     assert_eq!(status, 200);
     assert_eq!(mock.recorded().pop().unwrap().body, body);
+}
+
+/// A client that leaves a stream once its answer is done, before the usage
+/// event, is charged the text it was sent (estimated at 4 bytes a token):
+/// leaving early is not a way around a token limit.
+#[tokio::test]
+async fn a_stream_left_before_its_usage_is_charged_its_text() {
+    use http_body_util::BodyExt;
+    let (mock, tx) = fed_once().await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("[[key]]\nname = \"small\"\nkey = \"{KEY_A}\"\ntokens_per_minute = 1000\n"),
+    )
+    .await;
+    let url = visor.url("/v1/chat/completions");
+    room_in_this_minute(15).await;
+    let resp = client().request(keyed(&url, KEY_A, "m")).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    // 6 000 bytes of answer (about 1 500 tokens), then its finish_reason;
+    // the usage event would come next.
+    let piece = "x".repeat(1000);
+    for _ in 0..6 {
+        let event = format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{piece}\"}},\"finish_reason\":null}}]}}\n\n"
+        );
+        tx.send(Chunk::Data(Bytes::from(event))).await.unwrap();
+    }
+    tx.send(Chunk::Data(Bytes::from_static(
+        b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+    )))
+    .await
+    .unwrap();
+    let mut body = resp.into_body();
+    let mut seen = String::new();
+    while !seen.contains("\"finish_reason\":\"stop\"") {
+        let frame = tokio::time::timeout(Duration::from_secs(10), body.frame())
+            .await
+            .expect("the answer within 10 s")
+            .unwrap()
+            .unwrap();
+        if let Ok(data) = frame.into_data() {
+            seen.push_str(&String::from_utf8_lossy(&data));
+        }
+    }
+    // The client leaves; the upstream's stream is still open.
+    drop(body);
+    // The charge is made as visor sees the client gone: a few tries.
+    let mut refused = false;
+    for _ in 0..20 {
+        if send(keyed(&url, KEY_A, "m")).await.0 == 429 {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        refused,
+        "1 500 tokens of answer were not charged to a 1 000-a-minute key"
+    );
+    drop(tx);
 }

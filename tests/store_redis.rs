@@ -241,9 +241,8 @@ fn session_chat(url: &str, id: &str, text: &str) -> Request<Full<Bytes>> {
 }
 
 /// A Redis restart: the first session request after it is served (the dead
-/// connection is retried once on a new one), and a Redis that was down for
-/// a while is used again within a second of coming back (the background
-/// probe), not after a 5 s pause.
+/// connection is retried once on a new one), also when a request found it
+/// down before (not a 503 until the next probe or retry).
 #[tokio::test]
 async fn a_redis_restart_costs_no_503_once_redis_is_back() {
     let Some(mut redis) = RedisServer::start() else {
@@ -267,24 +266,18 @@ async fn a_redis_restart_costs_no_503_once_redis_is_back() {
     );
 
     // Down while a request comes (503 for a session: its history cannot be
-    // read), then back: served again within a second or so.
+    // read), then back: the very next session request is served — a
+    // session's store operation is tried whatever the retry time says.
     redis.stop();
     let (status, _, _) = send(session_chat(&url, "r2", "while down")).await;
     assert_eq!(status, 503);
     redis.restart();
-    let back = tokio::time::Instant::now();
-    let mut served = false;
-    while back.elapsed() < Duration::from_secs(3) {
-        let (status, _, _) = send(session_chat(&url, "r2", "after")).await;
-        if status == 200 {
-            served = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(
-        served,
-        "session requests still refused 3 s after Redis came back"
+    let (status, _, body) = send(session_chat(&url, "r2", "after")).await;
+    assert_eq!(
+        status,
+        200,
+        "the first session request after Redis came back: {}",
+        String::from_utf8_lossy(&body)
     );
 }
 

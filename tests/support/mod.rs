@@ -1230,3 +1230,20 @@ pub async fn wait_metrics(visor: &Visor, bound: Duration, cond: impl Fn(&str) ->
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+impl RedisServer {
+    /// Freezes it (SIGSTOP): connections stay open, nothing is answered.
+    pub fn freeze(&self) {
+        let _ = Command::new("kill")
+            .args(["-STOP", &self.child.id().to_string()])
+            .status();
+    }
+
+    /// Lets a frozen one go on (SIGCONT), its data as it was.
+    pub fn resume(&self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status();
+        self.wait_ready();
+    }
+}
