@@ -812,3 +812,105 @@ async fn websocket_path_aliases_are_the_responses_mode() {
         let _ = ws.close(None).await;
     }
 }
+
+// ------------------------------------------- the inline pool's one retry
+
+/// An HTTP/1.1 upstream on a raw socket: each connection answers small
+/// requests (200, kept alive); a request whose body is over 1 MiB has 64
+/// KiB of it read, then the connection is closed without an answer. Per
+/// connection: the body bytes it read.
+async fn half_reader() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<usize>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let c = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let c = c.clone();
+            let at = {
+                let mut v = c.lock().unwrap();
+                v.push(0);
+                v.len() - 1
+            };
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = vec![0u8; 65536];
+                loop {
+                    // One request head.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    buf.drain(..head_end);
+                    let want = if len > (1 << 20) { 65536 } else { len };
+                    while buf.len() < want {
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    c.lock().unwrap()[at] += want.min(buf.len());
+                    if want < len {
+                        // Taken in part: the connection goes, unanswered.
+                        return;
+                    }
+                    buf.drain(..len);
+                    let body = r#"{"object":"list","data":[]}"#;
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if s.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, conns)
+}
+
+/// A request whose bytes reached the upstream is never sent again: the
+/// pooled connection that took part of a 4 MB body and closed is a 502,
+/// and no other connection is opened for it (a duplicated POST is a
+/// duplicated bill). A request on a pooled connection still goes when it
+/// is small.
+#[tokio::test]
+async fn a_request_the_upstream_took_in_part_is_never_sent_again() {
+    let (up, conns) = half_reader().await;
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname = \"u\"\nbase_url = \"http://{up}/v1\"\nmodels = [\"*\"]\n"
+    ))
+    .await;
+    let post = |body: Vec<u8>| {
+        let req = post_json(&visor.url("/v1/embeddings"), body);
+        send(req)
+    };
+    let small = br#"{"model":"e","input":"hello"}"#.to_vec();
+    assert_eq!(post(small.clone()).await.0, 200);
+    let before = conns.lock().unwrap().len();
+    assert_eq!(before, 1);
+    let big = format!(r#"{{"model":"e","input":"{}"}}"#, "x".repeat(4 << 20)).into_bytes();
+    let (status, _, body) = post(big).await;
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+    let seen = conns.lock().unwrap().clone();
+    assert_eq!(
+        seen.len(),
+        1,
+        "the request was sent again on a new connection: {seen:?}"
+    );
+    assert!(seen[0] <= small.len() + 65536, "{seen:?}");
+    // The connection that went is not reused: the next request is served.
+    assert_eq!(post(small).await.0, 200);
+}
