@@ -1022,7 +1022,18 @@ async fn client_events_do_not_restart_the_upstream_idle_deadline() {
     sender.abort();
     assert_eq!(frame.code, CloseCode::Error, "{frame:?}");
     assert_eq!(frame.reason, "upstream idle timeout");
-    assert!(upstream_errors(&visor, "idle_timeout").await >= Some(1.0));
+    // Counted as the socket ends (just after the close frame went).
+    assert!(
+        wait_metrics(&visor, BOUND, |m| metric(
+            m,
+            "visor_upstream_errors_total",
+            &[("kind", "idle_timeout")]
+        )
+        .is_some_and(|n| n >= 1.0))
+        .await,
+        "{}",
+        visor.metrics().await
+    );
 }
 
 /// A client that stops reading does not hold both sockets: a write to it

@@ -7,19 +7,51 @@
 //!    `[[upstream]]`: a handshake carries no model), with the client's
 //!    headers as for any request (credentials per the upstream, hop-by-hop
 //!    and `x-visor-*` removed; `Sec-WebSocket-Protocol` kept), within
-//!    the connect and first-byte deadlines. A refusal (401, 404…) is passed
-//!    back as it came; no answer is 502/504.
+//!    the connect and first-byte deadlines. The upgrade is an HTTP/1.1
+//!    request sent by hyper: a refusal (401, 404…) is passed back with its
+//!    status, `Content-Type` and body (read whole, up to 64 KiB, also when
+//!    it comes after the head); no answer is 502/504.
 //! 2. accept — the client's upgrade is answered 101 (no extensions:
-//!    frames are relayed one by one).
-//! 3. relay — messages both ways, in order. On `/v1/responses`, each client
-//!    event that carries input items (`response.create`, `response.steer`…)
+//!    frames are relayed one by one). The client's side takes no message
+//!    or frame over `server.max_body_bytes` (an event is a request body).
+//! 3. relay — messages both ways, in order. On `/v1/responses` every client
+//!    event is read by the rules an HTTP body is read by, whether or not a
+//!    `[[key]]` holds the socket: one JSON object serde reads (no lone
+//!    surrogate, no nesting past 128 levels), no key named twice in any
+//!    case, `model` a string; one that is not is answered with an `error`
+//!    event (400 `invalid_json`, as HTTP answers) and never sent upstream.
+//!    A binary frame is read as the same event in text when it is UTF-8
+//!    (it goes upstream as text), refused so when it is not. Each event
+//!    that carries input items (`response.create`, `response.steer`…)
 //!    goes through the same transforms as `POST /v1/responses` (images for
-//!    the event's model, the image rules, dedup); every other message passes
-//!    as it came. Server events are watched for the end of each response
+//!    the model, the image rules, dedup); the model is the event's own, or
+//!    the last one a `response.create` or `response.steer` named (no other
+//!    event changes it); every other message passes as it came. Server
+//!    events are watched for the end of each response
 //!    (`response.completed`, `.failed`, `.incomplete`, `error`): usage and
-//!    one `visor_requests_total` count per response. While a response is
-//!    under way, an upstream silent for `idle_timeout_secs` ends the socket
-//!    (1011). Either side closing or going away closes the other.
+//!    one `visor_requests_total` count per response.
+//!
+//! Manners and deadlines of the relay:
+//! - Pings are answered by the side that received them (tungstenite
+//!   answers each once); pings and pongs are never relayed.
+//! - While a response is under way, an upstream silent for
+//!   `idle_timeout_secs` ends the socket (1011, `idle_timeout`). The
+//!   deadline starts with a `response.create` sent while nothing was under
+//!   way and is restarted only by the upstream's messages (its pings too),
+//!   never by the client's.
+//! - Nothing under way and no message either way (pings and pongs do not
+//!   count) for `request_timeout_secs`: the socket is closed (1001), so an
+//!   idle or half-open one frees its `max_connections` slot.
+//! - Every write to either side must go out within `idle_timeout_secs`
+//!   (the write deadline: the same "no progress for this long" a stalled
+//!   upstream is given). A client that stops reading then has both sockets
+//!   closed and its responses under way counted as `client_cancelled`
+//!   (499); an upstream that stops reading, as an idle timeout. Close
+//!   frames are given a second.
+//! - What the client sends wrong closes its socket with a code that says
+//!   why (RFC 6455 7.4.1): 1002 a protocol error, 1007 text that is not
+//!   UTF-8, 1009 a message over `max_body_bytes`; the upstream's socket is
+//!   closed. Either side closing or going away closes the other.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -203,7 +235,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
             return fail(e, "connect");
         }
     };
-    let handshake = open_upstream(stream, up_req);
+    let handshake = open_upstream(stream, up_req, server.first_byte_timeout);
     let (upstream_ws, up_headers) =
         match tokio::time::timeout(server.first_byte_timeout, handshake).await {
             Ok(Ok(Opened::Open(ws, headers))) => (ws, headers),
@@ -284,7 +316,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
                     Some(client_config),
                 )
                 .await;
-                relay.run(client, upstream_ws).await;
+                relay.run(client, *upstream_ws).await;
             }
             Err(e) => tracing::debug!(error = %e, "websocket upgrade failed"),
         }
@@ -495,7 +527,7 @@ fn upstream_upgrade(ws_uri: &http::Uri, headers: &HeaderMap) -> Option<Request<E
 enum Opened {
     /// 101: its socket, and its answer's headers.
     Open(
-        WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>,
+        Box<WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>>,
         HeaderMap,
     ),
     /// Any other answer: its head and its body (read whole, up to
@@ -503,10 +535,15 @@ enum Opened {
     Refused(http::response::Parts, Bytes),
 }
 
-/// The upgrade sent over `stream` (HTTP/1.1, by hyper): the upstream's
-/// socket, or its refusal; `Err` when it broke off or answered 101
-/// without a WebSocket accept for visor's key.
-async fn open_upstream(stream: RawConn, req: Request<Empty<Bytes>>) -> Result<Opened, ()> {
+/// The upgrade sent over `stream` (HTTP/1.1, by hyper), within `bound`
+/// (the caller's deadline): the upstream's socket, or its refusal; `Err`
+/// when it broke off or answered 101 without a WebSocket accept for
+/// visor's key.
+async fn open_upstream(
+    stream: RawConn,
+    req: Request<Empty<Bytes>>,
+    bound: Duration,
+) -> Result<Opened, ()> {
     let key = req
         .headers()
         .get(header::SEC_WEBSOCKET_KEY)
@@ -515,8 +552,12 @@ async fn open_upstream(stream: RawConn, req: Request<Empty<Bytes>>) -> Result<Op
     let (mut sender, conn) = hyper::client::conn::http1::handshake(stream.into_inner())
         .await
         .map_err(drop)?;
-    // The connection's task ends when it hands over its socket (or ends).
-    tokio::spawn(conn.with_upgrades());
+    // The connection's task ends when it hands over its socket (or ends),
+    // and at the latest with the handshake's deadline (a handshake given
+    // up on leaves no connection behind).
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(bound, conn.with_upgrades()).await;
+    });
     let resp = sender.send_request(req).await.map_err(drop)?;
     if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
         let (parts, body) = resp.into_parts();
@@ -540,7 +581,7 @@ async fn open_upstream(stream: RawConn, req: Request<Empty<Bytes>>) -> Result<Op
     let headers = resp.headers().clone();
     let upgraded = hyper::upgrade::on(resp).await.map_err(drop)?;
     let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Client, None).await;
-    Ok(Opened::Open(ws, headers))
+    Ok(Opened::Open(Box::new(ws), headers))
 }
 
 /// What one relayed socket needs.
