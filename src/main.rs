@@ -233,11 +233,19 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
         s.request_timeout,
         s.drain_timeout
     );
-    if s.api_keys.is_empty() {
+    // Proxy keys: `server.api_keys` and every `[[key]]` with a key. With
+    // any, a client's own provider key is not forwarded but refused (401).
+    let entry_keys = cfg
+        .keys
+        .iter()
+        .filter(|(_, secret)| secret.is_some())
+        .count();
+    let proxy_keys = s.api_keys.len() + entry_keys;
+    if proxy_keys == 0 {
         out!("proxy keys: none (clients' own Authorization / x-api-key are forwarded)");
     } else {
         out!(
-            "proxy keys: {} configured (clients must send one; it is never forwarded)",
+            "proxy keys: {proxy_keys} configured ({} in server.api_keys, {entry_keys} in [[key]]); clients must send one, it is never forwarded, and a client's own provider key is refused with 401",
             s.api_keys.len()
         );
     }
@@ -264,7 +272,7 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
     for u in &cfg.upstreams {
         let credential = match &u.api_key {
             Some(_) => format!("own key as {}", u.auth.as_str()),
-            None if s.api_keys.is_empty() => "client's key forwarded".to_owned(),
+            None if proxy_keys == 0 => "client's key forwarded".to_owned(),
             None => "no credential".to_owned(),
         };
         out!(

@@ -459,3 +459,33 @@ async fn a_streamed_body_over_the_replay_limit_does_not_fall_back() {
     assert_eq!(backup.count(), 0);
     assert_eq!(primary.recorded()[0].body.len(), big.len());
 }
+
+/// `visor check` with `[[key]]`s and no `server.api_keys`: the keys are
+/// proxy keys, and a client's own provider key is not forwarded.
+#[test]
+fn check_counts_key_entries_as_proxy_keys() {
+    let text = format!(
+        "{}[[key]]\nname = \"team-a\"\nkey = \"sk-team-a\"\n",
+        upstream("openai", "")
+    );
+    let (ok, out, err) = check_output("key-entries-only", &text);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("proxy keys: 1 configured (0 in server.api_keys, 1 in [[key]])"),
+        "{out}"
+    );
+    assert!(
+        out.contains("a client's own provider key is refused with 401"),
+        "{out}"
+    );
+    assert!(out.contains("(no credential)"), "{out}");
+    assert!(
+        !out.contains("sk-team-a"),
+        "the key itself is never printed"
+    );
+    // Without any: clients' keys are forwarded, and said so.
+    let (ok, out, _) = check_output("no-keys", &upstream("openai", ""));
+    assert!(ok);
+    assert!(out.contains("proxy keys: none (clients' own"), "{out}");
+    assert!(out.contains("(client's key forwarded)"), "{out}");
+}
