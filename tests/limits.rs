@@ -57,9 +57,11 @@ async fn a_key_over_its_requests_per_minute_gets_429_with_the_headers() {
     let visor = Visor::for_mock(&mock, &keys("")).await;
     let url = visor.url("/v1/chat/completions");
     room_in_this_minute(10).await;
-    for _ in 0..2 {
-        let (status, _, body) = send(keyed(&url, KEY_A, "gpt-4o")).await;
+    for left in ["1", "0"] {
+        let (status, h, body) = send(keyed(&url, KEY_A, "gpt-4o")).await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(h["x-ratelimit-limit-requests"], "2");
+        assert_eq!(h["x-ratelimit-remaining-requests"], left);
     }
     let (status, h, body) = send(keyed(&url, KEY_A, "gpt-4o")).await;
     assert_eq!(status, 429);
@@ -138,8 +140,20 @@ async fn tokens_per_minute_are_estimated_from_the_body() {
             .body(Full::new(Bytes::from(body.to_owned())))
             .unwrap()
     };
-    let (status, _, _) = send(req(&big)).await;
+    let (status, h, _) = send(req(&big)).await;
     assert_eq!(status, 200);
+    // Every answer to a limited key says where it stands, not only a 429.
+    assert_eq!(h["x-ratelimit-limit-tokens"], "300");
+    let after_one: u64 = h["x-ratelimit-remaining-tokens"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((50..=100).contains(&after_one), "{after_one} left");
+    assert!(
+        h.get("x-ratelimit-limit-requests").is_none(),
+        "no request limit"
+    );
     let (status, h, _) = send(req(&big)).await;
     assert_eq!(status, 429);
     assert_eq!(h["x-ratelimit-limit-tokens"], "300");

@@ -90,7 +90,7 @@ async fn handle(
     edge.routed(index, model.as_deref());
     let mut grant = limit(state, &parts, model.as_deref(), &held).await?; // 3b. key limits
     let (held, mut session) = open_session(state, &call, &parts, held).await?; // 4. session
-    let mut prepared = transform(state, &mut call, &parts, index, &model, held, &session).await; // 5. transform
+    let mut prepared = transform(state, &mut call, &parts, index, &model, held, &session).await?; // 5. transform
     edge.prepared(prepared.as_ref());
     grant.count_context(state, prepared.as_ref());
     // 5b. the key charged for what goes, not for what came (documents read,
@@ -535,6 +535,9 @@ struct Grant {
     /// The key's name for metrics (`api_keys`, or `none` without a key).
     label: String,
     estimate: u64,
+    /// Where the key's windows stand with this request counted: its
+    /// `x-ratelimit-*` headers.
+    standing: Option<crate::limits::Verdict>,
 }
 
 impl Grant {
@@ -555,7 +558,12 @@ impl Grant {
             return Ok(());
         };
         if let (Some(over), Some(k)) = (verdict.over, state.limits.key(i)) {
+            let mut verdict = verdict;
+            verdict.requests = self.standing.as_ref().and_then(|v| v.requests);
             return Err(rate_limited(k, &verdict, over).into());
+        }
+        if let Some(v) = self.standing.as_mut() {
+            v.tokens = verdict.tokens;
         }
         self.estimate = sent;
         Ok(())
@@ -625,6 +633,7 @@ async fn limit(
             key: None,
             label,
             estimate,
+            standing: None,
         });
     };
     // A request with a body (a listing like `GET /v1/models` has none).
@@ -636,11 +645,12 @@ async fn limit(
                 || content_length(&parts.headers).is_some_and(|n| n > 0)
         }
     };
-    admit(state, i, model, bodied, estimate).await?;
+    let standing = admit_standing(state, i, model, bodied, estimate).await?;
     Ok(Grant {
         key: Some(i),
         label,
         estimate,
+        standing,
     })
 }
 
@@ -655,8 +665,22 @@ pub(super) async fn admit(
     bodied: bool,
     estimate: u64,
 ) -> Result<(), VisorError> {
+    admit_standing(state, i, model, bodied, estimate)
+        .await
+        .map(drop)
+}
+
+/// [`admit`], with the key's standing after the request when it goes (for
+/// its `x-ratelimit-*` headers).
+async fn admit_standing(
+    state: &AppState,
+    i: usize,
+    model: Option<&str>,
+    bodied: bool,
+    estimate: u64,
+) -> Result<Option<crate::limits::Verdict>, VisorError> {
     let Some(k) = state.limits.key(i) else {
-        return Ok(());
+        return Ok(None);
     };
     if let Some(m) = model
         && !k.allows(m)
@@ -677,7 +701,7 @@ pub(super) async fn admit(
     }
     let verdict = state.limits.check(i, estimate).await;
     let Some(over) = verdict.over else {
-        return Ok(());
+        return Ok(Some(verdict));
     };
     Err(rate_limited(k, &verdict, over))
 }
@@ -689,6 +713,23 @@ fn rate_limited(
     verdict: &crate::limits::Verdict,
     over: crate::limits::Limit,
 ) -> VisorError {
+    let headers = rate_limit_headers(verdict);
+    let reset = verdict
+        .requests
+        .or(verdict.tokens)
+        .map_or(60, |s| s.reset.as_secs().max(1));
+    tracing::info!(key = %k.name, limit = over.label(), "rate limited");
+    VisorError::RateLimited {
+        key: k.name.clone(),
+        limit: over.label(),
+        retry_after_secs: reset,
+        headers,
+    }
+}
+
+/// The `x-ratelimit-*` headers of a key's standing, as OpenAI sends them:
+/// on every answer to a request of a limited key, 429 or not.
+fn rate_limit_headers(verdict: &crate::limits::Verdict) -> Vec<(&'static str, String)> {
     let mut headers = Vec::new();
     let mut add = |kind: &str, s: Option<crate::limits::Standing>| {
         if let Some(s) = s {
@@ -712,17 +753,7 @@ fn rate_limited(
     };
     add("requests", verdict.requests);
     add("tokens", verdict.tokens);
-    let reset = verdict
-        .requests
-        .or(verdict.tokens)
-        .map_or(60, |s| s.reset.as_secs().max(1));
-    tracing::info!(key = %k.name, limit = over.label(), "rate limited");
-    VisorError::RateLimited {
-        key: k.name.clone(),
-        limit: over.label(),
-        retry_after_secs: reset,
-        headers,
-    }
+    headers
 }
 
 fn route(state: &AppState, model: Option<&str>) -> Result<usize, Stop> {
@@ -1126,6 +1157,15 @@ async fn respond(
         state.metrics.upstream_error(&upstream, "status_5xx");
     }
     for_the_client(&mut head);
+    // A limited key's standing, in place of the provider's own (the key is
+    // what the client is held to).
+    if let Some(v) = &grant.standing {
+        for (name, value) in rate_limit_headers(v) {
+            if let Ok(value) = HeaderValue::from_str(&value) {
+                head.headers.insert(name, value);
+            }
+        }
+    }
     if let Some(p) = prepared.as_mut() {
         visor_counts(&mut head.headers, Counts::of(&p.report));
         // The replaced images are on disk before the response is returned
