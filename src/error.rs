@@ -54,6 +54,10 @@ pub enum VisorError {
         upstream: String,
         reason: &'static str,
     },
+    #[error(
+        "the request's documents were not ready within server.request_timeout_secs; nothing was sent upstream"
+    )]
+    TransformTimeout,
     #[error("upstream `{upstream}` did not answer in time ({which})")]
     UpstreamTimeout {
         upstream: String,
@@ -151,6 +155,11 @@ impl VisorError {
                 StatusCode::GATEWAY_TIMEOUT,
                 "upstream_error",
                 "upstream_timeout",
+            ),
+            VisorError::TransformTimeout => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "server_error",
+                "request_timeout",
             ),
             VisorError::RateLimited { .. } => (
                 StatusCode::TOO_MANY_REQUESTS,
@@ -281,6 +290,7 @@ mod tests {
             (VisorError::WebSocketVersion("`8`".into()), 426),
             (VisorError::BodyTooLarge { limit: 1 }, 413),
             (VisorError::BodyTimeout, 408),
+            (VisorError::TransformTimeout, 504),
             (
                 VisorError::RateLimited {
                     key: "team-a".into(),

@@ -240,6 +240,11 @@ pub struct Limits {
     pub max_pages: usize,
     /// Text kept over all pages; the rest is cut.
     pub max_text_bytes: usize,
+    /// Characters of text kept over all pages (`documents.max_document_chars`):
+    /// reading stops once they are held, the rest is not read (an XLSX that
+    /// repeats one long shared string in every cell is not unpacked past
+    /// it).
+    pub max_text_chars: usize,
     /// Bytes inflated from a zip (Office) over all its parts read.
     pub max_unpacked_bytes: usize,
     /// PDF: content-stream bytes interpreted over all pages, a stream
@@ -260,6 +265,7 @@ impl Default for Limits {
         Self {
             max_pages: 2000,
             max_text_bytes: 4 << 20,
+            max_text_chars: usize::MAX,
             max_unpacked_bytes: 256 << 20,
             max_content_bytes: 64 << 20,
             max_work: 20_000_000,
@@ -324,12 +330,16 @@ pub(crate) fn guarded<T>(f: impl FnOnce() -> Result<T, ReadError>) -> Result<T, 
     }
 }
 
+/// Why reading stopped when [`Limits::max_text_chars`] were held.
+pub const TEXT_BUDGET: &str = "over the text budget";
+
 /// Collects pages under the limits: cleans each page's text, cuts the text
 /// at the byte budget, and notes truncation.
 pub(crate) struct PageSink {
     pages: Vec<Page>,
     limits: Limits,
     text_bytes: usize,
+    text_chars: usize,
     truncated: bool,
     stopped: Option<String>,
 }
@@ -340,6 +350,7 @@ impl PageSink {
             pages: Vec::new(),
             limits: *limits,
             text_bytes: 0,
+            text_chars: 0,
             truncated: false,
             stopped: None,
         }
@@ -354,7 +365,24 @@ impl PageSink {
             self.truncated = true;
             return false;
         }
+        if self.text_chars >= self.limits.max_text_chars {
+            self.cut_at_chars();
+            return false;
+        }
         true
+    }
+
+    /// Characters of text the next pages may still hold.
+    pub(crate) fn room_chars(&self) -> usize {
+        self.limits.max_text_chars.saturating_sub(self.text_chars)
+    }
+
+    /// The text budget in characters is spent: what follows is not read.
+    pub(crate) fn cut_at_chars(&mut self) {
+        self.truncated = true;
+        if self.stopped.is_none() {
+            self.stopped = Some(TEXT_BUDGET.to_owned());
+        }
     }
 
     /// Add the next page (numbered in order).
@@ -369,6 +397,16 @@ impl PageSink {
             text.truncate(cut);
             self.truncated = true;
         }
+        let room = self.room_chars();
+        let chars = match text.char_indices().nth(room) {
+            Some((at, _)) => {
+                text.truncate(at);
+                self.cut_at_chars();
+                room
+            }
+            None => text.chars().count(),
+        };
+        self.text_chars += chars;
         self.text_bytes += text.len();
         self.pages.push(Page {
             number: self.pages.len() + 1,

@@ -614,11 +614,16 @@ pub(crate) fn read_xlsx(bytes: &[u8], limits: &Limits) -> Result<Document, ReadE
         let Some(xml) = package.xml(&part)? else {
             continue;
         };
-        let text = sheet_rows(&part, &xml, &shared, limits.max_text_bytes)?;
-        let (text, cut) = text;
+        let cap = Cap {
+            bytes: limits.max_text_bytes,
+            chars: sink.room_chars(),
+        };
+        let (text, cut) = sheet_rows(&part, &xml, &shared, cap)?;
         sink.push(&format!("Sheet: {name}\n{text}"), false, Vec::new());
-        if cut {
-            sink.mark_truncated();
+        match cut {
+            Some(Cut::Chars) => sink.cut_at_chars(),
+            Some(Cut::Bytes) => sink.mark_truncated(),
+            None => {}
         }
     }
     Ok(sink.finish(DocKind::Xlsx))
@@ -684,13 +689,37 @@ fn column_of(reference: &str) -> Option<usize> {
 /// Columns beyond this are not padded (Excel's own limit is 16384).
 const MAX_COLUMN: usize = 16_384;
 
-/// The rows of one worksheet, and whether they were cut at `cap` bytes.
+/// How much text one worksheet may still become.
+#[derive(Clone, Copy)]
+struct Cap {
+    bytes: usize,
+    chars: usize,
+}
+
+/// Why a worksheet's rows were cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    /// Over the byte bound: the rows after are not read.
+    Bytes,
+    /// Over the character budget ([`Limits::max_text_chars`]): not read
+    /// further either, cell by cell (a row of 16,384 cells each showing
+    /// one 10,000-character shared string is never made).
+    Chars,
+}
+
+/// The rows of one worksheet, and whether (why) they were cut at `cap`.
+/// Reading stops at the first cell past the character budget: a shared
+/// string repeated in every cell is copied only as often as it fits.
 fn sheet_rows(
     part: &str,
     xml: &str,
     shared: &[String],
-    cap: usize,
-) -> Result<(String, bool), ReadError> {
+    cap: Cap,
+) -> Result<(String, Option<Cut>), ReadError> {
+    // Characters held: the rows written, and the cells of the row being
+    // read (with their " | " separators).
+    let mut chars = 0usize;
+    let mut row_chars = 0usize;
     let mut out = String::new();
     let mut row: Vec<String> = Vec::new();
     let mut cell_type = String::new();
@@ -701,7 +730,10 @@ fn sheet_rows(
     loop {
         match reader.read_event().map_err(|e| xml_error(part, &e))? {
             Event::Start(e) => match e.local_name().as_ref() {
-                "row" => row.clear(),
+                "row" => {
+                    row.clear();
+                    row_chars = 0;
+                }
                 "c" => {
                     cell_type = attr(&e, "t").unwrap_or_default();
                     cell_col = attr(&e, "r").and_then(|r| column_of(&r));
@@ -728,6 +760,24 @@ fn sheet_rows(
                         _ => std::mem::take(&mut value),
                     };
                     let col = cell_col.unwrap_or(row.len()).min(MAX_COLUMN);
+                    // Its separators, and its text.
+                    row_chars += 3 * (col.saturating_sub(row.len()) + 1);
+                    row_chars += shown.chars().count();
+                    if chars + row_chars > cap.chars {
+                        // The row so far, cut where the budget ends; the
+                        // rest of the sheet is not read.
+                        let room = cap.chars.saturating_sub(chars);
+                        let mut line = row.join(" | ");
+                        if !line.is_empty() {
+                            line.push_str(" | ");
+                        }
+                        line.push_str(&shown.replace(['\n', '\r'], " "));
+                        if let Some((at, _)) = line.char_indices().nth(room) {
+                            line.truncate(at);
+                        }
+                        out.push_str(&line);
+                        return Ok((out, Some(Cut::Chars)));
+                    }
                     while row.len() < col {
                         row.push(String::new());
                     }
@@ -738,12 +788,15 @@ fn sheet_rows(
                         row.pop();
                     }
                     if !row.is_empty() {
-                        out.push_str(&row.join(" | "));
+                        let line = row.join(" | ");
+                        chars += line.chars().count() + 1;
+                        out.push_str(&line);
                         out.push('\n');
                     }
                     row.clear();
-                    if out.len() > cap {
-                        return Ok((out, true));
+                    row_chars = 0;
+                    if out.len() > cap.bytes {
+                        return Ok((out, Some(Cut::Bytes)));
                     }
                 }
                 _ => {}
@@ -758,7 +811,7 @@ fn sheet_rows(
             _ => {}
         }
     }
-    Ok((out, false))
+    Ok((out, None))
 }
 
 #[cfg(test)]
@@ -836,6 +889,44 @@ mod tests {
             "Sheet: Staff\nName | Team\nAda | Platform\nLinus | Kernel"
         );
         assert!(!doc.pages[0].needs_look);
+    }
+
+    #[test]
+    fn an_xlsx_repeating_a_long_shared_string_is_read_only_up_to_the_text_budget() {
+        // 4 KB: one 10,000-character string shown in 20,000 cells (200
+        // million characters if each cell were copied out), and 200 rows
+        // of 100 such cells.
+        let xlsx = crate::media::pdf::pdf_build::amplified_xlsx(10_000, 20_000, "s");
+        assert!(xlsx.len() < 8 << 10, "{}", xlsx.len());
+        let limits = Limits {
+            max_text_chars: 150_000,
+            ..Limits::default()
+        };
+        let doc = read(DocKind::Xlsx, &xlsx, &limits).unwrap();
+        let chars: usize = doc.pages.iter().map(|p| p.text.chars().count()).sum();
+        assert_eq!(chars, 150_000);
+        assert!(doc.truncated);
+        assert_eq!(doc.stopped.as_deref(), Some(crate::media::TEXT_BUDGET));
+        // The whole row is never made: cut inside it.
+        let (text, cut) = sheet_rows(
+            "s",
+            &format!(
+                "<sheetData><row>{}</row></sheetData>",
+                "<c t=\"s\"><v>0</v></c>".repeat(16_384)
+            ),
+            &["y".repeat(10_000)],
+            Cap {
+                bytes: 4 << 20,
+                chars: 25_000,
+            },
+        )
+        .unwrap();
+        assert_eq!(cut, Some(Cut::Chars));
+        assert_eq!(text.chars().count(), 25_000);
+        // Without a character budget, the byte bound (4 MiB) as before.
+        let doc = read(DocKind::Xlsx, &xlsx, &Limits::default()).unwrap();
+        assert!(doc.truncated);
+        assert!(doc.pages[0].text.len() <= 4 << 20);
     }
 
     #[test]

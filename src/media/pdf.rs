@@ -735,7 +735,7 @@ impl<'a> Device<'a> for TextDevice<'_, '_> {
 /// benches).
 #[cfg(test)]
 #[path = "../../tests/support/pdf_build.rs"]
-mod pdf_build;
+pub(crate) mod pdf_build;
 
 #[cfg(test)]
 mod tests {

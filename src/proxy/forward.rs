@@ -815,18 +815,20 @@ async fn transform(
     model: &Option<String>,
     held: Option<Bytes>,
     session: &Session,
-) -> Option<Prepared> {
+) -> Result<Option<Prepared>, Stop> {
     let (Some(shape), Some(bytes)) = (call.shape, held) else {
-        return None;
+        return Ok(None);
     };
     let asker = prepare::Asker {
         headers: &parts.headers,
         upstream: index,
     };
     let opts = std::mem::take(&mut call.opts);
-    let mut p = prepare::prepare(state, shape, model.as_deref(), bytes, opts, asker).await;
+    // Read under the request's deadline: past it, 504 and nothing sent.
+    let (model, deadline) = (model.as_deref(), call.deadline);
+    let mut p = prepare::prepare_by(state, shape, model, bytes, opts, asker, deadline).await?;
     p.report.history_used = session.history_used;
-    Some(p)
+    Ok(Some(p))
 }
 
 /// The method, URI and headers of the upstream request, kept while an

@@ -15,6 +15,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
 
 use crate::describe::{Credential, PROMPT_VERSION, describe};
 use crate::media::{self, DocKind, Document, Limits};
@@ -64,6 +65,53 @@ pub struct Credentials {
     pub transcriber: Credential,
 }
 
+/// What bounds the media of one request: when to stop reading (documents
+/// still unread then, audio not yet heard, pages not yet described say
+/// "out of time"), and how many characters of document text the request
+/// may carry over all its documents (`documents.max_request_chars`).
+#[derive(Debug, Clone, Copy)]
+pub struct Within {
+    pub stop_at: Option<Instant>,
+    pub chars: usize,
+}
+
+impl Within {
+    /// No deadline; the configured per-request text budget.
+    pub fn unbounded_time(state: &AppState) -> Self {
+        Self {
+            stop_at: None,
+            chars: request_chars(&state.config),
+        }
+    }
+}
+
+/// `documents.max_request_chars`, or when unset the default: 1,000,000
+/// characters, or `server.max_body_bytes / 8` when that is smaller (a
+/// character is at most 4 bytes of UTF-8, and JSON may escape it to 2).
+pub fn request_chars(config: &crate::config::Config) -> usize {
+    let derived = (config.server.max_body_bytes / 8).min(DEFAULT_REQUEST_CHARS);
+    usize::try_from(config.documents.max_request_chars.unwrap_or(derived)).unwrap_or(usize::MAX)
+}
+
+/// The default of `documents.max_request_chars` (unless
+/// `server.max_body_bytes / 8` is smaller).
+pub const DEFAULT_REQUEST_CHARS: u64 = 1_000_000;
+
+/// Waits for `fut` until `stop_at` (never, without one); `None`: out of
+/// time.
+pub async fn until<T>(
+    stop_at: Option<Instant>,
+    fut: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    match stop_at {
+        Some(at) => tokio::time::timeout_at(at, fut).await.ok(),
+        None => Some(fut.await),
+    }
+}
+
+/// Why a document or audio was left unread at the deadline.
+pub const OUT_OF_TIME: &str = "not read: out of time";
+
 /// The text for each job: audio transcribed concurrently, documents read
 /// one after another (a request takes at most one of the process's
 /// readers, so one request with many documents never starves the others).
@@ -73,18 +121,80 @@ pub async fn make(
     describe_pages: bool,
     creds: &Credentials,
 ) -> Vec<Made> {
+    make_within(
+        state,
+        jobs,
+        describe_pages,
+        creds,
+        Within::unbounded_time(state),
+    )
+    .await
+}
+
+/// [`make`] within a deadline and a text budget: what is not done by
+/// `within.stop_at` says "out of time"; documents are cut to what is left
+/// of `within.chars` (in request order), and those after it is spent are
+/// not read.
+pub async fn make_within(
+    state: &Arc<AppState>,
+    jobs: Vec<MediaJob>,
+    describe_pages: bool,
+    creds: &Credentials,
+    within: Within,
+) -> Vec<Made> {
     let (audio, documents): (Vec<_>, Vec<_>) = jobs
         .into_iter()
         .partition(|j| matches!(j.medium, Medium::Audio { .. }));
-    let heard = futures_util::future::join_all(
-        audio
-            .into_iter()
-            .map(|job| transcribe(state, job, &creds.transcriber)),
-    );
+    let heard = futures_util::future::join_all(audio.into_iter().map(|job| async {
+        let (sha256, media_type) = (job.sha256.clone(), job.media_type.clone());
+        match until(within.stop_at, transcribe(state, job, &creds.transcriber)).await {
+            Some(made) => made,
+            None => Made {
+                text: Arc::from(unreadable(
+                    "audio",
+                    &sha256,
+                    &media_type,
+                    None,
+                    "not transcribed: out of time",
+                )),
+                sha256,
+                action: "stripped",
+            },
+        }
+    }));
     let read = async {
         let mut made = Vec::with_capacity(documents.len());
+        let mut left = within.chars;
         for job in documents {
-            made.push(document(state, job, describe_pages, &creds.describer).await);
+            let name = match &job.medium {
+                Medium::Document { name, .. } => name.clone(),
+                _ => None,
+            };
+            if left == 0 {
+                made.push(failed(
+                    job,
+                    name,
+                    "not read: over this request's document text budget (documents.max_request_chars)",
+                ));
+                continue;
+            }
+            let sha256 = job.sha256.clone();
+            let read = document(state, job.clone(), describe_pages, &creds.describer, within);
+            let Some(mut m) = until(within.stop_at, read).await else {
+                made.push(failed(job, name, OUT_OF_TIME));
+                continue;
+            };
+            if m.action == "described" {
+                let chars = m.text.chars().count();
+                if chars > left {
+                    m.text = Arc::from(cut(&m.text, left, "documents.max_request_chars"));
+                    left = 0;
+                } else {
+                    left -= chars;
+                }
+            }
+            debug_assert_eq!(m.sha256, sha256);
+            made.push(m);
         }
         made
     };
@@ -103,6 +213,53 @@ pub async fn make(
             .inc();
     }
     made
+}
+
+/// `text` cut at `max` characters, with a line saying where, of how many,
+/// and which bound cut it (`documents.max_document_chars`, …); as it is
+/// when it is within.
+pub fn cut(text: &str, max: usize, why: &str) -> String {
+    // A text cut before keeps saying so (its line is replaced, not cut).
+    let (body, before) = match text.rfind(CUT_NOTE) {
+        Some(i) if !text[i + 1..].contains('\n') && text.ends_with(']') => {
+            let note = &text[i + 2..text.len() - 1];
+            (
+                &text[..i],
+                Some(note.strip_prefix("visor: ").unwrap_or(note)),
+            )
+        }
+        _ => (text, None),
+    };
+    let Some((at, _)) = body.char_indices().nth(max) else {
+        return text.to_owned();
+    };
+    let total = max + body[at..].chars().count();
+    let before = before
+        .map(|b| format!("; before that, {b}"))
+        .unwrap_or_default();
+    format!(
+        "{}\n[visor: document text cut at {max} characters of {total} ({why}){before}]",
+        &body[..at]
+    )
+}
+
+/// How the line saying a document's text was cut begins.
+const CUT_NOTE: &str = "\n[visor: document text cut at ";
+
+/// A document's text cut at `max` characters (`documents.max_document_chars`);
+/// `unread`: the reader stopped at its budget, so there was more than it
+/// says.
+fn cut_document(text: String, max: usize, unread: bool) -> String {
+    let Some((at, _)) = text.char_indices().nth(max) else {
+        return text;
+    };
+    match unread {
+        true => format!(
+            "{}\n[visor: document text cut at {max} characters (documents.max_document_chars); the rest of the document was not read]",
+            &text[..at]
+        ),
+        false => cut(&text, max, "documents.max_document_chars"),
+    }
 }
 
 async fn transcribe(state: &Arc<AppState>, job: MediaJob, cred: &Credential) -> Made {
@@ -180,6 +337,7 @@ async fn document(
     job: MediaJob,
     describe_pages: bool,
     cred: &Credential,
+    within: Within,
 ) -> Made {
     let name = match &job.medium {
         Medium::Document { name, .. } => name.clone(),
@@ -187,7 +345,8 @@ async fn document(
     };
     let max_described = state.config.documents.max_pages_described as usize;
     let budget = if describe_pages { max_described } else { 0 };
-    let key = document_key(state, &job, budget);
+    let max_chars = document_chars(&state.config.documents);
+    let key = document_key(state, &job, budget, max_chars);
     if let Some(text) = state.describer.cached(&key).await {
         return Made {
             sha256: job.sha256,
@@ -201,14 +360,21 @@ async fn document(
     // Rendering is skipped while the describer is backing off: nothing
     // would describe the pages.
     let describer_up = !state.describer.is_backing_off();
-    let Ok(Ok(permit)) = tokio::time::timeout(READER_WAIT, readers().acquire()).await else {
-        return failed(job, name, "could not be read: all readers busy");
+    let wait = Instant::now() + READER_WAIT;
+    let permit = match tokio::time::timeout_at(wait, readers().acquire()).await {
+        Ok(Ok(permit)) => permit,
+        // Waited until the request's deadline came first.
+        Err(_) if within.stop_at.is_some_and(|at| at <= wait) => {
+            return failed(job, name, OUT_OF_TIME);
+        }
+        _ => return failed(job, name, "could not be read: all readers busy"),
     };
     let ask = Ask {
         media_type,
         name: name2,
         budget,
         render: if describer_up { budget } else { 0 },
+        max_chars,
     };
     let read = match reader(&state.config.documents) {
         Some(worker) => {
@@ -246,14 +412,7 @@ async fn document(
                 // Held by the read itself: a request dropped mid-read
                 // keeps its reader until the read notices.
                 let _permit = permit;
-                read(
-                    &bytes,
-                    &ask.media_type,
-                    ask.name.as_deref(),
-                    ask.budget,
-                    ask.render,
-                    &stop,
-                )
+                read(&bytes, &ask, &stop)
             })
             .await
             .map_err(|_| "the reader stopped".to_owned())
@@ -266,8 +425,9 @@ async fn document(
     let doc = match read.doc {
         Ok(Content::Parsed(d)) => d,
         Ok(Content::Plain(text)) => {
+            let text = cut_document(plain(&job, name.as_deref(), &text), max_chars, false);
             return Made {
-                text: Arc::from(plain(&job, name.as_deref(), &text)),
+                text: Arc::from(text),
                 sha256: job.sha256,
                 action: "described",
             };
@@ -287,9 +447,22 @@ async fn document(
             query: job.query.clone(),
         })
         .collect();
+    // Pages still undescribed at the request's deadline say so (and the
+    // text is not kept: next time they may be described).
+    let mut late = false;
     let descriptions = match subjects.is_empty() {
         true => Vec::new(),
-        false => describe(&state.describer, subjects, cred).await,
+        false => match until(within.stop_at, describe(&state.describer, subjects, cred)).await {
+            Some(d) => d,
+            None => {
+                late = true;
+                Vec::new()
+            }
+        },
+    };
+    let unavailable = match late {
+        true => "out of time",
+        false => "describer unavailable",
     };
     let described = |p: &Picture| {
         let k = subject_key(&picture_sha(&job.sha256, p), job.query.as_deref());
@@ -307,7 +480,7 @@ async fn document(
                 complete = false;
                 notes.push((
                     p.page,
-                    format!("[{}: not described, describer unavailable]", p.label),
+                    format!("[{}: not described, {unavailable}]", p.label),
                 ));
             }
         }
@@ -343,6 +516,7 @@ async fn document(
         true => "over documents.max_pages_described",
         false => "images.non_vision = \"strip\"",
     };
+    let unread = doc.stopped.as_deref() == Some(media::TEXT_BUDGET);
     let text = compose(
         &job,
         name.as_deref(),
@@ -352,7 +526,7 @@ async fn document(
         &read.pictures,
         why_not,
     );
-    let text: Arc<str> = Arc::from(text);
+    let text: Arc<str> = Arc::from(cut_document(text, max_chars, unread));
     if complete {
         state.describer.remember(&key, text.clone()).await;
     }
@@ -383,24 +557,27 @@ pub fn offline(job: &MediaJob) -> Made {
             };
         }
     };
-    let read = read(
-        &job.bytes,
-        &job.media_type,
-        name.as_deref(),
-        0,
-        0,
-        &AtomicBool::new(false),
-    );
+    let max_chars = DEFAULT_DOCUMENT_CHARS as usize;
+    let ask = Ask {
+        media_type: job.media_type.clone(),
+        name: name.clone(),
+        budget: 0,
+        render: 0,
+        max_chars,
+    };
+    let read = read(&job.bytes, &ask, &AtomicBool::new(false));
     let why_not = "visor explain calls no describer";
     let (text, action) = match read.doc {
         Ok(Content::Parsed(doc)) => {
             let unit = read.kind.map_or("page", DocKind::unit);
-            (
-                compose(job, name.as_deref(), &doc, unit, &[], &[], why_not),
-                "described",
-            )
+            let unread = doc.stopped.as_deref() == Some(media::TEXT_BUDGET);
+            let text = compose(job, name.as_deref(), &doc, unit, &[], &[], why_not);
+            (cut_document(text, max_chars, unread), "described")
         }
-        Ok(Content::Plain(text)) => (plain(job, name.as_deref(), &text), "described"),
+        Ok(Content::Plain(text)) => (
+            cut_document(plain(job, name.as_deref(), &text), max_chars, false),
+            "described",
+        ),
         Err(e) => (
             unreadable(
                 "document",
@@ -439,13 +616,29 @@ fn failed(job: MediaJob, name: Option<String>, why: &str) -> Made {
 }
 
 /// What the child reader is asked: the document's type and name, how many
-/// pictures to make and how many pages to render (then the bytes).
+/// pictures to make and how many pages to render, how many characters of
+/// text to read at most (then the bytes).
 #[derive(Clone, Serialize, Deserialize)]
 struct Ask {
     media_type: String,
     name: Option<String>,
     budget: usize,
     render: usize,
+    #[serde(default = "unbounded_chars")]
+    max_chars: usize,
+}
+
+fn unbounded_chars() -> usize {
+    usize::MAX
+}
+
+/// The default of `documents.max_document_chars`.
+pub const DEFAULT_DOCUMENT_CHARS: u64 = 150_000;
+
+/// `documents.max_document_chars`: the most characters one document's
+/// text is (header and notes included); its reader stops there.
+pub fn document_chars(cfg: &crate::config::RawDocuments) -> usize {
+    usize::try_from(cfg.max_document_chars).unwrap_or(usize::MAX)
 }
 
 /// The child reader's limits and binary (`[documents]`).
@@ -653,14 +846,7 @@ pub fn worker_main(memory_mib: u64, cpu_secs: u64) -> std::process::ExitCode {
         return ExitCode::from(2);
     };
     let doc = &input[nl + 1..];
-    let mut read = read(
-        doc,
-        &ask.media_type,
-        ask.name.as_deref(),
-        ask.budget,
-        ask.render,
-        &AtomicBool::new(false),
-    );
+    let mut read = read(doc, &ask, &AtomicBool::new(false));
     // An Office file's images travel once, as pictures (the pages keep
     // their names and count).
     if let Ok(Content::Parsed(d)) = &mut read.doc {
@@ -678,7 +864,7 @@ pub fn worker_main(memory_mib: u64, cpu_secs: u64) -> std::process::ExitCode {
 /// The key a document's whole text is kept under: its hash, the reader's
 /// version, the describer model and prompt, how many pages may be
 /// described, and the query.
-fn document_key(state: &AppState, job: &MediaJob, budget: usize) -> String {
+fn document_key(state: &AppState, job: &MediaJob, budget: usize, max_chars: usize) -> String {
     let d = &state.describer;
     let q = subject_key("", job.query.as_deref());
     // The text's header names the file and its type: the same bytes under
@@ -689,7 +875,7 @@ fn document_key(state: &AppState, job: &MediaJob, budget: usize) -> String {
     };
     let named = sha256_hex(format!("{}\0{name}", job.media_type).as_bytes());
     format!(
-        "document/{}/r{}/{}/v{PROMPT_VERSION}/p{budget}/n{}{q}",
+        "document/{}/r{}/{}/v{PROMPT_VERSION}/p{budget}/c{max_chars}/n{}{q}",
         job.sha256,
         media::READER_VERSION,
         d.model(),
@@ -707,20 +893,18 @@ fn picture_sha(doc_sha: &str, p: &Picture) -> String {
 /// Reads the document and renders (or takes) the pictures to describe:
 /// PDF pages that draw figures or hold no text, Office images, at most
 /// `budget`, in page order; PDF pages are rendered only up to `render` (the
-/// rest within `budget` are `unseen`). `stop` set: the read stops early.
-fn read(
-    bytes: &[u8],
-    media_type: &str,
-    name: Option<&str>,
-    budget: usize,
-    render: usize,
-    stop: &AtomicBool,
-) -> Read {
+/// rest within `budget` are `unseen`); at most `max_chars` characters of
+/// text are read. `stop` set: the read stops early.
+fn read(bytes: &[u8], ask: &Ask, stop: &AtomicBool) -> Read {
+    let (media_type, name) = (ask.media_type.as_str(), ask.name.as_deref());
+    let (budget, render) = (ask.budget, ask.render);
     let kind = DocKind::detect(Some(media_type), name, bytes);
     let Some(kind) = kind else {
         // Not a document visor parses: text when it is text.
         let doc = match std::str::from_utf8(bytes) {
             Ok(text) if !text.contains(|c: char| c.is_control() && !c.is_whitespace()) => {
+                // (No larger than the request that carried it; cut, and
+                // counted, by the caller.)
                 Ok(Content::Plain(text.to_owned()))
             }
             _ => Err(format!(
@@ -739,7 +923,10 @@ fn read(
     let mut pictures = Vec::new();
     let mut unrendered = Vec::new();
     let mut unseen = Vec::new();
-    let limits = Limits::default();
+    let limits = Limits {
+        max_text_chars: ask.max_chars,
+        ..Limits::default()
+    };
     if kind == DocKind::Pdf {
         let read = media::read_and_render(bytes, &limits, stop, render.min(budget), RENDER_DPI);
         let doc = match read {

@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::AppState;
-use super::media_text::{self, Credentials};
+use super::media_text::{self, Credentials, Within};
 use crate::describe::{Credential, describe};
 use crate::error::VisorError;
 use crate::models::Medium;
@@ -89,6 +89,10 @@ pub struct Learnable {
     /// so is never overruled by an error message).
     pub pdf_unknown: bool,
     pub audio_unknown: bool,
+    /// The first try's bounds: the retry reads under the same deadline.
+    pub within: Within,
+    /// The request's deadline: past it, no retry is sent.
+    pub deadline: Option<Instant>,
 }
 
 /// What a refusal taught, learned once the retry without it succeeded
@@ -124,6 +128,10 @@ impl Prepared {
     }
 }
 
+/// The body to send for a request without a deadline of its own (a
+/// WebSocket-mode event): see [`prepare_by`]. A body that documents would
+/// take past `server.max_body_bytes` even cut to their headers goes out
+/// unchanged.
 pub async fn prepare(
     state: &Arc<AppState>,
     shape: Shape,
@@ -132,6 +140,74 @@ pub async fn prepare(
     opts: Options,
     asker: Asker<'_>,
 ) -> Prepared {
+    let within = Within::unbounded_time(state);
+    let original = body.clone();
+    match prepare_within(state, shape, model, body, opts, asker, within, None).await {
+        Ok(p) => p,
+        Err(_) => Prepared {
+            body: original,
+            report: Report::default(),
+            saving: None,
+            learn: None,
+        },
+    }
+}
+
+/// How much of what is left of a request's time its documents, audio and
+/// images may take: the rest (a quarter of `server.request_timeout_secs`,
+/// or what is left when that is less) is the upstream's.
+const UPSTREAM_SHARE: u32 = 4;
+
+/// The body to send upstream for a request that must be answered by
+/// `deadline` (`started + server.request_timeout_secs`). Documents, audio
+/// and images are turned into text until a quarter of the request's time
+/// is left (what is not done by then says "out of time"); document text is
+/// bounded per document and per request, and a body that it would take
+/// past `server.max_body_bytes` has its documents cut further. `Err`: 504
+/// when the deadline passed before the body was ready (nothing is sent),
+/// 413 when even documents cut to their headers do not fit.
+pub async fn prepare_by(
+    state: &Arc<AppState>,
+    shape: Shape,
+    model: Option<&str>,
+    body: Bytes,
+    opts: Options,
+    asker: Asker<'_>,
+    deadline: Instant,
+) -> Result<Prepared, VisorError> {
+    let reserve = state.config.server.request_timeout / UPSTREAM_SHARE;
+    let within = Within {
+        stop_at: Some(deadline.checked_sub(reserve).unwrap_or(deadline)),
+        ..Within::unbounded_time(state)
+    };
+    let prepared = prepare_within(
+        state,
+        shape,
+        model,
+        body,
+        opts,
+        asker,
+        within,
+        Some(deadline),
+    )
+    .await?;
+    if Instant::now() >= deadline {
+        return Err(VisorError::TransformTimeout);
+    }
+    Ok(prepared)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn prepare_within(
+    state: &Arc<AppState>,
+    shape: Shape,
+    model: Option<&str>,
+    body: Bytes,
+    opts: Options,
+    asker: Asker<'_>,
+    within: Within,
+    deadline: Option<Instant>,
+) -> Result<Prepared, VisorError> {
     let unchanged = |body: Bytes, learn| Prepared {
         body,
         report: Report::default(),
@@ -139,7 +215,7 @@ pub async fn prepare(
         learn,
     };
     if opts.off {
-        return unchanged(body, None);
+        return Ok(unchanged(body, None));
     }
     let mut resolved = state.models.resolve(model.unwrap_or(""), opts.vision);
     // A model another replica may have learned (a shared store): asked of
@@ -192,13 +268,15 @@ pub async fn prepare(
         vision_unknown: !resolved.known(),
         pdf_unknown: resolved.caps.pdf.is_none(),
         audio_unknown: resolved.caps.audio.is_none(),
+        within,
+        deadline,
     });
     if !transform::needed(&plan) {
-        return unchanged(body, learn);
+        return Ok(unchanged(body, learn));
     }
-    let mut prepared = run(state, body, plan, &credential).await;
+    let mut prepared = run(state, body, plan, &credential, within).await?;
     prepared.learn = learn;
-    prepared
+    Ok(prepared)
 }
 
 /// `images.non_vision = "describe"`
@@ -290,6 +368,11 @@ pub async fn after_refusal(
         (None, Some(p)) => p.to_owned(),
         (None, None) => return None,
     };
+    // Past the request's deadline no retry is sent: the refusal is the
+    // answer.
+    if learn.deadline.is_some_and(|d| Instant::now() >= d) {
+        return None;
+    }
     let plan = Plan {
         shape: learn.shape,
         vision: learn.vision && images.is_none(),
@@ -302,7 +385,18 @@ pub async fn after_refusal(
         },
         query_aware: state.config.describer.query_aware,
     };
-    let prepared = run(state, learn.original.clone(), plan, &learn.credential).await;
+    let prepared = run(
+        state,
+        learn.original.clone(),
+        plan,
+        &learn.credential,
+        learn.within,
+    )
+    .await
+    .ok()?;
+    if learn.deadline.is_some_and(|d| Instant::now() >= d) {
+        return None;
+    }
     let replaced = |medium: &str, reason: Reason| {
         prepared
             .report
@@ -363,7 +457,13 @@ pub async fn learn(state: &Arc<AppState>, lesson: Lesson) {
     );
 }
 
-async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Credentials) -> Prepared {
+async fn run(
+    state: &Arc<AppState>,
+    body: Bytes,
+    plan: Plan,
+    credential: &Credentials,
+    within: Within,
+) -> Result<Prepared, VisorError> {
     let large = body.len() > INLINE_LIMIT;
     let started = Instant::now();
     // Resolved, and finished at once when there is nothing to describe
@@ -397,9 +497,17 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
     let rewrite = match scanned {
         Err(done) => *done,
         Ok((scanned, (subjects, media))) => {
+            // Images not described by the deadline keep their
+            // placeholders.
+            let described = async {
+                let d = describe(&state.describer, subjects, &credential.describer);
+                media_text::until(within.stop_at, d)
+                    .await
+                    .unwrap_or_default()
+            };
             let (mut descriptions, made) = futures_util::future::join(
-                describe(&state.describer, subjects, &credential.describer),
-                media_text::make(state, media, plan.describe, credential),
+                described,
+                media_text::make_within(state, media, plan.describe, credential, within),
             )
             .await;
             failed = made
@@ -407,12 +515,34 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
                 .filter(|m| m.action == "stripped")
                 .map(|m| m.sha256.clone())
                 .collect();
+            let documents: Vec<String> = made
+                .iter()
+                .filter(|m| m.action == "described")
+                .map(|m| m.sha256.clone())
+                .collect();
             descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
             let finishing = Instant::now();
+            // Kept to finish again, should the documents' text take the
+            // body past `server.max_body_bytes`.
+            let again = (!documents.is_empty()).then(|| (scanned.clone(), descriptions.clone()));
             let b = body.clone();
             let mut rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))
                 .await
                 .unwrap_or_default();
+            let limit = usize::try_from(state.config.server.max_body_bytes)
+                .unwrap_or(usize::MAX)
+                .max(body.len());
+            if let (Some((scanned, descriptions)), Some(new)) = (again, &rewrite.body)
+                && new.len() > limit
+            {
+                let over = Over {
+                    body: body.clone(),
+                    documents,
+                    limit,
+                    large,
+                };
+                rewrite = fit(scanned, descriptions, over, new.len()).await?;
+            }
             for sha in &failed {
                 rewrite.report.not_converted(sha);
             }
@@ -471,12 +601,76 @@ async fn run(state: &Arc<AppState>, body: Bytes, plan: Plan, credential: &Creden
             }
         })
     });
-    Prepared {
+    Ok(Prepared {
         body: new.map(Bytes::from).unwrap_or(body),
         report,
         saving,
         learn: None,
+    })
+}
+
+/// A rewrite whose documents took it past `limit`, to be finished again.
+struct Over {
+    body: Bytes,
+    /// The SHA-256 of each document turned into text.
+    documents: Vec<String>,
+    limit: usize,
+    large: bool,
+}
+
+/// Finishes `scanned` again with its documents' text cut, in proportion
+/// to each one's length, until the body is within `over.limit` (each cut
+/// says so: `server.max_body_bytes`); 413 when even documents cut to
+/// their headers do not fit.
+async fn fit(
+    scanned: transform::Scanned,
+    descriptions: Vec<(String, Arc<str>)>,
+    over: Over,
+    mut len: usize,
+) -> Result<Rewrite, VisorError> {
+    let chars = |sha: &str| {
+        descriptions
+            .iter()
+            .find(|(s, _)| s == sha)
+            .map_or(0, |(_, t)| t.chars().count())
+    };
+    let total: usize = over.documents.iter().map(|d| chars(d)).sum();
+    let mut target = total;
+    // A cut line is about a hundred bytes: room for each.
+    let notes = 200 * over.documents.len();
+    for _ in 0..4 {
+        if target == 0 {
+            break;
+        }
+        // Every character cut is at least one byte of the body.
+        target = target.saturating_sub(len.saturating_sub(over.limit) + notes);
+        let cut: Vec<(String, Arc<str>)> = descriptions
+            .iter()
+            .map(|(sha, text)| match over.documents.contains(sha) {
+                true => {
+                    let share = chars(sha).saturating_mul(target) / total.max(1);
+                    let text = media_text::cut(text, share, "server.max_body_bytes");
+                    (sha.clone(), Arc::from(text))
+                }
+                false => (sha.clone(), text.clone()),
+            })
+            .collect();
+        let (s, b) = (scanned.clone(), over.body.clone());
+        let rewrite = off_thread(over.large, move || s.finish(&b, &cut))
+            .await
+            .unwrap_or_default();
+        match rewrite.body.as_ref().map(Vec::len) {
+            Some(n) if n > over.limit => len = n,
+            _ => return Ok(rewrite),
+        }
     }
+    tracing::info!(
+        limit = over.limit,
+        "documents cut to their headers still take the body past server.max_body_bytes"
+    );
+    Err(VisorError::BodyTooLarge {
+        limit: over.limit as u64,
+    })
 }
 
 /// Runs `f` on the blocking pool when `large` (a multi-megabyte body must

@@ -250,7 +250,7 @@ pub fn rewrite(body: &[u8], plan: &Plan) -> Rewrite {
 /// The first half of a rewrite: every image found, and which are replaced.
 /// Between [`scan`] and [`Scanned::finish`] the caller may look up
 /// descriptions for [`Scanned::subjects`].
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Scanned {
     scan: walk::Scan,
     plan: Plan,

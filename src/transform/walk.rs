@@ -375,7 +375,7 @@ pub struct TextAt {
 }
 
 /// Every image of one request.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Scan {
     pub images: Vec<Found>,
     /// One per element of the message array.
