@@ -300,11 +300,7 @@ impl Limiter {
     }
 
     /// The key's window here, started over when `window` is a newer one.
-    fn window_here<'a>(
-        local: &'a mut HashMap<usize, Local>,
-        i: usize,
-        window: u64,
-    ) -> &'a mut Local {
+    fn window_here(local: &mut HashMap<usize, Local>, i: usize, window: u64) -> &mut Local {
         let slot = local.entry(i).or_insert(Local {
             window,
             ..Local::default()

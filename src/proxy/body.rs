@@ -106,6 +106,10 @@ impl Drop for InflightGuard {
     }
 }
 
+/// Charges a key for what a response used: (prompt tokens when the
+/// provider said them, completion tokens).
+pub type Charge = Box<dyn FnOnce(Option<u64>, u64) + Send + Sync>;
+
 /// What is recorded when the body ends.
 pub struct Finish {
     pub metrics: Arc<Metrics>,
@@ -126,7 +130,7 @@ pub struct Finish {
     /// Called with the tokens the upstream's `usage` reports (prompt, when
     /// it said, and completion — estimated from the text streamed when it
     /// did not say): the caller's rate limit is corrected by them.
-    pub on_usage: Option<Box<dyn FnOnce(Option<u64>, u64) + Send + Sync>>,
+    pub on_usage: Option<Charge>,
 }
 
 #[derive(Debug, thiserror::Error)]

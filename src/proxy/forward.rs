@@ -1206,7 +1206,7 @@ async fn respond(
                 state.tasks.spawn(async move {
                     s.limits.correct(i, estimate, used).await;
                 });
-            }) as Box<dyn FnOnce(Option<u64>, u64) + Send + Sync>
+            }) as super::body::Charge
         }),
     };
     let mut observed = ObservedBody::new(
