@@ -189,8 +189,10 @@ async fn next_text<S>(ws: &mut S) -> Value
 where
     S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
 {
+    // One bound for the whole wait (messages skipped do not extend it).
+    let deadline = tokio::time::Instant::now() + BOUND;
     loop {
-        let m = tokio::time::timeout(BOUND, ws.next())
+        let m = tokio::time::timeout_at(deadline, ws.next())
             .await
             .expect("an event within the bound")
             .expect("the socket is open")
@@ -781,8 +783,10 @@ async fn next_close<S>(ws: &mut S) -> CloseFrame
 where
     S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
 {
+    // One bound for the whole wait (messages skipped do not extend it).
+    let deadline = tokio::time::Instant::now() + BOUND;
     loop {
-        match tokio::time::timeout(BOUND, ws.next())
+        match tokio::time::timeout_at(deadline, ws.next())
             .await
             .expect("a close frame within the bound")
         {
@@ -1121,11 +1125,10 @@ async fn an_upstream_refusal_reaches_the_client_with_its_body() {
     }
 }
 
-/// A client's ping is answered once (by visor, not also by the upstream
-/// through it), and pings are no activity: a socket with nothing else is
-/// closed after request_timeout_secs all the same (1001), freeing its slot.
+/// A client's ping is answered once (by visor), not also by the upstream
+/// through it: pings and pongs are not relayed.
 #[tokio::test]
-async fn a_ping_is_answered_once_and_does_not_keep_a_quiet_socket_open() {
+async fn a_client_ping_is_answered_once() {
     let (up, seen, _closed) = ws_mock().await;
     let visor = visor_for(&up).await;
     let (mut ws, _) =
@@ -1138,8 +1141,9 @@ async fn a_ping_is_answered_once_and_does_not_keep_a_quiet_socket_open() {
         .await
         .unwrap();
     let mut pongs = 0;
+    let deadline = tokio::time::Instant::now() + BOUND;
     loop {
-        let m = tokio::time::timeout(BOUND, ws.next())
+        let m = tokio::time::timeout_at(deadline, ws.next())
             .await
             .expect("the echo within the bound")
             .expect("the socket is open")
@@ -1155,10 +1159,16 @@ async fn a_ping_is_answered_once_and_does_not_keep_a_quiet_socket_open() {
     }
     assert_eq!(pongs, 1, "the ping was answered {pongs} times");
     assert_eq!(seen.lock().unwrap().pings, 0, "the ping went upstream");
+}
 
-    // Quiet but for pings: closed after request_timeout_secs.
+/// Pings are no activity: a socket with nothing else is closed after
+/// request_timeout_secs all the same (1001), and its `max_connections`
+/// slot is free again.
+#[tokio::test]
+async fn pings_do_not_keep_a_quiet_socket_open() {
+    let (up, _seen, _closed) = ws_mock().await;
     let visor = Visor::start(&format!(
-        "[server]\nrequest_timeout_secs = 1\n[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n"
+        "[server]\nrequest_timeout_secs = 1\nmax_connections = 1\n[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n"
     ))
     .await;
     let (ws, _) = tokio::time::timeout(BOUND, connect(format!("ws://{}/v1/responses", visor.addr)))
@@ -1183,4 +1193,17 @@ async fn a_ping_is_answered_once_and_does_not_keep_a_quiet_socket_open() {
     pinger.abort();
     assert_eq!(frame.code, CloseCode::Away, "{frame:?}");
     assert_eq!(frame.reason, "idle socket closed");
+    drop(rx);
+    // The slot is free: a new connection is served.
+    let got = tokio::time::timeout(
+        BOUND,
+        send(
+            http::Request::get(visor.url("/healthz"))
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap(),
+        ),
+    )
+    .await
+    .expect("served within the bound");
+    assert_eq!(got.0, 200);
 }
