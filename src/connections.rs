@@ -236,7 +236,9 @@ impl Conn {
         Some(self.epoch + since + idle)
     }
 
-    fn begin(self: &Arc<Self>) -> InFlight {
+    /// Counts one request (or WebSocket response) in flight until the
+    /// returned guard drops.
+    pub fn begin(self: &Arc<Self>) -> InFlight {
         self.inflight.fetch_add(1, Ordering::AcqRel);
         InFlight(self.clone())
     }
@@ -347,11 +349,24 @@ impl<T: Write + Unpin> Write for Prefixed<T> {
 /// until the socket ends, so it counts against `max_connections` too.
 /// Requests carry it in their extensions.
 #[derive(Clone)]
-pub struct Slot(#[allow(dead_code)] Arc<OwnedSemaphorePermit>);
+pub struct Slot {
+    _permit: Arc<OwnedSemaphorePermit>,
+    gate: Arc<Gate>,
+}
 
 impl Slot {
-    pub fn new(permit: OwnedSemaphorePermit) -> Self {
-        Self(Arc::new(permit))
+    pub fn new(permit: OwnedSemaphorePermit, gate: Arc<Gate>) -> Self {
+        Self {
+            _permit: Arc::new(permit),
+            gate,
+        }
+    }
+
+    /// Registers what outlives its HTTP connection on this slot (an
+    /// upgraded WebSocket) with the gate, so that, idle, it may be asked to
+    /// close to make room like any idle connection.
+    pub fn register(&self) -> Registered {
+        self.gate.register()
     }
 }
 

@@ -360,7 +360,7 @@ async fn serve(
             stop: stop.clone(),
         };
         let gauge = state.metrics.connections.clone();
-        let slot = Slot::new(permit);
+        let slot = Slot::new(permit, gate.clone());
         let cut = cut.clone();
         tracker.spawn(async move {
             gauge.inc();

@@ -365,13 +365,6 @@ async fn an_open_websocket_counts_against_max_connections() {
         "[server]\nmax_connections = 1\nworkers = 1\n[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n"
     ))
     .await;
-    let (mut ws, _) = connect(format!("ws://{}/v1/realtime", visor.addr))
-        .await
-        .unwrap();
-    ws.send(Message::Text("{\"type\":\"x\"}".into()))
-        .await
-        .unwrap();
-    next_text(&mut ws).await;
     let addr = visor.addr;
     let healthz = move || async move {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -385,7 +378,17 @@ async fn an_open_websocket_counts_against_max_connections() {
         let _ = tokio::io::AsyncReadExt::read_to_end(&mut s, &mut out).await;
         out
     };
-    // Held: a new connection waits (here: not answered within a second).
+
+    // A socket with a response under way holds its slot: a new connection
+    // waits (here: not answered within a second).
+    let (mut ws, _) = connect(format!("ws://{}/v1/responses", visor.addr))
+        .await
+        .unwrap();
+    let stalled = json!({"type": "response.create", "model": "gpt-5.1", "metadata": {"stall": true}, "input": []});
+    ws.send(Message::Text(stalled.to_string().into()))
+        .await
+        .unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "response.created");
     let waiting = tokio::spawn(healthz());
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
@@ -400,6 +403,34 @@ async fn an_open_websocket_counts_against_max_connections() {
         "{}",
         String::from_utf8_lossy(&out)
     );
+
+    // An idle socket (nothing under way; pings are not activity) is asked
+    // to make room, as an idle connection is: the health check gets in,
+    // the socket hears 1001.
+    let (mut idle, _) = connect(format!("ws://{}/v1/responses", visor.addr))
+        .await
+        .unwrap();
+    idle.send(Message::Ping(vec![1].into())).await.unwrap();
+    let out = tokio::time::timeout(BOUND, healthz())
+        .await
+        .expect("the health check got in");
+    assert!(
+        out.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    let code = tokio::time::timeout(BOUND, async {
+        loop {
+            match idle.next().await {
+                Some(Ok(Message::Close(frame))) => return frame.map(|f| f.code),
+                Some(Ok(_)) => continue,
+                _ => return None,
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, Some(CloseCode::Away));
 }
 
 #[tokio::test]
@@ -1206,4 +1237,54 @@ async fn pings_do_not_keep_a_quiet_socket_open() {
     .await
     .expect("served within the bound");
     assert_eq!(got.0, 200);
+}
+
+/// A `response.create` is charged for the event visor sends, not the one it
+/// got: a small spreadsheet read into ~150,000 characters of text is over
+/// a 10,000-token key, refused with a 429 `error` event, and not sent.
+#[tokio::test]
+async fn a_create_is_charged_for_the_text_its_documents_became() {
+    let (up, seen, _closed) = ws_mock().await;
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n\
+         [[key]]\nname = \"small\"\nkey = \"sk-small\"\ntokens_per_minute = 10000\n"
+    ))
+    .await;
+    let mut req = format!("ws://{}/v1/responses", visor.addr)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("authorization", "Bearer sk-small".parse().unwrap());
+    let (mut ws, _) = connect(req).await.unwrap();
+    let xlsx = pdf_build::amplified_xlsx(10_000, 20_000, "ws-");
+    let data = base64_simd::STANDARD.encode_to_string(&xlsx);
+    let create = json!({"type": "response.create", "model": "gpt-oss-120b", "input": [
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "sum the sheet"},
+            {"type": "input_file", "filename": "big.xlsx",
+             "file_data": format!("data:application/vnd.openxmlformats-officedocument.spreadsheetml.sheet;base64,{data}")}]}]});
+    let sent = create.to_string();
+    assert!(
+        sent.len() < 40_000,
+        "the client's event is small: {}",
+        sent.len()
+    );
+    ws.send(Message::Text(sent.into())).await.unwrap();
+    let e = next_text(&mut ws).await;
+    assert_eq!(e["type"], "error", "{e}");
+    assert_eq!(e["status"], 429, "{e}");
+    assert_eq!(e["error"]["code"], "rate_limit_exceeded", "{e}");
+    assert!(
+        seen.lock().unwrap().events.is_empty(),
+        "the refused create reached the upstream"
+    );
+    // A create that fits still goes.
+    ws.send(Message::Text(
+        json!({"type": "response.create", "model": "gpt-oss-120b", "input": []})
+            .to_string()
+            .into(),
+    ))
+    .await
+    .unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "response.created");
 }

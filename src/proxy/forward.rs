@@ -708,7 +708,7 @@ async fn admit_standing(
 
 /// The 429 for a request over key `k`'s `over` limit: `Retry-After` and
 /// the `x-ratelimit-*` headers of its standing.
-fn rate_limited(
+pub(super) fn rate_limited(
     k: &crate::limits::KeyLimits,
     verdict: &crate::limits::Verdict,
     over: crate::limits::Limit,

@@ -128,31 +128,6 @@ impl Prepared {
     }
 }
 
-/// The body to send for a request without a deadline of its own (a
-/// WebSocket-mode event): see [`prepare_by`]. A body that documents would
-/// take past `server.max_body_bytes` even cut to their headers goes out
-/// unchanged.
-pub async fn prepare(
-    state: &Arc<AppState>,
-    shape: Shape,
-    model: Option<&str>,
-    body: Bytes,
-    opts: Options,
-    asker: Asker<'_>,
-) -> Prepared {
-    let within = Within::unbounded_time(state);
-    let original = body.clone();
-    match prepare_within(state, shape, model, body, opts, asker, within, None).await {
-        Ok(p) => p,
-        Err(_) => Prepared {
-            body: original,
-            report: Report::default(),
-            saving: None,
-            learn: None,
-        },
-    }
-}
-
 /// How much of what is left of a request's time its documents, audio and
 /// images may take: the rest (a quarter of `server.request_timeout_secs`,
 /// or what is left when that is less) is the upstream's.

@@ -265,7 +265,7 @@ fn sse_line(line: &[u8], usage: &mut Usage) {
 /// keys streams carry text in (Chat `content` and tool `arguments`,
 /// Responses `delta`, Anthropic `text`, `partial_json` and `thinking`,
 /// reasoning), escapes counted as written.
-fn text_bytes(payload: &[u8]) -> u64 {
+pub(super) fn text_bytes(payload: &[u8]) -> u64 {
     const KEYS: [&[u8]; 8] = [
         b"content",
         b"arguments",

@@ -290,7 +290,11 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     // 3. relay, once the client's side has switched. The connection's slot
     // under max_connections is held until the socket ends.
     let slot = req.extensions_mut().remove::<crate::connections::Slot>();
+    // With the gate as a connection of its own: idle, it may be asked to
+    // close to make room (a health check at max_connections).
+    let registered = slot.as_ref().map(crate::connections::Slot::register);
     let relay = Relay {
+        registered,
         state: state.clone(),
         upstream: name,
         key: holder,
@@ -586,6 +590,9 @@ async fn open_upstream(
 
 /// What one relayed socket needs.
 struct Relay {
+    /// The socket as a connection of the gate's (`None` in tests that
+    /// build no gate).
+    registered: Option<crate::connections::Registered>,
     state: Arc<AppState>,
     upstream: Arc<str>,
     /// The caller's `[[key]]`, which each `response.create` is held to.
@@ -605,6 +612,9 @@ struct InFlight {
     /// Tokens the key's limit was charged before the answer (corrected by
     /// its `usage`).
     estimate: u64,
+    /// Bytes of generated text its events carried so far: what it is
+    /// charged when the socket ends before its usage comes.
+    text_bytes: u64,
     since: Instant,
     /// The upstream said `response.created` for it.
     created: bool,
@@ -637,7 +647,15 @@ impl Relay {
         // Once shutdown starts with a response under way: it may finish
         // within the drain timeout, no longer.
         let mut drain_until: Option<Instant> = None;
+        // Counted as in flight on the gate while a response is under way:
+        // only an idle socket is closed to make room.
+        let mut busy: Option<crate::connections::InFlight> = None;
         loop {
+            match (&self.registered, inflight.is_empty(), busy.is_some()) {
+                (Some(r), false, false) => busy = Some(r.conn.begin()),
+                (_, true, true) => busy = None,
+                _ => {}
+            }
             let deadline = match inflight.is_empty() {
                 false => last_upstream + idle,
                 true => last_any + quiet,
@@ -776,6 +794,13 @@ impl Relay {
                         }
                     }
                 }
+                // At max_connections, the gate asks the connection idle the
+                // longest to make room: this socket, with nothing under way.
+                () = shed_asked(self.registered.as_ref()), if inflight.is_empty() => {
+                    end(&mut c_tx, Some(close(CloseCode::Away, "connection limit reached: idle socket closed"))).await;
+                    end(&mut u_tx, Some(close(CloseCode::Away, "idle socket closed"))).await;
+                    break;
+                }
                 // Shutdown: closed once no response is under way (one that
                 // is finishes first).
                 () = self.state.shutdown.cancelled(), if inflight.is_empty() => {
@@ -865,6 +890,7 @@ impl Relay {
         let started = creates.then(|| InFlight {
             model: model.clone(),
             estimate,
+            text_bytes: 0,
             since: Instant::now(),
             created: false,
             images_replaced: 0,
@@ -879,17 +905,43 @@ impl Relay {
             upstream: 0,
         };
         let body = Bytes::from(text.clone());
-        let prepared = prepare::prepare(
+        // An event is a request: read under its own deadline.
+        let deadline = Instant::now() + self.state.config.server.request_timeout;
+        let prepared = prepare::prepare_by(
             &self.state,
             Shape::Responses,
             Some(model.as_str()),
             body,
             self.opts,
             asker,
+            deadline,
         )
-        .await;
+        .await
+        .map_err(|e| self.refusal(e, Some(model.as_str())))?;
         if let Some(saving) = prepared.saving {
             let _ = saving.await;
+        }
+        // The key pays for what goes (documents read, history), not for
+        // what came: the rest is charged, and the event refused when it no
+        // longer fits.
+        let sent = prepared.body.len() as u64 / crate::limits::BYTES_PER_TOKEN;
+        let mut started = started;
+        if let Some(i) = self.key
+            && ty == Some("response.create")
+            && sent > estimate
+            && let Some(verdict) = self
+                .state
+                .limits
+                .charge_more(i, sent - estimate, sent)
+                .await
+        {
+            if let (Some(over), Some(k)) = (verdict.over, self.state.limits.key(i)) {
+                let e = super::forward::rate_limited(k, &verdict, over);
+                return Err(self.refusal(e, Some(model.as_str())));
+            }
+            if let Some(f) = started.as_mut() {
+                f.estimate = sent;
+            }
         }
         let started = started.map(|mut f| {
             f.images_replaced = prepared.report.images_replaced;
@@ -975,7 +1027,16 @@ impl Relay {
                 let at = inflight.iter().position(|f| !f.created)?;
                 (inflight.remove(at)?, "upstream_error")
             }
-            _ => return None,
+            // Generated text, for the charge of a response the socket ends
+            // before its usage comes.
+            _ => {
+                if self.key.is_some()
+                    && let Some(f) = inflight.iter_mut().find(|f| f.created)
+                {
+                    f.text_bytes += super::usage::text_bytes(text.as_bytes());
+                }
+                return None;
+            }
         };
         let usage = Usage::of_event(text.as_bytes());
         let used = usage.map_or(0, |u| u.prompt + u.completion);
@@ -987,9 +1048,22 @@ impl Relay {
         correction
     }
 
-    /// Ends every response under way (the socket closed) with `outcome`.
+    /// Ends every response under way (the socket closed) with `outcome`;
+    /// the caller's key is charged the text each carried (no usage came).
     fn finish_all(&self, inflight: &mut VecDeque<InFlight>, outcome: &str) {
         while let Some(f) = inflight.pop_front() {
+            let completion = f.text_bytes / crate::limits::BYTES_PER_TOKEN;
+            if let Some(i) = self.key
+                && completion > 0
+            {
+                let (state, estimate) = (self.state.clone(), f.estimate);
+                self.state.tasks.spawn(async move {
+                    state
+                        .limits
+                        .correct(i, estimate, estimate + completion)
+                        .await;
+                });
+            }
             self.finish(f, outcome, None);
         }
     }
@@ -1040,6 +1114,15 @@ impl Relay {
             duration_ms = f.since.elapsed().as_millis() as u64,
             "response finished"
         );
+    }
+}
+
+/// Resolves when the gate asks this socket to close to make room; never
+/// without a gate.
+async fn shed_asked(registered: Option<&crate::connections::Registered>) {
+    match registered {
+        Some(r) => r.conn.close_asked().await,
+        None => std::future::pending().await,
     }
 }
 
