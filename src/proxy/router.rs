@@ -315,6 +315,21 @@ fn plain_get<B>(req: &Request<B>) -> bool {
 /// plain GET (there they may name an id, `/v1/models/org%2Fname`).
 pub(super) fn canonical_path(path: &str, plain_get: bool) -> Result<Option<String>, &'static str> {
     let b = path.as_bytes();
+    // A `%` that starts no escape: readers differ on it, and decoding the
+    // escapes after it could make it one (`%4%43` would become `%4C`).
+    let stray = (0..b.len()).any(|i| {
+        b[i] == b'%'
+            && !(b.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                && b.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
+    });
+    if stray {
+        return match plain_get {
+            true => Ok(None),
+            false => Err(
+                "a `%` that starts no escape in the path is refused: servers read it differently",
+            ),
+        };
+    }
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
@@ -477,9 +492,13 @@ mod tests {
         }
         // A plain GET may name an id with an escaped `/`.
         assert_eq!(canonical_path("/v1/models/org%2Fname", true), Ok(None));
-        // Odd escapes are left as they are.
-        assert_eq!(canon("/v1/x%4"), Ok(None));
-        assert_eq!(canon("/v1/x%zz"), Ok(None));
+        // A `%` that starts no escape is refused on a write (decoding what
+        // follows it could make it one: `%4%43` is not `%4C`), left as it
+        // is on a plain GET.
+        for stray in ["/v1/x%4", "/v1/x%zz", "/3=f+z%4%43/", "/v1/%"] {
+            assert!(canon(stray).is_err(), "{stray}");
+            assert_eq!(canonical_path(stray, true), Ok(None), "{stray}");
+        }
     }
 
     #[test]
