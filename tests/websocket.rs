@@ -120,6 +120,20 @@ async fn ws_mock() -> (String, Arc<Mutex<Seen>>, mpsc::UnboundedReceiver<()>) {
                     // the next client event is answered with an `error`
                     // first, then the response goes on.
                     let pause = v["metadata"]["pause"] == true;
+                    // `"metadata": {"text": N}`: `response.created`, one
+                    // delta of N bytes, then nothing (no usage comes).
+                    if v["type"] == "response.create"
+                        && let Some(n) = v["metadata"]["text"].as_u64()
+                    {
+                        let created = json!({"response": {"id": "resp_t", "status": "in_progress"}, "type": "response.created"});
+                        let delta = json!({"type": "response.output_text.delta", "delta": "x".repeat(n as usize)});
+                        for e in [created, delta] {
+                            if ws.send(Message::Text(e.to_string().into())).await.is_err() {
+                                break;
+                            }
+                        }
+                        continue;
+                    }
                     if v["type"] == "response.create" {
                         for (k, e) in [
                             // As OpenAI sends it: `error: null` early in the event.
@@ -1287,4 +1301,55 @@ async fn a_create_is_charged_for_the_text_its_documents_became() {
     .await
     .unwrap();
     assert_eq!(next_text(&mut ws).await["type"], "response.created");
+}
+
+/// A socket that ends before a response's usage comes charges the caller's
+/// key the text the response carried (4 bytes a token): leaving early is no
+/// way around a token limit.
+#[tokio::test]
+async fn a_socket_left_before_the_usage_is_charged_the_text_it_carried() {
+    let (up, _seen, _closed) = ws_mock().await;
+    let visor = Visor::start(&format!(
+        "[[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n\
+         [[key]]\nname = \"small\"\nkey = \"sk-small\"\ntokens_per_minute = 1000\n"
+    ))
+    .await;
+    let open = || {
+        let mut req = format!("ws://{}/v1/responses", visor.addr)
+            .into_client_request()
+            .unwrap();
+        req.headers_mut()
+            .insert("authorization", "Bearer sk-small".parse().unwrap());
+        connect(req)
+    };
+    let (mut ws, _) = open().await.unwrap();
+    // 8,000 bytes of answer: about 2,000 tokens, twice the key's minute.
+    let create = json!({"type": "response.create", "model": "gpt-5.1", "metadata": {"text": 8000}, "input": []});
+    ws.send(Message::Text(create.to_string().into()))
+        .await
+        .unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "response.created");
+    assert_eq!(
+        next_text(&mut ws).await["type"],
+        "response.output_text.delta"
+    );
+    ws.close(None).await.unwrap();
+    drop(ws);
+    // Charged as the socket ends (a task of its own): a few tries.
+    let small = json!({"type": "response.create", "model": "gpt-5.1", "input": []});
+    let mut refused = false;
+    for _ in 0..20 {
+        let (mut ws, _) = open().await.unwrap();
+        ws.send(Message::Text(small.to_string().into()))
+            .await
+            .unwrap();
+        let e = next_text(&mut ws).await;
+        if e["status"] == 429 {
+            refused = true;
+            break;
+        }
+        let _ = ws.close(None).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refused, "the text of a response left early was not charged");
 }
