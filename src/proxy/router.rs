@@ -312,7 +312,9 @@ fn plain_get<B>(req: &Request<B>) -> bool {
 /// (`/v1/chat/completion%73`), runs of `/` made one (`/v1//responses`), a
 /// trailing `/` dropped. Escaped separators and escaped `%` (`%2F`, `%5C`,
 /// `%25`), which servers read differently, are refused on anything but a
-/// plain GET (there they may name an id, `/v1/models/org%2Fname`).
+/// plain GET (there they may name an id, `/v1/models/org%2Fname`), as is a
+/// `%` that starts no escape (on a plain GET such a path has no escape
+/// decoded: decoding could make a new one).
 pub(super) fn canonical_path(path: &str, plain_get: bool) -> Result<Option<String>, &'static str> {
     let b = path.as_bytes();
     // A `%` that starts no escape: readers differ on it, and decoding the
@@ -322,19 +324,17 @@ pub(super) fn canonical_path(path: &str, plain_get: bool) -> Result<Option<Strin
             && !(b.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
                 && b.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
     });
-    if stray {
-        return match plain_get {
-            true => Ok(None),
-            false => Err(
-                "a `%` that starts no escape in the path is refused: servers read it differently",
-            ),
-        };
+    if stray && !plain_get {
+        return Err(
+            "a `%` that starts no escape in the path is refused: servers read it differently",
+        );
     }
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
         let c = b[i];
         if c == b'%'
+            && !stray
             && i + 2 < b.len()
             && let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2]))
         {
@@ -495,10 +495,15 @@ mod tests {
         // A `%` that starts no escape is refused on a write (decoding what
         // follows it could make it one: `%4%43` is not `%4C`), left as it
         // is on a plain GET.
-        for stray in ["/v1/x%4", "/v1/x%zz", "/3=f+z%4%43/", "/v1/%"] {
+        for stray in ["/v1/x%4", "/v1/x%zz", "/3=f+z%4%43", "/v1/%"] {
             assert!(canon(stray).is_err(), "{stray}");
             assert_eq!(canonical_path(stray, true), Ok(None), "{stray}");
         }
+        // There, no escape is decoded, but `/` runs are still one.
+        assert_eq!(
+            canonical_path("//v1/a%41%/", true),
+            Ok(Some("/v1/a%41%".to_owned()))
+        );
     }
 
     #[test]

@@ -412,9 +412,10 @@ const MAX_MODEL: usize = 1024;
 
 /// A client event of the Responses mode read by the rules an HTTP body is
 /// read by: one JSON object (serde's reading of it: no lone surrogate, no
-/// nesting past 128 levels), no key named twice in any case, `model` a
-/// string of at most 1024 bytes; else why not, as the HTTP path refuses a
-/// body (400 `invalid_json`).
+/// nesting past 128 levels), no key named twice in any case, and what the
+/// HTTP path's reader accepts (`model` a string of at most 1024 bytes as
+/// written); else why not, as the HTTP path refuses a body (400
+/// `invalid_json`).
 fn read_event(text: &str) -> Result<serde_json::Map<String, Value>, VisorError> {
     let event = match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(event)) => event,
@@ -423,6 +424,11 @@ fn read_event(text: &str) -> Result<serde_json::Map<String, Value>, VisorError> 
     };
     if let Some(k) = twice_named_key(text.as_bytes()) {
         return Err(VisorError::InvalidJson(format!("duplicate field `{k}`")));
+    }
+    // And as the HTTP path reads a body (its `model` measured as written):
+    // nothing goes on over the socket that HTTP would refuse.
+    if let Err(why) = crate::proxy::request_body::probe(text.as_bytes()) {
+        return Err(VisorError::InvalidJson(why));
     }
     match event.get("model") {
         None => {}
@@ -1131,4 +1137,33 @@ fn close(code: CloseCode, reason: &'static str) -> Message {
         code,
         reason: reason.into(),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_is_read_as_an_http_body_is() {
+        let ok = r#"{"type":"response.create","model":"gpt-5.1","input":[]}"#;
+        assert!(read_event(ok).is_ok());
+        // The HTTP reader measures `model` as written: 600 escaped
+        // backslashes are 1,200 bytes there (found by the ws_event fuzz
+        // target: the socket took what HTTP refuses).
+        let long = format!(
+            r#"{{"type":"response.create","model":"{}"}}"#,
+            "\\\\".repeat(600)
+        );
+        assert!(crate::proxy::request_body::probe(long.as_bytes()).is_err());
+        assert!(read_event(&long).is_err());
+        for bad in [
+            r#"{"type":"response.create","model":"a","MODEL":"b"}"#,
+            r#"{"type":"response.create","input":"\ud800"}"#,
+            r#"["response.create"]"#,
+            r#"{"type":"response.create","model":5}"#,
+        ] {
+            let e = read_event(bad).unwrap_err();
+            assert_eq!(e.label(), "invalid_json", "{bad}");
+        }
+    }
 }
