@@ -18,7 +18,20 @@ What runs (all on 127.0.0.1, ports chosen free):
   It also plays the describer model (slow: 1-2.5 s, a quarter 4-6 s, past
   describer.timeout_secs = 3) and checks what visor sent: no image left for
   the text-only model, the description that of the right image, the previous
-  turn of a session present in the history;
+  turn of a session present in the history, no document bytes (base64 of
+  `%PDF-` or `PK\x03\x04`, `file_data`) but each document's one line of text
+  in their place, an amplifying spreadsheet's text cut and the whole body
+  within server.max_body_bytes (2 MiB here);
+* on the same port, a WebSocket upstream (RFC 6455 by hand: handshake,
+  masked client frames, text/close/ping/pong, fragments) for the Responses
+  WebSocket mode: each `response.create` answered `response.created`,
+  `response.output_text.delta`s, `response.completed` with usage, every event
+  carrying the request's nonce; the same checks on its input (image, files)
+  as for HTTP. Faults asked in the event's `metadata.soak_fault`: `error`
+  (an `error` event), `cut` (TCP closed mid-response), `closeframe` (close
+  1011 mid-response), `stall` (silent past the idle deadline), `slow` (0.5 s
+  between deltas: must complete); and in the handshake's `x-soak-ws-fault`:
+  `refuse` (401, to be passed back) and `head` (closed before the 101: 502);
 * visor A: `[store] backend = "redis://…"` on a redis-server this script
   starts (`--save '' --appendonly no`); a few times in the run Redis is
   stopped (`SHUTDOWN SAVE`, so what it held comes back) for ~20 s and started
@@ -27,22 +40,36 @@ What runs (all on 127.0.0.1, ports chosen free):
   filled to the last byte by a filler file every ~90 s and freed ~15 s later;
 * 8 workers sending plain chat (JSON, SSE), session turns (x-visor-session),
   images to a text-only model (gpt-oss-120b) and to a vision model,
-  /healthz, /readyz, /metrics, and bad inputs, to both instances.
+  documents to the text-only model (a ~450-byte PDF written by hand, a DOCX
+  or XLSX zipped here, each with one line of text; or a PDF then one or two
+  amplifying XLSX: one 10,000-character shared string in 20,000 cells, ~4 KB
+  of zip, 200 million characters if read out whole), /healthz, /readyz,
+  /metrics, bad inputs, and WebSocket sockets (`GET /v1/responses`, 2-6
+  `response.create` in turn: text, images to the text-only and the vision
+  model, PDF/DOCX/XLSX `input_file`s, slow answers, some naming no model so
+  the text-only one is carried from the event before; other events echoed
+  and pings between; closed with 1000 and its reply; some left after the
+  first delta, by a close frame or by dropping the connection), to both
+  instances.
 
 Allowed: 200 in full; for an injected upstream fault 502/504, the upstream's
-500, or a 200 cut (never a 200 in full); for a session request while its
-store is down or within 10 s after it is back, 503 store_unavailable, or any
-answer cut, or the connection closed before a response head (a turn visor
-could not store: it withholds the last bytes, and a short answer's whole
-body). Everything else is a wrong answer: a 200 with content not for its
-request, a status not allowed for the situation, a connection error, a
-stream cut with no fault injected and no store down. It counts lost turns
-(a turn answered 200 in full that GET /visor/sessions/<id> does not hold,
-user message then reply, in order), duplicated turns and hangs (30 s bound per request); samples VmRSS
-of both visors every 5 s; measures how long session requests take to succeed
-after each store recovery; SIGTERMs both visors at the end (exit 0 within the
-drain timeout). Output, visor logs and every wrong answer go to
-target/soak/<run>/. Exit status 0 only if all of it held.
+500, or a 200 cut (never a 200 in full); on a WebSocket, an injected fault
+may end the response with an `error` event (the upstream's, for that
+request) or close the socket with 1011, nothing else (a completed response,
+another close code, a connection dropped without a close frame, an event of
+another response are wrong); for a session request while its store is down
+or within 10 s after it is back, 503 store_unavailable, or any answer cut,
+or the connection closed before a response head (a turn visor could not
+store: it withholds the last bytes, and a short answer's whole body).
+Everything else is a wrong answer: a 200 with content not for its request, a
+status not allowed for the situation, a connection error, a stream cut with
+no fault injected and no store down. It counts lost turns (a turn answered
+200 in full that GET /visor/sessions/<id> does not hold, user message then
+reply, in order), duplicated turns and hangs (30 s bound per request);
+samples VmRSS of both visors every 5 s; measures how long session requests
+take to succeed after each store recovery; SIGTERMs both visors at the end
+(exit 0 within the drain timeout). Output, visor logs and every wrong answer
+go to target/soak/<run>/. Exit status 0 only if all of it held.
 
 Python 3.11 standard library only. Needs root (tmpfs) and redis-server.
 """
@@ -67,6 +94,8 @@ import sys
 import threading
 import time
 import traceback
+import zipfile
+import io
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -87,8 +116,11 @@ DRAIN_TIMEOUT = 10
 RECOVERY_GRACE = 10.0  # seconds after a store is back in which 503 / cut are still allowed
 RECOVERY_LIMIT = 10.0  # a session request must succeed within this after recovery
 TURNS_PER_SESSION = 40  # rotate session ids well below max_depth
+MAX_BODY_BYTES = 2 << 20  # server.max_body_bytes of both visors: documents' text must fit in it
 NONCE_RE = re.compile(r"N:([0-9a-f]{16})")
-ECHO_RE = re.compile(r"^ECHO ([0-9a-f]{16}) hdr=(\w+) img=(\w+) hist=(\w+)$")
+ECHO_RE = re.compile(r"^ECHO ([0-9a-f]{16}) hdr=(\w+) img=(\w+) hist=(\w+) doc=(\w+)$")
+WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+WS_MAX_MESSAGE = 8 << 20
 
 T0 = time.monotonic()
 
@@ -147,6 +179,223 @@ def make_image(big: bool = False) -> Image:
     return Image(data, hashlib.sha256(data).hexdigest(), base64.b64encode(data).decode(), w, h)
 
 
+# ---------------------------------------------------------------- documents
+
+
+@dataclass
+class Doc:
+    data: bytes
+    mime: str
+    filename: str
+    needle: str  # text the model must be sent in its place: its one line, or the amplifying string's start
+    amplified: bool = False
+
+    def data_url(self) -> str:
+        return f"data:{self.mime};base64," + base64.b64encode(self.data).decode()
+
+
+PDF_MIME = "application/pdf"
+DOCX_MIME = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
+XLSX_MIME = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"
+# What a document's first bytes look like in base64 (%PDF-, PK\x03\x04): never to reach the text-only model.
+DOC_B64_PREFIXES = ("JVBERi0", "UEsDB")
+
+
+def make_pdf(line: str) -> bytes:
+    """A minimal valid PDF: one page, one line of Helvetica text (~450 bytes)."""
+    content = f"BT /F1 14 Tf 20 50 Td ({line}) Tj ET".encode()
+    objs = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 400 100] /Resources << /Font << /F1 4 0 R >> >> /Contents 5 0 R >>",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(content), content),
+    ]
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for i, o in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (i, o)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    for off in offsets:
+        out += b"%010d 00000 n \n" % off
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    return bytes(out)
+
+
+def _zip(parts: list[tuple[str, str]]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as z:
+        for name, text in parts:
+            z.writestr(name, text)
+    return buf.getvalue()
+
+
+_CT = '<?xml version="1.0" encoding="UTF-8"?><Types xmlns="http://schemas.openxmlformats.org/package/2006/content-types"><Default Extension="rels" ContentType="application/vnd.openxmlformats-package.relationships+xml"/><Default Extension="xml" ContentType="application/xml"/>'
+_REL = '<?xml version="1.0" encoding="UTF-8"?><Relationships xmlns="http://schemas.openxmlformats.org/package/2006/relationships">'
+_R_OFFICE = "http://schemas.openxmlformats.org/officeDocument/2006/relationships"
+
+
+def make_docx(line: str) -> bytes:
+    return _zip([
+        ("[Content_Types].xml", _CT + '<Override PartName="/word/document.xml" ContentType="application/vnd.openxmlformats-officedocument.wordprocessingml.document.main+xml"/></Types>'),
+        ("_rels/.rels", _REL + f'<Relationship Id="rId1" Type="{_R_OFFICE}/officeDocument" Target="word/document.xml"/></Relationships>'),
+        ("word/document.xml", '<?xml version="1.0" encoding="UTF-8" standalone="yes"?><w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"><w:body>'
+         f'<w:p><w:r><w:t>{line}</w:t></w:r></w:p></w:body></w:document>'),
+    ])
+
+
+def make_xlsx(shared: str, cells: int) -> bytes:
+    """A spreadsheet whose one shared string is shown in `cells` cells (100 to a row)."""
+    rows = []
+    for row in range((cells + 99) // 100):
+        rows.append(f'<row r="{row + 1}">' + '<c t="s"><v>0</v></c>' * min(100, cells - row * 100) + "</row>")
+    sheet = ('<?xml version="1.0" encoding="UTF-8" standalone="yes"?><worksheet xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main"><sheetData>'
+             + "".join(rows) + "</sheetData></worksheet>")
+    return _zip([
+        ("[Content_Types].xml", _CT + '<Override PartName="/xl/workbook.xml" ContentType="application/vnd.openxmlformats-officedocument.spreadsheetml.sheet.main+xml"/>'
+         '<Override PartName="/xl/worksheets/sheet1.xml" ContentType="application/vnd.openxmlformats-officedocument.spreadsheetml.worksheet+xml"/>'
+         '<Override PartName="/xl/sharedStrings.xml" ContentType="application/vnd.openxmlformats-officedocument.spreadsheetml.sharedStrings+xml"/></Types>'),
+        ("_rels/.rels", _REL + f'<Relationship Id="rId1" Type="{_R_OFFICE}/officeDocument" Target="xl/workbook.xml"/></Relationships>'),
+        ("xl/workbook.xml", f'<?xml version="1.0" encoding="UTF-8"?><workbook xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main" xmlns:r="{_R_OFFICE}"><sheets><sheet name="Data" sheetId="1" r:id="rId1"/></sheets></workbook>'),
+        ("xl/_rels/workbook.xml.rels", _REL + f'<Relationship Id="rId1" Type="{_R_OFFICE}/worksheet" Target="worksheets/sheet1.xml"/>'
+         f'<Relationship Id="rId2" Type="{_R_OFFICE}/sharedStrings" Target="sharedStrings.xml"/></Relationships>'),
+        ("xl/sharedStrings.xml", f'<?xml version="1.0" encoding="UTF-8"?><sst xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main" count="{cells}" uniqueCount="1"><si><t>{shared}</t></si></sst>'),
+        ("xl/worksheets/sheet1.xml", sheet),
+    ])
+
+
+def make_doc(kind: str, marker: str | None = None) -> Doc:
+    """`pdf`, `docx`, `xlsx`: one line `SOAKDOC<marker>`; `amplified`: one 10,000-character shared
+    string in 20,000 cells (200 million characters if read out whole, ~4 KB of zip)."""
+    if kind == "amplified":
+        salt = "AMP" + (marker or nonce())
+        return Doc(make_xlsx(salt + "x" * (10_000 - len(salt)), 20_000), XLSX_MIME, "amplified.xlsx", salt, True)
+    marker = marker or nonce()
+    line = f"SOAKDOC{marker}"
+    if kind == "pdf":
+        return Doc(make_pdf(line), PDF_MIME, f"r{marker[:4]}.pdf", line)
+    if kind == "docx":
+        return Doc(make_docx(line), DOCX_MIME, f"r{marker[:4]}.docx", line)
+    return Doc(make_xlsx(line, 3), XLSX_MIME, f"r{marker[:4]}.xlsx", line)
+
+
+# ---------------------------------------------------------------- WebSocket framing (RFC 6455)
+
+
+class WsError(Exception):
+    pass
+
+
+def ws_accept(key: str) -> str:
+    return base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
+
+
+def ws_mask(data: bytes, key: bytes) -> bytes:
+    n = len(data)
+    if n == 0:
+        return data
+    k = (key * (n // 4 + 1))[:n]
+    return (int.from_bytes(data, "big") ^ int.from_bytes(k, "big")).to_bytes(n, "big")
+
+
+def ws_frame(opcode: int, payload: bytes, mask: bool) -> bytes:
+    n = len(payload)
+    mbit = 0x80 if mask else 0
+    if n < 126:
+        head = struct.pack("!BB", 0x80 | opcode, mbit | n)
+    elif n < 65536:
+        head = struct.pack("!BBH", 0x80 | opcode, mbit | 126, n)
+    else:
+        head = struct.pack("!BBQ", 0x80 | opcode, mbit | 127, n)
+    if mask:
+        key = os.urandom(4)
+        return head + key + ws_mask(payload, key)
+    return head + payload
+
+
+def ws_close_payload(code: int, reason: str = "") -> bytes:
+    return struct.pack("!H", code) + reason.encode()[:100]
+
+
+async def ws_read_frame(reader: asyncio.StreamReader, want_masked: bool) -> tuple[bool, int, bytes]:
+    """(fin, opcode, payload) of one frame; WsError when it breaks the RFC for this side."""
+    h = await reader.readexactly(2)
+    fin, rsv, opcode = bool(h[0] & 0x80), h[0] & 0x70, h[0] & 0x0F
+    masked, n = bool(h[1] & 0x80), h[1] & 0x7F
+    if n == 126:
+        n = struct.unpack("!H", await reader.readexactly(2))[0]
+    elif n == 127:
+        n = struct.unpack("!Q", await reader.readexactly(8))[0]
+    if rsv:
+        raise WsError(f"reserved bits set ({rsv:#x})")
+    if masked != want_masked:
+        raise WsError("a masked frame from the server" if masked else "an unmasked frame from the client")
+    if opcode >= 8 and (n > 125 or not fin):
+        raise WsError("a control frame fragmented or over 125 bytes")
+    if opcode not in (0, 1, 2, 8, 9, 10):
+        raise WsError(f"unknown opcode {opcode}")
+    if n > WS_MAX_MESSAGE:
+        raise WsError(f"frame of {n} bytes")
+    key = await reader.readexactly(4) if masked else b""
+    payload = await reader.readexactly(n)
+    return fin, opcode, (ws_mask(payload, key) if masked else payload)
+
+
+@dataclass
+class WsMessage:
+    kind: str  # text, binary, close
+    data: bytes = b""
+    code: int | None = None  # close code (None: a close frame with no code)
+    reason: str = ""
+
+
+async def ws_read_message(reader, writer, *, is_client: bool, pongs: list | None = None) -> WsMessage:
+    """The next data message or close frame; pings answered, pongs noted, fragments joined."""
+    parts: list[bytes] = []
+    first = None
+    for _ in range(100_000):
+        fin, op, payload = await ws_read_frame(reader, want_masked=not is_client)
+        if op == 9:
+            writer.write(ws_frame(10, payload, mask=is_client))
+            await writer.drain()
+            continue
+        if op == 10:
+            if pongs is not None:
+                pongs.append(payload)
+            continue
+        if op == 8:
+            if len(payload) == 1:
+                raise WsError("a close frame with a 1-byte body")
+            code = struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else None
+            try:
+                reason = payload[2:].decode()
+            except UnicodeDecodeError:
+                raise WsError("a close reason not in UTF-8")
+            return WsMessage("close", payload, code, reason)
+        if op == 0:
+            if first is None:
+                raise WsError("a continuation frame with no message started")
+        else:
+            if first is not None:
+                raise WsError("a new message inside a fragmented one")
+            first = op
+        parts.append(payload)
+        if sum(map(len, parts)) > WS_MAX_MESSAGE:
+            raise WsError("message too long")
+        if fin:
+            data = b"".join(parts)
+            if first == 1:
+                try:
+                    data.decode()
+                except UnicodeDecodeError:
+                    raise WsError("a text message not in UTF-8")
+                return WsMessage("text", data)
+            return WsMessage("binary", data)
+    raise WsError("too many frames")
+
+
 # ---------------------------------------------------------------- mock upstream
 
 
@@ -203,6 +452,9 @@ class Mock:
                     if ":" in line:
                         k, v = line.split(":", 1)
                         headers[k.strip().lower()] = v.strip()
+                if method == "GET" and "websocket" in headers.get("upgrade", "").lower():
+                    await self._ws(path, headers, reader, writer)
+                    return
                 body = b""
                 if headers.get("transfer-encoding", "").lower() == "chunked":
                     parts = []
@@ -321,21 +573,35 @@ class Mock:
             if isinstance(m, dict) and m.get("role") == "user":
                 last_user = m
                 break
+        hist = "na"
+        prev = headers.get("x-soak-prev")
+        if prev:
+            hist = "MISSING"
+            for mm in msgs[:-1]:
+                if isinstance(mm, dict) and mm.get("role") == "assistant" and isinstance(mm.get("content"), str) \
+                        and mm["content"].startswith(f"ECHO {prev} "):
+                    hist = "ok"
+                    break
+        return self._echo(last_user, body.decode("utf-8", "replace"), len(body), headers.get("x-soak-nonce"),
+                          headers.get("x-soak-img-sha"), headers.get("x-soak-img-mode"), hist,
+                          headers.get("x-soak-doc"), headers.get("x-soak-doc-amp") == "1")
+
+    def _echo(self, last_user, raw: str, body_len: int, claimed, sha, img_mode, hist: str, doc_needles,
+              doc_amp: bool) -> str:
+        """The answer to a request (Chat message or Responses input item): what the mock found in it."""
         text = ""
         if last_user is not None:
             c = last_user.get("content")
             if isinstance(c, str):
                 text = c
             elif isinstance(c, list):
-                text = "\n".join(p.get("text", "") for p in c if isinstance(p, dict))
+                text = "\n".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text", ""), str))
         m = NONCE_RE.search(text)
         n = m.group(1) if m else "0" * 16
-        hdr = "ok" if headers.get("x-soak-nonce") == n else "MISMATCH"
+        hdr = "ok" if claimed == n else "MISMATCH"
         img = "none"
-        sha = headers.get("x-soak-img-sha")
         if sha:
-            raw = body.decode("utf-8", "replace")
-            if headers.get("x-soak-img-mode") == "keep":
+            if img_mode == "keep":
                 img = "kept" if self._kept_sha(last_user) == sha else "ALTERED"
             elif "data:image" in raw or ";base64," in raw:
                 img = "RAW"
@@ -347,27 +613,137 @@ class Mock:
                 img = "placeholder"
             else:
                 img = "UNKNOWN"
-        hist = "na"
-        prev = headers.get("x-soak-prev")
-        if prev:
-            hist = "MISSING"
-            for mm in msgs[:-1]:
-                if isinstance(mm, dict) and mm.get("role") == "assistant" and isinstance(mm.get("content"), str) \
-                        and mm["content"].startswith(f"ECHO {prev} "):
-                    hist = "ok"
-                    break
-        return f"ECHO {n} hdr={hdr} img={img} hist={hist}"
+        doc = "na"
+        if doc_needles is not None:
+            self.stats["documents_checked"] += 1
+            if any(x in raw for x in DOC_B64_PREFIXES) or "file_data" in raw or ";base64," in raw:
+                doc = "RAW"
+            elif body_len > MAX_BODY_BYTES:
+                doc = "BIG"
+            elif any(x not in text for x in doc_needles.split(",")):
+                doc = "MISSING"
+            elif doc_amp:
+                doc = "cut" if "document text cut at" in text else "UNCUT"
+            else:
+                doc = "read"
+            self.stats["upstream_body_max_with_documents"] = max(self.stats["upstream_body_max_with_documents"], body_len)
+        return f"ECHO {n} hdr={hdr} img={img} hist={hist} doc={doc}"
 
     @staticmethod
     def _kept_sha(user_msg) -> str | None:
         try:
             for p in user_msg["content"]:
-                if p.get("type") == "image_url":
-                    url = p["image_url"]["url"]
+                if p.get("type") in ("image_url", "input_image"):
+                    url = p["image_url"]["url"] if isinstance(p["image_url"], dict) else p["image_url"]
                     return hashlib.sha256(base64.b64decode(url.split(",", 1)[1])).hexdigest()
         except Exception:
             return None
         return None
+
+    # -- the WebSocket upstream (Responses WebSocket mode)
+
+    async def _ws(self, path, headers, reader, writer) -> None:
+        self.stats["ws_sockets"] += 1
+        key = headers.get("sec-websocket-key", "")
+        fault = headers.get("x-soak-ws-fault", "none")
+        if path.split("?")[0] != "/v1/responses" or not key or headers.get("sec-websocket-version") != "13" \
+                or "upgrade" not in headers.get("connection", "").lower():
+            self.problems.append(f"a WebSocket handshake visor should not have sent: {path} {headers}")
+            await self._send(writer, b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+            return
+        if fault == "refuse":
+            self.stats["ws_fault:refuse"] += 1
+            msg = b'{"error":{"message":"soak refused the socket","type":"invalid_request_error","code":"soak_refused"}}'
+            await self._send(writer, b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(msg), msg))
+            return
+        if fault == "head":
+            self.stats["ws_fault:head"] += 1
+            self._reset(writer)
+            return
+        await self._send(writer, ("HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                                  f"sec-websocket-accept: {ws_accept(key)}\r\n\r\n").encode())
+        for _ in range(100_000):
+            try:
+                msg = await asyncio.wait_for(ws_read_message(reader, writer, is_client=False), 300)
+            except WsError as e:
+                self.problems.append(f"visor broke the WebSocket protocol towards the upstream: {e}")
+                return
+            except asyncio.TimeoutError:
+                return
+            if msg.kind == "close":
+                self.stats["ws_closed_by_visor"] += 1
+                try:
+                    await self._send(writer, ws_frame(8, msg.data[:2], mask=False))
+                except (ConnectionError, OSError):
+                    pass
+                return
+            if msg.kind == "binary":
+                self.stats["ws_binary"] += 1
+                continue
+            if not await self._ws_event(msg.data, reader, writer):
+                return
+
+    async def _ws_event(self, data: bytes, reader, writer) -> bool:
+        """Answers one client event; False once the socket is to end (an injected fault)."""
+        raw = data.decode()
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            self.problems.append(f"visor sent an event that is not JSON: {raw[:200]!r}")
+            return False
+        if ev.get("type") != "response.create":
+            self.stats["ws_other_event"] += 1
+            await self._send(writer, ws_frame(1, data, mask=False))  # echoed as it came
+            return True
+        self.stats["ws_create"] += 1
+        md = ev.get("metadata") if isinstance(ev.get("metadata"), dict) else {}
+        fault = md.get("soak_fault", "none")
+        self.stats["ws_fault:" + fault] += 1
+        last_user = None
+        for it in reversed(ev.get("input") or []):
+            if isinstance(it, dict) and it.get("role") == "user":
+                last_user = it
+                break
+        content = self._echo(last_user, raw, len(data), md.get("soak_nonce"), md.get("soak_img_sha"),
+                             md.get("soak_img_mode"), "na", md.get("soak_doc"), md.get("soak_doc_amp") == "1")
+        n = content.split(" ", 2)[1]
+        rid, item = f"resp_{n}", f"msg_{n}"
+
+        async def send(obj) -> None:
+            await self._send(writer, ws_frame(1, json.dumps(obj).encode(), mask=False))
+
+        if fault == "error":
+            await send({"type": "error", "error": {"type": "server_error", "code": "soak_injected",
+                                                   "message": f"soak injected error {n}"}})
+            return True
+        await send({"type": "response.created", "response": {"id": rid, "object": "response", "status": "in_progress",
+                                                             "model": ev.get("model"), "error": None}})
+        pieces = [content[i : i + 12] for i in range(0, len(content), 12)]
+        pace = {"slow": 0.5, "leave": 0.3}.get(fault) or random.choice((0, 0, 0.002, 0.01))
+        for i, piece in enumerate(pieces):
+            if i == 1 and fault in ("cut", "stall", "closeframe"):
+                if fault == "stall":
+                    await asyncio.sleep(IDLE_TIMEOUT + 2)
+                if fault == "closeframe":
+                    await self._send(writer, ws_frame(8, ws_close_payload(1011, "soak injected close"), mask=False))
+                    try:  # the close handshake: visor's reply, bounded
+                        await asyncio.wait_for(ws_read_message(reader, writer, is_client=False), 3)
+                    except (asyncio.TimeoutError, WsError, asyncio.IncompleteReadError, ConnectionError, OSError):
+                        pass
+                    return False
+                self._reset(writer)
+                return False
+            await send({"type": "response.output_text.delta", "item_id": item, "output_index": 0,
+                        "content_index": 0, "delta": piece})
+            if pace:
+                await asyncio.sleep(pace)
+        await send({"type": "response.completed", "response": {
+            "id": rid, "object": "response", "status": "completed", "model": ev.get("model"),
+            "output": [{"type": "message", "id": item, "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": content, "annotations": []}]}],
+            "usage": {"input_tokens": len(data) // 4, "output_tokens": len(pieces),
+                      "total_tokens": len(data) // 4 + len(pieces)}}})
+        return True
 
     async def _describer(self, req, writer) -> bool:
         self.stats["describer"] += 1
@@ -787,6 +1163,12 @@ class Soak:
         self.crashes: list[str] = []
         self.image_pool = [make_image() for _ in range(20)]
         self.img_results: Counter = Counter()
+        self.doc_results: Counter = Counter()
+        self.doc_pool = [make_doc(random.choice(("pdf", "docx", "xlsx"))) for _ in range(12)]
+        self.amp_pool = [make_doc("amplified") for _ in range(3)]  # few: each one's 150,000 characters are stored
+        self.ws_pongs = 0
+        self.ws_carried = 0
+        self.ws_pings = 0
         self.wrong_file = open(out / "wrong.jsonl", "a")
         self.run_tag = nonce()[:6]
 
@@ -816,15 +1198,19 @@ class Soak:
     # -- one chat request (plain, session, image)
 
     async def chat(self, client: Client, kind: str, visor: Visor, *, stream: bool, session: Session | None = None,
-                   image: Image | None = None, image_mode: str | None = None, fault: str = "none") -> None:
+                   image: Image | None = None, image_mode: str | None = None, fault: str = "none",
+                   docs: list[Doc] | None = None) -> None:
         n = nonce()
         text = f"N:{n} {kind} question {random.randint(0, 10**6)}"
-        if image is not None:
-            content = [{"type": "text", "text": text},
-                       {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image.b64}}]
+        if image is not None or docs:
+            content = [{"type": "text", "text": text}]
+            if image is not None:
+                content.append({"type": "image_url", "image_url": {"url": "data:image/png;base64," + image.b64}})
+            for d in docs or []:
+                content.append({"type": "file", "file": {"filename": d.filename, "file_data": d.data_url()}})
         else:
             content = text
-        model = NONVISION_MODEL if image_mode == "replace" else (VISION_MODEL if image_mode == "keep" else TEXT_MODEL)
+        model = NONVISION_MODEL if (image_mode == "replace" or docs) else (VISION_MODEL if image_mode == "keep" else TEXT_MODEL)
         req = {"model": model, "messages": [{"role": "user", "content": content}]}
         if stream:
             req["stream"] = True
@@ -836,6 +1222,10 @@ class Soak:
         if image is not None:
             headers["x-soak-img-sha"] = image.sha
             headers["x-soak-img-mode"] = image_mode
+        if docs:
+            headers["x-soak-doc"] = ",".join(d.needle for d in docs)
+            if any(d.amplified for d in docs):
+                headers["x-soak-doc-amp"] = "1"
         if session is not None:
             headers["x-visor-session"] = session.sid
             if session.prev:
@@ -843,7 +1233,7 @@ class Soak:
             session.attempts += 1
         desc = {"nonce": n, "model": model, "stream": stream, "fault": fault,
                 "session": session.sid if session else None, "prev": session.prev if session else None,
-                "image_sha": image.sha[:12] if image else None}
+                "image_sha": image.sha[:12] if image else None, "docs": [d.filename for d in docs or []]}
         t_start = now()
         r = await client.request(visor.port, "POST", "/v1/chat/completions", headers, json.dumps(req).encode(),
                                  abort_after_first=(fault == "slowstream"))
@@ -886,7 +1276,7 @@ class Soak:
             if not m:
                 self.bad(kind, f"200 with unreadable content {got!r}", visor, desc, r)
                 return
-            gn, hdr, img, hist = m.groups()
+            gn, hdr, img, hist, doc = m.groups()
             if gn != n or hdr != "ok":
                 self.bad(kind, f"200 answering another request: {got!r}", visor, desc, r)
                 return
@@ -894,6 +1284,12 @@ class Soak:
             if img not in allowed_img:
                 self.bad(kind, f"image not handled as it must be: img={img}", visor, desc, r)
                 return
+            want_doc = "na" if not docs else ("cut" if any(d.amplified for d in docs) else "read")
+            if doc != want_doc:
+                self.bad(kind, f"documents not handled as they must be: doc={doc} (wanted {want_doc})", visor, desc, r)
+                return
+            if docs:
+                self.doc_results[f"{visor.name}:{doc}"] += 1
             if image is not None:
                 self.img_results[f"{visor.name}:{img}"] += 1
             want_hist = "ok" if (session is not None and session.prev) else "na"
@@ -975,6 +1371,317 @@ class Soak:
         elif r.status != want or not r.complete or (code and code not in r.body):
             self.bad(kind, f"{name}: wanted {want} {code.decode()}", visor, desc, r)
 
+    # -- documents (Chat Completions `file` parts) to the text-only model
+
+    def pick_docs(self, amplified: bool) -> list[Doc]:
+        first = random.choice(self.doc_pool) if random.random() < 0.5 else make_doc("pdf")
+        if amplified:  # a small PDF first, then one or two amplifying spreadsheets (cut per document, per request)
+            return [first] + random.sample(self.amp_pool, random.choice((1, 1, 2)))
+        second = random.choice(self.doc_pool) if random.random() < 0.5 else make_doc(random.choice(("docx", "xlsx")))
+        return [first, second]
+
+    # -- the Responses WebSocket mode
+
+    WS_EVENTS = (["ws-text"] * 40 + ["ws-image-nonvision"] * 20 + ["ws-image-vision"] * 8 + ["ws-doc"] * 12
+                 + ["ws-slow"] * 8)
+
+    async def ws_socket(self, visor: Visor) -> None:
+        """One socket: a handshake, 2-6 response.create in turn (some other events and pings between),
+        each answer checked; closed cleanly unless a fault closed it or the client left."""
+        r = random.random()
+        sock_fault = "refuse" if r < 0.03 else ("head" if r < 0.06 else "none")
+        key = base64.b64encode(os.urandom(16)).decode()
+        rid = f"soak-ws-{nonce()}"
+        lines = ["GET /v1/responses HTTP/1.1", f"host: {HOST}:{visor.port}", "upgrade: websocket", "connection: Upgrade",
+                 f"sec-websocket-key: {key}", "sec-websocket-version: 13", "authorization: Bearer soak-client-key",
+                 f"x-request-id: {rid}", "openai-beta: responses_websockets=2026-02-06"]
+        if sock_fault != "none":
+            lines.append(f"x-soak-ws-fault: {sock_fault}")
+        desc = {"socket": rid, "socket_fault": sock_fault}
+        kind = "ws-handshake"
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, visor.port, limit=1 << 22), 5)
+        except (OSError, asyncio.TimeoutError) as e:
+            self.record(kind, "conn-error")
+            self.bad(kind, f"connect: {e!r}", visor, desc, Resp(error=repr(e)))
+            return
+        try:
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+            await writer.drain()
+            r = Resp()
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_BOUND)
+                hl = head.decode("latin-1").split("\r\n")
+                r.status = int(hl[0].split(" ")[1])
+                for line in hl[1:]:
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        r.headers[k.strip().lower()] = v.strip()
+                if r.status != 101 and "content-length" in r.headers:
+                    r.body = await asyncio.wait_for(reader.readexactly(int(r.headers["content-length"])), REQUEST_BOUND)
+                r.complete = True
+            except asyncio.TimeoutError:
+                r.hang, r.error = True, f"no handshake answer in {REQUEST_BOUND:.0f} s"
+            except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+                r.error = f"connection closed before the response head ({e!r})"
+            self.record(kind, self.label(r))
+            if r.hang:
+                self.hangs += 1
+                self.bad(kind, "hang", visor, desc, r)
+                return
+            want = {"refuse": 401, "head": 502}.get(sock_fault, 101)
+            if r.status != want:
+                self.bad(kind, f"handshake answered {r.status} ({r.error}), wanted {want}", visor, desc, r)
+                return
+            if want == 401 and b"soak refused the socket" not in r.body:
+                self.bad(kind, "the upstream's 401 not passed back as it came", visor, desc, r)
+                return
+            if want != 101:
+                return
+            if r.headers.get("sec-websocket-accept") != ws_accept(key):
+                self.bad(kind, f"Sec-WebSocket-Accept {r.headers.get('sec-websocket-accept')!r} is not the key's", visor, desc, r)
+                return
+            await self._ws_events(reader, writer, visor, rid)
+        finally:
+            writer.close()
+
+    async def _ws_events(self, reader, writer, visor: Visor, rid: str) -> None:
+        pongs: list[bytes] = []
+        pings: set[bytes] = set()
+        carried = [None]  # the model the socket's last response.create named (visor carries it to one naming none)
+        for i in range(random.randint(2, 6)):
+            if random.random() < 0.15:  # another event, passed as it came and echoed by the mock
+                e = json.dumps({"type": "soak.echo", "n": nonce()}).encode()
+                writer.write(ws_frame(1, e, mask=True))
+                await writer.drain()
+                try:
+                    m = await asyncio.wait_for(ws_read_message(reader, writer, is_client=True, pongs=pongs), REQUEST_BOUND)
+                    ok = m.kind == "text" and json.loads(m.data) == json.loads(e)
+                    self.record("ws-other-event", "echoed" if ok else "WRONG")
+                    if not ok:
+                        self.bad("ws-other-event", f"got {m.kind} {m.code} {m.data[:200]!r}", visor, {"socket": rid}, Resp(status=101))
+                        return
+                except (asyncio.TimeoutError, WsError, asyncio.IncompleteReadError, ConnectionError, OSError, ValueError) as ex:
+                    self.record("ws-other-event", "error")
+                    self.bad("ws-other-event", f"no echo: {ex!r}", visor, {"socket": rid}, Resp(status=101, error=repr(ex)))
+                    return
+            if random.random() < 0.2:
+                pl = b"soak-" + nonce().encode()
+                pings.add(pl)
+                self.ws_pings += 1
+                writer.write(ws_frame(9, pl, mask=True))
+                await writer.drain()
+            open_ = await self.ws_create(reader, writer, visor, rid, pongs, carried)
+            if not open_:
+                self.check_pongs(pongs, pings, visor, rid)
+                return
+        # a clean close: 1000 sent, 1000 back, then the connection ends
+        kind = "ws-close"
+        writer.write(ws_frame(8, ws_close_payload(1000, "soak done"), mask=True))
+        await writer.drain()
+        got = None
+        try:
+            for _ in range(1000):
+                m = await asyncio.wait_for(ws_read_message(reader, writer, is_client=True, pongs=pongs), 10)
+                if m.kind == "close":
+                    got = m
+                    break
+            eof = await asyncio.wait_for(reader.read(1), 10)
+        except (asyncio.TimeoutError, WsError, asyncio.IncompleteReadError, ConnectionError, OSError) as ex:
+            self.record(kind, "no-close-reply")
+            self.bad(kind, f"no close frame back after ours: {ex!r}", visor, {"socket": rid}, Resp(status=101, error=repr(ex)))
+            return
+        if got is None or got.code != 1000 or eof:
+            self.record(kind, "wrong-close")
+            self.bad(kind, f"close answered {got and got.code} then {eof!r}", visor, {"socket": rid}, Resp(status=101))
+            return
+        self.record(kind, "clean")
+        self.check_pongs(pongs, pings, visor, rid)
+
+    def check_pongs(self, pongs, pings, visor, rid) -> None:
+        self.ws_pongs += len(pongs)
+        for pl in pongs:
+            if pl not in pings:
+                self.bad("ws-pong", f"a pong for no ping of ours: {pl[:60]!r}", visor, {"socket": rid}, Resp(status=101))
+
+    async def ws_create(self, reader, writer, visor: Visor, rid: str, pongs: list, carried: list) -> bool:
+        """One response.create and its answer; False when the socket is over."""
+        kind = random.choice(self.WS_EVENTS)
+        n = nonce()
+        text = f"N:{n} {kind} question {random.randint(0, 10**6)}"
+        parts: list = [{"type": "input_text", "text": text}]
+        md = {"soak_nonce": n}
+        model = TEXT_MODEL
+        image = docs = None
+        if kind in ("ws-image-nonvision", "ws-image-vision"):
+            image = random.choice(self.image_pool) if random.random() < 0.6 else make_image()
+            parts.append({"type": "input_image", "image_url": "data:image/png;base64," + image.b64})
+            md["soak_img_sha"] = image.sha
+            md["soak_img_mode"] = "replace" if kind == "ws-image-nonvision" else "keep"
+            model = NONVISION_MODEL if kind == "ws-image-nonvision" else VISION_MODEL
+        elif kind == "ws-doc":
+            docs = self.pick_docs(amplified=random.random() < 0.2)
+            for d in docs:
+                parts.append({"type": "input_file", "filename": d.filename, "file_data": d.data_url()})
+            md["soak_doc"] = ",".join(d.needle for d in docs)
+            if any(d.amplified for d in docs):
+                md["soak_doc_amp"] = "1"
+            model = NONVISION_MODEL
+        fault = "none"
+        if kind == "ws-slow":
+            fault = "slow"
+        elif kind != "ws-image-vision" and random.random() < 0.12:
+            fault = random.choice(["error"] * 30 + ["cut"] * 30 + ["closeframe"] * 20 + ["stall"] * 10)
+        elif kind == "ws-text" and random.random() < 0.06:
+            fault = "leave"  # the client leaves after the first delta
+        md["soak_fault"] = fault
+        event = {"type": "response.create", "model": model,
+                 "input": [{"type": "message", "role": "user", "content": parts}], "metadata": md}
+        if carried[0] == model and model == NONVISION_MODEL and random.random() < 0.4:
+            del event["model"]  # the text-only model carried from the event before: its image must still go
+            model = f"(carried) {model}"
+            self.ws_carried += 1
+        carried[0] = event.get("model", carried[0])
+        desc = {"socket": rid, "nonce": n, "model": model, "fault": fault,
+                "image_sha": image.sha[:12] if image else None, "docs": [d.filename for d in docs or []]}
+        writer.write(ws_frame(1, json.dumps(event).encode(), mask=True))
+        await writer.drain()
+        got = {"created": 0, "deltas": [], "completed": None, "error": None, "close": None, "end": None,
+               "foreign": [], "other": []}
+        t0 = time.monotonic()
+
+        async def read() -> None:
+            for _ in range(100_000):
+                try:
+                    m = await ws_read_message(reader, writer, is_client=True, pongs=pongs)
+                except WsError as e:
+                    got["end"] = f"protocol: {e}"
+                    return
+                except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+                    got["end"] = f"connection ended without a close frame ({type(e).__name__})"
+                    return
+                if m.kind == "close":
+                    got["close"] = m.code
+                    try:  # the close handshake
+                        writer.write(ws_frame(8, m.data[:2], mask=True))
+                        await writer.drain()
+                    except (ConnectionError, OSError):
+                        pass
+                    return
+                if m.kind == "binary":
+                    got["other"].append("binary")
+                    continue
+                try:
+                    ev = json.loads(m.data)
+                except ValueError:
+                    got["other"].append(m.data[:100].decode("utf-8", "replace"))
+                    continue
+                t = ev.get("type")
+                if t == "response.created":
+                    got["created"] += 1
+                    if (ev.get("response") or {}).get("id") != f"resp_{n}":
+                        got["foreign"].append(m.data[:200].decode())
+                elif t == "response.output_text.delta":
+                    if ev.get("item_id") != f"msg_{n}":
+                        got["foreign"].append(m.data[:200].decode())
+                    got["deltas"].append(ev.get("delta", ""))
+                    if fault == "leave":
+                        return
+                elif t == "response.completed":
+                    got["completed"] = ev
+                    return
+                elif t == "error":
+                    got["error"] = ev
+                    return
+                else:
+                    got["other"].append(m.data[:200].decode("utf-8", "replace"))
+
+        try:
+            await asyncio.wait_for(read(), REQUEST_BOUND)
+        except asyncio.TimeoutError:
+            got["end"] = "hang"
+        r = Resp(status=101, elapsed=time.monotonic() - t0, error=got["end"],
+                 body=json.dumps({k: v for k, v in got.items() if v}).encode())
+        if got["end"] == "hang":
+            self.record(kind, "hang")
+            self.hangs += 1
+            self.bad(kind, f"no end of the response in {REQUEST_BOUND:.0f} s", visor, desc, r)
+            return False
+        if got["foreign"] or got["other"]:
+            self.record(kind, "foreign")
+            self.bad(kind, "events not of this response", visor, desc, r)
+            return False
+        if got["end"] and got["end"].startswith("protocol"):
+            self.record(kind, "protocol")
+            self.bad(kind, got["end"], visor, desc, r)
+            return False
+        if fault == "leave":
+            if got["end"] or got["close"] is not None or got["error"] is not None or got["completed"] is not None:
+                self.record(kind, "ended-before-leaving")
+                self.bad(kind, "the response ended before the client left", visor, desc, r)
+                return False
+            self.record(kind, "left")
+            if random.random() < 0.5:
+                writer.transport.abort()  # gone, no close frame
+            else:
+                writer.write(ws_frame(8, ws_close_payload(1001, "leaving"), mask=True))
+                await writer.drain()
+            return False
+        if got["completed"] is not None:
+            content = "".join(got["deltas"])
+            try:
+                final = got["completed"]["response"]["output"][0]["content"][0]["text"]
+                rid_ok = got["completed"]["response"]["id"] == f"resp_{n}"
+                usage = got["completed"]["response"]["usage"]
+            except (KeyError, IndexError, TypeError):
+                final, rid_ok, usage = None, False, None
+            self.record(kind, "complete")
+            if fault not in ("none", "slow"):
+                self.bad(kind, f"completed in full although the upstream was made to fail ({fault})", visor, desc, r)
+                return False
+            if not rid_ok or final != content or got["created"] != 1 or not usage:
+                self.bad(kind, f"completed, but deltas {content!r} / final {final!r} / created {got['created']}", visor, desc, r)
+                return False
+            mm = ECHO_RE.match(content)
+            if not mm:
+                self.bad(kind, f"unreadable content {content!r}", visor, desc, r)
+                return False
+            gn, hdr, img, hist, doc = mm.groups()
+            want_img = {"ws-image-nonvision": {"described", "placeholder"}, "ws-image-vision": {"kept"}}.get(kind, {"none"})
+            want_doc = "na" if not docs else ("cut" if any(d.amplified for d in docs) else "read")
+            if gn != n or hdr != "ok":
+                self.bad(kind, f"answering another request: {content!r}", visor, desc, r)
+            elif img not in want_img:
+                self.bad(kind, f"image not handled as it must be: img={img}", visor, desc, r)
+            elif doc != want_doc:
+                self.bad(kind, f"documents not handled as they must be: doc={doc} (wanted {want_doc})", visor, desc, r)
+            else:
+                if image is not None and kind == "ws-image-nonvision":
+                    self.img_results[f"{visor.name}:ws:{img}"] += 1
+                if docs:
+                    self.doc_results[f"{visor.name}:ws:{doc}"] += 1
+            return True
+        if got["error"] is not None:
+            self.record(kind, "error-event")
+            msg = str((got["error"].get("error") or {}).get("message", ""))
+            if fault == "none" or fault == "slow":
+                self.bad(kind, "an error event with no fault injected", visor, desc, r)
+                return False
+            if fault == "error" and f"soak injected error {n}" not in msg:
+                self.bad(kind, f"an error event that is not the upstream's for this request: {msg[:200]!r}", visor, desc, r)
+                return False
+            return True
+        if got["close"] is not None:
+            self.record(kind, f"close-{got['close']}")
+            if fault in ("none", "slow"):
+                self.bad(kind, f"socket closed ({got['close']}) with no fault injected", visor, desc, r)
+            elif got["close"] != 1011:
+                self.bad(kind, f"socket closed with {got['close']}, not 1011, for an injected fault", visor, desc, r)
+            return False
+        self.record(kind, "closed-no-frame")
+        self.bad(kind, f"{got['end']}", visor, desc, r)
+        return False
+
     # -- workers
 
     def pick_fault(self, stream: bool, rate: float) -> str:
@@ -994,7 +1701,8 @@ class Soak:
         client = Client()
         sessions = {v.name: self.new_session(w, v) for v in self.visors}
         kinds = (["chat-json"] * 18 + ["chat-sse"] * 18 + ["session-json"] * 14 + ["session-sse"] * 14
-                 + ["image-nonvision"] * 10 + ["image-vision"] * 4 + ["health"] * 14 + ["bad-input"] * 8)
+                 + ["image-nonvision"] * 10 + ["image-vision"] * 4 + ["health"] * 14 + ["bad-input"] * 8
+                 + ["doc-nonvision"] * 6 + ["doc-amplified"] * 2 + ["ws"] * 8)
         try:
             for _ in range(10_000_000):
                 if now() >= self.deadline:
@@ -1022,6 +1730,12 @@ class Soak:
                     elif kind == "image-vision":
                         await self.chat(client, kind, visor, stream=random.random() < 0.5,
                                         image=random.choice(self.image_pool), image_mode="keep")
+                    elif kind in ("doc-nonvision", "doc-amplified"):
+                        stream = random.random() < 0.5
+                        await self.chat(client, kind, visor, stream=stream, docs=self.pick_docs(kind == "doc-amplified"),
+                                        fault=self.pick_fault(stream, 0.05))
+                    elif kind == "ws":
+                        await self.ws_socket(visor)
                     elif kind == "health":
                         await self.health(client, visor)
                     else:
@@ -1339,6 +2053,7 @@ idle_timeout_secs = {IDLE_TIMEOUT}
 drain_delay_secs = {DRAIN_DELAY}
 drain_timeout_secs = {DRAIN_TIMEOUT}
 header_timeout_secs = 10
+max_body_bytes = {MAX_BODY_BYTES}
 data_dir = "@DATA@"
 
 [[upstream]]
@@ -1425,6 +2140,11 @@ def summary(soak: Soak, args, out: Path, duration: float, metrics: dict) -> int:
     p("all".ljust(w) + "".join(str(tot.get(l, "")).rjust(x) for l, x in zip(labels, cw)) + str(sum(tot.values())).rjust(9))
     rs = soak.table.get("readyz-status", Counter())
     p(f"readyz: {dict(rs)}; images to {NONVISION_MODEL}: {dict(sorted(soak.img_results.items()))}")
+    p(f"documents to {NONVISION_MODEL} (read: each one's line reached the model, no document bytes; cut: the amplifying "
+      f"spreadsheet cut, the body within {MAX_BODY_BYTES} bytes): {dict(sorted(soak.doc_results.items()))}; "
+      f"largest upstream body with documents {soak.mock.stats.get('upstream_body_max_with_documents', 0)} bytes")
+    p(f"websocket: pings sent {soak.ws_pings}, pongs back {soak.ws_pongs}; response.create naming no model "
+      f"(the text-only model carried from the one before): {soak.ws_carried}")
     p(f"mock upstream: {dict(sorted(soak.mock.stats.items()))}, describer calls open at the mock at most {soak.mock.describer_max_inflight} (both visors, calls visor gave up on included)")
     complete_turns = sum(len(s.turns) for s in soak.sessions)
     p(f"sessions: {len(soak.sessions)}, turns answered 200 in full: {complete_turns}, checked at the end: {soak.turns_checked}")
