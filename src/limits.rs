@@ -81,6 +81,8 @@ pub struct Verdict {
     pub tokens: Option<Standing>,
     /// The limit the request is over (then it must not be sent).
     pub over: Option<Limit>,
+    /// The window the request's tokens were counted in.
+    pub window: u64,
 }
 
 pub struct Limiter {
@@ -145,6 +147,7 @@ impl Limiter {
                 requests: None,
                 tokens: None,
                 over: None,
+                window: 0,
             };
         };
         if k.requests_per_minute.is_none() && k.tokens_per_minute.is_none() {
@@ -152,6 +155,7 @@ impl Limiter {
                 requests: None,
                 tokens: None,
                 over: None,
+                window: 0,
             };
         }
         let window = (at / WINDOW.as_secs_f64()).floor() as u64;
@@ -189,14 +193,24 @@ impl Limiter {
             requests: standing(k.requests_per_minute, requests),
             tokens: standing(k.tokens_per_minute, used_tokens),
             over,
+            window,
         }
     }
 
     /// The body actually sent is larger than the one estimated (documents
     /// read, history inserted): the `extra` tokens are counted now, and the
     /// request may go only as [`Limiter::check`] would have let a request
-    /// of `total` tokens go. `None` for a key without a token limit.
-    pub async fn charge_more(&self, i: usize, extra: u64, total: u64) -> Option<Verdict> {
+    /// of `total` tokens go. `estimated_in`: the window the estimate was
+    /// counted in (`None`: unknown), from which it is taken back too when
+    /// the request is refused in that same window. `None` for a key without
+    /// a token limit.
+    pub async fn charge_more(
+        &self,
+        i: usize,
+        extra: u64,
+        total: u64,
+        estimated_in: Option<u64>,
+    ) -> Option<Verdict> {
         let k = self.keys.get(i)?;
         let limit = k.tokens_per_minute?;
         let at = now();
@@ -205,9 +219,14 @@ impl Limiter {
         let (_, mut used, counted) = self.count(i, window, 0, extra).await;
         let over = (used > limit).then_some(Limit::Tokens);
         if over.is_some() {
-            // Not sent: none of its tokens are spent.
-            self.uncount(i, window, total, counted).await;
-            used = used.saturating_sub(total);
+            // Not sent: none of its tokens are spent — the estimate's only
+            // where it was counted (a window that has ended keeps it).
+            let back = match estimated_in == Some(window) {
+                true => total,
+                false => extra,
+            };
+            self.uncount(i, window, back, counted).await;
+            used = used.saturating_sub(back);
         }
         if let Some(limit) = over {
             self.metrics
@@ -223,6 +242,7 @@ impl Limiter {
                 reset,
             }),
             over,
+            window,
         })
     }
 
@@ -451,9 +471,10 @@ mod tests {
     async fn a_body_larger_than_estimated_is_charged_and_may_be_refused() {
         let l = limiter(None, Some(1000));
         let now = now();
-        assert_eq!(l.check_at(0, 100, now).await.over, None);
+        let v0 = l.check_at(0, 100, now).await;
+        assert_eq!(v0.over, None);
         // Sent 300 (documents read): 200 more, within the limit.
-        let v = l.charge_more(0, 200, 300).await.unwrap();
+        let v = l.charge_more(0, 200, 300, Some(v0.window)).await.unwrap();
         assert_eq!(v.over, None);
         let same_window = |v: &Verdict| {
             (now / 60.0).floor() == (super::now() / 60.0).floor() && v.tokens.is_some()
@@ -462,8 +483,9 @@ mod tests {
             assert_eq!(v.tokens.unwrap().remaining, 700);
         }
         // Sent 5000 for an estimate of 100: refused, nothing spent.
-        assert_eq!(l.check_at(0, 100, now).await.over, None);
-        let v = l.charge_more(0, 4900, 5000).await.unwrap();
+        let v1 = l.check_at(0, 100, now).await;
+        assert_eq!(v1.over, None);
+        let v = l.charge_more(0, 4900, 5000, Some(v1.window)).await.unwrap();
         assert_eq!(v.over, Some(Limit::Tokens));
         if same_window(&v) {
             assert_eq!(v.tokens.unwrap().remaining, 700);
@@ -471,7 +493,7 @@ mod tests {
         // A key without a token limit is not charged.
         assert!(
             limiter(Some(5), None)
-                .charge_more(0, 10, 10)
+                .charge_more(0, 10, 10, None)
                 .await
                 .is_none()
         );

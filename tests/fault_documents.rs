@@ -175,6 +175,34 @@ async fn an_amplifying_spreadsheet_is_cut_per_document_and_per_request_and_says_
     assert!(shown < 262_144 + 2_000, "{shown}");
 }
 
+/// One document sent many times is read once, and its text goes in once:
+/// the later copies are references to it, so copies do not multiply a
+/// request's text past its budget.
+#[tokio::test]
+async fn copies_of_one_document_are_one_text_and_references() {
+    let mock = MockUpstream::start(everything).await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("[server]\nmax_body_bytes = 67108864\n[documents]\nmax_request_chars = 400000\n{DESCRIBE}"),
+    )
+    .await;
+    let xlsx = pdf_build::amplified_xlsx(10_000, 20_000, "copied-");
+    let copies: Vec<Value> = (0..20)
+        .map(|_| file_part(XLSX, &xlsx, "same.xlsx"))
+        .collect();
+    let (status, _, body) = post_chat(&visor, chat_with(copies)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let calls = model_calls(&mock);
+    let texts = replaced(&calls[0].body);
+    assert_eq!(texts.len(), 20);
+    let lens: Vec<usize> = texts.iter().map(|t| t.chars().count()).collect();
+    assert!(lens[0] > 150_000, "{lens:?}");
+    for t in &texts[1..] {
+        assert!(t.contains("the same document as earlier"), "{t}");
+        assert!(t.chars().count() < 200, "{t}");
+    }
+}
+
 #[tokio::test]
 async fn document_text_that_would_take_the_body_past_max_body_bytes_is_cut_to_fit() {
     // Budgets far above the body limit: the body limit itself cuts.

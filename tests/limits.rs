@@ -708,12 +708,13 @@ async fn a_stream_left_before_its_usage_is_charged_its_text() {
     room_in_this_minute(15).await;
     let resp = client().request(keyed(&url, KEY_A, "m")).await.unwrap();
     assert_eq!(resp.status(), 200);
-    // 6 000 bytes of answer (about 1 500 tokens), then its finish_reason;
-    // the usage event would come next.
+    // 6 000 bytes of answer (about 1 500 tokens), each chunk with
+    // `"usage":null` as OpenAI sends them when the client asks for usage,
+    // then its finish_reason; the usage event would come next.
     let piece = "x".repeat(1000);
     for _ in 0..6 {
         let event = format!(
-            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{piece}\"}},\"finish_reason\":null}}]}}\n\n"
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{piece}\"}},\"finish_reason\":null}}],\"usage\":null}}\n\n"
         );
         tx.send(Chunk::Data(Bytes::from(event))).await.unwrap();
     }

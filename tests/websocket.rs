@@ -1353,3 +1353,51 @@ async fn a_socket_left_before_the_usage_is_charged_the_text_it_carried() {
     }
     assert!(refused, "the text of a response left early was not charged");
 }
+
+/// A `response.create` the key refuses names nothing: the steer after it
+/// is for the model of the response under way (found by a review: a
+/// refused create for a vision model let the next steer's image through
+/// to the text-only one).
+#[tokio::test]
+async fn a_refused_create_does_not_name_the_model_of_what_follows() {
+    let (up, seen, _closed) = ws_mock().await;
+    let visor = Visor::start(&format!(
+        "[images]\nnon_vision = \"strip\"\n\
+         [[upstream]]\nname = \"ws\"\nbase_url = \"{up}/v1\"\nmodels = [\"*\"]\n\
+         [[key]]\nname = \"oss\"\nkey = \"sk-oss\"\nmodels = [\"gpt-oss-*\"]\n"
+    ))
+    .await;
+    let mut req = format!("ws://{}/v1/responses", visor.addr)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("authorization", "Bearer sk-oss".parse().unwrap());
+    let (mut ws, _) = connect(req).await.unwrap();
+    let under_way = json!({"type": "response.create", "model": "gpt-oss-120b", "metadata": {"stall": true}, "input": []});
+    ws.send(Message::Text(under_way.to_string().into()))
+        .await
+        .unwrap();
+    assert_eq!(next_text(&mut ws).await["type"], "response.created");
+    let vision = json!({"type": "response.create", "model": "gpt-4o", "input": []});
+    ws.send(Message::Text(vision.to_string().into()))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_text(&mut ws).await["error"]["code"],
+        "model_not_allowed"
+    );
+    let png = base64_simd::STANDARD.encode_to_string(fixture("chart.png"));
+    let steer = json!({"type": "response.steer", "input": [{"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": format!("data:image/png;base64,{png}")}]}]});
+    ws.send(Message::Text(steer.to_string().into()))
+        .await
+        .unwrap();
+    // The mock echoes what is not a create: the steer as it went up.
+    let echoed = next_text(&mut ws).await;
+    assert_eq!(echoed["type"], "response.steer", "{echoed}");
+    let up_text = seen.lock().unwrap().events.last().cloned().unwrap();
+    assert!(
+        !up_text.contains(&png[..40]) && !up_text.contains("input_image"),
+        "the image went to the text-only model"
+    );
+}

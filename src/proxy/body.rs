@@ -246,7 +246,7 @@ impl ObservedBody {
         // A stream the client left before its usage came is charged the
         // text it carried.
         let prompt = (usage.prompt > 0).then_some(usage.prompt);
-        let completion = usage.completion_or_estimate();
+        let completion = usage.completion_charged(outcome == Outcome::Complete);
         if (prompt.is_some() || completion > 0)
             && let Some(charge) = f.on_usage
         {

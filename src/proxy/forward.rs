@@ -552,7 +552,12 @@ impl Grant {
         }
         let Some(verdict) = state
             .limits
-            .charge_more(i, sent - self.estimate, sent)
+            .charge_more(
+                i,
+                sent - self.estimate,
+                sent,
+                self.standing.as_ref().map(|v| v.window),
+            )
             .await
         else {
             return Ok(());

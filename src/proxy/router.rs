@@ -351,6 +351,9 @@ pub(super) fn canonical_path(path: &str, plain_get: bool) -> Result<Option<Strin
             i += 3;
             continue;
         }
+        if c == b'\\' && !plain_get {
+            return Err("`\\` in the path is refused: some servers read it as `/`");
+        }
         if c == b'/' && out.last() == Some(&b'/') {
             i += 1;
             continue;
@@ -483,6 +486,7 @@ mod tests {
             assert_eq!(canon(same), Ok(None), "{same}");
         }
         for refused in [
+            "/v1/chat\\completions",
             "/v1/chat%2Fcompletions",
             "/v1%2fresponses",
             "/v1/chat%5Ccompletions",

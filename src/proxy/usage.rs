@@ -35,13 +35,16 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// Completion tokens: as the provider said, or estimated from the text
-    /// streamed when it did not say (a client that left before the usage
-    /// event).
-    pub fn completion_or_estimate(&self) -> u64 {
-        match self.completion {
-            0 => self.text_bytes / crate::limits::BYTES_PER_TOKEN,
-            n => n,
+    /// Completion tokens to charge: as the provider said, for a response
+    /// that ended whole and said them; otherwise (a stream left before its
+    /// usage, one whose only figure is an early one such as Anthropic's
+    /// `message_start`, or one that never says) at least the text it
+    /// streamed, at 4 bytes a token.
+    pub fn completion_charged(&self, whole: bool) -> u64 {
+        let streamed = self.text_bytes / crate::limits::BYTES_PER_TOKEN;
+        match whole && self.completion > 0 {
+            true => self.completion,
+            false => self.completion.max(streamed),
         }
     }
 }
@@ -254,6 +257,7 @@ fn sse_line(line: &[u8], usage: &mut Usage) {
         .position(|b| !(b.is_ascii_whitespace() || *b == b':'))
         .map(|p| payload[at + 7 + p]);
     if after != Some(b'{') {
+        usage.text_bytes += text_bytes(payload);
         return;
     }
     if let Ok(c) = serde_json::from_slice::<Carrier>(payload.trim_ascii()) {
@@ -261,11 +265,34 @@ fn sse_line(line: &[u8], usage: &mut Usage) {
     }
 }
 
+/// A Responses event that repeats text its deltas carried
+/// (`response.output_text.done`, `.content_part.done`,
+/// `.output_item.done`, `.function_call_arguments.done`…, and the
+/// response's end): not counted again.
+fn repeats_text(payload: &[u8]) -> bool {
+    let Some(at) = memchr::memmem::find(payload, b"\"type\":\"response.") else {
+        return false;
+    };
+    let value = &payload[at + 8..];
+    let Some(end) = memchr::memchr(b'"', value) else {
+        return false;
+    };
+    let ty = &value[..end];
+    ty.ends_with(b".done")
+        || matches!(
+            ty,
+            b"response.completed" | b"response.incomplete" | b"response.failed"
+        )
+}
+
 /// Bytes of generated text in one streamed event: the string values of the
 /// keys streams carry text in (Chat `content` and tool `arguments`,
 /// Responses `delta`, Anthropic `text`, `partial_json` and `thinking`,
 /// reasoning), escapes counted as written.
 pub(super) fn text_bytes(payload: &[u8]) -> u64 {
+    if repeats_text(payload) {
+        return 0;
+    }
     const KEYS: [&[u8]; 8] = [
         b"content",
         b"arguments",
@@ -334,20 +361,40 @@ mod tests {
         // 40 bytes of content, 9 of arguments (escapes as written); the
         // ids and the model's name are not text.
         assert_eq!(u.text_bytes, 49);
-        assert_eq!(u.completion_or_estimate(), 12);
+        assert_eq!(u.completion_charged(false), 12);
+        assert_eq!(
+            u.completion_charged(true),
+            12,
+            "a whole stream that never said"
+        );
         // Anthropic and Responses deltas.
         let mut o = UsageObserver::for_response(&headers("text/event-stream"));
         o.observe(&Bytes::from_static(
             b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"12345678\"}}\n\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"abcd\"}\n\n",
         ));
         assert_eq!(o.finish().text_bytes, 12);
-        // A usage said wins.
+        // A usage said wins for a response that ended whole; one cut short
+        // pays at least its text (Anthropic's `message_start` says 1).
         let said = Usage {
             completion: 7,
             text_bytes: 4000,
             ..Usage::default()
         };
-        assert_eq!(said.completion_or_estimate(), 7);
+        assert_eq!(said.completion_charged(true), 7);
+        assert_eq!(said.completion_charged(false), 1000);
+        // Chat with include_usage: `"usage":null` on every chunk but the
+        // last; their text is counted.
+        let mut o = UsageObserver::for_response(&headers("text/event-stream"));
+        o.observe(&Bytes::from_static(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"abcdefgh\"}}],\"usage\":null}\n\n",
+        ));
+        assert_eq!(o.finish().text_bytes, 8);
+        // Responses `.done` events repeat the deltas' text: not counted.
+        let mut o = UsageObserver::for_response(&headers("text/event-stream"));
+        o.observe(&Bytes::from_static(
+            b"data: {\"type\":\"response.output_text.delta\",\"delta\":\"abcd\"}\n\ndata: {\"type\":\"response.output_text.done\",\"text\":\"abcd\"}\n\ndata: {\"type\":\"response.output_item.done\",\"item\":{\"type\":\"message\",\"content\":[{\"type\":\"output_text\",\"text\":\"abcd\"}]}}\n\n",
+        ));
+        assert_eq!(o.finish().text_bytes, 4);
     }
 
     #[test]
@@ -383,6 +430,8 @@ mod tests {
                 Usage {
                     prompt: 9,
                     completion: 3,
+                    // "hi", in the chunk with `"usage":null`.
+                    text_bytes: 2,
                     ..Usage::default()
                 },
                 "piece {piece}"

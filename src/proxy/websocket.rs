@@ -292,7 +292,12 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     let slot = req.extensions_mut().remove::<crate::connections::Slot>();
     // With the gate as a connection of its own: idle, it may be asked to
     // close to make room (a health check at max_connections).
-    let registered = slot.as_ref().map(crate::connections::Slot::register);
+    // (The Responses mode only: a Realtime socket's traffic says nothing
+    // of whether it is idle, so it is never closed to make room.)
+    let registered = slot
+        .as_ref()
+        .filter(|_| responses)
+        .map(crate::connections::Slot::register);
     let relay = Relay {
         registered,
         state: state.clone(),
@@ -732,6 +737,11 @@ impl Relay {
                         }
                     };
                     last_any = Instant::now();
+                    // Activity: the socket is the last the gate would ask
+                    // to make room.
+                    if let Some(r) = &self.registered {
+                        drop(r.conn.begin());
+                    }
                     let (out, started) = match self.client_event(text, &mut model).await {
                         Ok(pair) => pair,
                         // Refused (unreadable, or by the key): the client
@@ -870,28 +880,28 @@ impl Relay {
         };
         let own_model = event.get("model").and_then(Value::as_str);
         let ty = event.get("type").and_then(Value::as_str);
-        // Only the events that start or extend a response say which model
-        // the next ones are for (a `session.update` naming another says
-        // nothing of the responses).
-        if matches!(ty, Some("response.create" | "response.steer"))
-            && let Some(m) = own_model
-        {
-            m.clone_into(model);
-        }
         let creates = ty == Some("response.create");
+        let has_input = event.get("input").is_some_and(Value::is_array);
         let estimate = text.len() as u64 / crate::limits::BYTES_PER_TOKEN;
         if let Some(i) = self.key {
             match ty {
                 Some("response.create") => self.admit(i, own_model, estimate).await?,
-                // Input that extends the response under way (its model):
-                // counted and charged as a request of the key too.
-                Some("response.steer") => {
-                    super::forward::admit(&self.state, i, own_model, false, estimate)
-                        .await
-                        .map_err(|e| self.refusal(e, own_model))?
-                }
+                // Input that extends the response under way (its model), or
+                // any other event carrying input visor transforms: counted
+                // and charged as a request of the key too.
+                Some("response.steer") => self.admit_more(i, own_model, estimate).await?,
+                _ if has_input => self.admit_more(i, own_model, estimate).await?,
                 _ => {}
             }
+        }
+        // Only the events that start or extend a response, once let
+        // through, say which model the next ones are for (a
+        // `session.update` naming another says nothing of the responses; a
+        // refused create nothing at all).
+        if matches!(ty, Some("response.create" | "response.steer"))
+            && let Some(m) = own_model
+        {
+            m.clone_into(model);
         }
         let started = creates.then(|| InFlight {
             model: model.clone(),
@@ -903,7 +913,7 @@ impl Relay {
             media_replaced: 0,
             bytes_saved: 0,
         });
-        if !event.get("input").is_some_and(Value::is_array) {
+        if !has_input {
             return Ok((Message::Text(text), started));
         }
         let asker = prepare::Asker {
@@ -933,12 +943,11 @@ impl Relay {
         let sent = prepared.body.len() as u64 / crate::limits::BYTES_PER_TOKEN;
         let mut started = started;
         if let Some(i) = self.key
-            && ty == Some("response.create")
             && sent > estimate
             && let Some(verdict) = self
                 .state
                 .limits
-                .charge_more(i, sent - estimate, sent)
+                .charge_more(i, sent - estimate, sent, None)
                 .await
         {
             if let (Some(over), Some(k)) = (verdict.over, self.state.limits.key(i)) {
@@ -975,6 +984,19 @@ impl Relay {
             _ => super::forward::admit(&self.state, i, model, true, estimate).await,
         };
         verdict.map_err(|e| self.refusal(e, model))
+    }
+
+    /// Holds an event that extends a response (or carries input) to
+    /// `[[key]]` `i` as a request of its own.
+    async fn admit_more(
+        &self,
+        i: usize,
+        model: Option<&str>,
+        estimate: u64,
+    ) -> Result<(), Message> {
+        super::forward::admit(&self.state, i, model, false, estimate)
+            .await
+            .map_err(|e| self.refusal(e, model))
     }
 
     /// A client event visor refuses: logged and counted like an HTTP
