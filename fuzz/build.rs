@@ -1,11 +1,19 @@
 //! Copies the request-target check out of `src/proxy/router.rs` (its module
 //! is private to visor) for the `target` fuzz target: the functions
-//! `check_target`, `path_problem`, `percent_decode` and `hex`, verbatim,
-//! made `pub`, into `$OUT_DIR/router_check.rs`.
+//! `check_target`, `path_problem`, `percent_decode`, `hex` and
+//! `canonical_path`, verbatim,
+//! made `pub`, into `$OUT_DIR/router_check.rs`; and the WebSocket event
+//! reader out of `src/proxy/websocket.rs` for the `ws_event` target.
 
 use std::path::PathBuf;
 
-const ITEMS: [&str; 4] = ["check_target", "path_problem", "percent_decode", "hex"];
+const ITEMS: [&str; 5] = [
+    "check_target",
+    "path_problem",
+    "percent_decode",
+    "hex",
+    "canonical_path",
+];
 
 fn main() {
     let dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default());
@@ -24,6 +32,36 @@ fn main() {
         }
     }
     let dest = PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default()).join("router_check.rs");
+    if let Err(e) = std::fs::write(&dest, out) {
+        panic!("cannot write {}: {e}", dest.display());
+    }
+    ws_event(&dir);
+}
+
+/// The WebSocket event reader of `src/proxy/websocket.rs` (`read_event`,
+/// `twice_named_key` and `MAX_MODEL`), verbatim but for `crate::` read as
+/// `visor::`, into `$OUT_DIR/ws_event.rs` for the `ws_event` target.
+fn ws_event(dir: &std::path::Path) {
+    let src = dir.join("../src/proxy/websocket.rs");
+    println!("cargo:rerun-if-changed={}", src.display());
+    let text = std::fs::read_to_string(&src)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", src.display()));
+    let mut out = String::from("// Copied from src/proxy/websocket.rs by fuzz/build.rs.\n\n");
+    let max = text
+        .lines()
+        .find(|l| l.starts_with("const MAX_MODEL"))
+        .unwrap_or_else(|| panic!("const MAX_MODEL not found in src/proxy/websocket.rs: update fuzz/build.rs"));
+    out.push_str(&format!("pub {max}\n\n"));
+    for name in ["read_event", "twice_named_key"] {
+        match item(&text, name) {
+            Some(f) => {
+                out.push_str(&f.replace("crate::", "visor::"));
+                out.push_str("\n\n");
+            }
+            None => panic!("fn {name} not found in src/proxy/websocket.rs: update fuzz/build.rs"),
+        }
+    }
+    let dest = PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default()).join("ws_event.rs");
     if let Err(e) = std::fs::write(&dest, out) {
         panic!("cannot write {}: {e}", dest.display());
     }

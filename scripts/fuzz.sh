@@ -6,7 +6,10 @@
 #   scripts/fuzz.sh [TARGET...]        # default: every target below
 #
 # Targets (fuzz/fuzz_targets/):
-#   target           src/proxy/router.rs check_target / path_problem
+#   target           src/proxy/router.rs check_target / path_problem /
+#                    canonical_path
+#   ws_event         src/proxy/websocket.rs read_event (a client event of
+#                    the WebSocket mode, read as an HTTP body is)
 #   stream           usage (proxy/usage.rs) and the session reply
 #                    (sessions::StreamedReply, reply_from_json) in any chunk split
 #   config           Config::from_toml over any text
@@ -30,17 +33,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
-all=(target stream config transform_json transform_bytes)
+all=(target ws_event stream config transform_json transform_bytes)
 declare -A runs=(
-  [target]=6000000 [stream]=3000000 [config]=1000000
+  [target]=6000000 [ws_event]=3000000 [stream]=3000000 [config]=1000000
   [transform_json]=2000000 [transform_bytes]=200000
 )
 declare -A secs=(
-  [target]=120 [stream]=300 [config]=300
+  [target]=120 [ws_event]=180 [stream]=300 [config]=300
   [transform_json]=600 [transform_bytes]=600
 )
 declare -A max_len=(
-  [target]=4096 [stream]=8192 [config]=20000
+  [target]=4096 [ws_event]=8192 [stream]=8192 [config]=20000
   [transform_json]=4096 [transform_bytes]=262144
 )
 scale=${FUZZ_TIME_SCALE:-100}

@@ -17,6 +17,13 @@
 //!
 //! And the same for `path_problem` over any UTF-8 string (raw bytes that
 //! `http::Uri` would refuse included).
+//!
+//! `canonical_path` (the one spelling every path is given before it is
+//! classified), over any path `check_target` accepts: its answer is
+//! canonical itself (a second pass changes nothing); it has no `//`, no
+//! trailing `/` (but `/`), no escape of an unreserved character; on a
+//! write, no escaped `/`, `\` or `%`; and decoded once, it reads as the
+//! input does (runs of `/` taken as one, a trailing one dropped).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -143,5 +150,69 @@ fuzz_target!(|data: &[u8]| {
         let path = req.uri().path();
         assert!(path.starts_with('/'), "accepted path {path:?}");
         check_accepted(path.as_bytes(), "check_target");
+        let plain_get = flags & 8 != 0;
+        if let Ok(canon) = router::canonical_path(path, plain_get) {
+            check_canonical(path, canon.as_deref().unwrap_or(path), plain_get);
+        }
     }
 });
+
+/// `path` collapsed as the canonical form reads it: decoded once, runs of
+/// `/` as one, no trailing `/`.
+fn read_as(path: &[u8]) -> Vec<u8> {
+    let mut out: Vec<u8> = Vec::new();
+    for &b in &decode_once(path) {
+        if b == b'/' && out.last() == Some(&b'/') {
+            continue;
+        }
+        out.push(b);
+    }
+    if out.len() > 1 && out.last() == Some(&b'/') {
+        out.pop();
+    }
+    out
+}
+
+fn check_canonical(input: &str, canon: &str, plain_get: bool) {
+    assert_eq!(
+        router::canonical_path(canon, plain_get),
+        Ok(None),
+        "{input:?} → {canon:?} is not canonical"
+    );
+    assert!(!canon.contains("//"), "{input:?} → {canon:?}");
+    assert!(plain_get || !canon.contains('\\'), "{input:?} → {canon:?}: `\\` on a write");
+    assert!(canon == "/" || !canon.ends_with('/'), "{input:?} → {canon:?}");
+    let b = canon.as_bytes();
+    // A plain GET with a `%` that starts no escape has none decoded.
+    let stray = (0..b.len()).any(|i| {
+        b[i] == b'%'
+            && !(b.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                && b.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
+    });
+    assert!(plain_get || !stray, "{input:?} → {canon:?}: a stray `%` on a write");
+    for i in (0..b.len()).filter(|_| !stray) {
+        let escape = b[i] == b'%'
+            && b.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+            && b.get(i + 2).is_some_and(u8::is_ascii_hexdigit);
+        if !escape {
+            continue;
+        }
+        let esc = decode_once(&b[i..i + 3]);
+        if esc.len() == 1 {
+            let d = esc[0];
+            assert!(
+                !(d.is_ascii_alphanumeric() || matches!(d, b'-' | b'.' | b'_' | b'~')),
+                "{input:?} → {canon:?}: an unreserved character still escaped"
+            );
+            assert!(
+                plain_get || !matches!(d, b'/' | b'\\' | b'%'),
+                "{input:?} → {canon:?}: an escaped separator on a write"
+            );
+        }
+    }
+    assert_eq!(
+        read_as(input.as_bytes()),
+        read_as(b),
+        "{input:?} → {canon:?} reads differently"
+    );
+}
