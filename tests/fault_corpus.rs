@@ -815,18 +815,25 @@ async fn websocket_path_aliases_are_the_responses_mode() {
 
 // ------------------------------------------- the inline pool's one retry
 
+/// What [`half_reader`] saw, shared with the test.
+type Seen = std::sync::Arc<std::sync::Mutex<Vec<usize>>>;
+
 /// An HTTP/1.1 upstream on a raw socket: each connection answers small
 /// requests (200, kept alive); a request whose body is over 1 MiB has 64
 /// KiB of it read, then the connection is closed without an answer. Per
-/// connection: the body bytes it read.
-async fn half_reader() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<usize>>>) {
+/// connection: the body bytes it read; and every request head's
+/// `Content-Length`, in order.
+async fn half_reader() -> (SocketAddr, Seen, Seen) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let c = conns.clone();
+    let h = heads.clone();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
             let c = c.clone();
+            let h = h.clone();
             let at = {
                 let mut v = c.lock().unwrap();
                 v.push(0);
@@ -853,6 +860,7 @@ async fn half_reader() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<usize
                         .and_then(|v| v.trim().parse().ok())
                         .unwrap_or(0);
                     buf.drain(..head_end);
+                    h.lock().unwrap().push(len);
                     let want = if len > (1 << 20) { 65536 } else { len };
                     while buf.len() < want {
                         match s.read(&mut chunk).await {
@@ -878,7 +886,7 @@ async fn half_reader() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<usize
             });
         }
     });
-    (addr, conns)
+    (addr, conns, heads)
 }
 
 /// A request whose bytes reached the upstream is never sent again: the
@@ -888,9 +896,11 @@ async fn half_reader() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<usize
 /// is small.
 #[tokio::test]
 async fn a_request_the_upstream_took_in_part_is_never_sent_again() {
-    let (up, conns) = half_reader().await;
+    let (up, conns, heads) = half_reader().await;
+    // One worker: one thread's pool, so the big request goes on the pooled
+    // connection the small one left.
     let visor = Visor::start(&format!(
-        "[[upstream]]\nname = \"u\"\nbase_url = \"http://{up}/v1\"\nmodels = [\"*\"]\n"
+        "[server]\nworkers = 1\n[[upstream]]\nname = \"u\"\nbase_url = \"http://{up}/v1\"\nmodels = [\"*\"]\n"
     ))
     .await;
     let post = |body: Vec<u8>| {
@@ -904,12 +914,12 @@ async fn a_request_the_upstream_took_in_part_is_never_sent_again() {
     let big = format!(r#"{{"model":"e","input":"{}"}}"#, "x".repeat(4 << 20)).into_bytes();
     let (status, _, body) = post(big).await;
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+    // Its head reached the upstream once, whatever connection it took.
+    let sent: Vec<usize> = heads.lock().unwrap().clone();
+    let big_sends = sent.iter().filter(|&&n| n > 1 << 20).count();
+    assert_eq!(big_sends, 1, "the request was sent again: {sent:?}");
     let seen = conns.lock().unwrap().clone();
-    assert_eq!(
-        seen.len(),
-        1,
-        "the request was sent again on a new connection: {seen:?}"
-    );
+    assert_eq!(seen.len(), 1, "it went on the pooled connection: {seen:?}");
     assert!(seen[0] <= small.len() + 65536, "{seen:?}");
     // The connection that went is not reused: the next request is served.
     assert_eq!(post(small).await.0, 200);
