@@ -63,12 +63,11 @@ pub enum VisorError {
         upstream: String,
         which: &'static str,
     },
-    #[error(
-        "rate limit of key `{key}` reached: {limit} per minute; try again in {retry_after_secs} s"
-    )]
+    #[error("rate limit of key `{key}` reached: {detail}; try again in {retry_after_secs} s")]
     RateLimited {
         key: String,
-        limit: &'static str,
+        /// The numbers: the limit, what is left, what the request needs.
+        detail: String,
         retry_after_secs: u64,
         /// `x-ratelimit-*` headers (name, value).
         headers: Vec<(&'static str, String)>,
@@ -294,7 +293,7 @@ mod tests {
             (
                 VisorError::RateLimited {
                     key: "team-a".into(),
-                    limit: "requests",
+                    detail: "2 requests per minute, all used".into(),
                     retry_after_secs: 3,
                     headers: Vec::new(),
                 },

@@ -154,8 +154,17 @@ async fn tokens_per_minute_are_estimated_from_the_body() {
         h.get("x-ratelimit-limit-requests").is_none(),
         "no request limit"
     );
-    let (status, h, _) = send(req(&big)).await;
+    let (status, h, body) = send(req(&big)).await;
     assert_eq!(status, 429);
+    // The message names the numbers: what the request needs, what is left.
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("this request is about 2")
+            && message.contains("tokens per minute are left")
+            && message.contains("of its 300"),
+        "{message}"
+    );
     assert_eq!(h["x-ratelimit-limit-tokens"], "300");
     let left: u64 = h["x-ratelimit-remaining-tokens"]
         .to_str()

@@ -565,7 +565,7 @@ impl Grant {
         if let (Some(over), Some(k)) = (verdict.over, state.limits.key(i)) {
             let mut verdict = verdict;
             verdict.requests = self.standing.as_ref().and_then(|v| v.requests);
-            return Err(rate_limited(k, &verdict, over).into());
+            return Err(rate_limited(k, &verdict, over, sent).into());
         }
         if let Some(v) = self.standing.as_mut() {
             v.tokens = verdict.tokens;
@@ -708,7 +708,7 @@ async fn admit_standing(
     let Some(over) = verdict.over else {
         return Ok(Some(verdict));
     };
-    Err(rate_limited(k, &verdict, over))
+    Err(rate_limited(k, &verdict, over, estimate))
 }
 
 /// The 429 for a request over key `k`'s `over` limit: `Retry-After` and
@@ -717,6 +717,7 @@ pub(super) fn rate_limited(
     k: &crate::limits::KeyLimits,
     verdict: &crate::limits::Verdict,
     over: crate::limits::Limit,
+    asked: u64,
 ) -> VisorError {
     let headers = rate_limit_headers(verdict);
     let reset = verdict
@@ -724,9 +725,19 @@ pub(super) fn rate_limited(
         .or(verdict.tokens)
         .map_or(60, |s| s.reset.as_secs().max(1));
     tracing::info!(key = %k.name, limit = over.label(), "rate limited");
+    let detail = match (over, verdict.requests, verdict.tokens) {
+        (crate::limits::Limit::Requests, Some(r), _) => {
+            format!("{} requests per minute, all used", r.limit)
+        }
+        (crate::limits::Limit::Tokens, _, Some(t)) => format!(
+            "this request is about {asked} tokens, and {} of its {} tokens per minute are left",
+            t.remaining, t.limit
+        ),
+        _ => format!("{} per minute", over.label()),
+    };
     VisorError::RateLimited {
         key: k.name.clone(),
-        limit: over.label(),
+        detail,
         retry_after_secs: reset,
         headers,
     }

@@ -951,7 +951,7 @@ impl Relay {
                 .await
         {
             if let (Some(over), Some(k)) = (verdict.over, self.state.limits.key(i)) {
-                let e = super::forward::rate_limited(k, &verdict, over);
+                let e = super::forward::rate_limited(k, &verdict, over, sent);
                 return Err(self.refusal(e, Some(model.as_str())));
             }
             if let Some(f) = started.as_mut() {
