@@ -296,6 +296,23 @@ fn compose_and_dockerfile() {
         assert!(docker.contains(needed), "Dockerfile lacks {needed}");
     }
     assert!(docker.matches("FROM ").count() >= 2, "multi-stage");
+    // The build stage's Rust is the crate's own minimum (a newer crate in
+    // the lock would not build on an older image).
+    let manifest =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
+    let rust_version = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = "))
+        .map(|v| v.trim().trim_matches('"').to_owned())
+        .expect("Cargo.toml names its rust-version");
+    let from = docker
+        .lines()
+        .find(|l| l.starts_with("FROM rust:"))
+        .expect("a rust build stage");
+    assert!(
+        from.starts_with(&format!("FROM rust:{rust_version}-")),
+        "{from} — Cargo.toml needs Rust {rust_version}"
+    );
     // The health check follows the port visor is told to listen on.
     let health = docker
         .lines()
