@@ -171,14 +171,21 @@ impl Default for RawServer {
     }
 }
 
+/// `server.max_connections` when not set (lowered quietly to fit the
+/// open-file limit; a value of the user's own is lowered with a warning).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+
 fn default_max_connections() -> usize {
-    10_000
+    DEFAULT_MAX_CONNECTIONS
 }
 fn default_header_timeout_secs() -> f64 {
     10.0
 }
+/// 0: a plain stop (nothing in flight) exits at once. Behind a load
+/// balancer set it (`deploy/k8s/configmap.yaml` sets 5); only SIGTERM
+/// waits it.
 fn default_drain_delay_secs() -> f64 {
-    5.0
+    0.0
 }
 
 fn default_listen() -> String {
@@ -730,8 +737,8 @@ pub struct Server {
     /// this — counted from its opening, and from the end of its last
     /// response while it sits idle.
     pub header_timeout: Duration,
-    /// At shutdown: `/readyz` answers 503 this long before the listeners
-    /// close.
+    /// At shutdown on SIGTERM (not SIGINT): `/readyz` answers 503 this long
+    /// before the listeners close. 0 by default.
     pub drain_delay: Duration,
 }
 

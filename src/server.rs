@@ -4,9 +4,12 @@
 //! runtime with its own listening socket on the shared address. Each accepted
 //! connection is served by hyper's auto builder (HTTP/1.1, or HTTP/2 with
 //! prior knowledge) and watched by its worker's [`GracefulShutdown`]. On
-//! shutdown visor stops accepting, marks itself draining (`/readyz` → 503),
-//! lets in-flight responses (streams included) finish for up to
-//! `server.drain_timeout_secs`, and returns.
+//! shutdown visor marks itself draining (`/readyz` → 503), on SIGTERM keeps
+//! serving for `server.drain_delay_secs` (0 by default; SIGINT never waits
+//! it), stops accepting, lets in-flight responses (streams included) finish
+//! for up to `server.drain_timeout_secs`, and returns — at once when nothing
+//! is in flight. A second SIGINT or SIGTERM exits at once (see
+//! [`shutdown_signal`]).
 
 use std::future::Future;
 use std::io;
@@ -89,15 +92,27 @@ impl Server {
         for _ in 1..workers {
             listeners.push(reuseport_listener(addr, true)?.into_std()?);
         }
-        let (limit, lowered_by) =
-            crate::connections::effective_limit(state.config.server.max_connections);
+        let max_connections = state.config.server.max_connections;
+        let (limit, lowered_by) = crate::connections::effective_limit(max_connections);
         if let Some(nofile) = lowered_by {
-            tracing::warn!(
-                max_connections = state.config.server.max_connections,
-                open_file_limit = nofile,
-                using = limit,
-                "server.max_connections lowered to fit the open-file limit (raise `ulimit -n` for more)"
-            );
+            // The built-in default (or the shipped config's copy of it) is
+            // not something the user asked for: lowering it is said, not
+            // warned about. A value of the user's own is.
+            if max_connections == crate::config::DEFAULT_MAX_CONNECTIONS {
+                tracing::info!(
+                    max_connections,
+                    open_file_limit = nofile,
+                    using = limit,
+                    "server.max_connections (the default) fitted to the open-file limit"
+                );
+            } else {
+                tracing::warn!(
+                    max_connections,
+                    open_file_limit = nofile,
+                    using = limit,
+                    "server.max_connections lowered to fit the open-file limit (raise `ulimit -n` for more)"
+                );
+            }
         }
         Ok(Self {
             state,
@@ -127,7 +142,10 @@ impl Server {
     /// lives on one worker from accept to close, and the upstream connections
     /// it uses are driven by the same task, so a request never waits for a
     /// wake-up from another thread (thread-per-core, as nginx does it).
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
+    ///
+    /// `shutdown` resolves to the [`Stop`] that asked (`()` counts as
+    /// [`Stop::Terminate`]): only a SIGTERM waits `server.drain_delay_secs`.
+    pub async fn run<S: Into<Stop>>(self, shutdown: impl Future<Output = S>) -> io::Result<()> {
         let Server {
             state,
             listeners,
@@ -163,11 +181,23 @@ impl Server {
             workers.push(done_rx);
         }
         let signal = async {
-            shutdown.await;
-            // /readyz answers 503 at once; serving goes on for drain_delay
-            // so load balancers see it before the listeners close.
+            let how: Stop = shutdown.await.into();
+            // /readyz answers 503 at once; on SIGTERM (what orchestrators
+            // send) serving goes on for drain_delay so load balancers see it
+            // before the listeners close. SIGINT is someone at a terminal:
+            // no load balancer to wait for.
             state.draining.store(true, Ordering::Relaxed);
-            let delay = state.config.server.drain_delay;
+            let delay = match how {
+                Stop::Terminate => state.config.server.drain_delay,
+                Stop::Interrupt => {
+                    if !state.config.server.drain_delay.is_zero() {
+                        tracing::info!(
+                            "SIGINT: not waiting server.drain_delay_secs (only SIGTERM does)"
+                        );
+                    }
+                    Duration::ZERO
+                }
+            };
             if !delay.is_zero() {
                 tracing::info!(
                     delay_secs = delay.as_secs_f64(),
@@ -548,25 +578,76 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     }
 }
 
+/// What asked visor to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// SIGINT (Ctrl-C): no `drain_delay` is waited.
+    Interrupt,
+    /// SIGTERM (Kubernetes, Docker, systemd), or any other shutdown future:
+    /// `drain_delay` is waited.
+    Terminate,
+}
+
+impl From<()> for Stop {
+    fn from((): ()) -> Self {
+        Stop::Terminate
+    }
+}
+
+/// Exit code of a second signal during shutdown (128 + SIGINT, as a shell
+/// reports a Ctrl-C'd program).
+pub const FORCED_EXIT_CODE: i32 = 130;
+
 /// Registers SIGINT and SIGTERM handlers now (so a signal that arrives
 /// before the returned future is first polled is not lost) and returns a
-/// future that resolves on either.
+/// future that resolves on either. After it has resolved, another SIGINT or
+/// SIGTERM ends the process at once with [`FORCED_EXIT_CODE`] (what is in
+/// flight is cut, background work is dropped).
 #[cfg(unix)]
-pub fn shutdown_signal() -> io::Result<impl Future<Output = ()>> {
+pub fn shutdown_signal() -> io::Result<impl Future<Output = Stop>> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     Ok(async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM received"),
-            _ = int.recv() => tracing::info!("SIGINT received"),
-        }
+        let how = tokio::select! {
+            _ = term.recv() => {
+                tracing::info!("SIGTERM received");
+                Stop::Terminate
+            }
+            _ = int.recv() => {
+                tracing::info!("SIGINT received");
+                Stop::Interrupt
+            }
+        };
+        tokio::spawn(async move {
+            let again = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+            forced_exit(again);
+        });
+        how
     })
 }
 
 #[cfg(not(unix))]
-pub fn shutdown_signal() -> io::Result<impl Future<Output = ()>> {
+pub fn shutdown_signal() -> io::Result<impl Future<Output = Stop>> {
     Ok(async {
         let _ = tokio::signal::ctrl_c().await;
+        tracing::info!("Ctrl-C received");
+        tokio::spawn(async {
+            let _ = tokio::signal::ctrl_c().await;
+            forced_exit("Ctrl-C");
+        });
+        Stop::Interrupt
     })
+}
+
+fn forced_exit(signal: &str) -> ! {
+    tracing::warn!(
+        signal,
+        code = FORCED_EXIT_CODE,
+        "second signal during shutdown: exiting at once, without draining"
+    );
+    std::process::exit(FORCED_EXIT_CODE)
 }

@@ -252,16 +252,20 @@ impl ObservedBody {
         {
             charge(prompt, completion);
         }
+        // The token fields are on the line only when the provider said its
+        // usage (every response that does has prompt tokens or completion
+        // tokens): a stream without `include_usage` is not "0 tokens".
+        let said = usage.prompt > 0 || usage.completion > 0;
         tracing::info!(
             request_id = f.request_id.to_str().unwrap_or_default(),
             upstream = %f.upstream,
             model = %f.model,
             status = f.status,
             outcome = outcome.label(),
-            prompt_tokens = usage.prompt,
-            completion_tokens = usage.completion,
-            cached_tokens = usage.cached_read,
-            cache_write_tokens = usage.cache_write,
+            prompt_tokens = said.then_some(usage.prompt),
+            completion_tokens = said.then_some(usage.completion),
+            cached_tokens = said.then_some(usage.cached_read),
+            cache_write_tokens = said.then_some(usage.cache_write),
             images_replaced = f.images_replaced,
             media_replaced = f.media_replaced,
             bytes_saved = f.bytes_saved,
