@@ -1338,6 +1338,18 @@ impl RawConfig {
         if !p.is_empty() {
             return Err(p);
         }
+        let key_models: Vec<(String, Vec<String>)> = self
+            .key
+            .iter()
+            .map(|k| (k.name.clone(), k.models.clone()))
+            .collect();
+        warnings.extend(usual_mistakes(&Mistakes {
+            upstreams: &upstreams,
+            describer: self.describer.upstream.as_deref(),
+            transcriber: self.transcriber.upstream.as_deref(),
+            keys: &key_models,
+            proxy_keys,
+        }));
         let non_vision = match self.images.non_vision.as_str() {
             "strip" => NonVision::Strip,
             _ => NonVision::Describe,
@@ -1430,6 +1442,154 @@ fn fallback_chains(p: &mut Vec<String>, upstreams: &mut [Upstream]) {
         flatten(&edges, i, &mut chain);
         u.chain = chain;
     }
+}
+
+/// What [`usual_mistakes`] looks at.
+struct Mistakes<'a> {
+    upstreams: &'a [Upstream],
+    /// `describer.upstream` / `transcriber.upstream` as written (`None`:
+    /// the first upstream).
+    describer: Option<&'a str>,
+    transcriber: Option<&'a str>,
+    /// Each `[[key]]`'s name and `models` globs.
+    keys: &'a [(String, Vec<String>)],
+    /// `server.api_keys` or a `[[key]]` with a key: clients' keys are never
+    /// forwarded.
+    proxy_keys: bool,
+}
+
+/// The mistakes a valid config can still hold, as warnings (`visor check`
+/// prints them; `--strict` makes them errors): a `base_url` that names an
+/// endpoint or has no version segment, a route an earlier upstream's `*`
+/// shadows, a `[[key]]` whose models no upstream serves, a describer or
+/// transcriber that would call without a credential or call an upstream of
+/// the other API kind.
+fn usual_mistakes(m: &Mistakes<'_>) -> Vec<String> {
+    let mut w = Vec::new();
+    let ups = m.upstreams;
+    for (i, u) in ups.iter().enumerate() {
+        let path = u.base_url.path().trim_end_matches('/');
+        let at = format!("upstream[{i}].base_url {:?}", u.base_url.to_string());
+        if let Some(end) = [
+            "/chat/completions",
+            "/completions",
+            "/responses",
+            "/messages",
+            "/embeddings",
+        ]
+        .into_iter()
+        .find(|e| path.ends_with(e))
+        {
+            w.push(format!(
+                "{at} ends in {end}: visor appends the client's path after /v1 to base_url (a client's /v1{end} goes to <base_url>{end}); give the API's base, e.g. https://api.example.com/v1"
+            ));
+        } else if !path.split('/').any(is_version_segment) {
+            w.push(format!(
+                "{at} has no version segment such as /v1: visor appends the client's path after /v1 (/chat/completions, /messages…) to it, and most OpenAI-compatible APIs serve them under …/v1"
+            ));
+        }
+    }
+    // Upstreams used other than by routing: a describer's or transcriber's,
+    // a fallback.
+    let named = |n: Option<&str>| match n {
+        Some(n) => ups.iter().position(|u| u.name == n),
+        None => (!ups.is_empty()).then_some(0),
+    };
+    let describer = named(m.describer);
+    let transcriber = named(m.transcriber);
+    let fallback = |j: usize| ups.iter().any(|u| u.fallbacks.contains(&ups[j].name));
+    for (j, u) in ups.iter().enumerate() {
+        if Some(j) == describer || Some(j) == transcriber || fallback(j) {
+            continue;
+        }
+        let wide = ups[..j]
+            .iter()
+            .position(|e| e.models.iter().any(|g| g == "*" || g == "**"));
+        let literal_taken = !u.models.is_empty()
+            && u.models.iter().all(|g| {
+                !g.contains(['*', '?', '[', '{'])
+                    && ups[..j]
+                        .iter()
+                        .any(|e| e.matches(&g.to_ascii_lowercase()) || e.matches(g))
+            });
+        if let Some(e) = wide {
+            w.push(format!(
+                "upstream[{j}] {:?}: no request is ever routed to it — upstream[{e}] {:?} before it takes every model (\"*\"); put it first, or narrow {:?}'s models",
+                u.name, ups[e].name, ups[e].name
+            ));
+        } else if literal_taken {
+            w.push(format!(
+                "upstream[{j}] {:?}: every model it lists is taken by an earlier upstream (first match wins)",
+                u.name
+            ));
+        }
+    }
+    for (name, globs) in m.keys {
+        for (g_at, g) in globs.iter().enumerate() {
+            if g == "*" || g == "**" {
+                continue;
+            }
+            let samples = [
+                g.replace('*', "").replace('?', "x"),
+                g.replace(['*', '?'], "x"),
+            ];
+            let served = ups.iter().any(|u| samples.iter().any(|s| u.matches(s)));
+            if !served {
+                w.push(format!(
+                    "key {name:?} models[{g_at}] {g:?}: no [[upstream]] serves a model it names"
+                ));
+            }
+        }
+    }
+    for (role, at) in [("describer", describer), ("transcriber", transcriber)] {
+        let Some(at) = at else { continue };
+        let u = &ups[at];
+        let which = match (role, m.describer, m.transcriber) {
+            ("describer", None, _) | ("transcriber", _, None) => {
+                format!(
+                    "{role}.upstream is not set, so it is the first upstream, {:?},",
+                    u.name
+                )
+            }
+            _ => format!("{role}.upstream {:?}", u.name),
+        };
+        if u.auth == AuthMode::XApiKey {
+            w.push(format!(
+                "{which} is of the Anthropic kind (auth = \"x-api-key\"), but {role} calls are OpenAI-kind ({}): name an OpenAI-kind upstream with a vision model",
+                match role {
+                    "describer" => "POST /chat/completions",
+                    _ => "POST /audio/transcriptions",
+                }
+            ));
+        }
+        if u.api_key.is_some() {
+            continue;
+        }
+        if m.proxy_keys {
+            w.push(format!(
+                "{which} has no api_key, and with proxy keys clients' keys are never forwarded: its calls go out without a credential (the provider answers 401{}) — give it an api_key",
+                match role {
+                    "describer" => ", and images become \"not shown\" placeholders",
+                    _ => "",
+                }
+            ));
+        } else if ups.len() > 1 {
+            w.push(format!(
+                "{which} has no api_key: it gets the client's key only for requests routed to {:?}; for requests to the other upstreams its calls go out without a credential (401) — give it an api_key",
+                u.name
+            ));
+        }
+    }
+    w
+}
+
+/// `v1`, `v4`, `v1beta`, `v2alpha1`: a path segment naming an API version.
+fn is_version_segment(seg: &str) -> bool {
+    let Some(rest) = seg.strip_prefix('v') else {
+        return false;
+    };
+    let digits = rest.chars().take_while(char::is_ascii_digit).count();
+    digits > 0 && rest[digits..].chars().all(|c| c.is_ascii_alphanumeric())
 }
 
 /// A fallback without an `api_key` is sent the client's own key, which the
@@ -1584,7 +1744,7 @@ mod tests {
 
     #[test]
     fn the_old_line_dedup_key_loads_with_a_warning_and_runs_are_checked() {
-        let up = "[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\n";
+        let up = "[[upstream]]\nname=\"a\"\nbase_url=\"http://x/v1\"\n";
         let cfg = load(&format!("[dedup]\nmin_line_chars = 16\n{up}")).unwrap();
         assert_eq!(cfg.warnings.len(), 1);
         assert!(

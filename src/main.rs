@@ -1,4 +1,5 @@
-//! The `visor` command line: `serve` (the default), `check` and `explain`.
+//! The `visor` command line: `serve` (the default), `check`, `explain` and
+//! `init`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -45,7 +46,9 @@ struct Cli {
 enum Command {
     /// Run the proxy (the default).
     Serve {
-        /// Config file [default: $VISOR_CONFIG, then config/visor.toml]
+        /// Config file [default: $VISOR_CONFIG, ./visor.toml,
+        /// ./config/visor.toml, $XDG_CONFIG_HOME/visor/visor.toml,
+        /// /etc/visor/visor.toml, then the built-in default]
         #[arg(long)]
         config: Option<PathBuf>,
         /// Listen address, overriding server.listen
@@ -55,28 +58,49 @@ enum Command {
     /// Validate the config and print the routes and the model table; exit 0
     /// when valid, 1 if not.
     Check {
-        /// Config file [default: $VISOR_CONFIG, then config/visor.toml]
+        /// Config file [default: $VISOR_CONFIG, ./visor.toml,
+        /// ./config/visor.toml, $XDG_CONFIG_HOME/visor/visor.toml,
+        /// /etc/visor/visor.toml, then the built-in default]
         #[arg(long)]
         config: Option<PathBuf>,
         /// Also print what the model table says about this model, and which
         /// row decided
         #[arg(long)]
         model: Option<String>,
+        /// Exit 1 on warnings too
+        #[arg(long)]
+        strict: bool,
     },
     /// Dry run, offline: print the request visor would send for FILE (or
     /// stdin) and a report of what it changed, as JSON.
     Explain {
-        /// Config file [default: $VISOR_CONFIG, then config/visor.toml]
+        /// Config file [default: $VISOR_CONFIG, ./visor.toml,
+        /// ./config/visor.toml, $XDG_CONFIG_HOME/visor/visor.toml,
+        /// /etc/visor/visor.toml, then the built-in default]
         #[arg(long)]
         config: Option<PathBuf>,
-        /// The model to resolve (overrides the body's `model`)
+        /// The model to resolve [default: the body's `model`]
         #[arg(long)]
-        model: String,
+        model: Option<String>,
+        /// Print only the exact bytes visor would send
+        #[arg(long)]
+        raw: bool,
         /// The API shape of the body
         #[arg(long, value_enum, default_value = "chat")]
         endpoint: Endpoint,
         /// Request body file; `-` or nothing reads stdin
         file: Option<PathBuf>,
+    },
+    /// Write a recipe config to ./visor.toml; without RECIPE, list them.
+    Init {
+        /// claude-code, codex, local or team
+        recipe: Option<String>,
+        /// Where to write it
+        #[arg(long, default_value = "visor.toml")]
+        output: PathBuf,
+        /// Replace the file if it exists
+        #[arg(long)]
+        force: bool,
     },
     /// Reads one document from stdin under memory and CPU limits (what
     /// `serve` runs in a child process per document; not for people).
@@ -94,9 +118,81 @@ enum Endpoint {
     Messages,
 }
 
-fn config_path(flag: Option<PathBuf>) -> PathBuf {
-    flag.or_else(|| std::env::var_os("VISOR_CONFIG").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from("config/visor.toml"))
+/// The shipped default config, compiled in: used when no file is found.
+const DEFAULT_CONFIG: &str = include_str!("../config/visor.toml");
+
+/// The recipes `visor init` writes: name, what it is for, the file.
+const RECIPES: [(&str, &str, &str); 4] = [
+    (
+        "claude-code",
+        "Claude Code → a text-only model's Anthropic endpoint; images and PDFs described by a vision model on another provider",
+        include_str!("../config/examples/claude-code.toml"),
+    ),
+    (
+        "codex",
+        "Codex / OpenAI SDKs → a text-only OpenAI-compatible provider; images described by OpenAI",
+        include_str!("../config/examples/codex.toml"),
+    ),
+    (
+        "local",
+        "a local stack: a text model on Ollama or vLLM, a local vision model describing",
+        include_str!("../config/examples/local.toml"),
+    ),
+    (
+        "team",
+        "a team gateway: proxy keys with limits, a fallback provider, Redis",
+        include_str!("../config/examples/team.toml"),
+    ),
+];
+
+/// Where the config comes from.
+enum Source {
+    File(PathBuf),
+    /// No file found: [`DEFAULT_CONFIG`].
+    BuiltIn,
+}
+
+impl Source {
+    fn label(&self) -> String {
+        match self {
+            Source::File(p) => p.display().to_string(),
+            Source::BuiltIn => "the built-in default config".to_owned(),
+        }
+    }
+}
+
+/// The places a config is looked for when neither `--config` nor
+/// `$VISOR_CONFIG` names one, in order.
+fn config_candidates() -> Vec<PathBuf> {
+    let mut c = vec![
+        PathBuf::from("visor.toml"),
+        PathBuf::from("config/visor.toml"),
+    ];
+    let xdg = std::env::var_os("XDG_CONFIG_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")));
+    if let Some(dir) = xdg {
+        c.push(dir.join("visor").join("visor.toml"));
+    }
+    c.push(PathBuf::from("/etc/visor/visor.toml"));
+    c
+}
+
+/// `--config`, else `$VISOR_CONFIG` (either must exist), else the first of
+/// [`config_candidates`] that exists, else the built-in default.
+fn config_source(flag: Option<PathBuf>) -> Source {
+    if let Some(p) = flag.or_else(|| {
+        std::env::var_os("VISOR_CONFIG")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    }) {
+        return Source::File(p);
+    }
+    config_candidates()
+        .into_iter()
+        .find(|p| p.is_file())
+        .map_or(Source::BuiltIn, Source::File)
 }
 
 fn main() -> ExitCode {
@@ -105,14 +201,24 @@ fn main() -> ExitCode {
         config: None,
         listen: None,
     }) {
-        Command::Check { config, model } => check(&config_path(config), model.as_deref()),
+        Command::Check {
+            config,
+            model,
+            strict,
+        } => check(&config_source(config), model.as_deref(), strict),
         Command::Explain {
             config,
             model,
+            raw,
             endpoint,
             file,
-        } => explain(&config_path(config), &model, endpoint, file),
-        Command::Serve { config, listen } => serve(&config_path(config), listen),
+        } => explain(&config_source(config), model, raw, endpoint, file),
+        Command::Serve { config, listen } => serve(&config_source(config), listen),
+        Command::Init {
+            recipe,
+            output,
+            force,
+        } => init(recipe.as_deref(), &output, force),
         Command::MediaWorker {
             memory_mib,
             cpu_secs,
@@ -120,8 +226,16 @@ fn main() -> ExitCode {
     }
 }
 
-fn load(path: &std::path::Path) -> Option<Config> {
-    match Config::load(path) {
+fn load(source: &Source) -> Option<Config> {
+    let loaded = match source {
+        Source::File(path) => Config::load(path),
+        Source::BuiltIn => Config::from_toml(
+            DEFAULT_CONFIG,
+            std::path::Path::new("built-in default (config/visor.toml)"),
+            &|name| std::env::var(name).ok(),
+        ),
+    };
+    match loaded {
         Ok(c) => Some(c),
         Err(e) => {
             eprintln!("error: {e}");
@@ -214,14 +328,32 @@ fn caps_text(c: &Caps) -> String {
     )
 }
 
-fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
-    let Some(cfg) = load(path) else {
+fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
+    let Some(cfg) = load(source) else {
         return ExitCode::FAILURE;
     };
     let s = &cfg.server;
-    out!("{}: ok", path.display());
+    if let Source::BuiltIn = source {
+        let looked: Vec<String> = config_candidates()
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        out!(
+            "no config file found (looked for --config, $VISOR_CONFIG, {}): the built-in default: ok",
+            looked.join(", ")
+        );
+    } else {
+        out!("{}: ok", source.label());
+    }
     for w in &cfg.warnings {
         out!("warning: {w}");
+    }
+    if strict && !cfg.warnings.is_empty() {
+        eprintln!(
+            "error: {} warning(s), and --strict makes them errors",
+            cfg.warnings.len()
+        );
+        return ExitCode::FAILURE;
     }
     out!("listen: {}", s.listen);
     out!(
@@ -428,12 +560,13 @@ fn check(path: &std::path::Path, model: Option<&str>) -> ExitCode {
 }
 
 fn explain(
-    path: &std::path::Path,
-    model: &str,
+    source: &Source,
+    model: Option<String>,
+    raw: bool,
     endpoint: Endpoint,
     file: Option<PathBuf>,
 ) -> ExitCode {
-    let Some(cfg) = load(path) else {
+    let Some(cfg) = load(source) else {
         return ExitCode::FAILURE;
     };
     let Some(off) = offline(&cfg, false) else {
@@ -457,10 +590,19 @@ fn explain(
             return ExitCode::FAILURE;
         }
     };
-    if let Err(e) = visor::proxy::request_body::probe(&body) {
-        eprintln!("error: the request body is not valid JSON: {e}");
+    let probed = match visor::proxy::request_body::probe(&body) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: the request body is not valid JSON: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // `--model`, else the body's own.
+    let Some(model) = model.or(probed.model) else {
+        eprintln!("error: the body names no model: give one with --model");
         return ExitCode::FAILURE;
-    }
+    };
+    let model = model.as_str();
     let shape = match endpoint {
         Endpoint::Chat => Shape::Chat,
         Endpoint::Responses => Shape::Responses,
@@ -515,6 +657,20 @@ fn explain(
         }
     };
     let sent = rewrite.body.as_deref().unwrap_or(&body);
+    if raw {
+        // The exact bytes, as visor sends them (the body itself when
+        // nothing changed).
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        return match stdout.write_all(sent).and_then(|()| stdout.flush()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: cannot write to stdout: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     // A request nested deeper than serde_json reads (128 levels; visor
     // itself streams through any depth) is printed as it is sent.
     let (request, verbatim) = match serde_json::from_slice::<serde_json::Value>(sent) {
@@ -578,13 +734,19 @@ fn explain(
     }
 }
 
-fn serve(path: &std::path::Path, listen: Option<SocketAddr>) -> ExitCode {
+fn serve(source: &Source, listen: Option<SocketAddr>) -> ExitCode {
     init_logging();
-    let Some(cfg) = load(path) else {
+    let Some(cfg) = load(source) else {
         return ExitCode::FAILURE;
     };
+    let label = source.label();
+    if let Source::BuiltIn = source {
+        tracing::info!(
+            "no config file found (--config, $VISOR_CONFIG, ./visor.toml, ./config/visor.toml, $XDG_CONFIG_HOME/visor/visor.toml, /etc/visor/visor.toml): using the built-in default; `visor init` writes one"
+        );
+    }
     for w in &cfg.warnings {
-        tracing::warn!(config = %path.display(), "{w}");
+        tracing::warn!(config = %label, "{w}");
     }
     // Worker 0 runs on this thread; Server::run starts the others.
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -603,7 +765,7 @@ fn serve(path: &std::path::Path, listen: Option<SocketAddr>) -> ExitCode {
         let shutdown = shutdown_signal()?;
         let addr = server.local_addr()?;
         let workers = server.workers();
-        tracing::info!(%addr, workers, config = %path.display(), "visor listening");
+        tracing::info!(%addr, workers, config = %label, "visor listening");
         server.run(shutdown).await
     });
     match result {
@@ -613,6 +775,49 @@ fn serve(path: &std::path::Path, listen: Option<SocketAddr>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `visor init [RECIPE]`: lists the recipes, or writes one.
+fn init(recipe: Option<&str>, output: &std::path::Path, force: bool) -> ExitCode {
+    let Some(name) = recipe else {
+        out!("recipes (`visor init NAME` writes one to ./visor.toml):");
+        for (name, what, _) in RECIPES {
+            out!("  {name:12} {what}");
+        }
+        return ExitCode::SUCCESS;
+    };
+    let Some((_, _, text)) = RECIPES.iter().find(|(n, _, _)| *n == name) else {
+        let names: Vec<&str> = RECIPES.iter().map(|(n, _, _)| *n).collect();
+        eprintln!(
+            "error: no recipe {name:?}; the recipes are: {}",
+            names.join(", ")
+        );
+        return ExitCode::FAILURE;
+    };
+    if output.exists() && !force {
+        eprintln!("error: {} exists; --force replaces it", output.display());
+        return ExitCode::FAILURE;
+    }
+    if let Err(e) = std::fs::write(output, text) {
+        eprintln!("error: cannot write {}: {e}", output.display());
+        return ExitCode::FAILURE;
+    }
+    out!("wrote {} (recipe {name})", output.display());
+    // The environment variables it reads.
+    let vars: std::collections::BTreeSet<&str> = text
+        .match_indices("${")
+        .filter_map(|(at, _)| text[at + 2..].split_once('}').map(|(v, _)| v))
+        .collect();
+    if !vars.is_empty() {
+        let vars: Vec<&str> = vars.into_iter().collect();
+        out!("it reads these environment variables: {}", vars.join(", "));
+    }
+    let at = match output == std::path::Path::new("visor.toml") {
+        true => String::new(),
+        false => format!(" --config {}", output.display()),
+    };
+    out!("next: `visor check{at}`, then `visor serve{at}`");
+    ExitCode::SUCCESS
 }
 
 fn init_logging() {

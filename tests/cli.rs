@@ -449,3 +449,239 @@ fn explain_prints_the_rewritten_request_and_the_report() {
     let err = fails(visor().args(["explain", "--model", "m"]).arg(&bad));
     assert!(err.contains("not valid JSON"), "{err}");
 }
+
+/// The environment every recipe reads, set to placeholders.
+fn recipe_env(cmd: &mut Command) -> &mut Command {
+    for var in [
+        "DEEPSEEK_API_KEY",
+        "OPENAI_API_KEY",
+        "AZURE_OPENAI_KEY",
+        "TEAM_A_KEY",
+        "TEAM_B_KEY",
+    ] {
+        cmd.env(var, format!("placeholder-{var}"));
+    }
+    cmd
+}
+
+/// `visor init` lists the recipes; `visor init NAME` writes one, which
+/// `visor check --strict` accepts without a warning; it never overwrites
+/// a file without `--force`.
+#[test]
+fn init_writes_each_recipe_and_check_accepts_it_strictly() {
+    let out = visor().arg("init").output().unwrap();
+    assert!(out.status.success());
+    let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+    let dir = support::temp_dir("init");
+    for name in ["claude-code", "codex", "local", "team"] {
+        assert!(listed.contains(name), "{listed}");
+        let path = dir.join(format!("{name}.toml"));
+        let out = visor()
+            .args(["init", name, "--output"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(said.contains("next: `visor check --config"), "{said}");
+        // The file written is the one in config/examples.
+        let shipped = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("config/examples/{name}.toml")),
+        )
+        .unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), shipped);
+        let out = recipe_env(visor().args(["check", "--strict", "--config"]).arg(&path))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success() && !text.contains("warning:"),
+            "{name}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Written again: refused, unless --force.
+        let err = fails(visor().args(["init", name, "--output"]).arg(&path));
+        assert!(err.contains("--force"), "{err}");
+        assert!(
+            visor()
+                .args(["init", name, "--force", "--output"])
+                .arg(&path)
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+    let err = fails(visor().args(["init", "nope"]));
+    assert!(err.contains("claude-code, codex, local, team"), "{err}");
+}
+
+/// The usual mistakes are warnings (exit 0), errors with `--strict`.
+#[test]
+fn check_warns_of_the_usual_mistakes() {
+    let cases = [
+        (
+            "[[upstream]]\nname = \"a\"\nbase_url = \"https://api.example.com/v1/chat/completions\"\n",
+            "ends in /chat/completions",
+        ),
+        (
+            "[[upstream]]\nname = \"a\"\nbase_url = \"https://api.example.com\"\n",
+            "has no version segment such as /v1",
+        ),
+        (
+            "[[upstream]]\nname = \"a\"\nbase_url = \"https://a.example.com/v1\"\napi_key = \"k\"\n\
+             [[upstream]]\nname = \"b\"\nbase_url = \"https://b.example.com/v1\"\napi_key = \"k\"\nmodels = [\"claude-*\"]\n",
+            "upstream[1] \"b\": no request is ever routed to it",
+        ),
+        (
+            "[[upstream]]\nname = \"a\"\nbase_url = \"https://a.example.com/v1\"\nmodels = [\"gpt-*\"]\napi_key = \"k\"\n\
+             [[key]]\nname = \"t\"\nkey = \"sk-t\"\nmodels = [\"claude-*\"]\n",
+            "key \"t\" models[0] \"claude-*\": no [[upstream]] serves a model it names",
+        ),
+        (
+            "[[upstream]]\nname = \"a\"\nbase_url = \"https://a.example.com/v1\"\nmodels = [\"gpt-*\"]\n\
+             [[upstream]]\nname = \"b\"\nbase_url = \"https://b.example.com/v1\"\nmodels = [\"*\"]\napi_key = \"k\"\n\
+             [describer]\nupstream = \"a\"\n",
+            "describer.upstream \"a\" has no api_key: it gets the client's key only for requests routed to \"a\"",
+        ),
+        (
+            "[server]\napi_keys = [\"sk-p\"]\n[[upstream]]\nname = \"a\"\nbase_url = \"https://a.example.com/v1\"\n",
+            "with proxy keys clients' keys are never forwarded",
+        ),
+        (
+            "[[upstream]]\nname = \"anthropic\"\nbase_url = \"https://api.anthropic.com/v1\"\nauth = \"x-api-key\"\napi_key = \"k\"\n",
+            "describer.upstream is not set, so it is the first upstream, \"anthropic\", is of the Anthropic kind",
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let path = temp_config(&format!("mistake-{i}"), text);
+        let out = visor()
+            .args(["check", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "case {i}: {said}");
+        assert!(
+            said.contains("warning: ") && said.contains(want),
+            "case {i}: {said}"
+        );
+        let err = fails(visor().args(["check", "--strict", "--config"]).arg(&path));
+        assert!(err.contains("--strict"), "case {i}: {err}");
+    }
+    // The shipped default has none.
+    let out = visor().args(["check", "--strict"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// Outside the repository, with no config anywhere, visor uses its
+/// built-in default and says so; `./visor.toml` is found without a flag.
+#[test]
+fn without_a_config_file_the_built_in_default_is_used_and_named() {
+    let dir = support::temp_dir("no-config");
+    let home = dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let run = || {
+        let mut c = visor();
+        c.current_dir(&dir)
+            .env("HOME", &home)
+            .env_remove("XDG_CONFIG_HOME")
+            .arg("check");
+        c
+    };
+    if Path::new("/etc/visor/visor.toml").exists() {
+        eprintln!("SKIPPED: /etc/visor/visor.toml exists on this machine");
+        return;
+    }
+    let out = run().output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        said.contains("no config file found") && said.contains("the built-in default: ok"),
+        "{said}"
+    );
+    // $XDG_CONFIG_HOME/visor/visor.toml, then ./visor.toml before it.
+    let xdg = dir.join("xdg");
+    std::fs::create_dir_all(xdg.join("visor")).unwrap();
+    std::fs::write(
+        xdg.join("visor/visor.toml"),
+        "[[upstream]]\nname = \"from-xdg\"\nbase_url = \"https://x.example.com/v1\"\n",
+    )
+    .unwrap();
+    let out = run().env("XDG_CONFIG_HOME", &xdg).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("from-xdg"));
+    std::fs::write(
+        dir.join("visor.toml"),
+        "[[upstream]]\nname = \"from-cwd\"\nbase_url = \"https://c.example.com/v1\"\n",
+    )
+    .unwrap();
+    let out = run().env("XDG_CONFIG_HOME", &xdg).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        said.starts_with("visor.toml: ok") && said.contains("from-cwd"),
+        "{said}"
+    );
+}
+
+/// `visor explain` takes the model from the body when `--model` is absent;
+/// `--raw` prints the exact bytes it would send.
+#[test]
+fn explain_reads_the_model_from_the_body_and_prints_raw_bytes() {
+    let fixture = support::fixtures().join("chat-image-nonvision.json");
+    let body = std::fs::read(&fixture).unwrap();
+    let named: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let out = visor().arg("explain").arg(&fixture).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["report"]["model"], named["model"]);
+    // Raw: the bytes as sent, not re-serialised (keys keep their order).
+    let out = visor()
+        .args(["explain", "--raw"])
+        .arg(&fixture)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let raw = out.stdout;
+    assert!(serde_json::from_slice::<serde_json::Value>(&raw).is_ok());
+    assert!(
+        !String::from_utf8_lossy(&raw).contains(";base64,"),
+        "the image was replaced"
+    );
+    let first_key = |b: &[u8]| {
+        let t = String::from_utf8_lossy(b).into_owned();
+        t.find('"')
+            .map(|i| t[i + 1..].split('"').next().unwrap_or("").to_owned())
+    };
+    assert_eq!(
+        first_key(&raw),
+        first_key(&body),
+        "raw keeps the body's own order"
+    );
+    // A body that names no model, without --model: refused, saying so.
+    let mut child = visor()
+        .arg("explain")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), br#"{"messages":[]}"#).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--model"));
+}
