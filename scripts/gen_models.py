@@ -14,6 +14,14 @@ agrees on `vision`; names with no agreeing family stay exact. An empty cell
 means "not stated" and never counts as false. The script checks that every
 stated name resolves to its stated value through the finished table (first
 match wins) and fails otherwise.
+
+A name carrying a vision marker (`vl`, `vision`, `omni`, `llava`, a `v`
+glued to the version as in `glm-4.5v`…) is decided by the marker in visor
+before any built-in row (`src/models.rs`, `vision_marker`); `marker` below
+is the same rule, so the check knows it and no row is spent on such names.
+DOCUMENTED rows are placed above the data's own exceptions: they hold facts
+read in the publishers' documentation that some host's entry in the data
+contradicts.
 """
 import csv
 import re
@@ -33,6 +41,34 @@ SUFFIXES = [
     re.compile(r"-latest$"),
 ]
 
+# Facts from the publishers' documentation (model cards, API docs) that win
+# over a host's contrary entry in the data. First match wins.
+DOCUMENTED = [
+    # Gemma 3: 1B and 270M are text-only; 4B and up take images (Google's
+    # Gemma docs and model card).
+    ("gemma-3-1b*", False), ("gemma3-1b*", False), ("gemma3:1b*", False),
+    ("gemma-3-270m*", False), ("gemma3-270m*", False), ("gemma3:270m*", False),
+    # Llama 4 Scout / Maverick are natively multimodal (Meta's model card).
+    ("llama-4*", True), ("llama4*", True), ("llama-v4*", True),
+    # Kimi K2.5 added a vision encoder to K2 (Moonshot; vLLM's kimi_k25);
+    # K2 / K2-Instruct / K2-Thinking are text-only.
+    ("kimi-k2.5*", True), ("kimi-k2p5*", True),
+    # Qwen3.5 is one vision-language family (Qwen model cards, SGLang's
+    # cookbook); Qwen3 and Qwen3-Coder are text-only.
+    ("qwen3.5*", True), ("qwen3p5*", True), ("qwen3_5*", True),
+    # Ministral 3 (2512): every size has a vision encoder (Mistral's cards).
+    ("ministral-3-*", True), ("ministral-3:*", True), ("ministral-*-2512*", True),
+    # Mistral Large 3 (2512) is multimodal; Large 2 (2407, 2411) is not.
+    ("mistral-large-3*", True), ("mistral-large-2512*", True),
+    # Devstral Small 2 takes images; Devstral Small 1.x (2505, 2507) does
+    # not (Mistral; a community vision graft exists for 1.0 only).
+    ("devstral-small-2", True), ("devstral-small-2-*", True),
+    ("devstral-small-2:*", True), ("devstral-small-2512*", True),
+    ("devstral-small-2505*", False), ("devstral-small-2507*", False),
+    # gpt-oss is text-only (OpenAI's model card).
+    ("gpt-oss*", False),
+]
+
 # Well-known families the source leaves blank (or states only for some
 # hosts). First match wins, so the vision exceptions come before the
 # text-only families they sit in.
@@ -41,7 +77,8 @@ MANUAL = [
     ("*-vl-*", True), ("*-vl", True), ("*vision*", True), ("qvq*", True),
     ("pixtral*", True), ("llava*", True), ("llama-4*", True), ("llama4*", True),
     ("qwen*-omni*", True), ("mistral-small-3.1*", True), ("mistral-small-3.2*", True),
-    ("mistral-medium-3*", True), ("gemma-3-*", True), ("gemma3*", True),
+    ("mistral-medium-3*", True), ("mistral-small3.1*", True), ("mistral-small3.2*", True),
+    ("gemma-3-*", True), ("gemma3*", True), ("gemma-3n*", True), ("minicpm-v*", True),
     # text-only
     ("gpt-4", False), ("gpt-4-32k*", False), ("gpt-4-0125-preview", False),
     ("gpt-4-1106-preview", False), ("gpt-3.5*", False), ("gpt-35*", False), ("gpt-oss*", False),
@@ -60,7 +97,27 @@ MANUAL = [
     ("ministral*", False), ("mistral-tiny*", False), ("mistral-large-2*", False),
     ("phi-3*", False), ("phi-4*", False), ("gemma-2*", False), ("gemma2*", False),
     ("command-r*", False), ("yi-*", False), ("glm-4-*", False), ("kimi-k2*", False),
+    # this year's text-only families (their vision members carry a marker:
+    # glm-4.5v, glm-5v-turbo, qwen3-vl-*, deepseek-v4-flash-vision-exp)
+    ("deepseek-v4-pro*", False), ("glm-4.5*", False), ("glm-4p5*", False),
+    ("glm-4.6*", False), ("glm-4p6*", False), ("glm-4.7*", False), ("glm-4p7*", False),
+    ("glm-5*", False), ("minimax-m2*", False), ("qwen3-coder*", False),
+    ("qwen3-next*", False), ("devstral-medium*", False),
 ]
+
+
+def marker(name):
+    """The vision marker in a name, as `vision_marker` in src/models.rs."""
+    n = name.lower().rsplit("/", 1)[-1]
+    for m in re.finditer(r"[a-z]+", n):
+        run, start, end = m.group(), m.start(), m.end()
+        if run in ("vl", "vlm", "vision", "omni", "internvl", "qvq"):
+            return run
+        if run == "v" and start > 0 and n[start - 1].isdigit() and not n[end:end + 1].isdigit():
+            return run
+        if run.endswith("llava") or run.endswith("vlm"):
+            return run
+    return None
 
 
 def normalise(name):
@@ -121,9 +178,22 @@ def main():
     # Hand rows come first; a stated name a hand row gets wrong becomes an
     # exact row above them. Families are folded from the names no hand row
     # covers, so a data glob never overrides a hand row.
+    def documented_row(n):
+        return next(((p, v) for p, v in DOCUMENTED if glob_match(p, n)), None)
+
     exceptions = []
     rest = {}
+    overridden = []
     for n, v in stated.items():
+        if marker(n):
+            if not v["vision"]:
+                overridden.append((n, v["vision"], "marker " + marker(n)))
+            continue
+        d = documented_row(n)
+        if d is not None:
+            if d[1] != v["vision"]:
+                overridden.append((n, v["vision"], d[0]))
+            continue
         m = manual_row(n)
         if m is None:
             rest[n] = v
@@ -162,20 +232,29 @@ def main():
     def members_of(pattern):
         if pattern.endswith("*"):
             p = pattern[:-1]
-            return [n for n in names if n.startswith(p) and manual_row(n) is None]
+            return [n for n in names if n.startswith(p) and manual_row(n) is None
+                    and documented_row(n) is None and not marker(n)]
         return [pattern]
 
     data_rows = [row(p, members_of(p)) for p in chosen]
     # Exact names first, then globs from the most specific down.
     data_rows.sort(key=lambda r: (r["match"].endswith("*"), -len(r["match"]), r["match"]))
     table = (
-        sorted((row(n, [n]) for n in exceptions), key=lambda r: r["match"])
+        [{"match": p, "vision": v} for p, v in DOCUMENTED]
+        + sorted((row(n, [n]) for n in exceptions), key=lambda r: r["match"])
         + [{"match": p, "vision": v} for p, v in MANUAL]
         + data_rows
     )
 
+    for o in overridden:
+        print("documented fact over the data:", o, file=sys.stderr)
     bad = []
+    overridden_names = {o[0] for o in overridden}
     for n, v in stated.items():
+        if n in overridden_names:
+            continue
+        if marker(n):
+            continue
         for r in table:
             if glob_match(r["match"], n):
                 if r.get("vision") != v["vision"]:
@@ -191,7 +270,9 @@ def main():
     print("# The built-in model-spec table, compiled into visor. Generated by")
     print("# scripts/gen_models.py from litellm's public model map (see")
     print("# scripts/data/README.md) plus hand rows for text-only families the")
-    print("# source leaves blank. First match wins; user [[model]] rows come first.")
+    print("# source leaves blank, and rows for facts documented by the publishers")
+    print("# above both. First match wins; user [[model]] rows come first, then a")
+    print("# vision marker in the name (vl, vision, omni, llava, 4.5v...), then these.")
     print("# Names are matched lower case, with and without provider prefix and")
     print("# date/version suffix. A missing field means \"not stated\".")
     print(f"# {len(stated)} names with a stated vision flag -> {len(table)} rows.")

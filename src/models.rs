@@ -2,9 +2,12 @@
 //! documents), how many, and how large a context they take.
 //!
 //! Resolution for a request: the `x-visor-vision` header, then the user's
-//! `[[model]]` rows, then the built-in rows (`config/models.toml`, compiled
-//! in), then rows learned from upstream refusals; a model none of them
-//! states is "unknown" and treated as capable. Each field is taken from the
+//! `[[model]]` rows, then a vision marker in the name ([`vision_marker`]:
+//! `qwen2.5vl:7b`, `glm-4.5v`, `llava:13b`…, so a vision member of a
+//! text-only family is not caught by the family's row), then the built-in
+//! rows (`config/models.toml`, compiled in), then rows learned from
+//! upstream refusals; a model none of them states is "unknown" and treated
+//! as capable. Each field is taken from the
 //! first row that states it, so a user row that only sets `max_images`
 //! keeps the built-in vision flag.
 //!
@@ -58,6 +61,9 @@ pub enum Source {
     Header,
     /// A user `[[model]]` row: index and pattern.
     User(usize, String),
+    /// A vision marker in the name (`vl`, `vision`, `4.5v`…): after the
+    /// user rows, before the built-in ones.
+    Marker(&'static str),
     /// A built-in row: index and pattern.
     BuiltIn(usize, String),
     /// Learned from an upstream refusal (the learned name).
@@ -71,6 +77,7 @@ impl fmt::Display for Source {
         match self {
             Source::Header => f.write_str("x-visor-vision header"),
             Source::User(i, p) => write!(f, "user row model[{i}] match = {p:?}"),
+            Source::Marker(m) => write!(f, "vision marker {m:?} in the name (built in)"),
             Source::BuiltIn(i, p) => write!(f, "built-in row {i} match = {p:?}"),
             Source::Learned(n) => write!(f, "learned: {n:?} refused images"),
             Source::Unknown => f.write_str("no row (unknown: treated as capable)"),
@@ -381,6 +388,13 @@ impl ModelTable {
         let mut caps = Caps::default();
         let mut vision_from = Source::Unknown;
         for (layer, is_user) in [(&self.user, true), (&self.builtin, false)] {
+            if !is_user
+                && caps.vision.is_none()
+                && let Some(m) = vision_marker(model)
+            {
+                caps.vision = Some(true);
+                vision_from = Source::Marker(m);
+            }
             for i in layer.matching(&forms) {
                 let row = &layer.caps[i];
                 if caps.vision.is_none() && row.vision.is_some() {
@@ -401,6 +415,55 @@ impl ModelTable {
         }
         (caps, vision_from)
     }
+}
+
+/// The vision marker in a model's name, if it has one: a token that names a
+/// model which sees, in any naming style — `qwen2.5vl:7b` (Ollama),
+/// `qwen/qwen2.5-vl-72b-instruct` (OpenRouter), `Qwen/Qwen2.5-VL-7B-Instruct`
+/// (Hugging Face), `glm-4.5v`, `llava:13b`, `llama-3.2-11b-vision`,
+/// `qwen2.5-omni-7b`. The last path segment is cut into runs of letters and
+/// runs of digits (everything else separates), and a run of letters is a
+/// marker when it is `vl`, `vlm` (or ends in it: `smolvlm`), `vision`,
+/// `omni`, ends in `llava` (`bakllava`), is `internvl`, `qvq`, or is a lone
+/// `v` glued to the version before it and followed by no digit (`4.5v`,
+/// `5v-turbo`, `4p5v`, `step-1v`). So `deepseek-v3` (`v` then a version),
+/// `devstral`, `vllm`, `vicuna` carry none.
+pub fn vision_marker(model: &str) -> Option<&'static str> {
+    let lower = model.trim().to_ascii_lowercase();
+    let name = lower.rsplit('/').next().unwrap_or(&lower);
+    let b = name.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if !b[i].is_ascii_lowercase() {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < b.len() && b[i].is_ascii_lowercase() {
+            i += 1;
+        }
+        let run = &name[start..i];
+        let found = match run {
+            "vl" | "vlm" => Some("vl"),
+            "vision" => Some("vision"),
+            "omni" => Some("omni"),
+            "internvl" => Some("internvl"),
+            "qvq" => Some("qvq"),
+            "v" if start > 0
+                && b[start - 1].is_ascii_digit()
+                && !b.get(i).is_some_and(u8::is_ascii_digit) =>
+            {
+                Some("v")
+            }
+            r if r.ends_with("llava") => Some("llava"),
+            r if r.ends_with("vlm") => Some("vl"),
+            _ => None,
+        };
+        if found.is_some() {
+            return found;
+        }
+    }
+    None
 }
 
 /// Model names whose table answer is remembered.
@@ -604,6 +667,242 @@ mod tests {
         }
         let unknown = t.resolve("my-own-finetune-7b", None);
         assert!(unknown.vision && !unknown.known());
+    }
+
+    /// Vision markers are tokens, in every naming style, and a version `v`
+    /// is not one.
+    #[test]
+    fn vision_markers_are_tokens() {
+        let marked = [
+            ("qwen2.5vl:7b", "vl"),
+            ("qwen/qwen2.5-vl-72b-instruct", "vl"),
+            ("Qwen/Qwen2.5-VL-7B-Instruct", "vl"),
+            ("accounts/fireworks/models/qwen2p5-vl-32b-instruct", "vl"),
+            ("deepseek-ai/DeepSeek-VL2", "vl"),
+            ("HuggingFaceTB/SmolVLM-Instruct", "vl"),
+            ("zai-org/GLM-4.5V", "v"),
+            ("glm-5v-turbo", "v"),
+            ("accounts/fireworks/models/glm-4p5v", "v"),
+            ("zai-org/GLM-4.1V-9B-Thinking", "v"),
+            ("step-1v-8k", "v"),
+            ("llava:13b", "llava"),
+            ("bakllava:7b", "llava"),
+            ("llama3.2-vision:11b", "vision"),
+            ("grok-2-vision-1212", "vision"),
+            ("Qwen/Qwen2.5-Omni-7B", "omni"),
+            ("OpenGVLab/InternVL3-8B", "internvl"),
+            ("Qwen/QVQ-72B-Preview", "qvq"),
+        ];
+        for (m, want) in marked {
+            assert_eq!(vision_marker(m), Some(want), "{m}");
+        }
+        let unmarked = [
+            "deepseek-v3",
+            "deepseek-ai/DeepSeek-V3.2-Exp",
+            "deepseek-v4-pro",
+            "devstral-small-2507",
+            "vllm/my-model",
+            "vllm-served-llama",
+            "mistral-7b-instruct-v0.3",
+            "lmsys/vicuna-13b-v1.5",
+            "claude-3-5-sonnet-20240620-v1:0",
+            "accounts/fireworks/models/llama-v3p1-8b-instruct",
+            "kimi-dev-72b",
+            "moonshot-v1-8k",
+            "mimo-v2-flash",
+            "gemma3:27b",
+            "qwen2.5:7b",
+            "gpt-4o",
+            "",
+        ];
+        for m in unmarked {
+            assert_eq!(vision_marker(m), None, "{m}");
+        }
+        // The marker beats the text-only family row (`qwen2.5*`), and a
+        // user row beats the marker.
+        let r = table().resolve("qwen2.5vl:7b", None);
+        assert!(r.vision);
+        assert_eq!(r.vision_from, Source::Marker("vl"));
+        let user = [RawModel {
+            pattern: "qwen2.5vl*".into(),
+            vision: Some(false),
+            audio: None,
+            pdf: None,
+            office: None,
+            max_images: None,
+            context_window: None,
+        }];
+        let t = ModelTable::new(&user, Learned::default()).unwrap();
+        assert!(!t.resolve("qwen2.5vl:7b", None).vision);
+    }
+
+    /// Real model ids, in each naming style (Ollama tags, OpenRouter paths,
+    /// Hugging Face repo ids, provider and cloud ids), with the vision fact
+    /// their publishers document.
+    #[test]
+    fn real_model_ids_in_every_naming_style() {
+        let t = table();
+        let cases: &[(&str, bool)] = &[
+            // Ollama
+            ("qwen2.5vl:7b", true),
+            ("qwen2.5vl:72b", true),
+            ("llava:13b", true),
+            ("llava:7b-v1.6", true),
+            ("bakllava:7b", true),
+            ("llava-llama3:8b", true),
+            ("gemma3:27b", true),
+            ("gemma3:4b", true),
+            ("gemma3:1b", false),
+            ("gemma3:270m", false),
+            ("gemma3n:e4b", true),
+            ("llama3.2-vision:11b", true),
+            ("llama4:scout", true),
+            ("llama3.1:8b", false),
+            ("qwen3:8b", false),
+            ("qwen3-coder:30b", false),
+            ("qwen3-vl:8b", true),
+            ("qwen3.5:27b", true),
+            ("qwen2.5:7b", false),
+            ("qwen2.5-coder:7b", false),
+            ("deepseek-r1:8b", false),
+            ("deepseek-v3.1:671b-cloud", false),
+            ("gpt-oss:20b", false),
+            ("gpt-oss:120b-cloud", false),
+            ("minicpm-v:8b", true),
+            ("mistral-small3.1:24b", true),
+            ("granite3.2-vision:2b", true),
+            ("ministral-3:8b", true),
+            ("kimi-k2.5:cloud", true),
+            ("glm-4.6:cloud", false),
+            // OpenRouter
+            ("qwen/qwen2.5-vl-72b-instruct", true),
+            ("qwen/qwen3-vl-235b-a22b-instruct", true),
+            ("qwen/qwen3-235b-a22b-2507", false),
+            ("qwen/qwen3-coder", false),
+            ("qwen/qwen3-next-80b-a3b-instruct", false),
+            ("qwen/qwen3.5-9b", true),
+            ("meta-llama/llama-4-maverick", true),
+            ("meta-llama/llama-4-scout", true),
+            ("meta-llama/llama-3.3-70b-instruct", false),
+            ("meta-llama/llama-3.2-11b-vision-instruct", true),
+            ("deepseek/deepseek-chat-v3.1", false),
+            ("deepseek/deepseek-v3.2", false),
+            ("deepseek/deepseek-v3.2-exp", false),
+            ("deepseek/deepseek-r1-0528", false),
+            ("deepseek/deepseek-v4-pro", false),
+            ("deepseek/deepseek-v4-flash-vision-exp", true),
+            ("z-ai/glm-4.5", false),
+            ("z-ai/glm-4.5-air", false),
+            ("z-ai/glm-4.5v", true),
+            ("z-ai/glm-4.6", false),
+            ("z-ai/glm-4.6v", true),
+            ("z-ai/glm-4.7", false),
+            ("z-ai/glm-5", false),
+            ("z-ai/glm-5.1", false),
+            ("minimax/minimax-m2", false),
+            ("minimax/minimax-m2.1", false),
+            ("minimax/minimax-m2.5", false),
+            ("moonshotai/kimi-k2", false),
+            ("moonshotai/kimi-k2-0905", false),
+            ("moonshotai/kimi-k2-thinking", false),
+            ("moonshotai/kimi-k2.5", true),
+            ("openai/gpt-oss-120b", false),
+            ("google/gemma-3-27b-it", true),
+            ("google/gemma-3-4b-it", true),
+            ("google/gemma-3n-e4b-it", true),
+            ("mistralai/mistral-small-3.2-24b-instruct", true),
+            ("mistralai/codestral-2508", false),
+            ("mistralai/mistral-large-2512", true),
+            ("mistralai/mistral-large-2411", false),
+            ("mistralai/ministral-8b-2512", true),
+            ("openai/gpt-4o", true),
+            ("x-ai/grok-4", true),
+            // Hugging Face repo ids
+            ("Qwen/Qwen2.5-VL-7B-Instruct", true),
+            ("Qwen/Qwen2.5-VL-72B-Instruct-AWQ", true),
+            ("Qwen/Qwen3-VL-30B-A3B-Instruct", true),
+            ("Qwen/Qwen3-8B", false),
+            ("Qwen/Qwen3-Coder-480B-A35B-Instruct", false),
+            ("Qwen/Qwen2.5-Omni-7B", true),
+            ("Qwen/Qwen3-Omni-30B-A3B-Instruct", true),
+            ("Qwen/QVQ-72B-Preview", true),
+            ("Qwen/Qwen3.5-397B-A17B", true),
+            ("zai-org/GLM-4.5V", true),
+            ("zai-org/GLM-4.6V", true),
+            ("zai-org/GLM-4.1V-9B-Thinking", true),
+            ("zai-org/GLM-4.5", false),
+            ("zai-org/GLM-4.5-Air", false),
+            ("zai-org/GLM-4.6", false),
+            ("deepseek-ai/DeepSeek-V3", false),
+            ("deepseek-ai/DeepSeek-V3.1-Terminus", false),
+            ("deepseek-ai/DeepSeek-V3.2-Exp", false),
+            ("deepseek-ai/DeepSeek-VL2", true),
+            ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", false),
+            ("moonshotai/Kimi-K2-Instruct", false),
+            ("moonshotai/Kimi-K2.5", true),
+            ("moonshotai/Kimi-VL-A3B-Instruct", true),
+            ("MiniMaxAI/MiniMax-M2", false),
+            ("meta-llama/Llama-4-Scout-17B-16E-Instruct", true),
+            ("meta-llama/Llama-3.2-11B-Vision-Instruct", true),
+            ("openai/gpt-oss-20b", false),
+            ("google/gemma-3-1b-it", false),
+            ("google/gemma-3-12b-it", true),
+            ("google/gemma-3-270m-it", false),
+            ("llava-hf/llava-1.5-7b-hf", true),
+            ("llava-hf/llava-v1.6-mistral-7b-hf", true),
+            ("OpenGVLab/InternVL3-8B", true),
+            ("HuggingFaceTB/SmolVLM-Instruct", true),
+            ("microsoft/Phi-3.5-vision-instruct", true),
+            ("mistralai/Mistral-Small-3.1-24B-Instruct-2503", true),
+            ("mistralai/Devstral-Small-2505", false),
+            ("mistralai/Ministral-3-8B-Instruct-2512", true),
+            ("mistralai/Mistral-Large-3-675B-Instruct-2512", true),
+            ("mistralai/Codestral-22B-v0.1", false),
+            ("mistralai/Pixtral-12B-2409", true),
+            // provider and cloud ids
+            ("glm-4.5v", true),
+            ("glm-4.6v", true),
+            ("glm-5v-turbo", true),
+            ("glm-4.5", false),
+            ("glm-4.7", false),
+            ("glm-5", false),
+            ("deepseek-chat", false),
+            ("deepseek-reasoner", false),
+            ("kimi-k2-0905-preview", false),
+            ("kimi-k2-turbo-preview", false),
+            ("kimi-k2.5", true),
+            ("MiniMax-M2", false),
+            ("qwen3-vl-plus", true),
+            ("qwen-vl-max", true),
+            ("qwen3-max", false),
+            ("qwen3-coder-plus", false),
+            ("accounts/fireworks/models/glm-4p5v", true),
+            ("accounts/fireworks/models/qwen2p5-vl-32b-instruct", true),
+            ("accounts/fireworks/models/deepseek-v3p1", false),
+            ("us.meta.llama4-maverick-17b-instruct-v1:0", true),
+            ("qwen.qwen3-vl-235b-a22b", true),
+            ("qwen.qwen3-32b-v1:0", false),
+            ("openai.gpt-oss-120b-1:0", false),
+            ("step-1v-8k", true),
+            ("grok-2-vision-1212", true),
+            ("pixtral-large-latest", true),
+            ("codestral-latest", false),
+        ];
+        assert!(cases.len() >= 60);
+        let wrong: Vec<String> = cases
+            .iter()
+            .filter_map(|&(m, want)| {
+                let r = t.resolve(m, None);
+                (r.vision != want || !r.known())
+                    .then(|| format!("{m}: want {want}, got {} from {}", r.vision, r.vision_from))
+            })
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "{} wrong:\n{}",
+            wrong.len(),
+            wrong.join("\n")
+        );
     }
 
     #[test]
