@@ -124,7 +124,25 @@ pub struct Describer {
     cancel: CancellationToken,
     /// Keys being described in the background.
     pending: Mutex<HashSet<String>>,
+    /// The upstream's name, for what is said of a refusal.
+    upstream_name: String,
+    /// The last time its upstream refused the credential (401/403), why,
+    /// and when that was last logged: `/readyz` says degraded while it is
+    /// recent, the log says it once a minute.
+    refused: Mutex<Option<Refused>>,
 }
+
+/// A describer's upstream refusing its credential.
+struct Refused {
+    at: Instant,
+    why: String,
+    logged: Option<Instant>,
+}
+
+/// How long a credential refusal keeps `/readyz` degraded after the last one.
+const REFUSED_FOR: Duration = Duration::from_secs(300);
+/// At most one error line per this long about refusals.
+const REFUSED_LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// The client's credential, carried to the describer when the describer's
 /// upstream has no `api_key` of its own, visor has no proxy keys, and the
@@ -294,7 +312,58 @@ impl Describer {
             background: TaskTracker::new(),
             cancel: CancellationToken::new(),
             pending: Mutex::new(HashSet::new()),
+            upstream_name: config
+                .upstreams
+                .get(upstream)
+                .map(|u| u.name.clone())
+                .unwrap_or_default(),
+            refused: Mutex::new(None),
         }
+    }
+
+    /// Why `/readyz` should say degraded: the upstream refused this
+    /// describer's credential within the last five minutes (none since
+    /// answered).
+    pub fn problem(&self) -> Option<String> {
+        let r = self.refused.lock().ok()?;
+        let r = r.as_ref()?;
+        (r.at.elapsed() < REFUSED_FOR).then(|| r.why.clone())
+    }
+
+    /// The upstream answered `status` (401/403): counted, remembered for
+    /// `/readyz`, logged as an error at most once a minute.
+    fn credential_refused(&self, status: u16) {
+        let role = match self.job {
+            Job::Describe => "describer",
+            Job::Transcribe => "transcriber",
+        };
+        self.metrics
+            .credential_refused
+            .with_label_values(&[role, &self.upstream_name])
+            .inc();
+        let why = format!(
+            "{role} {:?} refused by upstream `{}` ({status}): check its credential (an api_key of its own, or clients' keys forwarded to it); {}",
+            self.model,
+            self.upstream_name,
+            match self.job {
+                Job::Describe => "images get placeholders meanwhile",
+                Job::Transcribe => "audio gets placeholders meanwhile",
+            }
+        );
+        let Ok(mut r) = self.refused.lock() else {
+            return;
+        };
+        let now = Instant::now();
+        let logged = r.as_ref().and_then(|r| r.logged);
+        let log = logged.is_none_or(|l| now.duration_since(l) >= REFUSED_LOG_EVERY);
+        if log {
+            tracing::error!(upstream = %self.upstream_name, status, "{why}");
+        }
+        *r = Some(Refused {
+            at: now,
+            why,
+            logged: if log { Some(now) } else { logged },
+        });
     }
 
     /// The key a description is known by: image SHA-256 hex, describer
@@ -436,6 +505,9 @@ impl Describer {
                 if let Ok(mut b) = self.backoff.lock() {
                     b.reset();
                 }
+                if let Ok(mut r) = self.refused.lock() {
+                    *r = None;
+                }
             }
             Err(f) => {
                 let pause = f.back_off.then(|| self.fail());
@@ -530,6 +602,9 @@ impl Describer {
                     return Err(Failure::new("describer answer larger than 1 MiB", false));
                 }
             }
+        }
+        if matches!(status.as_u16(), 401 | 403) {
+            self.credential_refused(status.as_u16());
         }
         if !status.is_success() {
             let unwell = status.is_server_error() || status.as_u16() == 429;

@@ -44,6 +44,8 @@ pub struct Metrics {
     pub transform_duration: Histogram,
     pub artifact_errors: IntCounter,
     pub describe: IntCounterVec,
+    /// `visor_credential_refused_total{role, upstream}`
+    pub credential_refused: IntCounterVec,
     pub describe_duration: Histogram,
     pub describe_cache_entries: IntGauge,
     pub describe_background: IntGauge,
@@ -183,6 +185,13 @@ impl Metrics {
             ),
             &["result"],
         )?;
+        let credential_refused = IntCounterVec::new(
+            Opts::new(
+                "visor_credential_refused_total",
+                "Describer and transcriber calls their upstream refused with 401 or 403 (a missing or wrong credential), by role and upstream",
+            ),
+            &["role", "upstream"],
+        )?;
         let describe_duration = Histogram::with_opts(
             HistogramOpts::new(
                 "visor_describe_duration_seconds",
@@ -256,6 +265,7 @@ impl Metrics {
             session_turns.with_label_values(&[result]);
         }
         registry.register(Box::new(describe.clone()))?;
+        registry.register(Box::new(credential_refused.clone()))?;
         registry.register(Box::new(describe_duration.clone()))?;
         registry.register(Box::new(describe_cache_entries.clone()))?;
         registry.register(Box::new(describe_background.clone()))?;
@@ -332,6 +342,7 @@ impl Metrics {
             transform_duration,
             artifact_errors,
             describe,
+            credential_refused,
             describe_duration,
             describe_cache_entries,
             describe_background,

@@ -754,3 +754,58 @@ async fn explain_uses_stored_descriptions_and_never_calls_the_describer() {
     assert_eq!(mock.count(), calls, "explain made no call");
     let _ = std::fs::remove_dir_all(data_dir);
 }
+
+/// A describer whose upstream refuses its credential (401): the image gets
+/// its placeholder, the refusal is counted under its upstream, `/readyz`
+/// says degraded naming the upstream, and once the describer answers
+/// again it is ready.
+#[tokio::test]
+async fn a_describer_refused_its_credential_makes_readyz_say_why() {
+    let refuse = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let r = refuse.clone();
+    let answers = answers_and_describes();
+    let mock = MockUpstream::start(move |req| {
+        if is_describer_call(req) && r.load(std::sync::atomic::Ordering::SeqCst) {
+            return Reply::json(401, r#"{"error":{"message":"Incorrect API key provided"}}"#);
+        }
+        answers(req)
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, DESCRIBE).await;
+    let (image, _) = png_data_url("refused-1");
+    let body = chat_with_images("gpt-oss-120b", &[image]);
+    let (status, _, _) = send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    assert_eq!(status, 200, "a describer failing never fails the request");
+    let sent = String::from_utf8_lossy(&chat_calls(&mock).last().unwrap().body).into_owned();
+    assert!(sent.contains("not shown"), "{sent}");
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_credential_refused_total",
+            &[("role", "describer"), ("upstream", "mock")]
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    let readyz = || async {
+        let (status, _, body) = send(
+            Request::get(visor.url("/readyz"))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(status, 200, "degraded still serves");
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()
+    };
+    let r = readyz().await;
+    assert_eq!(r["status"], "degraded", "{r}");
+    let why = r["reasons"][0].as_str().unwrap();
+    assert!(why.contains("refused by upstream `mock` (401)"), "{why}");
+    // The key fixed: the next description succeeds, and it is ready.
+    refuse.store(false, std::sync::atomic::Ordering::SeqCst);
+    let (image, _) = png_data_url("refused-2");
+    let body = chat_with_images("gpt-oss-120b", &[image]);
+    send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+    assert_eq!(readyz().await["status"], "ready");
+}

@@ -58,11 +58,25 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
         Own::Readyz => {
             if state.draining.load(Ordering::Relaxed) {
                 json(StatusCode::SERVICE_UNAVAILABLE, r#"{"status":"draining"}"#)
-            } else if let Some(problem) = state.store.check().await {
-                let body = serde_json::json!({"status": "degraded", "reasons": [problem]});
-                json_owned(StatusCode::OK, body.to_string())
             } else {
-                json(StatusCode::OK, r#"{"status":"ready"}"#)
+                // Degraded (still 200: requests are served): the store, or a
+                // describer or transcriber whose upstream refuses its
+                // credential.
+                let reasons: Vec<String> = [
+                    state.store.check().await,
+                    state.describer.problem(),
+                    state.transcriber.problem(),
+                ]
+                .into_iter()
+                .flatten()
+                .collect();
+                match reasons.is_empty() {
+                    true => json(StatusCode::OK, r#"{"status":"ready"}"#),
+                    false => {
+                        let body = serde_json::json!({"status": "degraded", "reasons": reasons});
+                        json_owned(StatusCode::OK, body.to_string())
+                    }
+                }
             }
         }
         Own::Metrics => {
