@@ -840,7 +840,7 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_owned(),
-            message: e.to_string().trim_end().to_owned(),
+            message: with_hint(e.to_string().trim_end()),
         })?;
         let mut missing = Vec::new();
         let mut root = toml::Value::Table(std::mem::take(&mut table));
@@ -857,6 +857,8 @@ impl Config {
             // dotted key already says where.
             let message = e.into_inner().to_string();
             let message = message.lines().next().unwrap_or_default().trim_end();
+            let message = plain_types(message);
+            let message = message.as_str();
             ConfigError::Invalid {
                 path: path.to_owned(),
                 problems: vec![format!("{key}: {message}")],
@@ -867,6 +869,55 @@ impl Config {
             problems,
         })
     }
+}
+
+/// A TOML parse error, with a hint when a text value lacks its quotes
+/// (`name = team-a` reads as a broken `true`): the line as it should be.
+fn with_hint(message: &str) -> String {
+    let unquoted = [
+        "invalid boolean",
+        "string values must be quoted",
+        "invalid number",
+    ]
+    .iter()
+    .any(|m| message.contains(m));
+    let line = message.lines().find_map(|l| {
+        let (num, rest) = l.split_once(" | ")?;
+        num.trim().parse::<u32>().ok()?;
+        let (key, value) = rest.split_once('=')?;
+        Some((key.trim().to_owned(), value.trim().to_owned()))
+    });
+    match (unquoted, line) {
+        (true, Some((key, value))) if !value.starts_with(['"', '\'', '[', '{']) => format!(
+            "{message}\n  hint: text needs quotes: {key} = \"{}\"",
+            value.replace('"', "\\\"")
+        ),
+        _ => message.to_owned(),
+    }
+}
+
+/// serde's type names said the way a config's reader thinks of them
+/// (`expected u64` → a whole number, without quotes).
+fn plain_types(message: &str) -> String {
+    let mut m = message.to_owned();
+    for (rust, plain) in [
+        (
+            "expected u64",
+            "expected a whole number (no quotes: max_body_bytes = 33554432)",
+        ),
+        ("expected u32", "expected a whole number (no quotes)"),
+        ("expected usize", "expected a whole number (no quotes)"),
+        ("expected u16", "expected a whole number (no quotes)"),
+        ("expected i64", "expected a whole number (no quotes)"),
+        (
+            "expected f64",
+            "expected a number (no quotes: timeout_secs = 20)",
+        ),
+        ("expected a boolean", "expected true or false (no quotes)"),
+    ] {
+        m = m.replace(rust, plain);
+    }
+    m
 }
 
 /// Replaces `${NAME}` in every string value; records each missing variable
@@ -1879,6 +1930,26 @@ mod tests {
             ups(&[("a", "")])
         );
         assert_eq!(problems(&ok), "(valid)");
+    }
+
+    #[test]
+    fn type_errors_say_what_to_write() {
+        let e = problems("[[upstream]]\nname = team-a\nbase_url = \"https://a.test/v1\"\n");
+        assert!(
+            e.contains("hint: text needs quotes: name = \"team-a\""),
+            "{e}"
+        );
+        let e = problems("[[upstream]]\nname = openai\nbase_url = \"https://a.test/v1\"\n");
+        assert!(e.contains("name = \"openai\""), "{e}");
+        let e = problems(&format!(
+            "[server]\nmax_body_bytes = \"32MB\"\n{}",
+            ups(&[("a", "")])
+        ));
+        assert!(
+            e.contains("server.max_body_bytes: invalid type: string \"32MB\", expected a whole number (no quotes"),
+            "{e}"
+        );
+        assert!(!e.contains("u64"), "{e}");
     }
 
     #[test]
