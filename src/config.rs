@@ -493,7 +493,7 @@ pub struct RawDedup {
     /// this many lines…
     #[serde(default = "default_min_run_lines")]
     pub min_run_lines: u32,
-    /// …and this many bytes (chosen on the real-traffic corpus: README).
+    /// …and this many bytes (chosen on the real-traffic corpus: docs/dedup.md).
     #[serde(default = "default_min_run_bytes")]
     pub min_run_bytes: u32,
     /// The line dedup of earlier versions; accepted and ignored, with a
