@@ -1,7 +1,8 @@
 //! The README and the user documents under docs/: the README stays a front
 //! door (at most 400 lines), every relative link and `#anchor` in them
 //! resolves, and every TOML block that is a whole configuration (it holds an
-//! `[[upstream]]`) passes `visor check`. No network.
+//! `[[upstream]]`) passes `visor check`, and every `visor` command shown
+//! runs as shown (its synopsis flags exist). No network.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::{BTreeSet, HashMap};
@@ -281,4 +282,119 @@ fn whole_configs_in_the_docs_pass_visor_check() {
         checked.len(),
         checked.join(", ")
     );
+}
+
+/// The `visor` commands the README and docs show in their code blocks
+/// (`visor …`, `$ visor …`, `cargo run --release -- …`), without the
+/// shell comment, and the synopsis lines (`visor check [--config PATH] …`).
+fn shown_commands() -> (Vec<(String, Vec<String>)>, Vec<(String, String)>) {
+    let mut commands = Vec::new();
+    let mut synopses = Vec::new();
+    for (path, text) in documents() {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        for (lang, line, body) in fenced_blocks(&text) {
+            if !matches!(lang.as_str(), "" | "sh" | "shell" | "console" | "bash") {
+                continue;
+            }
+            for (k, l) in body.lines().enumerate() {
+                let l = l.trim().trim_start_matches("$ ");
+                let rest = l
+                    .strip_prefix("cargo run --release -- ")
+                    .or_else(|| l.strip_prefix("visor "));
+                let Some(rest) = rest else { continue };
+                let rest = rest.split(" #").next().unwrap_or(rest).trim();
+                let at = format!("{name}:{}", line + k + 1);
+                if rest.contains('[') {
+                    synopses.push((at, rest.to_owned()));
+                } else {
+                    commands.push((at, rest.split_whitespace().map(str::to_owned).collect()));
+                }
+            }
+        }
+    }
+    (commands, synopses)
+}
+
+/// Every `visor` command shown runs as shown: `init` writes its recipe,
+/// `check` (after it, with the recipe's variables set) passes, `serve` is
+/// checked with the same config; a `--config` naming a file the page only
+/// describes (`bad.toml`) is left out. Every flag a synopsis line shows is
+/// one the command takes.
+#[test]
+fn the_visor_commands_shown_run() {
+    let (commands, synopses) = shown_commands();
+    assert!(
+        commands.iter().any(|(_, c)| c[0] == "init"),
+        "no `visor init` shown: {commands:?}"
+    );
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("docs-commands-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let visor = |dir: &Path, args: &[String]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_visor"));
+        c.current_dir(dir).env_remove("VISOR_CONFIG").args(args);
+        for var in [
+            "DEEPSEEK_API_KEY",
+            "OPENAI_API_KEY",
+            "AZURE_OPENAI_KEY",
+            "TEAM_A_KEY",
+            "TEAM_B_KEY",
+        ] {
+            c.env(var, "docs-test-value");
+        }
+        c.output().unwrap()
+    };
+    let mut ran = 0;
+    for (at, args) in &commands {
+        let config = args
+            .iter()
+            .position(|a| a == "--config")
+            .and_then(|i| args.get(i + 1));
+        if config.is_some_and(|c| !tmp.join(c).exists() && !root().join(c).exists()) {
+            continue;
+        }
+        let args: Vec<String> = match args[0].as_str() {
+            // The same config, checked (serving would not return).
+            "serve" => std::iter::once("check".to_owned())
+                .chain(
+                    args[1..]
+                        .chunks(2)
+                        .filter(|p| p[0] == "--config")
+                        .flatten()
+                        .cloned(),
+                )
+                .collect(),
+            "init" => {
+                let mut a = args.clone();
+                a.push("--force".to_owned());
+                a
+            }
+            _ => args.clone(),
+        };
+        let out = visor(&tmp, &args);
+        assert!(
+            out.status.success(),
+            "{at}: visor {}\n{}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ran += 1;
+    }
+    assert!(ran >= 3, "{ran} commands ran of {commands:?}");
+    for (at, line) in &synopses {
+        let sub = line.split_whitespace().next().unwrap();
+        let out = visor(&tmp, &[sub.to_owned(), "--help".to_owned()]);
+        let help = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{at}: visor {sub} --help");
+        for flag in line
+            .split(|c: char| c.is_whitespace() || c == '[' || c == ']')
+            .filter(|w| w.starts_with("--"))
+        {
+            assert!(
+                help.contains(flag),
+                "{at}: `visor {sub}` has no {flag}:\n{help}"
+            );
+        }
+    }
 }
