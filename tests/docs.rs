@@ -287,7 +287,10 @@ fn whole_configs_in_the_docs_pass_visor_check() {
 /// The `visor` commands the README and docs show in their code blocks
 /// (`visor …`, `$ visor …`, `cargo run --release -- …`), without the
 /// shell comment, and the synopsis lines (`visor check [--config PATH] …`).
-fn shown_commands() -> (Vec<(String, Vec<String>)>, Vec<(String, String)>) {
+/// A command shown: where (`page:line`), and its arguments after `visor`.
+type Shown = (String, Vec<String>);
+
+fn shown_commands() -> (Vec<Shown>, Vec<(String, String)>) {
     let mut commands = Vec::new();
     let mut synopses = Vec::new();
     for (path, text) in documents() {
