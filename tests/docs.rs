@@ -284,12 +284,12 @@ fn whole_configs_in_the_docs_pass_visor_check() {
     );
 }
 
-/// The `visor` commands the README and docs show in their code blocks
-/// (`visor …`, `$ visor …`, `cargo run --release -- …`), without the
-/// shell comment, and the synopsis lines (`visor check [--config PATH] …`).
 /// A command shown: where (`page:line`), and its arguments after `visor`.
 type Shown = (String, Vec<String>);
 
+/// The `visor` commands the README and docs show in their code blocks
+/// (`visor …`, `$ visor …`, `cargo run --release -- …`), without the
+/// shell comment, and the synopsis lines (`visor check [--config PATH] …`).
 fn shown_commands() -> (Vec<Shown>, Vec<(String, String)>) {
     let mut commands = Vec::new();
     let mut synopses = Vec::new();
