@@ -885,13 +885,16 @@ fn with_hint(message: &str) -> String {
         let (num, rest) = l.split_once(" | ")?;
         num.trim().parse::<u32>().ok()?;
         let (key, value) = rest.split_once('=')?;
-        Some((key.trim().to_owned(), value.trim().to_owned()))
+        let value = value.split(" #").next().unwrap_or(value).trim();
+        Some((key.trim().to_owned(), value.to_owned()))
     });
     match (unquoted, line) {
-        (true, Some((key, value))) if !value.starts_with(['"', '\'', '[', '{']) => format!(
-            "{message}\n  hint: text needs quotes: {key} = \"{}\"",
-            value.replace('"', "\\\"")
-        ),
+        (true, Some((key, value))) if value.starts_with(|c: char| c.is_ascii_alphabetic()) => {
+            format!(
+                "{message}\n  hint: text needs quotes: {key} = \"{}\"",
+                value.replace('"', "\\\"")
+            )
+        }
         _ => message.to_owned(),
     }
 }
@@ -1578,7 +1581,17 @@ fn usual_mistakes(m: &Mistakes<'_>) -> Vec<String> {
                 g.replace('*', "").replace('?', "x"),
                 g.replace(['*', '?'], "x"),
             ];
-            let served = ups.iter().any(|u| samples.iter().any(|s| u.matches(s)));
+            // Either side's globs, tried on names made from the other's.
+            let key_glob = Glob::new(&g.to_ascii_lowercase())
+                .ok()
+                .map(|g| g.compile_matcher());
+            let served = ups.iter().any(|u| {
+                samples.iter().any(|s| u.matches(s))
+                    || u.models.iter().any(|ug| {
+                        let sample = ug.to_ascii_lowercase().replace(['*', '?'], "x");
+                        key_glob.as_ref().is_some_and(|k| k.is_match(&sample))
+                    })
+            });
             if !served {
                 w.push(format!(
                     "key {name:?} models[{g_at}] {g:?}: no [[upstream]] serves a model it names"
@@ -1586,6 +1599,14 @@ fn usual_mistakes(m: &Mistakes<'_>) -> Vec<String> {
             }
         }
     }
+    // An upstream some request is routed to: no earlier one takes `*`.
+    let routed = |k: usize| {
+        !ups[..k]
+            .iter()
+            .any(|e| e.models.iter().any(|g| g == "*" || g == "**"))
+    };
+    // The transcriber only when it is set (it serves audio alone).
+    let transcriber = m.transcriber.and(transcriber);
     for (role, at) in [("describer", describer), ("transcriber", transcriber)] {
         let Some(at) = at else { continue };
         let u = &ups[at];
@@ -1612,15 +1633,19 @@ fn usual_mistakes(m: &Mistakes<'_>) -> Vec<String> {
         }
         if m.proxy_keys {
             w.push(format!(
-                "{which} has no api_key, and with proxy keys clients' keys are never forwarded: its calls go out without a credential (the provider answers 401{}) — give it an api_key",
+                "{which} has no api_key, and with proxy keys clients' keys are never forwarded: its calls go out without a credential (a provider that needs one answers 401{}) — give it an api_key (any value for a local server)",
                 match role {
                     "describer" => ", and images become \"not shown\" placeholders",
                     _ => "",
                 }
             ));
-        } else if ups.len() > 1 {
+        } else if ups
+            .iter()
+            .enumerate()
+            .any(|(k, o)| k != at && routed(k) && o.base_url.authority() != u.base_url.authority())
+        {
             w.push(format!(
-                "{which} has no api_key: it gets the client's key only for requests routed to {:?}; for requests to the other upstreams its calls go out without a credential (401) — give it an api_key",
+                "{which} has no api_key: it gets the client's key only for requests routed to {:?}; for requests routed elsewhere its calls go out without a credential (a provider that needs one answers 401) — give it an api_key (any value for a local server)",
                 u.name
             ));
         }

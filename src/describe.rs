@@ -603,7 +603,12 @@ impl Describer {
                 }
             }
         }
-        if matches!(status.as_u16(), 401 | 403) {
+        // Visor's own credential refused, or none sent: a config problem.
+        // A client's own key refused is that client's (its request is
+        // answered; the proxy is not degraded for it).
+        if matches!(status.as_u16(), 401 | 403)
+            && (self.own_credential.is_some() || cred.0.is_empty())
+        {
             self.credential_refused(status.as_u16());
         }
         if !status.is_success() {

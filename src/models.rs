@@ -413,6 +413,15 @@ impl ModelTable {
                 caps.context_window = caps.context_window.or(row.context_window);
             }
         }
+        // A model known to see only by a marker in its name (a local VL
+        // model on Ollama or vLLM) takes images, not files or speech — unless
+        // a row says otherwise, or it is an `omni` model.
+        if let Source::Marker(m) = &vision_from
+            && *m != "omni"
+        {
+            caps.pdf = caps.pdf.or(Some(false));
+            caps.audio = caps.audio.or(Some(false));
+        }
         (caps, vision_from)
     }
 }
@@ -667,6 +676,22 @@ mod tests {
         }
         let unknown = t.resolve("my-own-finetune-7b", None);
         assert!(unknown.vision && !unknown.known());
+    }
+
+    /// A model seen by its marker alone takes images, not PDFs or audio
+    /// (an `omni` one is left to its rows).
+    #[test]
+    fn a_marker_vision_model_takes_no_files_or_speech() {
+        let table = ModelTable::new(&[], Learned::default()).unwrap();
+        for m in ["qwen2.5vl:7b", "llava:13b"] {
+            let r = table.resolve(m, None);
+            assert!(r.vision, "{m}");
+            assert_eq!(
+                (r.caps.pdf, r.caps.audio),
+                (Some(false), Some(false)),
+                "{m}"
+            );
+        }
     }
 
     /// Vision markers are tokens, in every naming style, and a version `v`

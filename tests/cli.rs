@@ -572,6 +572,40 @@ fn check_warns_of_the_usual_mistakes() {
         let err = fails(visor().args(["check", "--strict", "--config"]).arg(&path));
         assert!(err.contains("--strict"), "case {i}: {err}");
     }
+    // Sensible configs get none: a key's glob wider than its upstream's, a
+    // describer whose upstream takes every route (the other one only a
+    // fallback), the usual base URLs, a comment after an unquoted value.
+    for (i, text) in [
+        "[[upstream]]\nname = \"a\"\nbase_url = \"https://a.example.com/v1\"\nmodels = [\"gpt-4o*\"]\napi_key = \"k\"\n\
+         [[key]]\nname = \"t\"\nkey = \"sk-t\"\nmodels = [\"gpt-*\"]\n",
+        "[[upstream]]\nname = \"oa\"\nbase_url = \"https://a.example.com/v1\"\nfallbacks = [\"b\"]\n\
+         [[upstream]]\nname = \"b\"\nbase_url = \"https://b.example.com/v1\"\napi_key = \"k\"\n\
+         [describer]\nupstream = \"oa\"\n",
+        "[[upstream]]\nname = \"azure\"\nbase_url = \"https://r.openai.azure.com/openai/v1\"\nmodels = [\"gpt-*\"]\napi_key = \"k\"\n\
+         [[upstream]]\nname = \"gemini\"\nbase_url = \"https://generativelanguage.googleapis.com/v1beta/openai\"\nmodels = [\"gemini-*\"]\napi_key = \"k\"\n\
+         [[upstream]]\nname = \"openrouter\"\nbase_url = \"https://openrouter.ai/api/v1\"\nmodels = [\"*\"]\napi_key = \"k\"\n",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let path = temp_config(&format!("sensible-{i}"), text);
+        let out = visor().args(["check", "--strict", "--config"]).arg(&path).output().unwrap();
+        assert!(
+            out.status.success(),
+            "sensible {i}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let path = temp_config(
+        "comment-hint",
+        "[[upstream]]\nname = team-a   # the team\nbase_url = \"https://a.example.com/v1\"\n",
+    );
+    let err = fails(visor().args(["check", "--config"]).arg(&path));
+    assert!(
+        err.contains("name = \"team-a\"") && !err.contains("# the team\""),
+        "{err}"
+    );
     // The shipped default has none.
     let out = visor().args(["check", "--strict"]).output().unwrap();
     assert!(

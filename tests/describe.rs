@@ -802,6 +802,28 @@ async fn a_describer_refused_its_credential_makes_readyz_say_why() {
     assert_eq!(r["status"], "degraded", "{r}");
     let why = r["reasons"][0].as_str().unwrap();
     assert!(why.contains("refused by upstream `mock` (401)"), "{why}");
+    // A client's own key refused (forwarded to the describer, visor having
+    // none): that client's problem, not counted against visor's.
+    let (image, _) = png_data_url("refused-client");
+    let mut req = post_json(
+        &visor.url("/v1/chat/completions"),
+        chat_with_images("gpt-oss-120b", &[image]),
+    );
+    req.headers_mut().insert(
+        "authorization",
+        http::HeaderValue::from_static("Bearer sk-wrong"),
+    );
+    send(req).await;
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "visor_credential_refused_total",
+            &[("role", "describer"), ("upstream", "mock")]
+        ),
+        Some(1.0),
+        "a client's key refused was counted: {m}"
+    );
     // The key fixed: the next description succeeds, and it is ready.
     refuse.store(false, std::sync::atomic::Ordering::SeqCst);
     let (image, _) = png_data_url("refused-2");
