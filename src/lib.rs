@@ -21,6 +21,7 @@ pub mod config;
 pub mod connections;
 pub mod describe;
 pub mod error;
+pub mod failure;
 pub mod limits;
 pub mod media;
 pub mod metrics;

@@ -331,18 +331,6 @@ pub enum SendFailure {
 }
 
 impl SendFailure {
-    pub fn label(self) -> &'static str {
-        match self {
-            SendFailure::Connect => "connect",
-            SendFailure::ConnectTimeout => "connect_timeout",
-            SendFailure::Reset => "reset",
-            SendFailure::BodyTooLarge => "body_too_large",
-            SendFailure::ClientBody => "client_body",
-        }
-    }
-}
-
-impl SendFailure {
     fn default_cause(self) -> &'static str {
         match self {
             SendFailure::Connect => "connection failed",
@@ -646,16 +634,22 @@ impl Upstreams {
 
     /// Opens a connection of its own to upstream `index` at `uri`'s host
     /// (http or https), within the connect timeout: for a WebSocket.
-    pub async fn connect_raw(&self, index: usize, uri: http::Uri) -> Result<RawConn, String> {
+    pub async fn connect_raw(&self, index: usize, uri: http::Uri) -> Result<RawConn, SendFailure> {
         use tower::Service as _;
         let Some(connector) = self.raw.get(index) else {
-            return Err("no such upstream".to_owned());
+            return Err(SendFailure::Connect);
         };
         let mut connector = connector.clone();
         match tokio::time::timeout(self.connect_timeout, connector.call(uri)).await {
             Ok(Ok(stream)) => Ok(TokioIo::new(stream)),
-            Ok(Err(e)) => Err(cause_of(e.as_ref()).to_owned()),
-            Err(_) => Err("connect timeout".to_owned()),
+            Ok(Err(e)) => {
+                tracing::debug!(
+                    cause = cause_of(e.as_ref()),
+                    "websocket upstream connect failed"
+                );
+                Err(SendFailure::Connect)
+            }
+            Err(_) => Err(SendFailure::ConnectTimeout),
         }
     }
 

@@ -18,6 +18,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use tokio::time::{Instant, Sleep};
 
+use crate::failure::UpstreamFailure;
 use crate::metrics::Metrics;
 use crate::proxy::coalesce::Coalesced;
 use crate::proxy::session_turn::{Recorder, Storing};
@@ -72,7 +73,7 @@ pub enum Outcome {
     Complete,
     /// The upstream broke the stream or went quiet; the client's stream is
     /// cut (HTTP/1.1: no final chunk; HTTP/2: reset).
-    UpstreamError(&'static str),
+    UpstreamError(UpstreamFailure),
     ClientCancelled,
     /// The session turn could not be stored: the response is cut before
     /// its last bytes (counted in `visor_session_turns_total{result="failed"}`).
@@ -83,7 +84,7 @@ impl Outcome {
     pub fn label(self) -> &'static str {
         match self {
             Outcome::Complete => "complete",
-            Outcome::UpstreamError(kind) => kind,
+            Outcome::UpstreamError(kind) => kind.label(),
             Outcome::ClientCancelled => "client_cancelled",
             Outcome::SessionNotStored => "session_not_stored",
         }
@@ -241,7 +242,7 @@ impl ObservedBody {
             }
         }
         if let Outcome::UpstreamError(kind) = outcome {
-            m.upstream_error(&f.upstream, kind);
+            m.upstream_error(&f.upstream, kind.label());
         }
         // A stream the client left before its usage came is charged the
         // text it carried.
@@ -334,7 +335,7 @@ impl Body for ObservedBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
-                this.report(Outcome::UpstreamError("reset"));
+                this.report(Outcome::UpstreamError(UpstreamFailure::Reset));
                 Poll::Ready(Some(Err(e)))
             }
             Poll::Ready(None) => {
@@ -350,9 +351,9 @@ impl Body for ObservedBody {
                 while this.timer.as_mut().poll(cx).is_ready() {
                     let now = Instant::now();
                     let kind = if now >= this.deadline {
-                        "request_timeout"
+                        UpstreamFailure::RequestTimeout
                     } else if now >= this.last_data + this.idle {
-                        "idle_timeout"
+                        UpstreamFailure::IdleTimeout
                     } else {
                         // Data came since the timer was set: re-arm it.
                         let next = (this.last_data + this.idle).min(this.deadline);
@@ -360,7 +361,7 @@ impl Body for ObservedBody {
                         continue;
                     };
                     this.report(Outcome::UpstreamError(kind));
-                    return Poll::Ready(Some(Err(Box::new(StreamCut(kind)))));
+                    return Poll::Ready(Some(Err(Box::new(StreamCut(kind.label())))));
                 }
                 Poll::Pending
             }

@@ -59,6 +59,7 @@ use super::session_turn::{self, Recorder};
 use super::usage::UsageObserver;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
+use crate::failure::UpstreamFailure;
 use crate::metrics::NO_UPSTREAM;
 use crate::transform::{Report, Shape};
 use crate::upstream::{
@@ -157,7 +158,7 @@ enum Stop {
     Refused(VisorError),
     /// The upstream failed: the error and its `visor_upstream_errors_total`
     /// kind; counted with the upstream.
-    Upstream(VisorError, &'static str),
+    Upstream(VisorError, UpstreamFailure),
 }
 
 impl From<VisorError> for Stop {
@@ -166,8 +167,8 @@ impl From<VisorError> for Stop {
     }
 }
 
-impl From<(VisorError, &'static str)> for Stop {
-    fn from((e, kind): (VisorError, &'static str)) -> Self {
+impl From<(VisorError, UpstreamFailure)> for Stop {
+    fn from((e, kind): (VisorError, UpstreamFailure)) -> Self {
         Stop::Upstream(e, kind)
     }
 }
@@ -273,13 +274,13 @@ impl<'a> Edge<'a> {
             },
             Stop::Upstream(e, kind) => {
                 let upstream = self.routed.as_ref().map_or("", |(u, _)| &**u);
-                self.state.metrics.upstream_error(upstream, kind);
+                self.state.metrics.upstream_error(upstream, kind.label());
                 self.count(e.status());
                 let counts = self.counts;
                 tracing::warn!(
                     upstream = %upstream,
                     error = e.label(),
-                    kind,
+                    kind = kind.label(),
                     images_replaced = counts.map_or(0, |c| c.images_replaced),
                     media_replaced = counts.map_or(0, |c| c.media_replaced),
                     bytes_saved = counts.map_or(0, |c| c.bytes_saved),
@@ -1024,9 +1025,9 @@ async fn send_chain<'s>(
         let exchange = Exchange::new(state, call, index);
         let result = exchange.run(up_req, &call.exceeded, exchange.sent).await;
         let (reason, hold) = match &result {
-            Ok((resp, _)) if resp.status().is_server_error() => ("status_5xx", None),
+            Ok((resp, _)) if resp.status().is_server_error() => (UpstreamFailure::Status5xx, None),
             Ok((resp, _)) if resp.status() == http::StatusCode::TOO_MANY_REQUESTS => (
-                "status_429",
+                UpstreamFailure::Status429,
                 crate::retries::retry_after(resp.headers().get(header::RETRY_AFTER)),
             ),
             Ok(_) => {
@@ -1034,14 +1035,7 @@ async fn send_chain<'s>(
                 let (resp, timer) = result?;
                 return Ok((exchange, resp, timer, retry_head));
             }
-            Err(Stop::Upstream(_, kind))
-                if matches!(
-                    *kind,
-                    "connect" | "connect_timeout" | "reset" | "first_byte_timeout"
-                ) =>
-            {
-                (*kind, None)
-            }
+            Err(Stop::Upstream(_, kind)) if kind.retryable() => (*kind, None),
             // The request's own deadline, or visor refused it (too large):
             // no other upstream would do better.
             Err(_) => {
@@ -1059,7 +1053,7 @@ async fn send_chain<'s>(
         let next = match next {
             Some(n) if retries.budget.try_retry() => n,
             Some(_) => {
-                tracing::warn!(upstream = %name, reason, "retry budget spent: no fallback");
+                tracing::warn!(upstream = %name, reason = reason.label(), "retry budget spent: no fallback");
                 let (resp, timer) = result?;
                 return Ok((exchange, resp, timer, retry_head));
             }
@@ -1073,14 +1067,14 @@ async fn send_chain<'s>(
         state
             .metrics
             .retries
-            .with_label_values(&[&**name, reason])
+            .with_label_values(&[&**name, reason.label()])
             .inc();
-        if reason != "status_429" {
-            state.metrics.upstream_error(name, reason);
+        if reason != UpstreamFailure::Status429 {
+            state.metrics.upstream_error(name, reason.label());
         }
         tracing::info!(
             upstream = %name,
-            reason,
+            reason = reason.label(),
             fallback = %state.upstream_names[next.1],
             "falling back"
         );
@@ -1172,7 +1166,9 @@ async fn respond(
     let upstream = exchange.upstream.clone();
     let (mut head, incoming) = resp.into_parts();
     if head.status.is_server_error() {
-        state.metrics.upstream_error(&upstream, "status_5xx");
+        state
+            .metrics
+            .upstream_error(&upstream, UpstreamFailure::Status5xx.label());
     }
     for_the_client(&mut head);
     // A limited key's standing, in place of the provider's own (the key is
@@ -1324,13 +1320,15 @@ impl<'a> Exchange<'a> {
                         which: "connect timeout",
                     },
                 };
-                Err(Stop::Upstream(e, failure.label()))
+                // The client's or visor's own failures returned above.
+                let kind = UpstreamFailure::of_send(failure).unwrap_or(UpstreamFailure::Reset);
+                Err(Stop::Upstream(e, kind))
             }
             Err(()) => {
                 let (which, kind) = if self.head_deadline >= self.deadline {
-                    ("request timeout", "request_timeout")
+                    ("request timeout", UpstreamFailure::RequestTimeout)
                 } else {
-                    ("first byte timeout", "first_byte_timeout")
+                    ("first byte timeout", UpstreamFailure::FirstByteTimeout)
                 };
                 let e = VisorError::UpstreamTimeout { upstream, which };
                 Err(Stop::Upstream(e, kind))
@@ -1380,7 +1378,7 @@ async fn read_error_body(
     mut body: ResponseBody,
     deadline: Instant,
     upstream: &str,
-) -> Result<Bytes, (VisorError, &'static str)> {
+) -> Result<Bytes, (VisorError, UpstreamFailure)> {
     let read = async {
         let mut out = bytes::BytesMut::new();
         while let Some(frame) = body.frame().await {
@@ -1403,14 +1401,14 @@ async fn read_error_body(
                 upstream: upstream.to_owned(),
                 reason,
             },
-            "reset",
+            UpstreamFailure::Reset,
         )),
         Err(_) => Err((
             VisorError::UpstreamTimeout {
                 upstream: upstream.to_owned(),
                 which: "first byte timeout",
             },
-            "first_byte_timeout",
+            UpstreamFailure::FirstByteTimeout,
         )),
     }
 }

@@ -79,8 +79,10 @@ use super::prepare::{self, Options};
 use super::usage::Usage;
 use super::{AppState, RequestIdExt};
 use crate::error::VisorError;
+use crate::failure::UpstreamFailure;
 use crate::metrics::NO_UPSTREAM;
 use crate::transform::Shape;
+use crate::upstream::SendFailure;
 use crate::upstream::{RawConn, RequestBody};
 
 /// True for an HTTP/1.1 WebSocket upgrade request.
@@ -208,31 +210,31 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     };
     let server = &state.config.server;
     let started = Instant::now();
-    let fail = |e: VisorError, kind: &'static str| {
-        state.metrics.upstream_error(&name, kind);
+    let fail = |e: VisorError, kind: UpstreamFailure| {
+        state.metrics.upstream_error(&name, kind.label());
         state
             .metrics
             .requests
             .with_label_values(&[&*name, "", e.status().as_str()])
             .inc();
-        tracing::warn!(upstream = %name, error = e.label(), kind, "websocket upstream failed");
+        tracing::warn!(upstream = %name, error = e.label(), kind = kind.label(), "websocket upstream failed");
         e.into_response()
     };
     let stream = match state.upstreams.connect_raw(index, http_uri).await {
         Ok(s) => s,
-        Err(cause) if cause == "connect timeout" => {
+        Err(SendFailure::ConnectTimeout) => {
             let e = VisorError::UpstreamTimeout {
                 upstream: name.to_string(),
                 which: "connect timeout",
             };
-            return fail(e, "connect_timeout");
+            return fail(e, UpstreamFailure::ConnectTimeout);
         }
         Err(_) => {
             let e = VisorError::UpstreamUnreachable {
                 upstream: name.to_string(),
                 reason: "connection refused or failed",
             };
-            return fail(e, "connect");
+            return fail(e, UpstreamFailure::Connect);
         }
     };
     let handshake = open_upstream(stream, up_req, server.first_byte_timeout);
@@ -261,14 +263,14 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
                     upstream: name.to_string(),
                     reason: "the WebSocket handshake failed",
                 };
-                return fail(e, "reset");
+                return fail(e, UpstreamFailure::Reset);
             }
             Err(_) => {
                 let e = VisorError::UpstreamTimeout {
                     upstream: name.to_string(),
                     which: "first byte timeout",
                 };
-                return fail(e, "first_byte_timeout");
+                return fail(e, UpstreamFailure::FirstByteTimeout);
             }
         };
 
@@ -363,11 +365,11 @@ enum Put {
 impl Put {
     /// The outcome of the responses under way when a write upstream
     /// failed, `None` when it went.
-    fn failed(self) -> Option<&'static str> {
+    fn failed(self) -> Option<Ended> {
         match self {
             Put::Sent => None,
-            Put::Broken => Some("reset"),
-            Put::Stalled => Some("idle_timeout"),
+            Put::Broken => Some(Ended::Failed(UpstreamFailure::Reset)),
+            Put::Stalled => Some(Ended::Failed(UpstreamFailure::IdleTimeout)),
         }
     }
 }
@@ -617,6 +619,26 @@ struct Relay {
     started: Instant,
 }
 
+/// How a response on the socket ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    Complete,
+    /// The client left (or stopped reading) first.
+    ClientCancelled,
+    Failed(UpstreamFailure),
+}
+
+impl Ended {
+    /// Its label in the log line (as the HTTP path's outcomes).
+    fn label(self) -> &'static str {
+        match self {
+            Ended::Complete => "complete",
+            Ended::ClientCancelled => "client_cancelled",
+            Ended::Failed(kind) => kind.label(),
+        }
+    }
+}
+
 /// A response under way on the socket.
 struct InFlight {
     model: String,
@@ -686,12 +708,12 @@ impl Relay {
                                 end(&mut c_tx, Some(frame)).await;
                             }
                             end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                            self.finish_all(&mut inflight, "client_cancelled");
+                            self.finish_all(&mut inflight, Ended::ClientCancelled);
                             break;
                         }
                         None => {
                             end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                            self.finish_all(&mut inflight, "client_cancelled");
+                            self.finish_all(&mut inflight, Ended::ClientCancelled);
                             break;
                         }
                     };
@@ -705,7 +727,7 @@ impl Relay {
                             // The reply to the client's close, queued by
                             // tungstenite, goes out now.
                             let _ = tokio::time::timeout(CLOSE_BOUND, c_tx.close()).await;
-                            self.finish_all(&mut inflight, "client_cancelled");
+                            self.finish_all(&mut inflight, Ended::ClientCancelled);
                             break;
                         }
                         Message::Text(text) => text,
@@ -720,7 +742,7 @@ impl Relay {
                                 let refusal = self.refusal(VisorError::InvalidJson(why), None);
                                 if put(&mut c_tx, refusal, write_bound).await != Put::Sent {
                                     end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                    self.finish_all(&mut inflight, "client_cancelled");
+                                    self.finish_all(&mut inflight, Ended::ClientCancelled);
                                     break;
                                 }
                                 continue;
@@ -749,7 +771,7 @@ impl Relay {
                         Err(refusal) => {
                             if put(&mut c_tx, refusal, write_bound).await != Put::Sent {
                                 end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                self.finish_all(&mut inflight, "client_cancelled");
+                                self.finish_all(&mut inflight, Ended::ClientCancelled);
                                 break;
                             }
                             continue;
@@ -785,27 +807,27 @@ impl Relay {
                             }
                             if put(&mut c_tx, Message::Text(text), write_bound).await != Put::Sent {
                                 end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                self.finish_all(&mut inflight, "client_cancelled");
+                                self.finish_all(&mut inflight, Ended::ClientCancelled);
                                 break;
                             }
                         }
                         Some(Ok(Message::Close(frame))) => {
                             end(&mut c_tx, Some(Message::Close(frame))).await;
                             end(&mut u_tx, None).await;
-                            self.finish_all(&mut inflight, "reset");
+                            self.finish_all(&mut inflight, Ended::Failed(UpstreamFailure::Reset));
                             break;
                         }
                         Some(Ok(other)) => {
                             last_any = last_upstream;
                             if put(&mut c_tx, other, write_bound).await != Put::Sent {
                                 end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                self.finish_all(&mut inflight, "client_cancelled");
+                                self.finish_all(&mut inflight, Ended::ClientCancelled);
                                 break;
                             }
                         }
                         Some(Err(_)) | None => {
                             end(&mut c_tx, Some(close(CloseCode::Error, "upstream connection lost"))).await;
-                            self.finish_all(&mut inflight, "reset");
+                            self.finish_all(&mut inflight, Ended::Failed(UpstreamFailure::Reset));
                             break;
                         }
                     }
@@ -828,7 +850,7 @@ impl Relay {
                 }
                 () = tokio::time::sleep_until(deadline), if drain_until.is_some_and(|d| d <= deadline) => {
                     shut(&mut c_tx, &mut u_tx).await;
-                    self.finish_all(&mut inflight, "client_cancelled");
+                    self.finish_all(&mut inflight, Ended::ClientCancelled);
                     break;
                 }
                 () = tokio::time::sleep_until(deadline), if drain_until.is_none_or(|d| d > deadline) => {
@@ -838,7 +860,7 @@ impl Relay {
                     };
                     end(&mut c_tx, Some(close(code, why))).await;
                     end(&mut u_tx, Some(close(CloseCode::Away, "idle timeout"))).await;
-                    self.finish_all(&mut inflight, "idle_timeout");
+                    self.finish_all(&mut inflight, Ended::Failed(UpstreamFailure::IdleTimeout));
                     break;
                 }
             }
@@ -1049,11 +1071,19 @@ impl Relay {
                 }
                 return None;
             }
-            "response.completed" | "response.incomplete" => (inflight.pop_front()?, "complete"),
-            "response.failed" => (inflight.pop_front()?, "upstream_error"),
+            "response.completed" | "response.incomplete" => {
+                (inflight.pop_front()?, Ended::Complete)
+            }
+            "response.failed" => (
+                inflight.pop_front()?,
+                Ended::Failed(UpstreamFailure::UpstreamError),
+            ),
             "error" => {
                 let at = inflight.iter().position(|f| !f.created)?;
-                (inflight.remove(at)?, "upstream_error")
+                (
+                    inflight.remove(at)?,
+                    Ended::Failed(UpstreamFailure::UpstreamError),
+                )
             }
             // Generated text, for the charge of a response the socket ends
             // before its usage comes.
@@ -1078,7 +1108,7 @@ impl Relay {
 
     /// Ends every response under way (the socket closed) with `outcome`;
     /// the caller's key is charged the text each carried (no usage came).
-    fn finish_all(&self, inflight: &mut VecDeque<InFlight>, outcome: &str) {
+    fn finish_all(&self, inflight: &mut VecDeque<InFlight>, outcome: Ended) {
         while let Some(f) = inflight.pop_front() {
             let completion = f.text_bytes / crate::limits::BYTES_PER_TOKEN;
             if let Some(i) = self.key
@@ -1097,12 +1127,12 @@ impl Relay {
     }
 
     /// Counts the response under way (once), as the HTTP path counts one.
-    fn finish(&self, f: InFlight, outcome: &str, usage: Option<Usage>) {
+    fn finish(&self, f: InFlight, outcome: Ended, usage: Option<Usage>) {
         let m = &self.state.metrics;
         let status = match outcome {
-            "complete" => "200",
-            "client_cancelled" => "499",
-            _ => "502",
+            Ended::Complete => "200",
+            Ended::ClientCancelled => "499",
+            Ended::Failed(_) => "502",
         };
         let model = m.model_label(&f.model);
         m.requests
@@ -1111,8 +1141,8 @@ impl Relay {
         m.request_duration
             .with_label_values(&[&self.upstream])
             .observe(f.since.elapsed().as_secs_f64());
-        if !matches!(outcome, "complete" | "client_cancelled") {
-            m.upstream_error(&self.upstream, outcome);
+        if let Ended::Failed(kind) = outcome {
+            m.upstream_error(&self.upstream, kind.label());
         }
         let u = usage.unwrap_or_default();
         for (kind, n) in [
@@ -1131,7 +1161,7 @@ impl Relay {
             model = %model,
             status,
             transport = "websocket",
-            outcome,
+            outcome = outcome.label(),
             // Only when the provider said them (absent, not 0, otherwise).
             prompt_tokens = usage.map(|u| u.prompt),
             completion_tokens = usage.map(|u| u.completion),
