@@ -642,13 +642,7 @@ mod tests {
 
     #[test]
     fn a_panic_becomes_damaged() {
-        let err = guarded::<()>(|| {
-            #[allow(clippy::panic)]
-            {
-                panic!("boom")
-            }
-        })
-        .unwrap_err();
+        let err = guarded::<()>(|| panic!("boom")).unwrap_err();
         assert_eq!(err.to_string(), "damaged: parser panicked (boom)");
     }
 
