@@ -92,7 +92,7 @@ pub struct Learnable {
     /// The first try's bounds: the retry reads under the same deadline.
     pub within: Within,
     /// The request's deadline: past it, no retry is sent.
-    pub deadline: Option<Instant>,
+    pub deadline: Instant,
 }
 
 /// What a refusal taught, learned once the retry without it succeeded
@@ -155,17 +155,7 @@ pub async fn prepare_by(
         stop_at: Some(deadline.checked_sub(reserve).unwrap_or(deadline)),
         ..Within::unbounded_time(state)
     };
-    let prepared = prepare_within(
-        state,
-        shape,
-        model,
-        body,
-        opts,
-        asker,
-        within,
-        Some(deadline),
-    )
-    .await?;
+    let prepared = prepare_within(state, shape, model, body, opts, asker, within, deadline).await?;
     if Instant::now() >= deadline {
         return Err(VisorError::TransformTimeout);
     }
@@ -184,7 +174,7 @@ async fn prepare_within(
     opts: Options,
     asker: Asker<'_>,
     within: Within,
-    deadline: Option<Instant>,
+    deadline: Instant,
 ) -> Result<Prepared, VisorError> {
     let unchanged = |body: Bytes, learn| Prepared {
         body,
@@ -348,7 +338,7 @@ pub async fn after_refusal(
     };
     // Past the request's deadline no retry is sent: the refusal is the
     // answer.
-    if learn.deadline.is_some_and(|d| Instant::now() >= d) {
+    if Instant::now() >= learn.deadline {
         return None;
     }
     let plan = Plan {
@@ -372,7 +362,7 @@ pub async fn after_refusal(
     )
     .await
     .ok()?;
-    if learn.deadline.is_some_and(|d| Instant::now() >= d) {
+    if Instant::now() >= learn.deadline {
         return None;
     }
     let replaced = |medium: &str, reason: Reason| {
