@@ -82,7 +82,10 @@ async fn descriptions_are_injected_verbatim_and_made_once() {
     assert_eq!(described, expected);
     for c in &calls {
         let v: serde_json::Value = serde_json::from_slice(&c.body).unwrap();
-        assert_eq!(v["messages"][0]["content"], visor::describe::PROMPT);
+        assert_eq!(
+            v["messages"][0]["content"],
+            visor::media_text::describe::PROMPT
+        );
         assert_eq!(c.uri.path(), "/v1/chat/completions");
     }
 

@@ -722,7 +722,7 @@ async fn a_turn_cut_by_the_drain_timeout_is_still_stored() {
             .expect("shutdown ends within the drain bound")
             .unwrap()
             .unwrap();
-        assert!(first.state.tasks.is_empty());
+        assert!(first.state.life.tasks.is_empty());
         assert!(
             next_data(&mut body, Duration::from_secs(10)).await.is_err(),
             "the stream was cut, not ended"

@@ -151,6 +151,7 @@ async fn a_replica_started_later_knows_what_others_learned() {
     assert!(
         second
             .state
+            .rewrite
             .models
             .learned
             .names()
