@@ -402,8 +402,11 @@ async fn document(
         Medium::Document { name, .. } => name.clone(),
         _ => None,
     };
-    let max_described = media.max_pages_described;
-    let budget = if describe_pages { max_described } else { 0 };
+    let budget = if describe_pages {
+        media.max_pages_described
+    } else {
+        0
+    };
     let max_chars = media.max_document_chars;
     let key = document_key(media, &job, budget, max_chars);
     if let Some(text) = media.describer.cached(&key).await {
@@ -413,9 +416,6 @@ async fn document(
             action: "described",
         };
     }
-    let bytes = job.bytes.clone();
-    let media_type = job.media_type.clone();
-    let name2 = name.clone();
     // Rendering is skipped while the describer is backing off: nothing
     // would describe the pages.
     let describer_up = !media.describer.is_backing_off();
@@ -429,62 +429,20 @@ async fn document(
         _ => return failed(job, name, "could not be read: all readers busy"),
     };
     let ask = Ask {
-        media_type,
-        name: name2,
+        media_type: job.media_type.clone(),
+        name: name.clone(),
         budget,
         render: if describer_up { budget } else { 0 },
         max_chars,
     };
-    let read = match &media.reader {
-        Some(worker) => {
-            // The permit is held until the child is gone (a request
-            // dropped mid-read kills it: `kill_on_drop`).
-            let mut read = read_in_child(worker, &ask, &bytes).await;
-            let pdf = DocKind::detect(Some(&ask.media_type), ask.name.as_deref(), &bytes)
-                == Some(DocKind::Pdf);
-            if let (Err(failed), true) = (&read, pdf && ask.render > 0) {
-                // Rendering is where a hostile PDF costs most: its text
-                // alone, the pages it would have rendered saying why not.
-                let failed = failed.clone();
-                let text_only = Ask { render: 0, ..ask };
-                read = read_in_child(worker, &text_only, &bytes)
-                    .await
-                    .map(|mut r| {
-                        let unrendered = std::mem::take(&mut r.unseen);
-                        r.unrendered = unrendered
-                            .into_iter()
-                            .map(|p| (p, failed.why.clone()))
-                            .collect();
-                        // A limit of the file's own making is met again
-                        // next time: kept. A busy machine is not.
-                        r.transient = !failed.repeatable;
-                        r
-                    });
-            }
-            drop(permit);
-            read.map_err(|e| e.why)
-        }
-        None => {
-            let stop = Arc::new(AtomicBool::new(false));
-            let _stop_on_drop = StopOnDrop(stop.clone());
-            tokio::task::spawn_blocking(move || {
-                // Held by the read itself: a request dropped mid-read
-                // keeps its reader until the read notices.
-                let _permit = permit;
-                read(&bytes, &ask, &stop)
-            })
-            .await
-            .map_err(|_| "the reader stopped".to_owned())
-        }
-    };
-    let read = match read {
+    let read = match read_with(media.reader.as_ref(), permit, ask, job.bytes.clone()).await {
         Ok(read) => read,
         Err(why) => return failed(job, name, &format!("could not be read: {why}")),
     };
-    let doc = match read.doc {
+    let doc = match &read.doc {
         Ok(Content::Parsed(d)) => d,
         Ok(Content::Plain(text)) => {
-            let text = cut_document(plain(&job, name.as_deref(), &text), max_chars, false);
+            let text = cut_document(plain(&job, name.as_deref(), text), max_chars, false);
             return Made {
                 text: Arc::from(text),
                 sha256: job.sha256,
@@ -493,8 +451,97 @@ async fn document(
         }
         Err(e) => return failed(job, name, &format!("could not be read: {e}")),
     };
-    let subjects: Vec<Subject> = read
-        .pictures
+    let (mut notes, mut complete) =
+        describe_pictures(media, &job, &read.pictures, cred, within).await;
+    let (pages, pages_complete) = page_notes(media, &job, &read).await;
+    notes.extend(pages);
+    complete &= pages_complete && !read.transient;
+    let unit = read.kind.map_or("page", DocKind::unit);
+    let why_not = match describe_pages {
+        true => "over documents.max_pages_described",
+        false => "images.non_vision = \"strip\"",
+    };
+    let unread = doc.stopped.as_deref() == Some(media::TEXT_BUDGET);
+    let text = compose(
+        &job,
+        name.as_deref(),
+        doc,
+        unit,
+        &notes,
+        &read.pictures,
+        why_not,
+    );
+    let text: Arc<str> = Arc::from(cut_document(text, max_chars, unread));
+    if complete {
+        media.describer.remember(&key, text.clone()).await;
+    }
+    Made {
+        sha256: job.sha256,
+        text,
+        action: "described",
+    }
+}
+
+/// Reads a document: in a child process when there is a `worker`, else on
+/// the blocking pool; `permit` (one of the process's readers) is held until
+/// the read is over.
+async fn read_with(
+    worker: Option<&Worker>,
+    permit: tokio::sync::SemaphorePermit<'static>,
+    ask: Ask,
+    bytes: bytes::Bytes,
+) -> Result<Read, String> {
+    let Some(worker) = worker else {
+        let stop = Arc::new(AtomicBool::new(false));
+        let _stop_on_drop = StopOnDrop(stop.clone());
+        return tokio::task::spawn_blocking(move || {
+            // Held by the read itself: a request dropped mid-read keeps its
+            // reader until the read notices.
+            let _permit = permit;
+            read(&bytes, &ask, &stop)
+        })
+        .await
+        .map_err(|_| "the reader stopped".to_owned());
+    };
+    // The permit is held until the child is gone (a request dropped
+    // mid-read kills it: `kill_on_drop`).
+    let mut read = read_in_child(worker, &ask, &bytes).await;
+    let pdf =
+        DocKind::detect(Some(&ask.media_type), ask.name.as_deref(), &bytes) == Some(DocKind::Pdf);
+    if let (Err(failed), true) = (&read, pdf && ask.render > 0) {
+        // Rendering is where a hostile PDF costs most: its text alone, the
+        // pages it would have rendered saying why not.
+        let failed = failed.clone();
+        let text_only = Ask { render: 0, ..ask };
+        read = read_in_child(worker, &text_only, &bytes)
+            .await
+            .map(|mut r| {
+                let unrendered = std::mem::take(&mut r.unseen);
+                r.unrendered = unrendered
+                    .into_iter()
+                    .map(|p| (p, failed.why.clone()))
+                    .collect();
+                // A limit of the file's own making is met again next time:
+                // kept. A busy machine is not.
+                r.transient = !failed.repeatable;
+                r
+            });
+    }
+    drop(permit);
+    read.map_err(|e| e.why)
+}
+
+/// A line for each picture a document's read gave (a rendered page, an
+/// embedded image): its description, or why it has none; false when one
+/// has none (the text is then not kept: next time it may be described).
+async fn describe_pictures(
+    media: &MediaText,
+    job: &MediaJob,
+    pictures: &[Picture],
+    cred: &Credential,
+    within: Within,
+) -> (Vec<(usize, String)>, bool) {
+    let subjects: Vec<Subject> = pictures
         .iter()
         .map(|p| Subject {
             sha256: picture_sha(&job.sha256, p),
@@ -506,8 +553,7 @@ async fn document(
             query: job.query.clone(),
         })
         .collect();
-    // Pages still undescribed at the request's deadline say so (and the
-    // text is not kept: next time they may be described).
+    // Pages still undescribed at the request's deadline say so.
     let mut late = false;
     let descriptions = match subjects.is_empty() {
         true => Vec::new(),
@@ -531,20 +577,30 @@ async fn document(
             .map(|(_, d)| d.clone())
     };
     let mut complete = true;
-    let mut notes: Vec<(usize, String)> = Vec::new();
-    for p in &read.pictures {
+    let mut notes = Vec::with_capacity(pictures.len());
+    for p in pictures {
         match described(p) {
             Some(d) => notes.push((p.page, format!("[{} described: {}]", p.label, one_line(&d)))),
             None => {
                 complete = false;
-                notes.push((
-                    p.page,
-                    format!("[{}: not described, {unavailable}]", p.label),
-                ));
+                let note = format!("[{}: not described, {unavailable}]", p.label);
+                notes.push((p.page, note));
             }
         }
     }
-    complete &= !read.transient;
+    (notes, complete)
+}
+
+/// A line for each page that needed a look and was not rendered: why it
+/// could not be, or (the describer backing off) its description from an
+/// earlier turn; false when one has neither.
+async fn page_notes(
+    media: &MediaText,
+    job: &MediaJob,
+    read: &Read,
+) -> (Vec<(usize, String)>, bool) {
+    let mut complete = true;
+    let mut notes = Vec::new();
     for (page, why) in &read.unrendered {
         // (A page stopped by a budget is kept as read, like the rest of
         // the document: later turns then send the same text, and do not
@@ -556,8 +612,6 @@ async fn document(
         ));
     }
     for &page in &read.unseen {
-        // Not rendered (the describer is backing off), but described on
-        // an earlier turn: that description, as it was.
         let id = subject_key(&format!("{}.p{page}", job.sha256), job.query.as_deref());
         match media.describer.cached(&media.describer.key(&id)).await {
             Some(d) => notes.push((page, format!("[page {page} described: {}]", one_line(&d)))),
@@ -570,30 +624,7 @@ async fn document(
             }
         }
     }
-    let unit = read.kind.map_or("page", DocKind::unit);
-    let why_not = match describe_pages {
-        true => "over documents.max_pages_described",
-        false => "images.non_vision = \"strip\"",
-    };
-    let unread = doc.stopped.as_deref() == Some(media::TEXT_BUDGET);
-    let text = compose(
-        &job,
-        name.as_deref(),
-        &doc,
-        unit,
-        &notes,
-        &read.pictures,
-        why_not,
-    );
-    let text: Arc<str> = Arc::from(cut_document(text, max_chars, unread));
-    if complete {
-        media.describer.remember(&key, text.clone()).await;
-    }
-    Made {
-        sha256: job.sha256,
-        text,
-        action: "described",
-    }
+    (notes, complete)
 }
 
 /// The text of a document without descriptions (`visor explain`, which

@@ -596,13 +596,29 @@ async fn run(
             rewrite
         }
     };
-    let m = &rw.metrics;
-    m.transform_duration.observe(spent.as_secs_f64());
+    rw.metrics.transform_duration.observe(spent.as_secs_f64());
     let Rewrite {
         body: new,
         report,
         artifacts,
     } = rewrite;
+    count(&rw.metrics, &report, &failed);
+    if let Some(why) = report.skipped {
+        tracing::debug!(why, "request body left unchanged");
+    }
+    let saving = (!artifacts.is_empty()).then(|| save(rw, artifacts));
+    Ok(Prepared {
+        body: new.map(Bytes::from).unwrap_or(body),
+        report,
+        saving,
+        learn: None,
+    })
+}
+
+/// A rewrite counted: each image action, the documents and audio left as
+/// references (those `failed` were counted as made), the bytes saved by
+/// each rule.
+fn count(m: &Metrics, report: &Report, failed: &[String]) {
     let mut actions: Vec<(&str, u64)> = Vec::new();
     for n in report.images.iter().filter(|n| n.medium == "image") {
         match actions.iter_mut().find(|(a, _)| *a == n.action) {
@@ -634,24 +650,18 @@ async fn run(
             .with_label_values(&["dedup"])
             .inc_by(report.bytes_saved_dedup.max(0) as u64);
     }
-    if let Some(why) = report.skipped {
-        tracing::debug!(why, "request body left unchanged");
-    }
-    let saving = (!artifacts.is_empty()).then(|| {
-        let store = rw.artifacts.clone();
-        let metrics = rw.metrics.clone();
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = store.save_all(&artifacts) {
-                metrics.artifact_errors.inc();
-                tracing::warn!(dir = %store.dir().display(), error = %e, "cannot save replaced images");
-            }
-        })
-    });
-    Ok(Prepared {
-        body: new.map(Bytes::from).unwrap_or(body),
-        report,
-        saving,
-        learn: None,
+}
+
+/// The replaced originals written on the blocking pool, while the request
+/// goes upstream.
+fn save(rw: &Rewriter, artifacts: Vec<crate::artifacts::Artifact>) -> JoinHandle<()> {
+    let store = rw.artifacts.clone();
+    let metrics = rw.metrics.clone();
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = store.save_all(&artifacts) {
+            metrics.artifact_errors.inc();
+            tracing::warn!(dir = %store.dir().display(), error = %e, "cannot save replaced images");
+        }
     })
 }
 

@@ -54,6 +54,7 @@
 //!   closed. Either side closing or going away closes the other.
 
 use std::collections::VecDeque;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -648,213 +649,138 @@ struct InFlight {
     bytes_saved: i64,
 }
 
+/// The relay's state between two messages: both sides' write halves, the
+/// responses under way (oldest first: a client may start one before the
+/// last ended), the clocks, and the model the last create named.
+struct Sides<CT, UT> {
+    c_tx: CT,
+    u_tx: UT,
+    inflight: VecDeque<InFlight>,
+    /// The upstream's last message (its idle deadline while a response is
+    /// under way).
+    last_upstream: Instant,
+    /// The last message either way (pings and pongs aside).
+    last_any: Instant,
+    model: String,
+    /// A write to either side that has not gone out by then: that peer
+    /// stopped reading.
+    write_bound: Duration,
+}
+
+impl<CT, UT> Sides<CT, UT>
+where
+    CT: futures_util::Sink<Message> + Unpin,
+    UT: futures_util::Sink<Message> + Unpin,
+{
+    /// The client left, or stopped reading: the upstream is closed and
+    /// every response under way counted as cancelled.
+    async fn client_gone(&mut self, relay: &Relay) -> ControlFlow<()> {
+        end(
+            &mut self.u_tx,
+            Some(close(CloseCode::Away, "client went away")),
+        )
+        .await;
+        relay.finish_all(&mut self.inflight, Ended::ClientCancelled);
+        ControlFlow::Break(())
+    }
+
+    /// The upstream broke or stopped reading: the client is closed and
+    /// every response under way ends as `outcome`.
+    async fn upstream_gone(&mut self, relay: &Relay, outcome: Ended) -> ControlFlow<()> {
+        end(
+            &mut self.c_tx,
+            Some(close(CloseCode::Away, "upstream went away")),
+        )
+        .await;
+        relay.finish_all(&mut self.inflight, outcome);
+        ControlFlow::Break(())
+    }
+
+    async fn send_client(&mut self, relay: &Relay, m: Message) -> ControlFlow<()> {
+        match put(&mut self.c_tx, m, self.write_bound).await {
+            Put::Sent => ControlFlow::Continue(()),
+            _ => self.client_gone(relay).await,
+        }
+    }
+
+    async fn send_upstream(&mut self, relay: &Relay, m: Message) -> ControlFlow<()> {
+        match put(&mut self.u_tx, m, self.write_bound).await.failed() {
+            None => ControlFlow::Continue(()),
+            Some(outcome) => self.upstream_gone(relay, outcome).await,
+        }
+    }
+}
+
 impl Relay {
     async fn run<C, U>(self, client: WebSocketStream<C>, upstream: WebSocketStream<U>)
     where
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
         U: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     {
-        let (mut c_tx, mut c_rx) = client.split();
-        let (mut u_tx, mut u_rx) = upstream.split();
+        let (c_tx, mut c_rx) = client.split();
+        let (u_tx, mut u_rx) = upstream.split();
         let idle = self.state.server.idle_timeout;
-        // A write to either side that has not gone out by then: that peer
-        // stopped reading.
-        let write_bound = idle;
-        // The responses under way, oldest first (a client may start one
-        // before the last ended).
-        let mut inflight: VecDeque<InFlight> = VecDeque::new();
-        let mut last_upstream = Instant::now();
-        let mut last_any = Instant::now();
+        let mut s = Sides {
+            c_tx,
+            u_tx,
+            inflight: VecDeque::new(),
+            last_upstream: Instant::now(),
+            last_any: Instant::now(),
+            model: String::new(),
+            write_bound: idle,
+        };
         // Nothing in flight and nothing either way this long: the socket is
         // closed (1001), so an idle or half-open one frees its slot.
         let quiet = self.state.server.request_timeout;
-        let mut model = String::new();
         // Once shutdown starts with a response under way: it may finish
         // within the drain timeout, no longer.
         let mut drain_until: Option<Instant> = None;
         // Counted as in flight on the gate while a response is under way:
         // only an idle socket is closed to make room.
         let mut busy: Option<crate::connections::InFlight> = None;
+        let shutdown = &self.state.life.shutdown;
         loop {
-            match (&self.registered, inflight.is_empty(), busy.is_some()) {
+            match (&self.registered, s.inflight.is_empty(), busy.is_some()) {
                 (Some(r), false, false) => busy = Some(r.conn.begin()),
                 (_, true, true) => busy = None,
                 _ => {}
             }
-            let deadline = match inflight.is_empty() {
-                false => last_upstream + idle,
-                true => last_any + quiet,
+            let deadline = match s.inflight.is_empty() {
+                false => s.last_upstream + idle,
+                true => s.last_any + quiet,
             };
             let deadline = drain_until.map_or(deadline, |d| deadline.min(d));
-            tokio::select! {
-                m = c_rx.next() => {
-                    let m = match m {
-                        Some(Ok(m)) => m,
-                        // A frame that breaks the protocol, text that is not
-                        // UTF-8, a message over max_body_bytes: the client
-                        // hears why (1002, 1007, 1009); a client gone
-                        // nothing. The upstream socket is closed.
-                        Some(Err(e)) => {
-                            if let Some(frame) = violation(&e) {
-                                tracing::debug!(error = %e, "websocket client broke the protocol");
-                                end(&mut c_tx, Some(frame)).await;
-                            }
-                            end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                            self.finish_all(&mut inflight, Ended::ClientCancelled);
-                            break;
-                        }
-                        None => {
-                            end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                            self.finish_all(&mut inflight, Ended::ClientCancelled);
-                            break;
-                        }
-                    };
-                    let text = match m {
-                        // tungstenite answers a ping itself (once): neither
-                        // goes upstream, and neither is activity that keeps
-                        // a quiet socket open.
-                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => continue,
-                        Message::Close(frame) => {
-                            end(&mut u_tx, Some(Message::Close(frame))).await;
-                            // The reply to the client's close, queued by
-                            // tungstenite, goes out now.
-                            let _ = tokio::time::timeout(CLOSE_BOUND, c_tx.close()).await;
-                            self.finish_all(&mut inflight, Ended::ClientCancelled);
-                            break;
-                        }
-                        Message::Text(text) => text,
-                        // On a Responses socket a binary frame is an event
-                        // like any other when it is UTF-8 (lenient servers
-                        // read its bytes as JSON), refused when it is not.
-                        Message::Binary(bytes) if self.responses => match Utf8Bytes::try_from(bytes) {
-                            Ok(text) => text,
-                            Err(e) => {
-                                last_any = Instant::now();
-                                let why = format!("invalid UTF-8 at byte {}", e.valid_up_to());
-                                let refusal = self.refusal(VisorError::InvalidJson(why), None);
-                                if put(&mut c_tx, refusal, write_bound).await != Put::Sent {
-                                    end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                    self.finish_all(&mut inflight, Ended::ClientCancelled);
-                                    break;
-                                }
-                                continue;
-                            }
-                        },
-                        other => {
-                            last_any = Instant::now();
-                            if let Some(outcome) = put(&mut u_tx, other, write_bound).await.failed() {
-                                end(&mut c_tx, Some(close(CloseCode::Away, "upstream went away"))).await;
-                                self.finish_all(&mut inflight, outcome);
-                                break;
-                            }
-                            continue;
-                        }
-                    };
-                    last_any = Instant::now();
-                    // Activity: the socket is the last the gate would ask
-                    // to make room.
-                    if let Some(r) = &self.registered {
-                        drop(r.conn.begin());
-                    }
-                    let (out, started) = match self.client_event(text, &mut model).await {
-                        Ok(pair) => pair,
-                        // Refused (unreadable, or by the key): the client
-                        // hears why, the upstream nothing.
-                        Err(refusal) => {
-                            if put(&mut c_tx, refusal, write_bound).await != Put::Sent {
-                                end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                self.finish_all(&mut inflight, Ended::ClientCancelled);
-                                break;
-                            }
-                            continue;
-                        }
-                    };
-                    if let Some(f) = started {
-                        // The upstream's idle deadline starts with the first
-                        // response under way; while one is, only the
-                        // upstream's messages restart it.
-                        if inflight.is_empty() {
-                            last_upstream = Instant::now();
-                        }
-                        inflight.push_back(f);
-                    }
-                    if let Some(outcome) = put(&mut u_tx, out, write_bound).await.failed() {
-                        end(&mut c_tx, Some(close(CloseCode::Away, "upstream went away"))).await;
-                        self.finish_all(&mut inflight, outcome);
-                        break;
-                    }
-                }
-                m = u_rx.next() => {
-                    // Any message, a ping too, says the upstream is alive.
-                    last_upstream = Instant::now();
-                    match m {
-                        // Answered by tungstenite (pings), never relayed.
-                        Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
-                        Some(Ok(Message::Text(text))) => {
-                            last_any = last_upstream;
-                            // The key's tokens corrected by the usage before
-                            // the client hears the response is done.
-                            if let Some((i, estimate, used)) = self.server_event(text.as_str(), &mut inflight) {
-                                self.state.gate.limits.correct(i, estimate, used).await;
-                            }
-                            if put(&mut c_tx, Message::Text(text), write_bound).await != Put::Sent {
-                                end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                self.finish_all(&mut inflight, Ended::ClientCancelled);
-                                break;
-                            }
-                        }
-                        Some(Ok(Message::Close(frame))) => {
-                            end(&mut c_tx, Some(Message::Close(frame))).await;
-                            end(&mut u_tx, None).await;
-                            self.finish_all(&mut inflight, Ended::Failed(UpstreamFailure::Reset));
-                            break;
-                        }
-                        Some(Ok(other)) => {
-                            last_any = last_upstream;
-                            if put(&mut c_tx, other, write_bound).await != Put::Sent {
-                                end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                self.finish_all(&mut inflight, Ended::ClientCancelled);
-                                break;
-                            }
-                        }
-                        Some(Err(_)) | None => {
-                            end(&mut c_tx, Some(close(CloseCode::Error, "upstream connection lost"))).await;
-                            self.finish_all(&mut inflight, Ended::Failed(UpstreamFailure::Reset));
-                            break;
-                        }
-                    }
-                }
+            let flow = tokio::select! {
+                m = c_rx.next() => self.client_message(&mut s, m).await,
+                m = u_rx.next() => self.upstream_message(&mut s, m).await,
                 // At max_connections, the gate asks the connection idle the
                 // longest to make room: this socket, with nothing under way.
-                () = shed_asked(self.registered.as_ref()), if inflight.is_empty() => {
-                    end(&mut c_tx, Some(close(CloseCode::Away, "connection limit reached: idle socket closed"))).await;
-                    end(&mut u_tx, Some(close(CloseCode::Away, "idle socket closed"))).await;
-                    break;
+                () = shed_asked(self.registered.as_ref()), if s.inflight.is_empty() => {
+                    end(&mut s.c_tx, Some(close(CloseCode::Away, "connection limit reached: idle socket closed"))).await;
+                    end(&mut s.u_tx, Some(close(CloseCode::Away, "idle socket closed"))).await;
+                    ControlFlow::Break(())
                 }
                 // Shutdown: closed once no response is under way (one that
                 // is finishes first).
-                () = self.state.life.shutdown.cancelled(), if inflight.is_empty() => {
-                    shut(&mut c_tx, &mut u_tx).await;
-                    break;
+                () = shutdown.cancelled(), if s.inflight.is_empty() => {
+                    shut(&mut s.c_tx, &mut s.u_tx).await;
+                    ControlFlow::Break(())
                 }
-                () = self.state.life.shutdown.cancelled(), if drain_until.is_none() => {
+                () = shutdown.cancelled(), if drain_until.is_none() => {
                     drain_until = Some(Instant::now() + self.state.server.drain_timeout);
+                    ControlFlow::Continue(())
                 }
                 () = tokio::time::sleep_until(deadline), if drain_until.is_some_and(|d| d <= deadline) => {
-                    shut(&mut c_tx, &mut u_tx).await;
-                    self.finish_all(&mut inflight, Ended::ClientCancelled);
-                    break;
+                    shut(&mut s.c_tx, &mut s.u_tx).await;
+                    self.finish_all(&mut s.inflight, Ended::ClientCancelled);
+                    ControlFlow::Break(())
                 }
                 () = tokio::time::sleep_until(deadline), if drain_until.is_none_or(|d| d > deadline) => {
-                    let (code, why) = match inflight.is_empty() {
-                        false => (CloseCode::Error, "upstream idle timeout"),
-                        true => (CloseCode::Away, "idle socket closed"),
-                    };
-                    end(&mut c_tx, Some(close(code, why))).await;
-                    end(&mut u_tx, Some(close(CloseCode::Away, "idle timeout"))).await;
-                    self.finish_all(&mut inflight, Ended::Failed(UpstreamFailure::IdleTimeout));
-                    break;
+                    self.timed_out(&mut s).await
                 }
+            };
+            if flow.is_break() {
+                break;
             }
         }
         tracing::debug!(
@@ -862,6 +788,152 @@ impl Relay {
             duration_ms = self.started.elapsed().as_millis() as u64,
             "websocket closed"
         );
+    }
+
+    /// What the client sent: relayed, transformed or refused — or the
+    /// socket ends.
+    async fn client_message<CT, UT>(
+        &self,
+        s: &mut Sides<CT, UT>,
+        m: Option<Result<Message, WsError>>,
+    ) -> ControlFlow<()>
+    where
+        CT: futures_util::Sink<Message> + Unpin,
+        UT: futures_util::Sink<Message> + Unpin,
+    {
+        let m = match m {
+            Some(Ok(m)) => m,
+            // A frame that breaks the protocol, text that is not UTF-8, a
+            // message over max_body_bytes: the client hears why (1002,
+            // 1007, 1009); a client gone nothing. The upstream socket is
+            // closed.
+            Some(Err(e)) => {
+                if let Some(frame) = violation(&e) {
+                    tracing::debug!(error = %e, "websocket client broke the protocol");
+                    end(&mut s.c_tx, Some(frame)).await;
+                }
+                return s.client_gone(self).await;
+            }
+            None => return s.client_gone(self).await,
+        };
+        let text = match m {
+            // tungstenite answers a ping itself (once): neither goes
+            // upstream, and neither is activity that keeps a quiet socket
+            // open.
+            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => {
+                return ControlFlow::Continue(());
+            }
+            Message::Close(frame) => {
+                end(&mut s.u_tx, Some(Message::Close(frame))).await;
+                // The reply to the client's close, queued by tungstenite,
+                // goes out now.
+                let _ = tokio::time::timeout(CLOSE_BOUND, s.c_tx.close()).await;
+                self.finish_all(&mut s.inflight, Ended::ClientCancelled);
+                return ControlFlow::Break(());
+            }
+            Message::Text(text) => text,
+            // On a Responses socket a binary frame is an event like any
+            // other when it is UTF-8 (lenient servers read its bytes as
+            // JSON), refused when it is not.
+            Message::Binary(bytes) if self.responses => match Utf8Bytes::try_from(bytes) {
+                Ok(text) => text,
+                Err(e) => {
+                    s.last_any = Instant::now();
+                    let why = format!("invalid UTF-8 at byte {}", e.valid_up_to());
+                    let refusal = self.refusal(VisorError::InvalidJson(why), None);
+                    return s.send_client(self, refusal).await;
+                }
+            },
+            other => {
+                s.last_any = Instant::now();
+                return s.send_upstream(self, other).await;
+            }
+        };
+        s.last_any = Instant::now();
+        // Activity: the socket is the last the gate would ask to make room.
+        if let Some(r) = &self.registered {
+            drop(r.conn.begin());
+        }
+        let (out, started) = match self.client_event(text, &mut s.model).await {
+            Ok(pair) => pair,
+            // Refused (unreadable, or by the key): the client hears why, the
+            // upstream nothing.
+            Err(refusal) => return s.send_client(self, refusal).await,
+        };
+        if let Some(f) = started {
+            // The upstream's idle deadline starts with the first response
+            // under way; while one is, only the upstream's messages restart
+            // it.
+            if s.inflight.is_empty() {
+                s.last_upstream = Instant::now();
+            }
+            s.inflight.push_back(f);
+        }
+        s.send_upstream(self, out).await
+    }
+
+    /// What the upstream sent: relayed (a response's end counted) — or the
+    /// socket ends.
+    async fn upstream_message<CT, UT>(
+        &self,
+        s: &mut Sides<CT, UT>,
+        m: Option<Result<Message, WsError>>,
+    ) -> ControlFlow<()>
+    where
+        CT: futures_util::Sink<Message> + Unpin,
+        UT: futures_util::Sink<Message> + Unpin,
+    {
+        // Any message, a ping too, says the upstream is alive.
+        s.last_upstream = Instant::now();
+        match m {
+            // Answered by tungstenite (pings), never relayed.
+            Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {
+                ControlFlow::Continue(())
+            }
+            Some(Ok(Message::Text(text))) => {
+                s.last_any = s.last_upstream;
+                // The key's tokens corrected by the usage before the client
+                // hears the response is done.
+                if let Some((i, estimate, used)) = self.server_event(text.as_str(), &mut s.inflight)
+                {
+                    self.state.gate.limits.correct(i, estimate, used).await;
+                }
+                s.send_client(self, Message::Text(text)).await
+            }
+            Some(Ok(Message::Close(frame))) => {
+                end(&mut s.c_tx, Some(Message::Close(frame))).await;
+                end(&mut s.u_tx, None).await;
+                self.finish_all(&mut s.inflight, Ended::Failed(UpstreamFailure::Reset));
+                ControlFlow::Break(())
+            }
+            Some(Ok(other)) => {
+                s.last_any = s.last_upstream;
+                s.send_client(self, other).await
+            }
+            Some(Err(_)) | None => {
+                let lost = close(CloseCode::Error, "upstream connection lost");
+                end(&mut s.c_tx, Some(lost)).await;
+                self.finish_all(&mut s.inflight, Ended::Failed(UpstreamFailure::Reset));
+                ControlFlow::Break(())
+            }
+        }
+    }
+
+    /// The upstream was silent too long with a response under way, or the
+    /// socket was quiet too long with none: both sides closed.
+    async fn timed_out<CT, UT>(&self, s: &mut Sides<CT, UT>) -> ControlFlow<()>
+    where
+        CT: futures_util::Sink<Message> + Unpin,
+        UT: futures_util::Sink<Message> + Unpin,
+    {
+        let (code, why) = match s.inflight.is_empty() {
+            false => (CloseCode::Error, "upstream idle timeout"),
+            true => (CloseCode::Away, "idle socket closed"),
+        };
+        end(&mut s.c_tx, Some(close(code, why))).await;
+        end(&mut s.u_tx, Some(close(CloseCode::Away, "idle timeout"))).await;
+        self.finish_all(&mut s.inflight, Ended::Failed(UpstreamFailure::IdleTimeout));
+        ControlFlow::Break(())
     }
 
     /// A client event: transformed when it carries Responses input items;
