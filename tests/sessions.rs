@@ -484,6 +484,7 @@ async fn a_session_request_gets_503_when_the_store_is_unreachable() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[cfg(feature = "redis")]
 #[tokio::test]
 async fn two_replicas_share_sessions_through_redis() {
     let Some(redis) = RedisServer::start() else {
