@@ -19,12 +19,21 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+#[cfg(feature = "documents")]
 pub mod office;
+#[cfg(feature = "documents")]
 pub mod pdf;
+#[cfg(feature = "documents")]
 mod pdf_guard;
+#[cfg(not(feature = "documents"))]
+mod without_documents;
 
+#[cfg(feature = "documents")]
 pub use pdf::{PdfRead, read_and_render, render_page};
+#[cfg(feature = "documents")]
 pub use pdf_guard::MAX_IMAGE_PIXELS;
+#[cfg(not(feature = "documents"))]
+pub use without_documents::{PdfRead, read_and_render, render_page};
 
 /// The version of what [`read`] makes of a document: bump it whenever the
 /// text extracted from a document may change, so that texts kept under an
@@ -305,6 +314,7 @@ impl ReadError {
 
 /// Read a document's pages. Never panics (a parser's panic is caught and
 /// becomes "damaged: …").
+#[cfg(feature = "documents")]
 pub fn read(kind: DocKind, bytes: &[u8], limits: &Limits) -> Result<Document, ReadError> {
     guarded(|| match kind {
         DocKind::Pdf => pdf::read(bytes, limits),
@@ -312,6 +322,13 @@ pub fn read(kind: DocKind, bytes: &[u8], limits: &Limits) -> Result<Document, Re
         DocKind::Pptx => office::read_pptx(bytes, limits),
         DocKind::Xlsx => office::read_xlsx(bytes, limits),
     })
+}
+
+/// Read a document's pages: never, in a build without the `documents`
+/// feature (see [`without_documents::NOT_BUILT`]).
+#[cfg(not(feature = "documents"))]
+pub fn read(_kind: DocKind, _bytes: &[u8], _limits: &Limits) -> Result<Document, ReadError> {
+    Err(ReadError::new(without_documents::NOT_BUILT))
 }
 
 /// Run `f`, turning a panic into "damaged: …".

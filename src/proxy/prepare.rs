@@ -19,7 +19,7 @@ use crate::media_text::{self, Credentials, MediaText, Within};
 use crate::metrics::Metrics;
 use crate::models::{Medium, ModelTable};
 use crate::store::Store;
-use crate::transform::{self, Plan, Report, Rewrite, Rules, Shape, Takes};
+use crate::transform::{self, MediaJob, Plan, Report, Rewrite, Rules, Shape, Subject, Takes};
 use crate::upstream::UpstreamBody;
 
 /// Bodies larger than this are transformed on the blocking pool, so a
@@ -543,57 +543,18 @@ async fn run(
     let rewrite = match scanned {
         Err(done) => *done,
         Ok((scanned, (subjects, media))) => {
-            // Images not described by the deadline keep their
-            // placeholders.
-            let described = async {
-                let d = describe(rw.media.describer(), subjects, &credential.describer);
-                media_text::until(within.stop_at, d)
-                    .await
-                    .unwrap_or_default()
+            let texts = Texts {
+                subjects,
+                media,
+                describe: plan.describe,
+                credential,
+                within,
             };
-            let (mut descriptions, made) = futures_util::future::join(
-                described,
-                media_text::make_within(&rw.media, media, plan.describe, credential, within),
-            )
-            .await;
-            failed = made
-                .iter()
-                .filter(|m| m.action == "stripped")
-                .map(|m| m.sha256.clone())
-                .collect();
-            let documents: Vec<String> = made
-                .iter()
-                .filter(|m| m.action == "described")
-                .map(|m| m.sha256.clone())
-                .collect();
-            descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
-            let finishing = Instant::now();
-            // Kept to finish again, should the documents' text take the
-            // body past `server.max_body_bytes`.
-            let again = (!documents.is_empty()).then(|| (scanned.clone(), descriptions.clone()));
-            let b = body.clone();
-            let mut rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))
-                .await
-                .unwrap_or_default();
-            let limit = usize::try_from(rw.max_body_bytes)
-                .unwrap_or(usize::MAX)
-                .max(body.len());
-            if let (Some((scanned, descriptions)), Some(new)) = (again, &rewrite.body)
-                && new.len() > limit
-            {
-                let over = Over {
-                    body: body.clone(),
-                    documents,
-                    limit,
-                    large,
-                };
-                rewrite = fit(scanned, descriptions, over, new.len()).await?;
-            }
-            for sha in &failed {
-                rewrite.report.not_converted(sha);
-            }
-            spent += finishing.elapsed();
-            rewrite
+            let (described, finishing) =
+                describe_then_finish(rw, &body, large, scanned, texts).await?;
+            spent += finishing;
+            failed = described.failed;
+            described.rewrite
         }
     };
     rw.metrics.transform_duration.observe(spent.as_secs_f64());
@@ -613,6 +574,88 @@ async fn run(
         saving,
         learn: None,
     })
+}
+
+/// What a scanned request needs turned into text before it is finished:
+/// its images to describe, its documents and audio, and how.
+struct Texts<'a> {
+    subjects: Vec<Subject>,
+    media: Vec<MediaJob>,
+    describe: bool,
+    credential: &'a Credentials,
+    within: Within,
+}
+
+/// A request finished with its texts, and the documents and audio whose
+/// text could not be made.
+struct Described {
+    rewrite: Rewrite,
+    failed: Vec<String>,
+}
+
+/// The images described and the media turned into text (concurrently, by
+/// the deadline: what is not done keeps its placeholder), then the request
+/// finished with them — again with its documents cut, should their text
+/// take it past `server.max_body_bytes`. Also the time spent finishing.
+async fn describe_then_finish(
+    rw: &Rewriter,
+    body: &Bytes,
+    large: bool,
+    scanned: transform::Scanned,
+    texts: Texts<'_>,
+) -> Result<(Described, std::time::Duration), VisorError> {
+    let Texts {
+        subjects,
+        media,
+        describe: describe_pages,
+        credential,
+        within,
+    } = texts;
+    let described = async {
+        let d = describe(rw.media.describer(), subjects, &credential.describer);
+        media_text::until(within.stop_at, d)
+            .await
+            .unwrap_or_default()
+    };
+    let made = media_text::make_within(&rw.media, media, describe_pages, credential, within);
+    let (mut descriptions, made) = futures_util::future::join(described, made).await;
+    let failed: Vec<String> = made
+        .iter()
+        .filter(|m| m.action == "stripped")
+        .map(|m| m.sha256.clone())
+        .collect();
+    let documents: Vec<String> = made
+        .iter()
+        .filter(|m| m.action == "described")
+        .map(|m| m.sha256.clone())
+        .collect();
+    descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
+    let finishing = Instant::now();
+    // Kept to finish again, should the documents' text take the body past
+    // `server.max_body_bytes`.
+    let again = (!documents.is_empty()).then(|| (scanned.clone(), descriptions.clone()));
+    let b = body.clone();
+    let mut rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))
+        .await
+        .unwrap_or_default();
+    let limit = usize::try_from(rw.max_body_bytes)
+        .unwrap_or(usize::MAX)
+        .max(body.len());
+    if let (Some((scanned, descriptions)), Some(new)) = (again, &rewrite.body)
+        && new.len() > limit
+    {
+        let over = Over {
+            body: body.clone(),
+            documents,
+            limit,
+            large,
+        };
+        rewrite = fit(scanned, descriptions, over, new.len()).await?;
+    }
+    for sha in &failed {
+        rewrite.report.not_converted(sha);
+    }
+    Ok((Described { rewrite, failed }, finishing.elapsed()))
 }
 
 /// A rewrite counted: each image action, the documents and audio left as

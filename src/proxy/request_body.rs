@@ -241,56 +241,12 @@ impl JsonScanner {
             let b = chunk[i];
             match self.state {
                 State::Failed => return,
-                State::Str { key } => {
-                    // The fast path: jump to the next `"`, `\` or control byte.
-                    let Some(off) = find_special(&chunk[i..]) else {
-                        self.capture(&chunk[i..]);
-                        i = chunk.len();
-                        continue;
-                    };
-                    self.capture(&chunk[i..i + off]);
-                    if self.state == State::Failed {
-                        return; // the model is too long
+                State::Str { .. } | State::Escape { .. } | State::Unicode { .. } => {
+                    match self.in_string(chunk, i) {
+                        Some(next) => i = next,
+                        None => return,
                     }
-                    i += off;
-                    match chunk[i] {
-                        b'"' => self.end_string(key),
-                        b'\\' => {
-                            self.capture(b"\\");
-                            self.state = State::Escape { key };
-                        }
-                        _ => return self.fail(i, "control character in a string"),
-                    }
-                }
-                State::Escape { key } => {
-                    self.capture(&[b]);
-                    if self.state == State::Failed {
-                        return;
-                    }
-                    self.state = match b {
-                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
-                            State::Str { key }
-                        }
-                        b'u' => State::Unicode { key, left: 4 },
-                        _ => return self.fail(i, "invalid escape in a string"),
-                    };
-                }
-                State::Unicode { key, left } => {
-                    if !b.is_ascii_hexdigit() {
-                        return self.fail(i, "invalid \\u escape in a string");
-                    }
-                    self.capture(&[b]);
-                    if self.state == State::Failed {
-                        return;
-                    }
-                    self.state = if left == 1 {
-                        State::Str { key }
-                    } else {
-                        State::Unicode {
-                            key,
-                            left: left - 1,
-                        }
-                    };
+                    continue;
                 }
                 State::Num(n) => match n.next(b) {
                     Some(next) => self.state = State::Num(next),
@@ -312,43 +268,132 @@ impl JsonScanner {
                     };
                 }
                 _ if is_ws(b) => {}
-                State::Start => {
-                    if b != b'{' {
-                        return self.fail(i, "the body must be a JSON object");
-                    }
-                    self.stack.push(b'{');
-                    self.state = State::KeyOrClose;
-                }
-                State::KeyOrClose | State::Key => match b {
-                    b'"' => self.begin_string(true),
-                    b'}' if self.state == State::KeyOrClose => self.close(b'{'),
-                    _ => return self.fail(i, "expected a member name"),
-                },
-                State::Colon => {
-                    if b != b':' {
-                        return self.fail(i, "expected `:`");
-                    }
-                    self.state = State::Value;
-                }
-                State::Value | State::ValueOrClose => {
-                    if b == b']' && self.state == State::ValueOrClose {
-                        self.close(b'[');
-                    } else if !self.begin_value(b) {
-                        return self.fail(i, "expected a value");
+                _ => {
+                    if let Err(why) = self.structure(b) {
+                        return self.fail(i, why);
                     }
                 }
-                State::AfterValue => match (b, self.stack.last()) {
-                    (b',', Some(b'{')) => self.state = State::Key,
-                    (b',', Some(_)) => self.state = State::Value,
-                    (b'}', Some(b'{')) => self.close(b'{'),
-                    (b']', Some(b'[')) => self.close(b'['),
-                    _ => return self.fail(i, "expected `,` or a closing bracket"),
-                },
-                State::End => return self.fail(i, "trailing characters after the JSON object"),
             }
             i += 1;
         }
         self.offset += chunk.len() as u64;
+    }
+
+    /// In a string (or one of its escapes) at `chunk[i]`: where the scan
+    /// goes on, or `None` when the body failed there.
+    #[inline]
+    fn in_string(&mut self, chunk: &[u8], i: usize) -> Option<usize> {
+        let b = chunk[i];
+        match self.state {
+            State::Str { key } => {
+                // The fast path: jump to the next `"`, `\` or control byte.
+                let Some(off) = find_special(&chunk[i..]) else {
+                    self.capture(&chunk[i..]);
+                    return Some(chunk.len());
+                };
+                self.capture(&chunk[i..i + off]);
+                if self.state == State::Failed {
+                    return None; // the model is too long
+                }
+                let i = i + off;
+                match chunk[i] {
+                    b'"' => self.end_string(key),
+                    b'\\' => {
+                        self.capture(b"\\");
+                        self.state = State::Escape { key };
+                    }
+                    _ => {
+                        self.fail(i, "control character in a string");
+                        return None;
+                    }
+                }
+                Some(i + 1)
+            }
+            State::Escape { key } => {
+                self.capture(&[b]);
+                if self.state == State::Failed {
+                    return None;
+                }
+                self.state = match b {
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => State::Str { key },
+                    b'u' => State::Unicode { key, left: 4 },
+                    _ => {
+                        self.fail(i, "invalid escape in a string");
+                        return None;
+                    }
+                };
+                Some(i + 1)
+            }
+            State::Unicode { key, left } => {
+                if !b.is_ascii_hexdigit() {
+                    self.fail(i, "invalid \\u escape in a string");
+                    return None;
+                }
+                self.capture(&[b]);
+                if self.state == State::Failed {
+                    return None;
+                }
+                self.state = if left == 1 {
+                    State::Str { key }
+                } else {
+                    State::Unicode {
+                        key,
+                        left: left - 1,
+                    }
+                };
+                Some(i + 1)
+            }
+            _ => Some(i),
+        }
+    }
+
+    /// A byte of the object's structure (not blank, not in a string,
+    /// number or literal): the state it leads to, or why it cannot be.
+    #[inline]
+    fn structure(&mut self, b: u8) -> Result<(), &'static str> {
+        match self.state {
+            State::Start => {
+                if b != b'{' {
+                    return Err("the body must be a JSON object");
+                }
+                self.stack.push(b'{');
+                self.state = State::KeyOrClose;
+            }
+            State::KeyOrClose | State::Key => match b {
+                b'"' => self.begin_string(true),
+                b'}' if self.state == State::KeyOrClose => self.close(b'{'),
+                _ => return Err("expected a member name"),
+            },
+            State::Colon => {
+                if b != b':' {
+                    return Err("expected `:`");
+                }
+                self.state = State::Value;
+            }
+            State::Value | State::ValueOrClose => {
+                if b == b']' && self.state == State::ValueOrClose {
+                    self.close(b'[');
+                } else if !self.begin_value(b) {
+                    return Err("expected a value");
+                }
+            }
+            State::AfterValue => match (b, self.stack.last()) {
+                (b',', Some(b'{')) => self.state = State::Key,
+                (b',', Some(_)) => self.state = State::Value,
+                (b'}', Some(b'{')) => self.close(b'{'),
+                (b']', Some(b'[')) => self.close(b'['),
+                _ => return Err("expected `,` or a closing bracket"),
+            },
+            State::End => return Err("trailing characters after the JSON object"),
+            // Read by feed and in_string.
+            State::Failed
+            | State::Str { .. }
+            | State::Escape { .. }
+            | State::Unicode { .. }
+            | State::Num(_)
+            | State::Lit { .. } => {}
+        }
+        Ok(())
     }
 
     fn begin_value(&mut self, b: u8) -> bool {

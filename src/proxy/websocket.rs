@@ -1002,6 +1002,21 @@ impl Relay {
         if !has_input {
             return Ok((Message::Text(text), started));
         }
+        self.rewrite_event(text, model.as_str(), estimate, started)
+            .await
+    }
+
+    /// An event carrying input items, through the transforms of `POST
+    /// /v1/responses` under its own deadline; the key charged for what
+    /// goes (documents read, history), not for what came: the rest is
+    /// charged, and the event refused when it no longer fits.
+    async fn rewrite_event(
+        &self,
+        text: Utf8Bytes,
+        model: &str,
+        estimate: u64,
+        started: Option<InFlight>,
+    ) -> Result<(Message, Option<InFlight>), Message> {
         let asker = prepare::Asker {
             headers: &self.headers,
             upstream: 0,
@@ -1014,14 +1029,14 @@ impl Relay {
             .rewrite
             .prepare_by(
                 Shape::Responses,
-                Some(model.as_str()),
+                Some(model),
                 body,
                 self.opts,
                 asker,
                 deadline,
             )
             .await
-            .map_err(|e| self.refusal(e, Some(model.as_str())))?;
+            .map_err(|e| self.refusal(e, Some(model)))?;
         if let Some(saving) = prepared.saving {
             let _ = saving.await;
         }
@@ -1041,7 +1056,7 @@ impl Relay {
         {
             if let (Some(over), Some(k)) = (verdict.over, self.state.gate.limits.key(i)) {
                 let e = super::admission::rate_limited(k, &verdict, over, sent);
-                return Err(self.refusal(e, Some(model.as_str())));
+                return Err(self.refusal(e, Some(model)));
             }
             if let Some(f) = started.as_mut() {
                 f.estimate = sent;
