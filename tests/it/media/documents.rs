@@ -8,7 +8,7 @@
 //! never fails the request.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use bytes::Bytes;
 use serde_json::{Value, json};

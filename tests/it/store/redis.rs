@@ -5,7 +5,7 @@
 //! under CI=true (where `.ci/run` installs it), where they fail instead.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
