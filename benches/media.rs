@@ -27,7 +27,7 @@ fn fixture(name: &str) -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
-#[path = "../tests/support/pdf_build.rs"]
+#[path = "../tests/it/support/pdf_build.rs"]
 mod pdf_build;
 
 /// `pages` pages, each drawing object 3 (`content`, deflated) as its

@@ -734,7 +734,7 @@ impl<'a> Device<'a> for TextDevice<'_, '_> {
 /// Hand-written PDFs for the tests (shared with the integration tests and
 /// benches).
 #[cfg(test)]
-#[path = "../../tests/support/pdf_build.rs"]
+#[path = "../../tests/it/support/pdf_build.rs"]
 pub(crate) mod pdf_build;
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 """The OpenAI Agents SDK (`openai-agents`) running a tool loop through visor
-(tests/clients.rs), streamed, with the model API named by argv[1]:
+(tests/it/clients.rs), streamed, with the model API named by argv[1]:
 
   responses  the SDK's default (Responses), via set_default_openai_client
   chat       Chat Completions, via RunConfig(model_provider=OpenAIProvider(...))

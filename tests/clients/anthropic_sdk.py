@@ -1,5 +1,5 @@
 """The official `anthropic` Python SDK in a streamed Messages tool loop
-through visor (tests/clients.rs). Tools: `screenshot` answers a tool_result
+through visor (tests/it/clients.rs). Tools: `screenshot` answers a tool_result
 holding an image block (base64 PNG), `read_notes` the text of a file.
 Prints {"final": ..., "turns": N}.
 """

@@ -1,4 +1,4 @@
-"""LangChain running its own tool loop through visor (tests/clients.rs),
+"""LangChain running its own tool loop through visor (tests/it/clients.rs),
 streamed, with the chat model named by argv[1]:
 
   openai     langchain-openai's ChatOpenAI, on Chat Completions

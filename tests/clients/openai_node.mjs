@@ -1,5 +1,5 @@
 // The official `openai` Node SDK in a Chat Completions tool loop, streamed,
-// through visor (tests/clients.rs). Tools: `screenshot` answers an image
+// through visor (tests/it/clients.rs). Tools: `screenshot` answers an image
 // (a tool message with an image_url part, as LlamaIndex-style agents send
 // it), `read_notes` the text of a file. Prints {"final": …, "turns": N}.
 import OpenAI from "openai";

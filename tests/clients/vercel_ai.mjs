@@ -1,5 +1,5 @@
 // The Vercel AI SDK (`ai`) running a streamed tool loop through visor
-// (tests/clients.rs), with the provider named by argv[2]:
+// (tests/it/clients.rs), with the provider named by argv[2]:
 //   openai-chat       @ai-sdk/openai, Chat Completions  (createOpenAI().chat)
 //   openai-responses  @ai-sdk/openai, Responses         (createOpenAI().responses)
 //   anthropic         @ai-sdk/anthropic, Messages        (createAnthropic)

@@ -6,7 +6,7 @@
 #![cfg(feature = "redis")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! through `ca_file`, and certificate checks that refuse an unknown CA.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 const BOUND: std::time::Duration = std::time::Duration::from_secs(5);
 

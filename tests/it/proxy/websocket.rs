@@ -7,7 +7,7 @@
 // tungstenite's handshake callback returns its own large error type.
 #![allow(clippy::result_large_err)]
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -6,7 +6,7 @@
 //! a full disk, shutdown) are the scenario table at the end.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -663,8 +663,8 @@ async fn shutdown_mid_stream() -> Result<(), String> {
 
 #[tokio::test]
 async fn every_fault_scenario_gets_its_answer() {
-    // The full disk and the deleted store file are in tests/store_faults.rs
-    // (a tmpfs of their own), connection faults in tests/connections.rs.
+    // The full disk and the deleted store file are in tests/it/store/faults.rs
+    // (a tmpfs of their own), connection faults in tests/it/connections.rs.
     let scenarios: Vec<(&str, Scenario)> = vec![
         ("client leaves mid-upload", || {
             Box::pin(client_leaves_mid_upload())

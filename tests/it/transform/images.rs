@@ -3,7 +3,7 @@
 //! refusals (and remembered across a restart).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 use support::*;
 
 /// These tests are about placeholders: `describe` mode has its own
-/// (tests/describe.rs).
+/// (tests/it/describe.rs).
 const STRIP: &str = "[images]\nnon_vision = \"strip\"\n";
 
 fn ok() -> Reply {
@@ -511,7 +511,7 @@ async fn bad_input_through_the_proxy() {
     assert!(mock.recorded().pop().unwrap().body.len() < 1_000);
     let saved = visor.data_dir().join("artifacts").join(sha_hex(&big));
     assert_eq!(std::fs::metadata(saved).unwrap().len(), big.len() as u64);
-    // (Bodies over the limit: tests/bad_input.rs, over raw sockets.)
+    // (Bodies over the limit: tests/it/proxy/bad_input.rs, over raw sockets.)
 }
 
 #[tokio::test]

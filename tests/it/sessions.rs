@@ -5,7 +5,7 @@
 //! isolation and 503 when the store cannot be reached.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! restart; a store file deleted while visor runs is noticed.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

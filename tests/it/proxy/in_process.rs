@@ -4,7 +4,7 @@
 //! upstream is the loopback mock.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::sync::Arc;

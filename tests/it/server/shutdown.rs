@@ -4,7 +4,7 @@
 //! at once; and what a default start and a stream without usage log.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;

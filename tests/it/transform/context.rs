@@ -4,7 +4,7 @@
 //! the headers and metrics that report them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use bytes::Bytes;
 use http::Request;

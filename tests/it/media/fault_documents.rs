@@ -6,7 +6,7 @@
 //! unread says why; a PDF nested deeper than the parser reads says so.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! Small PDFs written out by hand, for hostile-input tests and benches
-//! (the `src/media` unit tests, `tests/media.rs` and `benches/media.rs`
-//! include this file by path).
+//! (the `src/media` unit tests and `benches/media.rs` include this file by
+//! path; the integration tests use it as `support::pdf_build`).
 #![allow(dead_code, clippy::unwrap_used)]
 
 /// A PDF of `objects` (numbered from 3: 1 is the catalog, 2 the page tree)

@@ -7,7 +7,7 @@
 //! straddle the end of one first waits (bounded) for the next to begin.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

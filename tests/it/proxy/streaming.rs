@@ -2,7 +2,7 @@
 //! backpressure and draining at shutdown.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

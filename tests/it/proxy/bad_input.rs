@@ -1,7 +1,7 @@
 //! Bad input: each gets a clear OpenAI-shaped error, never a panic or a hang.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

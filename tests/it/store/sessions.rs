@@ -4,7 +4,7 @@
 //! piece, only the newest `keep` stay, 50 appends at once lose nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -905,6 +905,10 @@ pub fn fixture(name: &str) -> Bytes {
 
 // ------------------------------------------------------------ processes
 
+/// Held while `target/tmp/py-venv` is made or installed into: the SDK test
+/// and the client tests share that venv, and this process.
+pub static PY_VENV: Mutex<()> = Mutex::new(());
+
 pub fn visor() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_visor"));
     c.current_dir(env!("CARGO_MANIFEST_DIR"));
@@ -912,9 +916,16 @@ pub fn visor() -> Command {
     c
 }
 
+/// A config file of `text` under `target/tmp`, named after `name` and made
+/// unique in this process (all the test files share it).
 pub fn temp_config(name: &str, text: &str) -> PathBuf {
+    static SEQ: AtomicUsize = AtomicUsize::new(0);
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let path = dir.join(format!("{name}-{}.toml", std::process::id()));
+    let path = dir.join(format!(
+        "{name}-{}-{}.toml",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    ));
     std::fs::write(&path, text).unwrap();
     path
 }

@@ -2,7 +2,7 @@
 //! loopback sockets against the mock upstream.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use bytes::Bytes;
 use http::Request;

@@ -29,7 +29,7 @@
 //!
 //! The clients are pinned in `tests/clients/package.json` (+ lock) and
 //! `tests/clients/requirements.txt`, installed under `target/tmp` (npm into
-//! `node-clients`, pip into the `py-venv` that tests/sdk_openai.rs uses) on
+//! `node-clients`, pip into the `py-venv` that tests/it/sdk_openai.rs uses) on
 //! first use; `.ci/run` installs them up front. Without npm, Python or the
 //! registries a test prints `SKIPPED …` and passes, except under `CI=true`,
 //! where it fails.
@@ -37,7 +37,7 @@
 // tungstenite's handshake callback returns its own large error type.
 #![allow(clippy::result_large_err)]
 
-mod support;
+use crate::support;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -160,6 +160,7 @@ async fn node_cli(name: &'static str) -> Result<PathBuf, String> {
 fn venv_python() -> Result<PathBuf, String> {
     static PY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     PY.get_or_init(|| {
+        let _venv = PY_VENV.lock().unwrap_or_else(|e| e.into_inner());
         let venv = tmp().join("py-venv");
         let python = venv.join("bin/python");
         let reqs = clients_dir().join("requirements.txt");

@@ -8,7 +8,7 @@
 //! with a printed reason, except under `CI=true`, where it must run.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -18,6 +18,7 @@ use bytes::Bytes;
 use support::*;
 
 fn venv_python() -> Result<PathBuf, String> {
+    let _venv = PY_VENV.lock().unwrap_or_else(|e| e.into_inner());
     let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("py-venv");
     let python = venv.join("bin/python");
     let has_openai = |py: &PathBuf| {

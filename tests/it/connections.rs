@@ -2,7 +2,7 @@
 //! connection limit and who gets in at it, and the drain delay.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
