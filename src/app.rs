@@ -47,8 +47,8 @@ pub fn build(
         metrics.clone(),
     )?);
     let media = Arc::new(media_text(&config, &upstreams, &store, &metrics));
-    let rewrite = rewriter(&config, media, store.clone(), metrics.clone())?;
     let gate = gate(&config, store.clone(), metrics.clone());
+    let rewrite = rewriter(&config, &gate, media, store.clone(), metrics.clone())?;
     let life = Lifecycle::default();
     let sessions = Sessions::new(
         &config.sessions,
@@ -110,6 +110,7 @@ fn media_text(
 /// the media part, where originals go.
 fn rewriter(
     config: &Config,
+    gate: &Gate,
     media: Arc<MediaText>,
     store: Arc<Store>,
     metrics: Arc<Metrics>,
@@ -127,7 +128,7 @@ fn rewriter(
             .map(|p| p.to_lowercase())
             .collect(),
         artifacts: Artifacts::new(config.artifacts_dir()),
-        proxy_keys_set: !config.server.api_keys.is_empty() || !config.keys.is_empty(),
+        proxy_keys_set: gate.keys.is_set(),
         request_timeout: config.server.request_timeout,
         max_body_bytes: config.server.max_body_bytes,
         media,

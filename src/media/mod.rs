@@ -17,6 +17,7 @@
 //!   the file records (hard breaks, and the breaks Word noted when it last laid
 //!   the document out); a file without any is one page.
 
+#[cfg(feature = "documents")]
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 #[cfg(feature = "documents")]
@@ -294,14 +295,17 @@ impl ReadError {
         Self(reason.into())
     }
 
+    #[cfg(feature = "documents")]
     pub(crate) fn damaged(what: impl std::fmt::Display) -> Self {
         Self(format!("damaged: {what}"))
     }
 
+    #[cfg(feature = "documents")]
     pub(crate) fn encrypted() -> Self {
         Self::new("encrypted")
     }
 
+    #[cfg(feature = "documents")]
     pub(crate) fn too_large() -> Self {
         Self::new("too large when unpacked")
     }
@@ -332,6 +336,7 @@ pub fn read(_kind: DocKind, _bytes: &[u8], _limits: &Limits) -> Result<Document,
 }
 
 /// Run `f`, turning a panic into "damaged: …".
+#[cfg(feature = "documents")]
 pub(crate) fn guarded<T>(f: impl FnOnce() -> Result<T, ReadError>) -> Result<T, ReadError> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(result) => result,
@@ -352,6 +357,7 @@ pub const TEXT_BUDGET: &str = "over the text budget";
 
 /// Collects pages under the limits: cleans each page's text, cuts the text
 /// at the byte budget, and notes truncation.
+#[cfg(feature = "documents")]
 pub(crate) struct PageSink {
     pages: Vec<Page>,
     limits: Limits,
@@ -361,6 +367,7 @@ pub(crate) struct PageSink {
     stopped: Option<String>,
 }
 
+#[cfg(feature = "documents")]
 impl PageSink {
     pub(crate) fn new(limits: &Limits) -> Self {
         Self {
@@ -484,6 +491,7 @@ pub fn clean_text(raw: &str) -> String {
 }
 
 /// The media type of an image part from its file name's extension.
+#[cfg(feature = "documents")]
 pub(crate) fn image_media_type(name: &str) -> String {
     let ext = name
         .rsplit_once('.')
@@ -640,6 +648,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "documents")]
     fn sink_cuts_text_at_a_char_boundary_and_counts_pages() {
         let limits = Limits {
             max_pages: 2,
@@ -658,6 +667,21 @@ mod tests {
     }
 
     #[test]
+    #[cfg(not(feature = "documents"))]
+    fn a_build_without_documents_reads_none_and_says_why() {
+        for kind in [DocKind::Pdf, DocKind::Docx, DocKind::Pptx, DocKind::Xlsx] {
+            let err = read(kind, &fixture("chart.pdf"), &Limits::default()).unwrap_err();
+            assert_eq!(err.reason(), without_documents::NOT_BUILT);
+        }
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let err = read_and_render(b"%PDF-1.4", &Limits::default(), &stop, 1, 110.0)
+            .err()
+            .map(|e| e.reason().to_owned());
+        assert_eq!(err.as_deref(), Some(without_documents::NOT_BUILT));
+    }
+
+    #[test]
+    #[cfg(feature = "documents")]
     fn a_panic_becomes_damaged() {
         let err = guarded::<()>(|| panic!("boom")).unwrap_err();
         assert_eq!(err.to_string(), "damaged: parser panicked (boom)");
