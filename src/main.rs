@@ -332,7 +332,6 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
     let Some(cfg) = load(source) else {
         return ExitCode::FAILURE;
     };
-    let s = &cfg.server;
     if let Source::BuiltIn = source {
         let looked: Vec<String> = config_candidates()
             .iter()
@@ -355,6 +354,7 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
         );
         return ExitCode::FAILURE;
     }
+    let s = &cfg.server;
     out!("listen: {}", s.listen);
     out!(
         "limits: max_body_bytes={} connect={:?} first_byte={:?} idle={:?} request={:?} drain={:?}",
@@ -365,6 +365,27 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
         s.request_timeout,
         s.drain_timeout
     );
+    let proxy_keys = print_keys(&cfg);
+    print_routes(&cfg, proxy_keys);
+    let Some(off) = offline(&cfg, true) else {
+        return ExitCode::FAILURE;
+    };
+    match &off.note {
+        None => out!("store: {}", cfg.store.backend),
+        Some(n) => out!("store: {} — {n}", cfg.store.backend),
+    }
+    print_model_table(&cfg, &off.table);
+    print_media(&cfg);
+    if let Some(m) = model {
+        print_model(&off.table, m);
+    }
+    ExitCode::SUCCESS
+}
+
+/// `check`: the proxy keys and the `[[key]]` entries; how many proxy keys
+/// there are.
+fn print_keys(cfg: &Config) -> usize {
+    let s = &cfg.server;
     // Proxy keys: `server.api_keys` and every `[[key]]` with a key. With
     // any, a client's own provider key is not forwarded but refused (401).
     let entry_keys = cfg
@@ -394,6 +415,12 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
             per(k.tokens_per_minute)
         );
     }
+    proxy_keys
+}
+
+/// `check`: the routes with their credentials and fallback chains, and the
+/// retry budget when there are chains.
+fn print_routes(cfg: &Config, proxy_keys: usize) {
     out!("routes (first match wins; requests without a model go to the first):");
     let width = cfg
         .upstreams
@@ -432,14 +459,10 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
             r.breaker_cooldown
         );
     }
-    let Some(off) = offline(&cfg, true) else {
-        return ExitCode::FAILURE;
-    };
-    let table = &off.table;
-    match &off.note {
-        None => out!("store: {}", cfg.store.backend),
-        Some(n) => out!("store: {} — {n}", cfg.store.backend),
-    }
+}
+
+/// `check`: the model table's rows, user and learned.
+fn print_model_table(cfg: &Config, table: &ModelTable) {
     let learned: Vec<_> = table
         .learned
         .names()
@@ -470,6 +493,11 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
         };
         out!("  learned  {model:?}  {what}");
     }
+}
+
+/// `check`: what is done to images, repeated context, documents and audio,
+/// and by whom.
+fn print_media(cfg: &Config) {
     out!(
         "images: non_vision={} artifacts in {}",
         cfg.images.non_vision,
@@ -514,49 +542,51 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
         "documents: at most {} pages or images described per document",
         cfg.documents.max_pages_described
     );
-    if let Some(m) = model {
-        let r = table.resolve(m, None);
-        out!("model {m:?}: {}", caps_text(&r.caps));
-        out!(
-            "  images {} — decided by {}",
-            if r.vision {
-                "sent as they are"
-            } else {
-                "replaced"
-            },
-            r.vision_from
-        );
-        let said = |stated: Option<bool>, default: &str| match stated {
-            Some(_) => "its row".to_owned(),
-            None => default.to_owned(),
-        };
-        let fate = |takes: bool| match takes {
-            true => "sent as they are",
-            false => "replaced by their text",
-        };
-        out!(
-            "  PDFs and other documents {} — decided by {}",
-            fate(r.pdf),
-            said(r.caps.pdf, "no row: follows images (or learned)")
-        );
-        out!(
-            "  DOCX, PPTX, XLSX {} — decided by {}",
-            fate(r.office),
-            said(
-                r.caps.office,
-                "no row: replaced unless a row says office = true"
-            )
-        );
-        out!(
-            "  audio {} — decided by {}",
-            match r.audio {
-                true => "sent as it is",
-                false => "replaced by its transcript",
-            },
-            said(r.caps.audio, "no row: follows images (or learned)")
-        );
-    }
-    ExitCode::SUCCESS
+}
+
+/// `check --model`: what the model table says about one model, and which
+/// row decided.
+fn print_model(table: &ModelTable, m: &str) {
+    let r = table.resolve(m, None);
+    out!("model {m:?}: {}", caps_text(&r.caps));
+    out!(
+        "  images {} — decided by {}",
+        if r.vision {
+            "sent as they are"
+        } else {
+            "replaced"
+        },
+        r.vision_from
+    );
+    let said = |stated: Option<bool>, default: &str| match stated {
+        Some(_) => "its row".to_owned(),
+        None => default.to_owned(),
+    };
+    let fate = |takes: bool| match takes {
+        true => "sent as they are",
+        false => "replaced by their text",
+    };
+    out!(
+        "  PDFs and other documents {} — decided by {}",
+        fate(r.pdf),
+        said(r.caps.pdf, "no row: follows images (or learned)")
+    );
+    out!(
+        "  DOCX, PPTX, XLSX {} — decided by {}",
+        fate(r.office),
+        said(
+            r.caps.office,
+            "no row: replaced unless a row says office = true"
+        )
+    );
+    out!(
+        "  audio {} — decided by {}",
+        match r.audio {
+            true => "sent as it is",
+            false => "replaced by its transcript",
+        },
+        said(r.caps.audio, "no row: follows images (or learned)")
+    );
 }
 
 fn explain(
