@@ -26,10 +26,10 @@ use visor::config::{Config, StoreBackend};
 
 use visor::describe::{PROMPT_VERSION, description_key};
 use visor::metrics::Metrics;
-use visor::models::{Caps, Learned, Medium, ModelTable, legacy_learned};
+use visor::models::{Caps, Learned, Medium, ModelTable, Resolved, legacy_learned};
 use visor::server::{Server, shutdown_signal};
 use visor::store::Store;
-use visor::transform::{self, Plan, Shape, Takes};
+use visor::transform::{self, Plan, Rewrite, Shape, Takes};
 
 #[derive(Parser)]
 #[command(
@@ -602,18 +602,7 @@ fn explain(
     let Some(off) = offline(&cfg, false) else {
         return ExitCode::FAILURE;
     };
-    let body = match file.as_deref() {
-        Some(p) if p != std::path::Path::new("-") => {
-            std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
-        }
-        _ => {
-            let mut b = Vec::new();
-            std::io::Read::read_to_end(&mut std::io::stdin(), &mut b)
-                .map(|_| b)
-                .map_err(|e| format!("cannot read stdin: {e}"))
-        }
-    };
-    let body = match body {
+    let body = match request_body(file.as_deref()) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("error: {e}");
@@ -639,67 +628,10 @@ fn explain(
         Endpoint::Messages => Shape::Messages,
     };
     let resolved = off.table.resolve(model, None);
-    let plan = Plan {
-        shape,
-        vision: resolved.vision,
-        describe: cfg.non_vision == visor::config::NonVision::Describe,
-        rules: visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
-        takes: Takes {
-            pdf: resolved.pdf,
-            office: resolved.office,
-            audio: resolved.audio,
-        },
-        query_aware: cfg.describer.query_aware,
-    };
-    // Descriptions come from the store only: explain never calls the
-    // describer; an image without a cached one shows its placeholder.
-    // Documents are read here (their figures not described); audio is not
-    // transcribed.
-    let rewrite = match transform::scan(&body, &plan) {
-        Err(done) => *done,
-        Ok(scanned) => {
-            let mut descriptions = Vec::new();
-            if let Some(store) = &off.store {
-                for (_, s) in scanned.subjects(&body) {
-                    let id = transform::subject_key(&s.sha256, s.query.as_deref());
-                    let key = description_key(&id, &cfg.describer.model);
-                    if let Ok(Some(text)) = off.rt.block_on(store.description(&key)) {
-                        descriptions.push((id, Arc::from(text)));
-                    }
-                }
-            }
-            let made: Vec<_> = scanned
-                .media(&body)
-                .iter()
-                .map(visor::proxy::media_text::offline)
-                .collect();
-            let failed: Vec<String> = made
-                .iter()
-                .filter(|m| m.action == "stripped")
-                .map(|m| m.sha256.clone())
-                .collect();
-            descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
-            let mut rewrite = scanned.finish(&body, &descriptions);
-            for sha in &failed {
-                rewrite.report.not_converted(sha);
-            }
-            rewrite
-        }
-    };
+    let rewrite = rewrite_offline(&cfg, &off, &body, &explain_plan(&cfg, shape, &resolved));
     let sent = rewrite.body.as_deref().unwrap_or(&body);
     if raw {
-        // The exact bytes, as visor sends them (the body itself when
-        // nothing changed).
-        use std::io::Write as _;
-        let mut stdout = std::io::stdout().lock();
-        return match stdout.write_all(sent).and_then(|()| stdout.flush()) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: cannot write to stdout: {e}");
-                ExitCode::FAILURE
-            }
-        };
+        return write_raw(sent);
     }
     // A request nested deeper than serde_json reads (128 levels; visor
     // itself streams through any depth) is printed as it is sent.
@@ -713,34 +645,135 @@ fn explain(
             return ExitCode::FAILURE;
         }
     };
+    let store = match &off.note {
+        None => cfg.store.backend.to_string(),
+        Some(n) => format!("{} ({n})", cfg.store.backend),
+    };
     let out = serde_json::json!({
         "request": request,
-        "report": {
-            "model": model,
-            "endpoint": shape,
-            "vision": resolved.vision,
-            "vision_decided_by": resolved.vision_from.to_string(),
-            "changed": rewrite.body.is_some(),
-            "images_found": rewrite.report.images_found,
-            "images_replaced": rewrite.report.images_replaced,
-            "images_described": rewrite.report.images_described,
-            "pdf": resolved.pdf,
-            "office": resolved.office,
-            "audio": resolved.audio,
-            "media_replaced": rewrite.report.media_replaced,
-            "store": match &off.note {
-                None => cfg.store.backend.to_string(),
-                Some(n) => format!("{} ({n})", cfg.store.backend),
-            },
-            "bytes_saved": rewrite.report.bytes_saved,
-            "bytes_saved_dedup": rewrite.report.bytes_saved_dedup,
-            "lines_omitted": rewrite.report.lines_omitted,
-            "items_omitted": rewrite.report.items_omitted,
-            "images": rewrite.report.images,
-            "skipped": rewrite.report.skipped,
-        }
+        "report": explain_report(model, shape, &resolved, &rewrite, store),
     });
-    match serde_json::to_string_pretty(&out) {
+    print_explained(&out, verbatim.as_deref())
+}
+
+/// `explain`: the request body from FILE, or stdin for `-` or none.
+fn request_body(file: Option<&std::path::Path>) -> Result<Vec<u8>, String> {
+    match file {
+        Some(p) if p != std::path::Path::new("-") => {
+            std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
+        }
+        _ => {
+            let mut b = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::stdin(), &mut b)
+                .map(|_| b)
+                .map_err(|e| format!("cannot read stdin: {e}"))
+        }
+    }
+}
+
+/// `explain`: the transform plan for the model, as `serve` would make it.
+fn explain_plan(cfg: &Config, shape: Shape, resolved: &Resolved) -> Plan {
+    Plan {
+        shape,
+        vision: resolved.vision,
+        describe: cfg.non_vision == visor::config::NonVision::Describe,
+        rules: visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+        takes: Takes {
+            pdf: resolved.pdf,
+            office: resolved.office,
+            audio: resolved.audio,
+        },
+        query_aware: cfg.describer.query_aware,
+    }
+}
+
+/// `explain`: the rewrite, offline. Descriptions come from the store only:
+/// explain never calls the describer; an image without a cached one shows
+/// its placeholder. Documents are read here (their figures not described);
+/// audio is not transcribed.
+fn rewrite_offline(cfg: &Config, off: &Offline, body: &[u8], plan: &Plan) -> Rewrite {
+    let scanned = match transform::scan(body, plan) {
+        Err(done) => return *done,
+        Ok(scanned) => scanned,
+    };
+    let mut descriptions = Vec::new();
+    if let Some(store) = &off.store {
+        for (_, s) in scanned.subjects(body) {
+            let id = transform::subject_key(&s.sha256, s.query.as_deref());
+            let key = description_key(&id, &cfg.describer.model);
+            if let Ok(Some(text)) = off.rt.block_on(store.description(&key)) {
+                descriptions.push((id, Arc::from(text)));
+            }
+        }
+    }
+    let made: Vec<_> = scanned
+        .media(body)
+        .iter()
+        .map(visor::proxy::media_text::offline)
+        .collect();
+    let failed: Vec<String> = made
+        .iter()
+        .filter(|m| m.action == "stripped")
+        .map(|m| m.sha256.clone())
+        .collect();
+    descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
+    let mut rewrite = scanned.finish(body, &descriptions);
+    for sha in &failed {
+        rewrite.report.not_converted(sha);
+    }
+    rewrite
+}
+
+/// `explain --raw`: the exact bytes, as visor sends them (the body itself
+/// when nothing changed).
+fn write_raw(sent: &[u8]) -> ExitCode {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(sent).and_then(|()| stdout.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: cannot write to stdout: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `explain`: the report of what the rewrite changed, and why.
+fn explain_report(
+    model: &str,
+    shape: Shape,
+    resolved: &Resolved,
+    rewrite: &Rewrite,
+    store: String,
+) -> serde_json::Value {
+    serde_json::json!({
+        "model": model,
+        "endpoint": shape,
+        "vision": resolved.vision,
+        "vision_decided_by": resolved.vision_from.to_string(),
+        "changed": rewrite.body.is_some(),
+        "images_found": rewrite.report.images_found,
+        "images_replaced": rewrite.report.images_replaced,
+        "images_described": rewrite.report.images_described,
+        "pdf": resolved.pdf,
+        "office": resolved.office,
+        "audio": resolved.audio,
+        "media_replaced": rewrite.report.media_replaced,
+        "store": store,
+        "bytes_saved": rewrite.report.bytes_saved,
+        "bytes_saved_dedup": rewrite.report.bytes_saved_dedup,
+        "lines_omitted": rewrite.report.lines_omitted,
+        "items_omitted": rewrite.report.items_omitted,
+        "images": rewrite.report.images,
+        "skipped": rewrite.report.skipped,
+    })
+}
+
+/// `explain`: the request and its report as pretty JSON; a request too
+/// deep for serde_json (`verbatim`) in its place as it is sent.
+fn print_explained(out: &serde_json::Value, verbatim: Option<&str>) -> ExitCode {
+    match serde_json::to_string_pretty(out) {
         Ok(s) => {
             match verbatim {
                 None => out!("{s}"),
