@@ -612,6 +612,57 @@ impl PartFields {
     }
 }
 
+/// The members of a message the walk keeps (its content is walked as it
+/// is read).
+#[derive(Default)]
+struct MessageFields {
+    role: Option<Str>,
+    ty: Option<Str>,
+    call_id: Option<Str>,
+    content: Option<ContentArray>,
+}
+
+/// Who sent a message: its role as the image rules see it (`tool` for a
+/// Responses `*_output` item, `user` when none is given), what kind of
+/// message that is, and whether it is a Chat tool (or function) message.
+struct Speaker {
+    role: String,
+    kind: Role,
+    tool_message: bool,
+}
+
+impl Speaker {
+    fn of(src: &[u8], fields: &MessageFields) -> Speaker {
+        let role = fields
+            .role
+            .as_ref()
+            .and_then(|r| r.decode(src))
+            .map(|r| r.into_owned());
+        let ty = fields.ty.as_ref();
+        let is_output = ty.is_some_and(|t| {
+            t.is(src, "function_call_output")
+                || t.is(src, "custom_tool_call_output")
+                || t.is(src, "computer_call_output")
+        });
+        let kind = role_of(
+            role.as_deref(),
+            ty.and_then(|t| t.decode(src)).as_deref(),
+            is_output,
+        );
+        let role = match (role, is_output) {
+            (_, true) => "tool".to_owned(),
+            (Some(r), false) => r,
+            (None, false) => "user".to_owned(),
+        };
+        let tool_message = role == "tool" || role == "function";
+        Speaker {
+            role,
+            kind,
+            tool_message,
+        }
+    }
+}
+
 impl Walker<'_> {
     fn message(&mut self, c: &mut Cursor<'_>, index: usize, items_key: &str) -> Result<()> {
         self.out.items.push(Item {
@@ -624,9 +675,6 @@ impl Walker<'_> {
             self.out.items[index].bytes = range.len();
             return Ok(());
         }
-        let src = self.src;
-        let mut role: Option<Str> = None;
-        let mut ty: Option<Str> = None;
         let mut msg = Msg {
             index,
             first_image: self.out.images.len(),
@@ -635,66 +683,76 @@ impl Walker<'_> {
             units: 0,
             cache_markers: false,
         };
-        let mut content: Option<ContentArray> = None;
-        let mut call_id: Option<Str> = None;
-        let range = c.object(|c, key| {
-            if key.is(src, "role") && c.kind()? == Kind::String {
-                role = Some(c.string()?);
-            } else if key.is(src, "type") && c.kind()? == Kind::String {
-                ty = Some(c.string()?);
-            } else if (key.is(src, "tool_call_id") || key.is(src, "call_id"))
-                && c.kind()? == Kind::String
-            {
-                call_id = Some(c.string()?);
-            } else if key.is(src, "content") || key.is(src, "output") {
-                let which = if key.is(src, "content") {
-                    "content"
-                } else {
-                    "output"
-                };
-                let path = format!("{items_key}[{index}].{which}");
-                let tool = key.is(src, "output");
-                content = self.content(c, &mut msg, &path, tool, 0)?;
-            } else {
-                c.skip()?;
-            }
-            Ok(())
-        })?;
-        let role = role.and_then(|r| r.decode(src)).map(|r| r.into_owned());
-        let is_output = ty.as_ref().is_some_and(|t| {
-            t.is(src, "function_call_output")
-                || t.is(src, "custom_tool_call_output")
-                || t.is(src, "computer_call_output")
-        });
-        let kind = role_of(
-            role.as_deref(),
-            ty.as_ref().and_then(|t| t.decode(src)).as_deref(),
-            is_output,
-        );
-        let role = match (role, is_output) {
-            (_, true) => "tool".to_owned(),
-            (Some(r), false) => r,
-            (None, false) => "user".to_owned(),
-        };
-        let tool_message = role == "tool" || role == "function";
-        if let Some(id) = call_id
-            && (tool_message || kind == Role::Tool)
+        let mut fields = MessageFields::default();
+        let range =
+            c.object(|c, key| self.message_member(c, &key, &mut msg, &mut fields, items_key))?;
+        let who = Speaker::of(self.src, &fields);
+        if let Some(id) = fields.call_id
+            && (who.tool_message || who.kind == Role::Tool)
         {
             self.out.call_ids.push((index, 0, id));
         }
+        self.finish_message(msg, &who, fields.content, range.len());
+        Ok(())
+    }
+
+    /// Reads one member of a message, walking its content.
+    fn message_member(
+        &mut self,
+        c: &mut Cursor<'_>,
+        key: &Str,
+        msg: &mut Msg,
+        fields: &mut MessageFields,
+        items_key: &str,
+    ) -> Result<()> {
+        let src = self.src;
+        if key.is(src, "role") && c.kind()? == Kind::String {
+            fields.role = Some(c.string()?);
+        } else if key.is(src, "type") && c.kind()? == Kind::String {
+            fields.ty = Some(c.string()?);
+        } else if (key.is(src, "tool_call_id") || key.is(src, "call_id"))
+            && c.kind()? == Kind::String
+        {
+            fields.call_id = Some(c.string()?);
+        } else if key.is(src, "content") || key.is(src, "output") {
+            let which = if key.is(src, "content") {
+                "content"
+            } else {
+                "output"
+            };
+            let path = format!("{items_key}[{}].{which}", msg.index);
+            let tool = key.is(src, "output");
+            fields.content = self.content(c, msg, &path, tool, 0)?;
+        } else {
+            c.skip()?;
+        }
+        Ok(())
+    }
+
+    /// Once its role is known: the message's images, its item, its texts,
+    /// the images hidden in them, and whether it may collapse to a string.
+    fn finish_message(
+        &mut self,
+        mut msg: Msg,
+        who: &Speaker,
+        content: Option<ContentArray>,
+        bytes: usize,
+    ) {
+        let index = msg.index;
+        let tool_message = who.tool_message;
         for img in &mut self.out.images[msg.first_image..] {
-            img.role.clone_from(&role);
+            img.role.clone_from(&who.role);
             img.in_tool_result |= tool_message;
         }
         let own = |in_tool: bool| !in_tool && !tool_message;
         self.out.items[index] = Item {
-            role: kind,
-            authored: kind == Role::User
+            role: who.kind,
+            authored: who.kind == Role::User
                 && (msg.spots.iter().any(|&(_, t, _)| own(t))
                     || self.out.images[msg.first_image..]
                         .iter()
                         .any(|f| own(f.in_tool_result))),
-            bytes: range.len(),
+            bytes,
         };
         for &(spot, in_tool, unit) in &msg.spots {
             self.out.texts.push(TextAt {
@@ -706,9 +764,9 @@ impl Walker<'_> {
         }
         // Text of user and tool messages may hide images; system, developer
         // and assistant text is never looked into.
-        if !matches!(role.as_str(), "system" | "developer" | "assistant") {
+        if !matches!(who.role.as_str(), "system" | "developer" | "assistant") {
             for (spot, in_tool, _) in std::mem::take(&mut msg.spots) {
-                self.look_in_text(spot, &msg, &role, in_tool || tool_message);
+                self.look_in_text(spot, &msg, &who.role, in_tool || tool_message);
             }
         }
         if self.shape == Shape::Chat
@@ -723,7 +781,6 @@ impl Walker<'_> {
                 parts,
             });
         }
-        Ok(())
     }
 
     /// Walks a `content` (or `output`) value. Returns, for an array, its
