@@ -499,26 +499,7 @@ impl PartFields {
             let value = c.skip()?;
             self.markers.push(key.range.start..value.end);
         } else if k("image_url") {
-            match kind {
-                Kind::String => self.image_url = Some(c.string()?),
-                Kind::Object => {
-                    let mut url = None;
-                    c.object(|c, key| {
-                        if key.is(src, "url") && c.kind()? == Kind::String {
-                            url = Some(c.string()?);
-                        } else {
-                            c.skip()?;
-                        }
-                        Ok(())
-                    })?;
-                    self.image_url_bad = url.is_none();
-                    self.image_url = url;
-                }
-                _ => {
-                    self.image_url_bad = true;
-                    c.skip()?;
-                }
-            }
+            self.read_image_url(c, src, kind)?;
         } else if string && (k("data") || k("base64")) {
             self.data = Some(c.string()?);
         } else if kind == Kind::Object && k("data") {
@@ -571,44 +552,77 @@ impl PartFields {
         } else if string && k("tool_use_id") {
             self.tool_use_id = Some(c.string()?);
         } else if k("source") {
-            if kind != Kind::Object {
-                self.source_bad = true;
-                c.skip()?;
-                return Ok(true);
-            }
-            c.object(|c, key| {
-                let sk = |name: &str| key.is(src, name);
-                if sk("content") && c.kind()? == Kind::Array {
-                    self.source_content = Some(c.skip()?);
-                    return Ok(());
-                }
-                let slot = if c.kind()? != Kind::String {
-                    None
-                } else if sk("type") {
-                    Some(&mut self.source_type)
-                } else if sk("media_type") {
-                    Some(&mut self.source_media_type)
-                } else if sk("data") {
-                    Some(&mut self.source_data)
-                } else if sk("url") {
-                    Some(&mut self.source_url)
-                } else if sk("file_id") {
-                    Some(&mut self.source_file)
-                } else {
-                    None
-                };
-                match slot {
-                    Some(slot) => *slot = Some(c.string()?),
-                    None => {
-                        c.skip()?;
-                    }
-                }
-                Ok(())
-            })?;
+            self.read_source(c, src, kind)?;
         } else {
             return Ok(false);
         }
         Ok(true)
+    }
+
+    /// `image_url`: a URL string, or an object with a `url` (bad without
+    /// one).
+    fn read_image_url(&mut self, c: &mut Cursor<'_>, src: &[u8], kind: Kind) -> Result<()> {
+        match kind {
+            Kind::String => self.image_url = Some(c.string()?),
+            Kind::Object => {
+                let mut url = None;
+                c.object(|c, key| {
+                    if key.is(src, "url") && c.kind()? == Kind::String {
+                        url = Some(c.string()?);
+                    } else {
+                        c.skip()?;
+                    }
+                    Ok(())
+                })?;
+                self.image_url_bad = url.is_none();
+                self.image_url = url;
+            }
+            _ => {
+                self.image_url_bad = true;
+                c.skip()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// An Anthropic `source` object: its type, media type, data, URL or
+    /// file id, or content blocks (bad when not an object).
+    fn read_source(&mut self, c: &mut Cursor<'_>, src: &[u8], kind: Kind) -> Result<()> {
+        if kind != Kind::Object {
+            self.source_bad = true;
+            c.skip()?;
+            return Ok(());
+        }
+        c.object(|c, key| {
+            let sk = |name: &str| key.is(src, name);
+            if sk("content") && c.kind()? == Kind::Array {
+                self.source_content = Some(c.skip()?);
+                return Ok(());
+            }
+            let slot = if c.kind()? != Kind::String {
+                None
+            } else if sk("type") {
+                Some(&mut self.source_type)
+            } else if sk("media_type") {
+                Some(&mut self.source_media_type)
+            } else if sk("data") {
+                Some(&mut self.source_data)
+            } else if sk("url") {
+                Some(&mut self.source_url)
+            } else if sk("file_id") {
+                Some(&mut self.source_file)
+            } else {
+                None
+            };
+            match slot {
+                Some(slot) => *slot = Some(c.string()?),
+                None => {
+                    c.skip()?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(())
     }
 }
 
