@@ -1059,124 +1059,32 @@ pub(super) fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, 
 /// embedded resources holding a document or audio, and SDK file parts of a
 /// document or audio type.
 fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)> {
-    let text = |s: &Option<Str>| {
-        s.as_ref()
-            .and_then(|s| s.decode(src))
-            .map(|c| c.into_owned())
-    };
     let is = |name: &str| ty.is(src, name);
-    let url_like = |s: &Str| {
-        if s.raw(src).starts_with(b"data:") {
-            Raw::DataUrl(s.clone())
-        } else {
-            Raw::Url(s.clone())
-        }
-    };
-    let document = |mt: &Option<Str>, name: &Option<Str>, data: Option<&Str>| {
-        let mt = text(mt).unwrap_or_default();
-        let name = text(name);
-        let head = data.map(|d| data_head(d.raw(src)));
-        let mt = match (mt.is_empty(), data) {
-            (true, Some(d)) if d.raw(src).starts_with(b"data:") => {
-                super::decode::data_url_payload(d.raw(src))
-                    .map(|(m, _)| m)
-                    .unwrap_or_default()
-            }
-            _ => mt,
-        };
-        Medium::Document {
-            family: DocFamily::of(&mt, name.as_deref(), head.unwrap_or_default()),
-            name,
-        }
-    };
-    let media_of = |m: &Option<Str>| text(m).map(|m| m.to_ascii_lowercase()).unwrap_or_default();
-    // `file_data` is a data URL; some clients send the bare base64, and
-    // SDK parts put a URL where the data goes.
-    let file_data = |d: &Str, mt: &Option<Str>| {
-        let raw = d.raw(src);
-        if raw.starts_with(b"data:") || raw.starts_with(b"http://") || raw.starts_with(b"https://")
-        {
-            url_like(d)
-        } else {
-            Raw::Base64(d.clone(), mt.clone())
-        }
-    };
-    // A `file` part whose data is a picture is an image, whatever carries it.
-    let picture = |d: Option<&Str>| {
-        d.is_some_and(|d| {
-            let raw = d.raw(src);
-            raw.starts_with(b"data:image/") || image_head(data_head(raw))
-        })
-    };
+    let part = MediaPart { src, f };
     if is("file")
         && (f.chat_file
             || f.file_data.is_some()
             || (f.file_id.is_some() && f.data.is_none() && f.url.is_none()))
     {
-        // Chat `file` part.
-        let raw = match (&f.file_data, &f.file_id) {
-            (Some(d), _) => file_data(d, &None),
-            (None, Some(id)) => Raw::File(id.clone()),
-            (None, None) => Raw::Broken("file part without file_data or file_id"),
-        };
-        if picture(f.file_data.as_ref()) {
-            return Some((Medium::Image, raw));
-        }
-        return Some((document(&None, &f.filename, f.file_data.as_ref()), raw));
+        return Some(part.chat_file());
     }
     if is("input_file") {
-        let raw = match (&f.file_data, &f.file_url, &f.file_id) {
-            (Some(d), _, _) => file_data(d, &None),
-            (None, Some(u), _) => Raw::Url(u.clone()),
-            (None, None, Some(id)) => Raw::File(id.clone()),
-            (None, None, None) => Raw::Broken("input_file without file_data, file_url or file_id"),
-        };
-        if picture(f.file_data.as_ref()) {
-            return Some((Medium::Image, raw));
-        }
-        return Some((document(&None, &f.filename, f.file_data.as_ref()), raw));
+        return Some(part.input_file());
     }
     if is("document") && (f.source_type.is_some() || f.source_bad) && f.source_content.is_none() {
-        let st = f.source_type.as_ref();
-        let sis = |name| st.is_some_and(|t| t.is(src, name));
-        let medium = document(&f.source_media_type, &f.filename, f.source_data.as_ref());
-        let raw = if sis("base64") {
-            match &f.source_data {
-                Some(d) => Raw::Base64(d.clone(), f.source_media_type.clone()),
-                None => Raw::Broken("base64 document source without data"),
-            }
-        } else if sis("text") {
-            match &f.source_data {
-                Some(d) => Raw::Text(d.clone()),
-                None => Raw::Broken("text document source without data"),
-            }
-        } else if sis("url") {
-            match &f.source_url {
-                Some(u) => url_like(u),
-                None => Raw::Broken("url document source without a url"),
-            }
-        } else if sis("file") {
-            match &f.source_file {
-                Some(id) => Raw::File(id.clone()),
-                None => Raw::Broken("file document source without a file_id"),
-            }
-        } else {
-            return None;
-        };
-        return Some((medium, raw));
+        return part.anthropic_document();
     }
     if is("input_audio") {
-        let format = text(&f.audio_format).map(|s| s.to_ascii_lowercase());
+        let format = part.text(&f.audio_format).map(|s| s.to_ascii_lowercase());
         let raw = match &f.audio_data {
             Some(d) => Raw::Base64(d.clone(), None),
             None => Raw::Broken("input_audio without data"),
         };
         return Some((Medium::Audio { format }, raw));
     }
-    let audio_format = |mt: &str| mt.strip_prefix("audio/").map(|f| f.to_owned());
     // MCP `audio` content.
     if is("audio") {
-        let mt = media_of(&f.media_type);
+        let mt = part.media_of(&f.media_type);
         let raw = match &f.data {
             Some(d) => Raw::Base64(d.clone(), f.media_type.clone()),
             None => Raw::Broken("audio part without data"),
@@ -1193,7 +1101,159 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
     if is("resource")
         && let Some(blob) = &f.resource_blob
     {
-        let mt = media_of(&f.resource_mime);
+        return part.mcp_resource(blob);
+    }
+    // SDK file parts of a document or audio type (Vercel `file-data`,
+    // `media`, v7 `file`; LangChain `file`), their data inline, a data URL
+    // or an http(s) URL (in `data` or `url`).
+    if is("file-data") || is("media") || is("file") {
+        return part.sdk_file();
+    }
+    None
+}
+
+/// An audio format from an `audio/…` media type.
+fn audio_format(mt: &str) -> Option<String> {
+    mt.strip_prefix("audio/").map(|f| f.to_owned())
+}
+
+/// A content part being classified as a document or audio.
+struct MediaPart<'p> {
+    src: &'p [u8],
+    f: &'p PartFields,
+}
+
+impl MediaPart<'_> {
+    fn text(&self, s: &Option<Str>) -> Option<String> {
+        s.as_ref()
+            .and_then(|s| s.decode(self.src))
+            .map(|c| c.into_owned())
+    }
+
+    /// A media type, lower case (empty when none).
+    fn media_of(&self, m: &Option<Str>) -> String {
+        self.text(m)
+            .map(|m| m.to_ascii_lowercase())
+            .unwrap_or_default()
+    }
+
+    fn url_like(&self, s: &Str) -> Raw {
+        if s.raw(self.src).starts_with(b"data:") {
+            Raw::DataUrl(s.clone())
+        } else {
+            Raw::Url(s.clone())
+        }
+    }
+
+    /// A document of this media type or name, else of the type its data URL
+    /// declares, else of the type its first bytes tell.
+    fn document(&self, mt: &Option<Str>, name: &Option<Str>, data: Option<&Str>) -> Medium {
+        let src = self.src;
+        let mt = self.text(mt).unwrap_or_default();
+        let name = self.text(name);
+        let head = data.map(|d| data_head(d.raw(src)));
+        let mt = match (mt.is_empty(), data) {
+            (true, Some(d)) if d.raw(src).starts_with(b"data:") => {
+                super::decode::data_url_payload(d.raw(src))
+                    .map(|(m, _)| m)
+                    .unwrap_or_default()
+            }
+            _ => mt,
+        };
+        Medium::Document {
+            family: DocFamily::of(&mt, name.as_deref(), head.unwrap_or_default()),
+            name,
+        }
+    }
+
+    /// `file_data` is a data URL; some clients send the bare base64, and
+    /// SDK parts put a URL where the data goes.
+    fn file_data(&self, d: &Str, mt: &Option<Str>) -> Raw {
+        let raw = d.raw(self.src);
+        if raw.starts_with(b"data:") || raw.starts_with(b"http://") || raw.starts_with(b"https://")
+        {
+            self.url_like(d)
+        } else {
+            Raw::Base64(d.clone(), mt.clone())
+        }
+    }
+
+    /// A `file` part whose data is a picture is an image, whatever carries
+    /// it.
+    fn picture(&self, d: Option<&Str>) -> bool {
+        d.is_some_and(|d| {
+            let raw = d.raw(self.src);
+            raw.starts_with(b"data:image/") || image_head(data_head(raw))
+        })
+    }
+
+    /// Chat `file` part.
+    fn chat_file(&self) -> (Medium, Raw) {
+        let f = self.f;
+        let raw = match (&f.file_data, &f.file_id) {
+            (Some(d), _) => self.file_data(d, &None),
+            (None, Some(id)) => Raw::File(id.clone()),
+            (None, None) => Raw::Broken("file part without file_data or file_id"),
+        };
+        if self.picture(f.file_data.as_ref()) {
+            return (Medium::Image, raw);
+        }
+        (self.document(&None, &f.filename, f.file_data.as_ref()), raw)
+    }
+
+    /// Responses `input_file`.
+    fn input_file(&self) -> (Medium, Raw) {
+        let f = self.f;
+        let raw = match (&f.file_data, &f.file_url, &f.file_id) {
+            (Some(d), _, _) => self.file_data(d, &None),
+            (None, Some(u), _) => Raw::Url(u.clone()),
+            (None, None, Some(id)) => Raw::File(id.clone()),
+            (None, None, None) => Raw::Broken("input_file without file_data, file_url or file_id"),
+        };
+        if self.picture(f.file_data.as_ref()) {
+            return (Medium::Image, raw);
+        }
+        (self.document(&None, &f.filename, f.file_data.as_ref()), raw)
+    }
+
+    /// Anthropic `document` block with a base64, text, URL or file source
+    /// (`None` for another source type).
+    fn anthropic_document(&self) -> Option<(Medium, Raw)> {
+        let f = self.f;
+        let st = f.source_type.as_ref();
+        let sis = |name| st.is_some_and(|t| t.is(self.src, name));
+        let medium = self.document(&f.source_media_type, &f.filename, f.source_data.as_ref());
+        let raw = if sis("base64") {
+            match &f.source_data {
+                Some(d) => Raw::Base64(d.clone(), f.source_media_type.clone()),
+                None => Raw::Broken("base64 document source without data"),
+            }
+        } else if sis("text") {
+            match &f.source_data {
+                Some(d) => Raw::Text(d.clone()),
+                None => Raw::Broken("text document source without data"),
+            }
+        } else if sis("url") {
+            match &f.source_url {
+                Some(u) => self.url_like(u),
+                None => Raw::Broken("url document source without a url"),
+            }
+        } else if sis("file") {
+            match &f.source_file {
+                Some(id) => Raw::File(id.clone()),
+                None => Raw::Broken("file document source without a file_id"),
+            }
+        } else {
+            return None;
+        };
+        Some((medium, raw))
+    }
+
+    /// MCP embedded resource with a `blob`: audio or a document (`None`
+    /// for another type).
+    fn mcp_resource(&self, blob: &Str) -> Option<(Medium, Raw)> {
+        let f = self.f;
+        let mt = self.media_of(&f.resource_mime);
         let raw = Raw::Base64(blob.clone(), f.resource_mime.clone());
         if let Some(format) = audio_format(&mt) {
             return Some((
@@ -1203,21 +1263,24 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
                 raw,
             ));
         }
-        let name = text(&f.resource_uri).map(|u| u.rsplit('/').next().unwrap_or(&u).to_owned());
-        let family = DocFamily::of(&mt, name.as_deref(), blob.raw(src));
+        let name = self
+            .text(&f.resource_uri)
+            .map(|u| u.rsplit('/').next().unwrap_or(&u).to_owned());
+        let family = DocFamily::of(&mt, name.as_deref(), blob.raw(self.src));
         if family != DocFamily::Other || mt.starts_with("text/") {
             return Some((Medium::Document { family, name }, raw));
         }
-        return None;
+        None
     }
-    // SDK file parts of a document or audio type (Vercel `file-data`,
-    // `media`, v7 `file`; LangChain `file`), their data inline, a data URL
-    // or an http(s) URL (in `data` or `url`).
-    if is("file-data") || is("media") || is("file") {
-        let mt = media_of(&f.media_type);
+
+    /// SDK file part: audio or a document (`None` for another type, or
+    /// without data or URL).
+    fn sdk_file(&self) -> Option<(Medium, Raw)> {
+        let f = self.f;
+        let mt = self.media_of(&f.media_type);
         let (raw, data) = match (&f.data, &f.url) {
-            (Some(d), _) => (file_data(d, &f.media_type), Some(d)),
-            (None, Some(u)) => (url_like(u), None),
+            (Some(d), _) => (self.file_data(d, &f.media_type), Some(d)),
+            (None, Some(u)) => (self.url_like(u), None),
             (None, None) => return None,
         };
         if let Some(format) = audio_format(&mt) {
@@ -1228,13 +1291,13 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
                 raw,
             ));
         }
-        let head = data.map(|d| data_head(d.raw(src))).unwrap_or_default();
-        let family = DocFamily::of(&mt, text(&f.filename).as_deref(), head);
+        let head = data.map(|d| data_head(d.raw(self.src))).unwrap_or_default();
+        let family = DocFamily::of(&mt, self.text(&f.filename).as_deref(), head);
         if family != DocFamily::Other || mt.starts_with("text/") {
-            return Some((document(&f.media_type, &f.filename, data), raw));
+            return Some((self.document(&f.media_type, &f.filename, data), raw));
         }
+        None
     }
-    None
 }
 
 /// Where a data string's payload starts: past a data URL's header.
