@@ -63,84 +63,46 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
-        let Traffic {
-            requests,
-            request_duration,
-            first_byte,
-            inflight,
-            tokens,
-            connections,
-            connections_closed,
-        } = Traffic::register(&registry)?;
-        let Upstreams {
-            upstream_errors,
-            retries,
-            upstream_state,
-        } = Upstreams::register(&registry)?;
-        let Transforms {
-            images,
-            media,
-            bytes_saved,
-            capability_learned,
-            transform_duration,
-            artifact_errors,
-        } = Transforms::register(&registry)?;
-        let Describer {
-            describe,
-            credential_refused,
-            describe_duration,
-            describe_cache_entries,
-            describe_background,
-        } = Describer::register(&registry)?;
-        let Context {
-            context_resent,
-            context_received,
-            context_long,
-        } = Context::register(&registry)?;
-        let Limits {
-            ratelimited,
-            ratelimit_shared,
-            ratelimit_local_checks,
-        } = Limits::register(&registry)?;
-        let Persistence {
-            store_errors,
-            store_up,
-            session_history,
-            session_turns,
-        } = Persistence::register(&registry)?;
+        let traffic = Traffic::register(&registry)?;
+        let upstreams = Upstreams::register(&registry)?;
+        let transforms = Transforms::register(&registry)?;
+        let describer = Describer::register(&registry)?;
+        let context = Context::register(&registry)?;
+        let limits = Limits::register(&registry)?;
+        let persistence = Persistence::register(&registry)?;
         Ok(Self {
             registry,
-            requests,
-            request_duration,
-            first_byte,
-            inflight,
-            upstream_errors,
-            tokens,
-            images,
-            media,
-            ratelimited,
-            ratelimit_shared,
-            ratelimit_local_checks,
-            context_resent,
-            context_received,
-            context_long,
-            bytes_saved,
-            capability_learned,
-            transform_duration,
-            artifact_errors,
-            describe,
-            credential_refused,
-            describe_duration,
-            describe_cache_entries,
-            describe_background,
-            store_errors,
-            store_up,
-            session_history,
-            session_turns,
-            connections,
-            connections_closed,
-            retries,
-            upstream_state,
+            requests: traffic.requests,
+            request_duration: traffic.request_duration,
+            first_byte: traffic.first_byte,
+            inflight: traffic.inflight,
+            upstream_errors: upstreams.upstream_errors,
+            tokens: traffic.tokens,
+            images: transforms.images,
+            media: transforms.media,
+            ratelimited: limits.ratelimited,
+            ratelimit_shared: limits.ratelimit_shared,
+            ratelimit_local_checks: limits.ratelimit_local_checks,
+            context_resent: context.context_resent,
+            context_received: context.context_received,
+            context_long: context.context_long,
+            bytes_saved: transforms.bytes_saved,
+            capability_learned: transforms.capability_learned,
+            transform_duration: transforms.transform_duration,
+            artifact_errors: transforms.artifact_errors,
+            describe: describer.describe,
+            credential_refused: describer.credential_refused,
+            describe_duration: describer.describe_duration,
+            describe_cache_entries: describer.describe_cache_entries,
+            describe_background: describer.describe_background,
+            store_errors: persistence.store_errors,
+            store_up: persistence.store_up,
+            session_history: persistence.session_history,
+            session_turns: persistence.session_turns,
+            connections: traffic.connections,
+            connections_closed: traffic.connections_closed,
+            retries: upstreams.retries,
+            upstream_state: upstreams.upstream_state,
             models_seen: Mutex::new(HashSet::new()),
         })
     }
