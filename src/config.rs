@@ -1382,6 +1382,12 @@ impl RawConfig {
                 None
             }
         };
+        if !cfg!(feature = "redis") && matches!(backend, Some(StoreBackend::Redis(_))) {
+            p.push(format!(
+                "store.backend: {:?} — this build of visor has no Redis support (it was built without the `redis` feature)",
+                redacted_url(b)
+            ));
+        }
 
         if !p.is_empty() {
             return Err(p);

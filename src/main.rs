@@ -24,7 +24,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::sync::Arc;
 use visor::config::{Config, StoreBackend};
 
-use visor::describe::{PROMPT_VERSION, description_key};
+use visor::media_text::describe::{PROMPT_VERSION, description_key};
 use visor::metrics::Metrics;
 use visor::models::{Caps, Learned, Medium, ModelTable, Resolved, legacy_learned};
 use visor::server::{Server, shutdown_signal};
@@ -222,7 +222,7 @@ fn main() -> ExitCode {
         Command::MediaWorker {
             memory_mib,
             cpu_secs,
-        } => visor::proxy::media_text::worker_main(memory_mib, cpu_secs),
+        } => visor::media_text::worker_main(memory_mib, cpu_secs),
     }
 }
 
@@ -709,7 +709,7 @@ fn rewrite_offline(cfg: &Config, off: &Offline, body: &[u8], plan: &Plan) -> Rew
     let made: Vec<_> = scanned
         .media(body)
         .iter()
-        .map(visor::proxy::media_text::offline)
+        .map(visor::media_text::offline)
         .collect();
     let failed: Vec<String> = made
         .iter()
