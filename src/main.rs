@@ -26,10 +26,10 @@ use visor::config::{Config, StoreBackend};
 
 use visor::media_text::describe::{PROMPT_VERSION, description_key};
 use visor::metrics::Metrics;
-use visor::models::{Caps, Learned, Medium, ModelTable, legacy_learned};
+use visor::models::{Caps, Learned, Medium, ModelTable, Resolved, legacy_learned};
 use visor::server::{Server, shutdown_signal};
 use visor::store::Store;
-use visor::transform::{self, Plan, Shape, Takes};
+use visor::transform::{self, Plan, Rewrite, Shape, Takes};
 
 #[derive(Parser)]
 #[command(
@@ -332,7 +332,6 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
     let Some(cfg) = load(source) else {
         return ExitCode::FAILURE;
     };
-    let s = &cfg.server;
     if let Source::BuiltIn = source {
         let looked: Vec<String> = config_candidates()
             .iter()
@@ -355,6 +354,7 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
         );
         return ExitCode::FAILURE;
     }
+    let s = &cfg.server;
     out!("listen: {}", s.listen);
     out!(
         "limits: max_body_bytes={} connect={:?} first_byte={:?} idle={:?} request={:?} drain={:?}",
@@ -365,6 +365,27 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
         s.request_timeout,
         s.drain_timeout
     );
+    let proxy_keys = print_keys(&cfg);
+    print_routes(&cfg, proxy_keys);
+    let Some(off) = offline(&cfg, true) else {
+        return ExitCode::FAILURE;
+    };
+    match &off.note {
+        None => out!("store: {}", cfg.store.backend),
+        Some(n) => out!("store: {} — {n}", cfg.store.backend),
+    }
+    print_model_table(&cfg, &off.table);
+    print_media(&cfg);
+    if let Some(m) = model {
+        print_model(&off.table, m);
+    }
+    ExitCode::SUCCESS
+}
+
+/// `check`: the proxy keys and the `[[key]]` entries; how many proxy keys
+/// there are.
+fn print_keys(cfg: &Config) -> usize {
+    let s = &cfg.server;
     // Proxy keys: `server.api_keys` and every `[[key]]` with a key. With
     // any, a client's own provider key is not forwarded but refused (401).
     let entry_keys = cfg
@@ -394,6 +415,12 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
             per(k.tokens_per_minute)
         );
     }
+    proxy_keys
+}
+
+/// `check`: the routes with their credentials and fallback chains, and the
+/// retry budget when there are chains.
+fn print_routes(cfg: &Config, proxy_keys: usize) {
     out!("routes (first match wins; requests without a model go to the first):");
     let width = cfg
         .upstreams
@@ -432,14 +459,10 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
             r.breaker_cooldown
         );
     }
-    let Some(off) = offline(&cfg, true) else {
-        return ExitCode::FAILURE;
-    };
-    let table = &off.table;
-    match &off.note {
-        None => out!("store: {}", cfg.store.backend),
-        Some(n) => out!("store: {} — {n}", cfg.store.backend),
-    }
+}
+
+/// `check`: the model table's rows, user and learned.
+fn print_model_table(cfg: &Config, table: &ModelTable) {
     let learned: Vec<_> = table
         .learned
         .names()
@@ -470,6 +493,11 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
         };
         out!("  learned  {model:?}  {what}");
     }
+}
+
+/// `check`: what is done to images, repeated context, documents and audio,
+/// and by whom.
+fn print_media(cfg: &Config) {
     out!(
         "images: non_vision={} artifacts in {}",
         cfg.images.non_vision,
@@ -514,49 +542,51 @@ fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
         "documents: at most {} pages or images described per document",
         cfg.documents.max_pages_described
     );
-    if let Some(m) = model {
-        let r = table.resolve(m, None);
-        out!("model {m:?}: {}", caps_text(&r.caps));
-        out!(
-            "  images {} — decided by {}",
-            if r.vision {
-                "sent as they are"
-            } else {
-                "replaced"
-            },
-            r.vision_from
-        );
-        let said = |stated: Option<bool>, default: &str| match stated {
-            Some(_) => "its row".to_owned(),
-            None => default.to_owned(),
-        };
-        let fate = |takes: bool| match takes {
-            true => "sent as they are",
-            false => "replaced by their text",
-        };
-        out!(
-            "  PDFs and other documents {} — decided by {}",
-            fate(r.pdf),
-            said(r.caps.pdf, "no row: follows images (or learned)")
-        );
-        out!(
-            "  DOCX, PPTX, XLSX {} — decided by {}",
-            fate(r.office),
-            said(
-                r.caps.office,
-                "no row: replaced unless a row says office = true"
-            )
-        );
-        out!(
-            "  audio {} — decided by {}",
-            match r.audio {
-                true => "sent as it is",
-                false => "replaced by its transcript",
-            },
-            said(r.caps.audio, "no row: follows images (or learned)")
-        );
-    }
-    ExitCode::SUCCESS
+}
+
+/// `check --model`: what the model table says about one model, and which
+/// row decided.
+fn print_model(table: &ModelTable, m: &str) {
+    let r = table.resolve(m, None);
+    out!("model {m:?}: {}", caps_text(&r.caps));
+    out!(
+        "  images {} — decided by {}",
+        if r.vision {
+            "sent as they are"
+        } else {
+            "replaced"
+        },
+        r.vision_from
+    );
+    let said = |stated: Option<bool>, default: &str| match stated {
+        Some(_) => "its row".to_owned(),
+        None => default.to_owned(),
+    };
+    let fate = |takes: bool| match takes {
+        true => "sent as they are",
+        false => "replaced by their text",
+    };
+    out!(
+        "  PDFs and other documents {} — decided by {}",
+        fate(r.pdf),
+        said(r.caps.pdf, "no row: follows images (or learned)")
+    );
+    out!(
+        "  DOCX, PPTX, XLSX {} — decided by {}",
+        fate(r.office),
+        said(
+            r.caps.office,
+            "no row: replaced unless a row says office = true"
+        )
+    );
+    out!(
+        "  audio {} — decided by {}",
+        match r.audio {
+            true => "sent as it is",
+            false => "replaced by its transcript",
+        },
+        said(r.caps.audio, "no row: follows images (or learned)")
+    );
 }
 
 fn explain(
@@ -572,18 +602,7 @@ fn explain(
     let Some(off) = offline(&cfg, false) else {
         return ExitCode::FAILURE;
     };
-    let body = match file.as_deref() {
-        Some(p) if p != std::path::Path::new("-") => {
-            std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
-        }
-        _ => {
-            let mut b = Vec::new();
-            std::io::Read::read_to_end(&mut std::io::stdin(), &mut b)
-                .map(|_| b)
-                .map_err(|e| format!("cannot read stdin: {e}"))
-        }
-    };
-    let body = match body {
+    let body = match request_body(file.as_deref()) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("error: {e}");
@@ -609,67 +628,10 @@ fn explain(
         Endpoint::Messages => Shape::Messages,
     };
     let resolved = off.table.resolve(model, None);
-    let plan = Plan {
-        shape,
-        vision: resolved.vision,
-        describe: cfg.non_vision == visor::config::NonVision::Describe,
-        rules: visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
-        takes: Takes {
-            pdf: resolved.pdf,
-            office: resolved.office,
-            audio: resolved.audio,
-        },
-        query_aware: cfg.describer.query_aware,
-    };
-    // Descriptions come from the store only: explain never calls the
-    // describer; an image without a cached one shows its placeholder.
-    // Documents are read here (their figures not described); audio is not
-    // transcribed.
-    let rewrite = match transform::scan(&body, &plan) {
-        Err(done) => *done,
-        Ok(scanned) => {
-            let mut descriptions = Vec::new();
-            if let Some(store) = &off.store {
-                for (_, s) in scanned.subjects(&body) {
-                    let id = transform::subject_key(&s.sha256, s.query.as_deref());
-                    let key = description_key(&id, &cfg.describer.model);
-                    if let Ok(Some(text)) = off.rt.block_on(store.description(&key)) {
-                        descriptions.push((id, Arc::from(text)));
-                    }
-                }
-            }
-            let made: Vec<_> = scanned
-                .media(&body)
-                .iter()
-                .map(visor::media_text::offline)
-                .collect();
-            let failed: Vec<String> = made
-                .iter()
-                .filter(|m| m.action == "stripped")
-                .map(|m| m.sha256.clone())
-                .collect();
-            descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
-            let mut rewrite = scanned.finish(&body, &descriptions);
-            for sha in &failed {
-                rewrite.report.not_converted(sha);
-            }
-            rewrite
-        }
-    };
+    let rewrite = rewrite_offline(&cfg, &off, &body, &explain_plan(&cfg, shape, &resolved));
     let sent = rewrite.body.as_deref().unwrap_or(&body);
     if raw {
-        // The exact bytes, as visor sends them (the body itself when
-        // nothing changed).
-        use std::io::Write as _;
-        let mut stdout = std::io::stdout().lock();
-        return match stdout.write_all(sent).and_then(|()| stdout.flush()) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: cannot write to stdout: {e}");
-                ExitCode::FAILURE
-            }
-        };
+        return write_raw(sent);
     }
     // A request nested deeper than serde_json reads (128 levels; visor
     // itself streams through any depth) is printed as it is sent.
@@ -683,34 +645,135 @@ fn explain(
             return ExitCode::FAILURE;
         }
     };
+    let store = match &off.note {
+        None => cfg.store.backend.to_string(),
+        Some(n) => format!("{} ({n})", cfg.store.backend),
+    };
     let out = serde_json::json!({
         "request": request,
-        "report": {
-            "model": model,
-            "endpoint": shape,
-            "vision": resolved.vision,
-            "vision_decided_by": resolved.vision_from.to_string(),
-            "changed": rewrite.body.is_some(),
-            "images_found": rewrite.report.images_found,
-            "images_replaced": rewrite.report.images_replaced,
-            "images_described": rewrite.report.images_described,
-            "pdf": resolved.pdf,
-            "office": resolved.office,
-            "audio": resolved.audio,
-            "media_replaced": rewrite.report.media_replaced,
-            "store": match &off.note {
-                None => cfg.store.backend.to_string(),
-                Some(n) => format!("{} ({n})", cfg.store.backend),
-            },
-            "bytes_saved": rewrite.report.bytes_saved,
-            "bytes_saved_dedup": rewrite.report.bytes_saved_dedup,
-            "lines_omitted": rewrite.report.lines_omitted,
-            "items_omitted": rewrite.report.items_omitted,
-            "images": rewrite.report.images,
-            "skipped": rewrite.report.skipped,
-        }
+        "report": explain_report(model, shape, &resolved, &rewrite, store),
     });
-    match serde_json::to_string_pretty(&out) {
+    print_explained(&out, verbatim.as_deref())
+}
+
+/// `explain`: the request body from FILE, or stdin for `-` or none.
+fn request_body(file: Option<&std::path::Path>) -> Result<Vec<u8>, String> {
+    match file {
+        Some(p) if p != std::path::Path::new("-") => {
+            std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
+        }
+        _ => {
+            let mut b = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::stdin(), &mut b)
+                .map(|_| b)
+                .map_err(|e| format!("cannot read stdin: {e}"))
+        }
+    }
+}
+
+/// `explain`: the transform plan for the model, as `serve` would make it.
+fn explain_plan(cfg: &Config, shape: Shape, resolved: &Resolved) -> Plan {
+    Plan {
+        shape,
+        vision: resolved.vision,
+        describe: cfg.non_vision == visor::config::NonVision::Describe,
+        rules: visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+        takes: Takes {
+            pdf: resolved.pdf,
+            office: resolved.office,
+            audio: resolved.audio,
+        },
+        query_aware: cfg.describer.query_aware,
+    }
+}
+
+/// `explain`: the rewrite, offline. Descriptions come from the store only:
+/// explain never calls the describer; an image without a cached one shows
+/// its placeholder. Documents are read here (their figures not described);
+/// audio is not transcribed.
+fn rewrite_offline(cfg: &Config, off: &Offline, body: &[u8], plan: &Plan) -> Rewrite {
+    let scanned = match transform::scan(body, plan) {
+        Err(done) => return *done,
+        Ok(scanned) => scanned,
+    };
+    let mut descriptions = Vec::new();
+    if let Some(store) = &off.store {
+        for (_, s) in scanned.subjects(body) {
+            let id = transform::subject_key(&s.sha256, s.query.as_deref());
+            let key = description_key(&id, &cfg.describer.model);
+            if let Ok(Some(text)) = off.rt.block_on(store.description(&key)) {
+                descriptions.push((id, Arc::from(text)));
+            }
+        }
+    }
+    let made: Vec<_> = scanned
+        .media(body)
+        .iter()
+        .map(visor::media_text::offline)
+        .collect();
+    let failed: Vec<String> = made
+        .iter()
+        .filter(|m| m.action == "stripped")
+        .map(|m| m.sha256.clone())
+        .collect();
+    descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
+    let mut rewrite = scanned.finish(body, &descriptions);
+    for sha in &failed {
+        rewrite.report.not_converted(sha);
+    }
+    rewrite
+}
+
+/// `explain --raw`: the exact bytes, as visor sends them (the body itself
+/// when nothing changed).
+fn write_raw(sent: &[u8]) -> ExitCode {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(sent).and_then(|()| stdout.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: cannot write to stdout: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `explain`: the report of what the rewrite changed, and why.
+fn explain_report(
+    model: &str,
+    shape: Shape,
+    resolved: &Resolved,
+    rewrite: &Rewrite,
+    store: String,
+) -> serde_json::Value {
+    serde_json::json!({
+        "model": model,
+        "endpoint": shape,
+        "vision": resolved.vision,
+        "vision_decided_by": resolved.vision_from.to_string(),
+        "changed": rewrite.body.is_some(),
+        "images_found": rewrite.report.images_found,
+        "images_replaced": rewrite.report.images_replaced,
+        "images_described": rewrite.report.images_described,
+        "pdf": resolved.pdf,
+        "office": resolved.office,
+        "audio": resolved.audio,
+        "media_replaced": rewrite.report.media_replaced,
+        "store": store,
+        "bytes_saved": rewrite.report.bytes_saved,
+        "bytes_saved_dedup": rewrite.report.bytes_saved_dedup,
+        "lines_omitted": rewrite.report.lines_omitted,
+        "items_omitted": rewrite.report.items_omitted,
+        "images": rewrite.report.images,
+        "skipped": rewrite.report.skipped,
+    })
+}
+
+/// `explain`: the request and its report as pretty JSON; a request too
+/// deep for serde_json (`verbatim`) in its place as it is sent.
+fn print_explained(out: &serde_json::Value, verbatim: Option<&str>) -> ExitCode {
+    match serde_json::to_string_pretty(out) {
         Ok(s) => {
             match verbatim {
                 None => out!("{s}"),

@@ -63,297 +63,46 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "visor_requests_total",
-                "Requests answered, by upstream, model as requested, and status",
-            ),
-            &["upstream", "model", "status"],
-        )?;
-        let request_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "visor_request_duration_seconds",
-                "Time from the request's arrival to the end of its response body",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-            &["upstream"],
-        )?;
-        let first_byte = HistogramVec::new(
-            HistogramOpts::new(
-                "visor_upstream_first_byte_seconds",
-                "Time from sending the request upstream to the first byte of the response body",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-            &["upstream"],
-        )?;
-        let inflight = IntGauge::new(
-            "visor_inflight_requests",
-            "Requests whose response has not finished yet",
-        )?;
-        let upstream_errors = IntCounterVec::new(
-            Opts::new(
-                "visor_upstream_errors_total",
-                "Upstream failures by kind: connect, connect_timeout, first_byte_timeout, idle_timeout, request_timeout, reset, status_5xx",
-            ),
-            &["upstream", "kind"],
-        )?;
-        let tokens = IntCounterVec::new(
-            Opts::new(
-                "visor_tokens_total",
-                "Tokens reported by upstreams in `usage`, by kind (prompt, completion; cached_read and cache_write: the provider's prompt cache)",
-            ),
-            &["kind"],
-        )?;
-        let images = IntCounterVec::new(
-            Opts::new(
-                "visor_images_total",
-                "Images seen in transformed requests, by what was done: kept, described, stripped, aged_out, capped, deduped",
-            ),
-            &["action"],
-        )?;
-        let media = IntCounterVec::new(
-            Opts::new(
-                "visor_media_total",
-                "Documents and audio replaced for models that cannot take them, by kind (document, audio) and what was done: described (a document turned into text, with descriptions of its figures), transcribed, stripped (a reference or a line that says why), deduped",
-            ),
-            &["kind", "action"],
-        )?;
-        let ratelimited = IntCounterVec::new(
-            Opts::new(
-                "visor_ratelimited_total",
-                "Requests answered 429 for a key over its limit, by key name and limit (requests, tokens)",
-            ),
-            &["key", "limit"],
-        )?;
-        let ratelimit_shared = IntGauge::new(
-            "visor_ratelimit_shared",
-            "1 while rate limits are counted in the shared (Redis) store, 0 while each replica counts on its own because the store cannot be reached",
-        )?;
-        let ratelimit_local_checks = IntCounter::new(
-            "visor_ratelimit_local_checks_total",
-            "Rate-limit checks counted by this replica alone because the shared store failed",
-        )?;
-        let context_resent = IntCounterVec::new(
-            Opts::new(
-                "visor_context_resent_bytes_total",
-                "Request bytes dedup removed (context the client sent again), by key name",
-            ),
-            &["key"],
-        )?;
-        let context_received = IntCounterVec::new(
-            Opts::new(
-                "visor_context_received_bytes_total",
-                "Request body bytes received on the transformed endpoints, by key name",
-            ),
-            &["key"],
-        )?;
-        let context_long = IntCounterVec::new(
-            Opts::new(
-                "visor_context_long_requests_total",
-                "Requests whose history holds more messages than sessions.max_depth, by key name",
-            ),
-            &["key"],
-        )?;
-        let bytes_saved = IntCounterVec::new(
-            Opts::new(
-                "visor_bytes_saved_total",
-                "Request bytes removed by the transforms, by reason (images, dedup)",
-            ),
-            &["reason"],
-        )?;
-        let capability_learned = IntCounter::new(
-            "visor_capability_learned_total",
-            "Models learned to refuse image input from an upstream's 4xx answer",
-        )?;
-        let transform_duration = Histogram::with_opts(
-            HistogramOpts::new(
-                "visor_transform_duration_seconds",
-                "Time spent rewriting a request body (finding, decoding, hashing and replacing images)",
-            )
-            .buckets(vec![
-                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
-            ]),
-        )?;
-        let artifact_errors = IntCounter::new(
-            "visor_artifact_write_errors_total",
-            "Replaced images that could not be saved under artifacts_dir (the request still went on)",
-        )?;
-        let describe = IntCounterVec::new(
-            Opts::new(
-                "visor_describe_total",
-                "Image descriptions looked up, by result: hit (cached), miss (made by a describer call), error (describer failed or timed out; the placeholder was used)",
-            ),
-            &["result"],
-        )?;
-        let credential_refused = IntCounterVec::new(
-            Opts::new(
-                "visor_credential_refused_total",
-                "Describer and transcriber calls their upstream refused with 401 or 403 (a missing or wrong credential), by role and upstream",
-            ),
-            &["role", "upstream"],
-        )?;
-        let describe_duration = Histogram::with_opts(
-            HistogramOpts::new(
-                "visor_describe_duration_seconds",
-                "Time of one describer call, from sending it to the whole answer (failed calls too)",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-        )?;
-        let describe_cache_entries = IntGauge::new(
-            "visor_describe_cache_entries",
-            "Descriptions held in the in-memory cache",
-        )?;
-        let describe_background = IntGauge::new(
-            "visor_describe_background",
-            "Descriptions being made in the background (describer.on_miss = \"placeholder\")",
-        )?;
-        let store_errors = IntCounterVec::new(
-            Opts::new(
-                "visor_store_errors_total",
-                "Store operations that failed or timed out, by operation (get, put, list, ping)",
-            ),
-            &["op"],
-        )?;
-        let connections = IntGauge::new(
-            "visor_client_connections",
-            "Client connections open (server.max_connections at most)",
-        )?;
-        let connections_closed = IntCounterVec::new(
-            Opts::new(
-                "visor_client_connections_closed_total",
-                "Client connections visor closed itself, by reason (header_timeout: no request head in time; idle: no request in time after the last one; shed: idle, closed to make room at max_connections)",
-            ),
-            &["reason"],
-        )?;
-        let store_up = IntGauge::new(
-            "visor_store_up",
-            "1 while the store answers, 0 while visor runs on memory only",
-        )?;
-        let session_history = Histogram::with_opts(
-            HistogramOpts::new(
-                "visor_session_history_messages",
-                "Stored messages prepended to a request with x-visor-session",
-            )
-            .buckets(vec![0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 500.0]),
-        )?;
-        let session_turns = IntCounterVec::new(
-            Opts::new(
-                "visor_session_turns_total",
-                "Session turns stored, by result (with_reply, without_reply: an error, a cut stream or a client that left; failed: the store refused it)",
-            ),
-            &["result"],
-        )?;
-        let retries = IntCounterVec::new(
-            Opts::new(
-                "visor_retries_total",
-                "Requests sent on to an upstream's fallback, by the upstream that failed and why (connect, connect_timeout, reset, first_byte_timeout, status_5xx, status_429)",
-            ),
-            &["upstream", "reason"],
-        )?;
-        let upstream_state = IntGaugeVec::new(
-            Opts::new(
-                "visor_upstream_state",
-                "Circuit breaker of each upstream in a fallback chain: 0 closed, 1 open (skipped), 2 half-open (one probe out)",
-            ),
-            &["upstream"],
-        )?;
-        registry.register(Box::new(retries.clone()))?;
-        registry.register(Box::new(upstream_state.clone()))?;
-        registry.register(Box::new(session_history.clone()))?;
-        registry.register(Box::new(session_turns.clone()))?;
-        for result in ["with_reply", "without_reply", "failed"] {
-            session_turns.with_label_values(&[result]);
-        }
-        registry.register(Box::new(describe.clone()))?;
-        registry.register(Box::new(credential_refused.clone()))?;
-        registry.register(Box::new(describe_duration.clone()))?;
-        registry.register(Box::new(describe_cache_entries.clone()))?;
-        registry.register(Box::new(describe_background.clone()))?;
-        registry.register(Box::new(store_errors.clone()))?;
-        registry.register(Box::new(store_up.clone()))?;
-        registry.register(Box::new(connections.clone()))?;
-        registry.register(Box::new(connections_closed.clone()))?;
-        for result in ["hit", "miss", "error"] {
-            describe.with_label_values(&[result]);
-        }
-        for op in ["get", "put", "list", "ping"] {
-            store_errors.with_label_values(&[op]);
-        }
-        registry.register(Box::new(images.clone()))?;
-        registry.register(Box::new(media.clone()))?;
-        registry.register(Box::new(ratelimited.clone()))?;
-        registry.register(Box::new(ratelimit_shared.clone()))?;
-        registry.register(Box::new(ratelimit_local_checks.clone()))?;
-        registry.register(Box::new(context_resent.clone()))?;
-        registry.register(Box::new(context_received.clone()))?;
-        registry.register(Box::new(context_long.clone()))?;
-        ratelimit_shared.set(1);
-        for (kind, action) in [
-            ("document", "described"),
-            ("document", "stripped"),
-            ("document", "deduped"),
-            ("audio", "transcribed"),
-            ("audio", "stripped"),
-            ("audio", "deduped"),
-        ] {
-            media.with_label_values(&[kind, action]);
-        }
-        registry.register(Box::new(bytes_saved.clone()))?;
-        registry.register(Box::new(capability_learned.clone()))?;
-        registry.register(Box::new(transform_duration.clone()))?;
-        registry.register(Box::new(artifact_errors.clone()))?;
-        for action in [
-            "kept",
-            "described",
-            "stripped",
-            "aged_out",
-            "capped",
-            "deduped",
-        ] {
-            images.with_label_values(&[action]);
-        }
-        for reason in ["images", "dedup"] {
-            bytes_saved.with_label_values(&[reason]);
-        }
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(request_duration.clone()))?;
-        registry.register(Box::new(first_byte.clone()))?;
-        registry.register(Box::new(inflight.clone()))?;
-        registry.register(Box::new(upstream_errors.clone()))?;
-        registry.register(Box::new(tokens.clone()))?;
+        let traffic = Traffic::register(&registry)?;
+        let upstreams = Upstreams::register(&registry)?;
+        let transforms = Transforms::register(&registry)?;
+        let describer = Describer::register(&registry)?;
+        let context = Context::register(&registry)?;
+        let limits = Limits::register(&registry)?;
+        let persistence = Persistence::register(&registry)?;
         Ok(Self {
             registry,
-            requests,
-            request_duration,
-            first_byte,
-            inflight,
-            upstream_errors,
-            tokens,
-            images,
-            media,
-            ratelimited,
-            ratelimit_shared,
-            ratelimit_local_checks,
-            context_resent,
-            context_received,
-            context_long,
-            bytes_saved,
-            capability_learned,
-            transform_duration,
-            artifact_errors,
-            describe,
-            credential_refused,
-            describe_duration,
-            describe_cache_entries,
-            describe_background,
-            store_errors,
-            store_up,
-            session_history,
-            session_turns,
-            connections,
-            connections_closed,
-            retries,
-            upstream_state,
+            requests: traffic.requests,
+            request_duration: traffic.request_duration,
+            first_byte: traffic.first_byte,
+            inflight: traffic.inflight,
+            upstream_errors: upstreams.upstream_errors,
+            tokens: traffic.tokens,
+            images: transforms.images,
+            media: transforms.media,
+            ratelimited: limits.ratelimited,
+            ratelimit_shared: limits.ratelimit_shared,
+            ratelimit_local_checks: limits.ratelimit_local_checks,
+            context_resent: context.context_resent,
+            context_received: context.context_received,
+            context_long: context.context_long,
+            bytes_saved: transforms.bytes_saved,
+            capability_learned: transforms.capability_learned,
+            transform_duration: transforms.transform_duration,
+            artifact_errors: transforms.artifact_errors,
+            describe: describer.describe,
+            credential_refused: describer.credential_refused,
+            describe_duration: describer.describe_duration,
+            describe_cache_entries: describer.describe_cache_entries,
+            describe_background: describer.describe_background,
+            store_errors: persistence.store_errors,
+            store_up: persistence.store_up,
+            session_history: persistence.session_history,
+            session_turns: persistence.session_turns,
+            connections: traffic.connections,
+            connections_closed: traffic.connections_closed,
+            retries: upstreams.retries,
+            upstream_state: upstreams.upstream_state,
             models_seen: Mutex::new(HashSet::new()),
         })
     }
@@ -396,6 +145,396 @@ impl Metrics {
         }
         buf
     }
+}
+
+/// Requests and client connections: what every answer counts.
+struct Traffic {
+    requests: IntCounterVec,
+    request_duration: HistogramVec,
+    first_byte: HistogramVec,
+    inflight: IntGauge,
+    tokens: IntCounterVec,
+    connections: IntGauge,
+    connections_closed: IntCounterVec,
+}
+
+impl Traffic {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            requests: counter_vec(
+                registry,
+                "visor_requests_total",
+                "Requests answered, by upstream, model as requested, and status",
+                &["upstream", "model", "status"],
+            )?,
+            request_duration: histogram_vec(
+                registry,
+                HistogramOpts::new(
+                    "visor_request_duration_seconds",
+                    "Time from the request's arrival to the end of its response body",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["upstream"],
+            )?,
+            first_byte: histogram_vec(
+                registry,
+                HistogramOpts::new(
+                    "visor_upstream_first_byte_seconds",
+                    "Time from sending the request upstream to the first byte of the response body",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["upstream"],
+            )?,
+            inflight: gauge(
+                registry,
+                "visor_inflight_requests",
+                "Requests whose response has not finished yet",
+            )?,
+            tokens: counter_vec(
+                registry,
+                "visor_tokens_total",
+                "Tokens reported by upstreams in `usage`, by kind (prompt, completion; cached_read and cache_write: the provider's prompt cache)",
+                &["kind"],
+            )?,
+            connections: gauge(
+                registry,
+                "visor_client_connections",
+                "Client connections open (server.max_connections at most)",
+            )?,
+            connections_closed: counter_vec(
+                registry,
+                "visor_client_connections_closed_total",
+                "Client connections visor closed itself, by reason (header_timeout: no request head in time; idle: no request in time after the last one; shed: idle, closed to make room at max_connections)",
+                &["reason"],
+            )?,
+        })
+    }
+}
+
+/// Upstream failures, fallbacks and circuit breakers.
+struct Upstreams {
+    upstream_errors: IntCounterVec,
+    retries: IntCounterVec,
+    upstream_state: IntGaugeVec,
+}
+
+impl Upstreams {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            upstream_errors: counter_vec(
+                registry,
+                "visor_upstream_errors_total",
+                "Upstream failures by kind: connect, connect_timeout, first_byte_timeout, idle_timeout, request_timeout, reset, status_5xx",
+                &["upstream", "kind"],
+            )?,
+            retries: counter_vec(
+                registry,
+                "visor_retries_total",
+                "Requests sent on to an upstream's fallback, by the upstream that failed and why (connect, connect_timeout, reset, first_byte_timeout, status_5xx, status_429)",
+                &["upstream", "reason"],
+            )?,
+            upstream_state: gauge_vec(
+                registry,
+                "visor_upstream_state",
+                "Circuit breaker of each upstream in a fallback chain: 0 closed, 1 open (skipped), 2 half-open (one probe out)",
+                &["upstream"],
+            )?,
+        })
+    }
+}
+
+/// What the request transforms did: images and media replaced, bytes saved.
+struct Transforms {
+    images: IntCounterVec,
+    media: IntCounterVec,
+    bytes_saved: IntCounterVec,
+    capability_learned: IntCounter,
+    transform_duration: Histogram,
+    artifact_errors: IntCounter,
+}
+
+impl Transforms {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let images = counter_vec(
+            registry,
+            "visor_images_total",
+            "Images seen in transformed requests, by what was done: kept, described, stripped, aged_out, capped, deduped",
+            &["action"],
+        )?;
+        for action in [
+            "kept",
+            "described",
+            "stripped",
+            "aged_out",
+            "capped",
+            "deduped",
+        ] {
+            images.with_label_values(&[action]);
+        }
+        let media = counter_vec(
+            registry,
+            "visor_media_total",
+            "Documents and audio replaced for models that cannot take them, by kind (document, audio) and what was done: described (a document turned into text, with descriptions of its figures), transcribed, stripped (a reference or a line that says why), deduped",
+            &["kind", "action"],
+        )?;
+        for (kind, action) in [
+            ("document", "described"),
+            ("document", "stripped"),
+            ("document", "deduped"),
+            ("audio", "transcribed"),
+            ("audio", "stripped"),
+            ("audio", "deduped"),
+        ] {
+            media.with_label_values(&[kind, action]);
+        }
+        let bytes_saved = counter_vec(
+            registry,
+            "visor_bytes_saved_total",
+            "Request bytes removed by the transforms, by reason (images, dedup)",
+            &["reason"],
+        )?;
+        for reason in ["images", "dedup"] {
+            bytes_saved.with_label_values(&[reason]);
+        }
+        Ok(Self {
+            images,
+            media,
+            bytes_saved,
+            capability_learned: counter(
+                registry,
+                "visor_capability_learned_total",
+                "Models learned to refuse image input from an upstream's 4xx answer",
+            )?,
+            transform_duration: histogram(
+                registry,
+                HistogramOpts::new(
+                    "visor_transform_duration_seconds",
+                    "Time spent rewriting a request body (finding, decoding, hashing and replacing images)",
+                )
+                .buckets(vec![
+                    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                    1.0,
+                ]),
+            )?,
+            artifact_errors: counter(
+                registry,
+                "visor_artifact_write_errors_total",
+                "Replaced images that could not be saved under artifacts_dir (the request still went on)",
+            )?,
+        })
+    }
+}
+
+/// The describer and transcriber calls, and the description cache.
+struct Describer {
+    describe: IntCounterVec,
+    credential_refused: IntCounterVec,
+    describe_duration: Histogram,
+    describe_cache_entries: IntGauge,
+    describe_background: IntGauge,
+}
+
+impl Describer {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let describe = counter_vec(
+            registry,
+            "visor_describe_total",
+            "Image descriptions looked up, by result: hit (cached), miss (made by a describer call), error (describer failed or timed out; the placeholder was used)",
+            &["result"],
+        )?;
+        for result in ["hit", "miss", "error"] {
+            describe.with_label_values(&[result]);
+        }
+        Ok(Self {
+            describe,
+            credential_refused: counter_vec(
+                registry,
+                "visor_credential_refused_total",
+                "Describer and transcriber calls their upstream refused with 401 or 403 (a missing or wrong credential), by role and upstream",
+                &["role", "upstream"],
+            )?,
+            describe_duration: histogram(
+                registry,
+                HistogramOpts::new(
+                    "visor_describe_duration_seconds",
+                    "Time of one describer call, from sending it to the whole answer (failed calls too)",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+            )?,
+            describe_cache_entries: gauge(
+                registry,
+                "visor_describe_cache_entries",
+                "Descriptions held in the in-memory cache",
+            )?,
+            describe_background: gauge(
+                registry,
+                "visor_describe_background",
+                "Descriptions being made in the background (describer.on_miss = \"placeholder\")",
+            )?,
+        })
+    }
+}
+
+/// Context clients send again, by key.
+struct Context {
+    context_resent: IntCounterVec,
+    context_received: IntCounterVec,
+    context_long: IntCounterVec,
+}
+
+impl Context {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            context_resent: counter_vec(
+                registry,
+                "visor_context_resent_bytes_total",
+                "Request bytes dedup removed (context the client sent again), by key name",
+                &["key"],
+            )?,
+            context_received: counter_vec(
+                registry,
+                "visor_context_received_bytes_total",
+                "Request body bytes received on the transformed endpoints, by key name",
+                &["key"],
+            )?,
+            context_long: counter_vec(
+                registry,
+                "visor_context_long_requests_total",
+                "Requests whose history holds more messages than sessions.max_depth, by key name",
+                &["key"],
+            )?,
+        })
+    }
+}
+
+/// Rate limits, and whether they are counted in the shared store.
+struct Limits {
+    ratelimited: IntCounterVec,
+    ratelimit_shared: IntGauge,
+    ratelimit_local_checks: IntCounter,
+}
+
+impl Limits {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let ratelimit_shared = gauge(
+            registry,
+            "visor_ratelimit_shared",
+            "1 while rate limits are counted in the shared (Redis) store, 0 while each replica counts on its own because the store cannot be reached",
+        )?;
+        ratelimit_shared.set(1);
+        Ok(Self {
+            ratelimited: counter_vec(
+                registry,
+                "visor_ratelimited_total",
+                "Requests answered 429 for a key over its limit, by key name and limit (requests, tokens)",
+                &["key", "limit"],
+            )?,
+            ratelimit_shared,
+            ratelimit_local_checks: counter(
+                registry,
+                "visor_ratelimit_local_checks_total",
+                "Rate-limit checks counted by this replica alone because the shared store failed",
+            )?,
+        })
+    }
+}
+
+/// The store, and the session turns kept in it.
+struct Persistence {
+    store_errors: IntCounterVec,
+    store_up: IntGauge,
+    session_history: Histogram,
+    session_turns: IntCounterVec,
+}
+
+impl Persistence {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let store_errors = counter_vec(
+            registry,
+            "visor_store_errors_total",
+            "Store operations that failed or timed out, by operation (get, put, list, ping)",
+            &["op"],
+        )?;
+        for op in ["get", "put", "list", "ping"] {
+            store_errors.with_label_values(&[op]);
+        }
+        let session_turns = counter_vec(
+            registry,
+            "visor_session_turns_total",
+            "Session turns stored, by result (with_reply, without_reply: an error, a cut stream or a client that left; failed: the store refused it)",
+            &["result"],
+        )?;
+        for result in ["with_reply", "without_reply", "failed"] {
+            session_turns.with_label_values(&[result]);
+        }
+        Ok(Self {
+            store_errors,
+            store_up: gauge(
+                registry,
+                "visor_store_up",
+                "1 while the store answers, 0 while visor runs on memory only",
+            )?,
+            session_history: histogram(
+                registry,
+                HistogramOpts::new(
+                    "visor_session_history_messages",
+                    "Stored messages prepended to a request with x-visor-session",
+                )
+                .buckets(vec![0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 500.0]),
+            )?,
+            session_turns,
+        })
+    }
+}
+
+fn counter_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntCounterVec, prometheus::Error> {
+    let metric = IntCounterVec::new(Opts::new(name, help), labels)?;
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
+fn counter(registry: &Registry, name: &str, help: &str) -> Result<IntCounter, prometheus::Error> {
+    let metric = IntCounter::new(name, help)?;
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> Result<IntGauge, prometheus::Error> {
+    let metric = IntGauge::new(name, help)?;
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
+fn gauge_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntGaugeVec, prometheus::Error> {
+    let metric = IntGaugeVec::new(Opts::new(name, help), labels)?;
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
+fn histogram(registry: &Registry, opts: HistogramOpts) -> Result<Histogram, prometheus::Error> {
+    let metric = Histogram::with_opts(opts)?;
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
+fn histogram_vec(
+    registry: &Registry,
+    opts: HistogramOpts,
+    labels: &[&str],
+) -> Result<HistogramVec, prometheus::Error> {
+    let metric = HistogramVec::new(opts, labels)?;
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
 }
 
 #[cfg(test)]

@@ -125,82 +125,10 @@ pub fn merge(messages: &[Value], stored: &[Value], depth: usize) -> Merged {
         Some((last, before)) if role(last) == "assistant" => before,
         _ => rest,
     };
-    let compared = |ms: &[Value]| -> (Vec<usize>, Vec<String>) {
-        ms.iter()
-            .enumerate()
-            .filter(|(_, m)| !not_compared(m))
-            .map(|(i, m)| (i, fingerprint(m)))
-            .unzip()
-    };
-    let (ci, cf) = compared(rest);
-    let (si, sf) = compared(stored);
-    // Everything in `rest` after its comparable message number `n - 1`.
-    let after = |n: usize| -> usize { if n == 0 { 0 } else { ci[n - 1] + 1 } };
-    // The newest `depth` stored messages at most (counted from the end of
-    // what is stored), never opening on a tool result without its call.
-    let limit_from = |end: usize| -> usize {
-        let mut from = stored.len().saturating_sub(depth);
-        while from < end && tool_result(&stored[from]) {
-            from += 1;
-        }
-        from.min(end)
-    };
-    let (history_end, new_from) = if !rest.iter().any(model_produced) {
-        // Only new messages (perhaps repeating the stored tail).
-        let most = cf.len().min(sf.len());
-        let k = (1..=most)
-            .rev()
-            .find(|&k| sf[sf.len() - k..] == cf[..k])
-            .unwrap_or(0);
-        let end = if k == 0 {
-            stored.len()
-        } else {
-            si[sf.len() - k]
-        };
-        (Some(end), after(k))
-    } else if let Some(q) =
-        (0..sf.len()).find(|&q| sf.len() - q <= cf.len() && sf[q..] == cf[..sf.len() - q])
-    {
-        // The client's first messages are the stored tail from `q`.
-        (Some(si[q]), after(sf.len() - q))
-    } else if let Some(p) = (0..cf.len()).rev().find(|&p| {
-        !sf.is_empty() && {
-            let n = (p + 1).min(sf.len());
-            (0..n).all(|i| cf[p - i] == sf[sf.len() - 1 - i])
-        }
-    }) {
-        // The stored tail sits further in: the client holds more.
-        (None, after(p + 1))
-    } else if stored.is_empty() {
-        // A new session: the conversation the client brings is its start.
-        (None, 0)
-    } else {
-        // Diverged (compacted, edited): what follows its last turn is new —
-        // with that turn, when the tool results after it answer calls the
-        // store does not hold (so no stored result lacks its call).
-        let last = rest.iter().rposition(model_produced);
-        let from = last.map_or(0, |i| i + 1);
-        let orphan = rest[from..]
-            .iter()
-            .take_while(|m| tool_result(m))
-            .flat_map(|m| answered_calls(m))
-            .any(|id| !stored.iter().any(|s| made_calls(s).any(|c| c == id)));
-        match last {
-            // The whole turn: a Responses turn is a run of items (each call
-            // its own), all before the results.
-            Some(i) if orphan => {
-                let start = rest[..i]
-                    .iter()
-                    .rposition(|m| !model_produced(m))
-                    .map_or(0, |j| j + 1);
-                (None, start)
-            }
-            _ => (None, from),
-        }
-    };
+    let (history_end, new_from) = boundaries(rest, stored);
     let (history_from, history): (usize, Vec<Value>) = match history_end {
         Some(end) => {
-            let from = limit_from(end);
+            let from = history_start(stored, depth, end);
             (from, stored[from..end].to_vec())
         }
         None => (stored.len(), Vec::new()),
@@ -217,6 +145,106 @@ pub fn merge(messages: &[Value], stored: &[Value], depth: usize) -> Merged {
         new,
         new_at: new_at.into_iter().map(|i| i + system).collect(),
     }
+}
+
+/// The messages of a list that are compared: their positions, and their
+/// fingerprints.
+struct Compared {
+    at: Vec<usize>,
+    prints: Vec<String>,
+}
+
+impl Compared {
+    fn of(ms: &[Value]) -> Compared {
+        let (at, prints) = ms
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| !not_compared(m))
+            .map(|(i, m)| (i, fingerprint(m)))
+            .unzip();
+        Compared { at, prints }
+    }
+
+    /// Where the list goes on after its compared message number `n - 1`.
+    fn after(&self, n: usize) -> usize {
+        if n == 0 { 0 } else { self.at[n - 1] + 1 }
+    }
+}
+
+/// Where the stored messages to insert end (`None`: none are inserted),
+/// and where the client's new messages start in `rest`: by whether the
+/// client sends only new messages or re-sends the conversation, and where
+/// its copy of the stored tail is (see [`merge`]).
+fn boundaries(rest: &[Value], stored: &[Value]) -> (Option<usize>, usize) {
+    let client = Compared::of(rest);
+    let kept = Compared::of(stored);
+    let (cf, sf) = (&client.prints, &kept.prints);
+    if !rest.iter().any(model_produced) {
+        // Only new messages (perhaps repeating the stored tail).
+        let most = cf.len().min(sf.len());
+        let k = (1..=most)
+            .rev()
+            .find(|&k| sf[sf.len() - k..] == cf[..k])
+            .unwrap_or(0);
+        let end = if k == 0 {
+            stored.len()
+        } else {
+            kept.at[sf.len() - k]
+        };
+        (Some(end), client.after(k))
+    } else if let Some(q) =
+        (0..sf.len()).find(|&q| sf.len() - q <= cf.len() && sf[q..] == cf[..sf.len() - q])
+    {
+        // The client's first messages are the stored tail from `q`.
+        (Some(kept.at[q]), client.after(sf.len() - q))
+    } else if let Some(p) = (0..cf.len()).rev().find(|&p| {
+        !sf.is_empty() && {
+            let n = (p + 1).min(sf.len());
+            (0..n).all(|i| cf[p - i] == sf[sf.len() - 1 - i])
+        }
+    }) {
+        // The stored tail sits further in: the client holds more.
+        (None, client.after(p + 1))
+    } else if stored.is_empty() {
+        // A new session: the conversation the client brings is its start.
+        (None, 0)
+    } else {
+        (None, diverged(rest, stored))
+    }
+}
+
+/// A conversation that diverged from what is stored (compacted, edited):
+/// what follows its last turn is new — with that turn, when the tool
+/// results after it answer calls the store does not hold (so no stored
+/// result lacks its call).
+fn diverged(rest: &[Value], stored: &[Value]) -> usize {
+    let last = rest.iter().rposition(model_produced);
+    let from = last.map_or(0, |i| i + 1);
+    let orphan = rest[from..]
+        .iter()
+        .take_while(|m| tool_result(m))
+        .flat_map(|m| answered_calls(m))
+        .any(|id| !stored.iter().any(|s| made_calls(s).any(|c| c == id)));
+    match last {
+        // The whole turn: a Responses turn is a run of items (each call
+        // its own), all before the results.
+        Some(i) if orphan => rest[..i]
+            .iter()
+            .rposition(|m| !model_produced(m))
+            .map_or(0, |j| j + 1),
+        _ => from,
+    }
+}
+
+/// Where the history inserted before `end` starts: the newest `depth`
+/// stored messages at most (counted from the end of what is stored), never
+/// opening on a tool result without its call.
+fn history_start(stored: &[Value], depth: usize, end: usize) -> usize {
+    let mut from = stored.len().saturating_sub(depth);
+    while from < end && tool_result(&stored[from]) {
+        from += 1;
+    }
+    from.min(end)
 }
 
 /// The call ids a tool result answers: a Chat `tool` message's

@@ -716,102 +716,147 @@ fn sheet_rows(
     shared: &[String],
     cap: Cap,
 ) -> Result<(String, Option<Cut>), ReadError> {
-    // Characters held: the rows written, and the cells of the row being
-    // read (with their " | " separators).
-    let mut chars = 0usize;
-    let mut row_chars = 0usize;
-    let mut out = String::new();
-    let mut row: Vec<String> = Vec::new();
-    let mut cell_type = String::new();
-    let mut cell_col: Option<usize> = None;
-    let mut value = String::new();
-    let mut in_value = false;
+    let mut sheet = SheetText {
+        shared,
+        cap,
+        chars: 0,
+        row_chars: 0,
+        out: String::new(),
+        row: Vec::new(),
+        cell_type: String::new(),
+        cell_col: None,
+        value: String::new(),
+        in_value: false,
+    };
     let mut reader = Reader::from_str(xml);
     loop {
         match reader.read_event().map_err(|e| xml_error(part, &e))? {
             Event::Start(e) => match e.local_name().as_ref() {
-                "row" => {
-                    row.clear();
-                    row_chars = 0;
-                }
+                "row" => sheet.start_row(),
                 "c" => {
-                    cell_type = attr(&e, "t").unwrap_or_default();
-                    cell_col = attr(&e, "r").and_then(|r| column_of(&r));
-                    value.clear();
+                    sheet.cell_type = attr(&e, "t").unwrap_or_default();
+                    sheet.cell_col = attr(&e, "r").and_then(|r| column_of(&r));
+                    sheet.value.clear();
                 }
-                "v" | "t" => in_value = true,
+                "v" | "t" => sheet.in_value = true,
                 _ => {}
             },
-            Event::End(e) => match e.local_name().as_ref() {
-                "v" | "t" => in_value = false,
-                "c" => {
-                    let shown = match cell_type.as_str() {
-                        "s" => value
-                            .trim()
-                            .parse::<usize>()
-                            .ok()
-                            .and_then(|i| shared.get(i).cloned())
-                            .unwrap_or_default(),
-                        "b" => match value.trim() {
-                            "1" => "TRUE".to_owned(),
-                            "0" => "FALSE".to_owned(),
-                            other => other.to_owned(),
-                        },
-                        _ => std::mem::take(&mut value),
-                    };
-                    let col = cell_col.unwrap_or(row.len()).min(MAX_COLUMN);
-                    // Its separators, and its text.
-                    row_chars += 3 * (col.saturating_sub(row.len()) + 1);
-                    row_chars += shown.chars().count();
-                    if chars + row_chars > cap.chars {
-                        // The row so far, cut where the budget ends; the
-                        // rest of the sheet is not read.
-                        let room = cap.chars.saturating_sub(chars);
-                        let mut line = row.join(" | ");
-                        if !line.is_empty() {
-                            line.push_str(" | ");
-                        }
-                        line.push_str(&shown.replace(['\n', '\r'], " "));
-                        if let Some((at, _)) = line.char_indices().nth(room) {
-                            line.truncate(at);
-                        }
-                        out.push_str(&line);
-                        return Ok((out, Some(Cut::Chars)));
+            Event::End(e) => {
+                let cut = match e.local_name().as_ref() {
+                    "v" | "t" => {
+                        sheet.in_value = false;
+                        None
                     }
-                    while row.len() < col {
-                        row.push(String::new());
-                    }
-                    row.push(shown.replace(['\n', '\r'], " "));
+                    "c" => sheet.end_cell(),
+                    "row" => sheet.end_row(),
+                    _ => None,
+                };
+                if cut.is_some() {
+                    return Ok((sheet.out, cut));
                 }
-                "row" => {
-                    while row.last().is_some_and(String::is_empty) {
-                        row.pop();
-                    }
-                    if !row.is_empty() {
-                        let line = row.join(" | ");
-                        chars += line.chars().count() + 1;
-                        out.push_str(&line);
-                        out.push('\n');
-                    }
-                    row.clear();
-                    row_chars = 0;
-                    if out.len() > cap.bytes {
-                        return Ok((out, Some(Cut::Bytes)));
-                    }
-                }
-                _ => {}
-            },
-            Event::Text(t) if in_value => value.push_str(&t.xml10_content()),
-            Event::GeneralRef(r) if in_value => {
+            }
+            Event::Text(t) if sheet.in_value => sheet.value.push_str(&t.xml10_content()),
+            Event::GeneralRef(r) if sheet.in_value => {
                 if let Some(c) = reference(&r.xml10_content()) {
-                    value.push(c);
+                    sheet.value.push(c);
                 }
             }
             Event::Eof => break,
             _ => {}
         }
     }
-    Ok((out, None))
+    Ok((sheet.out, None))
+}
+
+/// A worksheet being read into rows: the rows written, the row and the
+/// cell being read.
+struct SheetText<'s> {
+    shared: &'s [String],
+    cap: Cap,
+    /// Characters held: the rows written, and the cells of the row being
+    /// read (with their " | " separators).
+    chars: usize,
+    row_chars: usize,
+    out: String,
+    row: Vec<String>,
+    /// The cell's `t` (type) and column.
+    cell_type: String,
+    cell_col: Option<usize>,
+    /// Its `<v>` (or inline `<t>`) text, and whether it is being read.
+    value: String,
+    in_value: bool,
+}
+
+impl SheetText<'_> {
+    fn start_row(&mut self) {
+        self.row.clear();
+        self.row_chars = 0;
+    }
+
+    /// What the cell read shows: a shared string, TRUE or FALSE, or its
+    /// value.
+    fn shown(&mut self) -> String {
+        match self.cell_type.as_str() {
+            "s" => self
+                .value
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .and_then(|i| self.shared.get(i).cloned())
+                .unwrap_or_default(),
+            "b" => match self.value.trim() {
+                "1" => "TRUE".to_owned(),
+                "0" => "FALSE".to_owned(),
+                other => other.to_owned(),
+            },
+            _ => std::mem::take(&mut self.value),
+        }
+    }
+
+    /// Adds the cell read to the row, at its column; past the character
+    /// budget, writes the row so far, cut where the budget ends (the rest
+    /// of the sheet is not read).
+    fn end_cell(&mut self) -> Option<Cut> {
+        let shown = self.shown();
+        let col = self.cell_col.unwrap_or(self.row.len()).min(MAX_COLUMN);
+        // Its separators, and its text.
+        self.row_chars += 3 * (col.saturating_sub(self.row.len()) + 1);
+        self.row_chars += shown.chars().count();
+        if self.chars + self.row_chars > self.cap.chars {
+            let room = self.cap.chars.saturating_sub(self.chars);
+            let mut line = self.row.join(" | ");
+            if !line.is_empty() {
+                line.push_str(" | ");
+            }
+            line.push_str(&shown.replace(['\n', '\r'], " "));
+            if let Some((at, _)) = line.char_indices().nth(room) {
+                line.truncate(at);
+            }
+            self.out.push_str(&line);
+            return Some(Cut::Chars);
+        }
+        while self.row.len() < col {
+            self.row.push(String::new());
+        }
+        self.row.push(shown.replace(['\n', '\r'], " "));
+        None
+    }
+
+    /// Writes the row read (without its trailing empty cells; nothing for
+    /// an empty row); over the byte bound, the rows after are not read.
+    fn end_row(&mut self) -> Option<Cut> {
+        while self.row.last().is_some_and(String::is_empty) {
+            self.row.pop();
+        }
+        if !self.row.is_empty() {
+            let line = self.row.join(" | ");
+            self.chars += line.chars().count() + 1;
+            self.out.push_str(&line);
+            self.out.push('\n');
+        }
+        self.start_row();
+        (self.out.len() > self.cap.bytes).then_some(Cut::Bytes)
+    }
 }
 
 #[cfg(test)]

@@ -345,6 +345,55 @@ pub fn run(
     joined: &mut [Option<String>],
     blocks: Blocks,
 ) -> Omitted {
+    let inputs = inputs(scan, body, replaced, spot_text, joined);
+    let call_ids: HashMap<(usize, u32), String> = scan
+        .call_ids
+        .iter()
+        .filter_map(|(item, unit, id)| {
+            let id = id.decode(body)?;
+            plain_id(&id).then(|| ((*item, *unit), id.into_owned()))
+        })
+        .collect();
+    let groups = units(&inputs);
+    let request = Request::new(scan, &inputs, spot_text, &call_ids, &groups);
+    let mut d = Dedup::new(blocks);
+    // Instructions outside the message list: Anthropic `system`,
+    // Responses `instructions`.
+    let top = top_level_instructions(scan, body);
+    for text in &top {
+        d.instruct(text);
+    }
+    let mut out = Omitted::default();
+    let mut new_texts: Vec<(Target, String)> = Vec::new();
+    for group in &groups {
+        request.read_unit(&mut d, group, &mut out, &mut new_texts);
+    }
+    drop(d);
+    drop(request);
+    drop(inputs);
+    for (target, text) in new_texts {
+        let slot = match target {
+            Target::Spot(s) => spot_text.get_mut(s),
+            Target::Joined(c) => joined.get_mut(c),
+            Target::Replaced => None,
+        };
+        if let Some(slot) = slot {
+            *slot = Some(text);
+        }
+    }
+    out
+}
+
+/// The texts dedup reads, in the order they are sent: the request's text
+/// strings (as an earlier step changed them), the texts that replaced its
+/// parts, and each joined tool message as the one string it becomes.
+fn inputs<'b>(
+    scan: &'b Scan,
+    body: &'b [u8],
+    replaced: &'b [Option<String>],
+    spot_text: &'b [Option<String>],
+    joined: &'b [Option<String>],
+) -> Vec<Input<'b>> {
     let collapsed: HashMap<usize, usize> = joined
         .iter()
         .enumerate()
@@ -398,176 +447,181 @@ pub fn run(
     }
     // The texts of one message in the order they are sent.
     inputs.sort_by_key(|t| (t.item, t.at));
-    let mut d = Dedup {
-        blocks,
-        hasher: RandomState::new(),
-        sent: Vec::new(),
-        pairs: HashMap::default(),
-        singles: HashMap::default(),
-        whole: HashMap::default(),
-        items: HashMap::new(),
-        instruction_lines: HashSet::default(),
-        instruction_pairs: HashSet::default(),
-        status: HashMap::default(),
-    };
-    // Instructions outside the message list: Anthropic `system`,
-    // Responses `instructions`.
-    let top = top_level_instructions(scan, body);
-    for text in &top {
-        d.instruct(text);
-    }
-    let mut out = Omitted::default();
-    let mut new_texts: Vec<(Target, String)> = Vec::new();
-    let call_ids: HashMap<(usize, u32), String> = scan
-        .call_ids
-        .iter()
-        .filter_map(|(item, unit, id)| {
-            let id = id.decode(body)?;
-            plain_id(&id).then(|| ((*item, *unit), id.into_owned()))
-        })
-        .collect();
-    let groups = units(&inputs);
-    let mut units_of: HashMap<usize, usize> = HashMap::new();
-    let mut id_uses: HashMap<(usize, &str), usize> = HashMap::new();
-    for g in &groups {
-        if let Some(&j) = g.first() {
-            *units_of.entry(inputs[j].item).or_default() += 1;
-            if let Some(id) = call_ids.get(&(inputs[j].item, inputs[j].unit)) {
-                *id_uses.entry((inputs[j].item, id.as_str())).or_default() += 1;
+    inputs
+}
+
+/// What dedup reads a request's units against: their texts, who sent each
+/// message, and how a note names a unit of a message that holds several.
+struct Request<'r> {
+    scan: &'r Scan,
+    inputs: &'r [Input<'r>],
+    /// The texts an earlier step changed (see [`run`]).
+    spot_text: &'r [Option<String>],
+    /// Plain call ids, by message and unit.
+    call_ids: &'r HashMap<(usize, u32), String>,
+    /// Units each message holds.
+    units_of: HashMap<usize, usize>,
+    /// Units of a message that answer each call id.
+    id_uses: HashMap<(usize, &'r str), usize>,
+    /// The first user message: the task, its instructions, worked examples
+    /// (whatever it holds: a message of an image alone is it too).
+    first_user: Option<usize>,
+}
+
+/// How the texts of one unit are read.
+struct Reading {
+    /// Its place in [`Dedup::sent`].
+    me: usize,
+    role: Role,
+    /// The system prompt or the first user message: recorded, never
+    /// rewritten.
+    instruction: bool,
+    /// A user or tool text that is not instructions: may be rewritten.
+    eligible: bool,
+    /// Under [`SMALL_TEXT`] of the client's text: stays whole.
+    small: bool,
+    /// Holds one text of the client's: may become a reference.
+    whole: bool,
+}
+
+impl<'r> Request<'r> {
+    fn new(
+        scan: &'r Scan,
+        inputs: &'r [Input<'r>],
+        spot_text: &'r [Option<String>],
+        call_ids: &'r HashMap<(usize, u32), String>,
+        groups: &[Vec<usize>],
+    ) -> Self {
+        let mut units_of: HashMap<usize, usize> = HashMap::new();
+        let mut id_uses: HashMap<(usize, &str), usize> = HashMap::new();
+        for g in groups {
+            if let Some(&j) = g.first() {
+                *units_of.entry(inputs[j].item).or_default() += 1;
+                if let Some(id) = call_ids.get(&(inputs[j].item, inputs[j].unit)) {
+                    *id_uses.entry((inputs[j].item, id.as_str())).or_default() += 1;
+                }
             }
         }
+        Self {
+            scan,
+            inputs,
+            spot_text,
+            call_ids,
+            units_of,
+            id_uses,
+            first_user: scan.items.iter().position(|i| i.role == Role::User),
+        }
     }
-    let role_of = |item: usize| scan.items.get(item).map_or(Role::Other, |i| i.role);
-    // The first user message: the task, its instructions, worked examples
-    // (whatever it holds: a message of an image alone is it too).
-    let first_user = scan.items.iter().position(|i| i.role == Role::User);
-    for group in groups {
+
+    /// Reads the texts of one unit in `d`, and keeps the rewrite of each
+    /// that changed (with the bytes it saves in `out`).
+    fn read_unit(
+        &self,
+        d: &mut Dedup<'r>,
+        group: &[usize],
+        out: &mut Omitted,
+        new_texts: &mut Vec<(Target, String)>,
+    ) {
         let Some(&first) = group.first() else {
-            continue;
+            return;
         };
-        let at = &inputs[first];
-        let role = role_of(at.item);
-        let tool = role == Role::Tool || group.iter().any(|&j| inputs[j].tool);
-        let instruction = role == Role::System || Some(at.item) == first_user;
-        let eligible = (tool || role == Role::User) && !instruction;
-        // A small result or observation stays whole: the client's text,
-        // not the texts visor wrote for its images, documents or notes (so
-        // that a second pass, which finds them texts, decides the same).
-        let client_bytes: usize = group
-            .iter()
-            .filter_map(|&j| inputs[j].text.as_deref())
-            .filter(|t| !is_document_text(t))
-            .flat_map(|t| t.split('\n'))
-            .filter(|l| !is_own(l))
-            .map(|l| l.len() + 1)
-            .sum();
-        let small = client_bytes < SMALL_TEXT;
-        let me = d.sent.len();
-        let call_id = call_ids.get(&(at.item, at.unit)).cloned();
-        // In a message of several units (an Anthropic message with several
-        // `tool_result` blocks, or results and text of its own) each is
-        // numbered on its own, so a note names which: the call when its id
-        // is plain and used once there, else `text` (the message's own
-        // content) or `result 2` (its place).
-        let several = units_of.get(&at.item).is_some_and(|&n| n > 1);
-        let label = several.then(|| match &call_id {
-            Some(id) if id_uses.get(&(at.item, id.as_str())) == Some(&1) => id.clone(),
-            _ if at.unit == 0 => "text".to_owned(),
-            _ => format!("result {}", at.unit),
-        });
-        d.sent.push(Sent {
-            message: at.item,
-            label,
-            call_id,
-            lines: Vec::new(),
-            hashes: Vec::new(),
-        });
-        // A result may become a reference when it holds one text of the
-        // client's: the texts that replaced its images (parts on a second
-        // pass, absent on the first) do not count.
-        let plain = group
-            .iter()
-            .filter(|&&j| {
-                inputs[j]
-                    .text
-                    .as_deref()
-                    .is_some_and(|t| !is_image_text(t.trim_end()) && !is_document_text(t))
-            })
-            .count();
+        let reading = self.open(d, group, &self.inputs[first]);
         let mut changed = false;
-        for &j in &group {
-            let Some(text) = inputs[j].text.as_deref() else {
+        for &j in group {
+            let input = &self.inputs[j];
+            let Some(text) = input.text.as_deref() else {
                 continue;
             };
-            let rendered = if is_document_text(text) {
-                // The text visor wrote for a document is its own: counted,
-                // never matched, never rewritten.
-                for _ in text.split('\n') {
-                    d.push_note(me);
-                }
-                None
-            } else if instruction {
-                d.record_instruction(me, text);
-                None
-            } else if !eligible && role != Role::Tool && role != Role::User {
-                // The model's own words (a proposed edit, a plan) are never
-                // the source of a note: what a tool or the user says is read
-                // where they said it, never rebuilt from what the model
-                // proposed.
-                for _ in text.split('\n') {
-                    d.push_note(me);
-                }
-                None
-            } else if is_array(text) && eligible {
-                // A JSON array is compared by element whatever its size (a
-                // small one is not rewritten), so a second pass, which may
-                // find it shrunk under the small size, reads it the same.
-                let (head, tail) = split_trailing_note(text);
-                d.array(head, tail, me, !small, &mut out)
-            } else if !eligible || small || is_reference(text) {
-                // Sent as it is; a reference visor wrote (followed by its
-                // status lines) is final.
-                d.record(me, text);
-                None
-            } else {
-                let split = d.split(text);
-                match plain == 1 {
-                    true => d.reference(text, &split, me, &mut out),
-                    false => None,
-                }
-                .or_else(|| d.rewrite(text, split, me, &mut out))
-            };
-            if let Some(r) = rendered
-                && !matches!(inputs[j].target, Target::Replaced)
+            if let Some(r) = d.read(text, &reading, out)
+                && !matches!(input.target, Target::Replaced)
             {
-                let target = inputs[j].target;
-                let before = match target {
-                    Target::Spot(s) => match spot_text.get(s).and_then(Option::as_ref) {
-                        Some(t) => literal_len(t),
-                        None => scan.spot_literal_len(s),
-                    },
-                    Target::Joined(_) | Target::Replaced => literal_len(text),
-                };
+                let before = self.literal_len_before(input.target, text);
                 out.bytes += before as i64 - literal_len(&r) as i64;
                 changed = true;
-                new_texts.push((target, r));
+                new_texts.push((input.target, r));
             }
         }
         out.messages += usize::from(changed);
     }
-    drop(d);
-    drop(inputs);
-    for (target, text) in new_texts {
-        let slot = match target {
-            Target::Spot(s) => spot_text.get_mut(s),
-            Target::Joined(c) => joined.get_mut(c),
-            Target::Replaced => None,
-        };
-        if let Some(slot) = slot {
-            *slot = Some(text);
+
+    /// Opens the unit that starts at `at` in what was sent: how its texts
+    /// are read.
+    fn open(&self, d: &mut Dedup<'r>, group: &[usize], at: &Input<'r>) -> Reading {
+        let role = self.scan.items.get(at.item).map_or(Role::Other, |i| i.role);
+        let tool = role == Role::Tool || group.iter().any(|&j| self.inputs[j].tool);
+        let instruction = role == Role::System || Some(at.item) == self.first_user;
+        let me = d.sent.len();
+        let call_id = self.call_ids.get(&(at.item, at.unit)).cloned();
+        d.sent.push(Sent {
+            message: at.item,
+            label: self.label(at, call_id.as_ref()),
+            call_id,
+            lines: Vec::new(),
+            hashes: Vec::new(),
+        });
+        Reading {
+            me,
+            role,
+            instruction,
+            eligible: (tool || role == Role::User) && !instruction,
+            small: self.client_bytes(group) < SMALL_TEXT,
+            whole: self.client_texts(group) == 1,
         }
     }
-    out
+
+    /// In a message of several units (an Anthropic message with several
+    /// `tool_result` blocks, or results and text of its own) each is
+    /// numbered on its own, so a note names which: the call when its id
+    /// is plain and used once there, else `text` (the message's own
+    /// content) or `result 2` (its place).
+    fn label(&self, at: &Input<'_>, call_id: Option<&String>) -> Option<String> {
+        let several = self.units_of.get(&at.item).is_some_and(|&n| n > 1);
+        several.then(|| match call_id {
+            Some(id) if self.id_uses.get(&(at.item, id.as_str())) == Some(&1) => id.clone(),
+            _ if at.unit == 0 => "text".to_owned(),
+            _ => format!("result {}", at.unit),
+        })
+    }
+
+    /// A small result or observation stays whole: the client's text, not
+    /// the texts visor wrote for its images, documents or notes (so that a
+    /// second pass, which finds them texts, decides the same).
+    fn client_bytes(&self, group: &[usize]) -> usize {
+        group
+            .iter()
+            .filter_map(|&j| self.inputs[j].text.as_deref())
+            .filter(|t| !is_document_text(t))
+            .flat_map(|t| t.split('\n'))
+            .filter(|l| !is_own(l))
+            .map(|l| l.len() + 1)
+            .sum()
+    }
+
+    /// A result may become a reference when it holds one text of the
+    /// client's: the texts that replaced its images (parts on a second
+    /// pass, absent on the first) do not count.
+    fn client_texts(&self, group: &[usize]) -> usize {
+        group
+            .iter()
+            .filter(|&&j| {
+                self.inputs[j]
+                    .text
+                    .as_deref()
+                    .is_some_and(|t| !is_image_text(t.trim_end()) && !is_document_text(t))
+            })
+            .count()
+    }
+
+    /// The JSON-encoded length of what `target` held before dedup.
+    fn literal_len_before(&self, target: Target, text: &str) -> usize {
+        match target {
+            Target::Spot(s) => match self.spot_text.get(s).and_then(Option::as_ref) {
+                Some(t) => literal_len(t),
+                None => self.scan.spot_literal_len(s),
+            },
+            Target::Joined(_) | Target::Replaced => literal_len(text),
+        }
+    }
 }
 
 /// The texts of each message, unit by unit (an Anthropic message's own
@@ -594,6 +648,64 @@ fn units(inputs: &[Input<'_>]) -> Vec<Vec<usize>> {
 }
 
 impl<'a> Dedup<'a> {
+    fn new(blocks: Blocks) -> Self {
+        Dedup {
+            blocks,
+            hasher: RandomState::new(),
+            sent: Vec::new(),
+            pairs: HashMap::default(),
+            singles: HashMap::default(),
+            whole: HashMap::default(),
+            items: HashMap::new(),
+            instruction_lines: HashSet::default(),
+            instruction_pairs: HashSet::default(),
+            status: HashMap::default(),
+        }
+    }
+
+    /// Reads one text of a unit: its rewrite, when dedup changes it.
+    fn read(&mut self, text: &'a str, unit: &Reading, out: &mut Omitted) -> Option<String> {
+        let me = unit.me;
+        if is_document_text(text) {
+            // The text visor wrote for a document is its own: counted,
+            // never matched, never rewritten.
+            for _ in text.split('\n') {
+                self.push_note(me);
+            }
+            None
+        } else if unit.instruction {
+            self.record_instruction(me, text);
+            None
+        } else if !unit.eligible && unit.role != Role::Tool && unit.role != Role::User {
+            // The model's own words (a proposed edit, a plan) are never
+            // the source of a note: what a tool or the user says is read
+            // where they said it, never rebuilt from what the model
+            // proposed.
+            for _ in text.split('\n') {
+                self.push_note(me);
+            }
+            None
+        } else if is_array(text) && unit.eligible {
+            // A JSON array is compared by element whatever its size (a
+            // small one is not rewritten), so a second pass, which may
+            // find it shrunk under the small size, reads it the same.
+            let (head, tail) = split_trailing_note(text);
+            self.array(head, tail, me, !unit.small, out)
+        } else if !unit.eligible || unit.small || is_reference(text) {
+            // Sent as it is; a reference visor wrote (followed by its
+            // status lines) is final.
+            self.record(me, text);
+            None
+        } else {
+            let split = self.split(text);
+            match unit.whole {
+                true => self.reference(text, &split, me, out),
+                false => None,
+            }
+            .or_else(|| self.rewrite(text, split, me, out))
+        }
+    }
+
     /// A whole text identical to an earlier user or tool text: the
     /// reference that replaces it (when shorter than the text).
     fn reference(

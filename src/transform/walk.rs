@@ -496,26 +496,7 @@ impl PartFields {
             let value = c.skip()?;
             self.markers.push(key.range.start..value.end);
         } else if k("image_url") {
-            match kind {
-                Kind::String => self.image_url = Some(c.string()?),
-                Kind::Object => {
-                    let mut url = None;
-                    c.object(|c, key| {
-                        if key.is(src, "url") && c.kind()? == Kind::String {
-                            url = Some(c.string()?);
-                        } else {
-                            c.skip()?;
-                        }
-                        Ok(())
-                    })?;
-                    self.image_url_bad = url.is_none();
-                    self.image_url = url;
-                }
-                _ => {
-                    self.image_url_bad = true;
-                    c.skip()?;
-                }
-            }
+            self.read_image_url(c, src, kind)?;
         } else if string && (k("data") || k("base64")) {
             self.data = Some(c.string()?);
         } else if kind == Kind::Object && k("data") {
@@ -568,44 +549,128 @@ impl PartFields {
         } else if string && k("tool_use_id") {
             self.tool_use_id = Some(c.string()?);
         } else if k("source") {
-            if kind != Kind::Object {
-                self.source_bad = true;
-                c.skip()?;
-                return Ok(true);
-            }
-            c.object(|c, key| {
-                let sk = |name: &str| key.is(src, name);
-                if sk("content") && c.kind()? == Kind::Array {
-                    self.source_content = Some(c.skip()?);
-                    return Ok(());
-                }
-                let slot = if c.kind()? != Kind::String {
-                    None
-                } else if sk("type") {
-                    Some(&mut self.source_type)
-                } else if sk("media_type") {
-                    Some(&mut self.source_media_type)
-                } else if sk("data") {
-                    Some(&mut self.source_data)
-                } else if sk("url") {
-                    Some(&mut self.source_url)
-                } else if sk("file_id") {
-                    Some(&mut self.source_file)
-                } else {
-                    None
-                };
-                match slot {
-                    Some(slot) => *slot = Some(c.string()?),
-                    None => {
-                        c.skip()?;
-                    }
-                }
-                Ok(())
-            })?;
+            self.read_source(c, src, kind)?;
         } else {
             return Ok(false);
         }
         Ok(true)
+    }
+
+    /// `image_url`: a URL string, or an object with a `url` (bad without
+    /// one).
+    fn read_image_url(&mut self, c: &mut Cursor<'_>, src: &[u8], kind: Kind) -> Result<()> {
+        match kind {
+            Kind::String => self.image_url = Some(c.string()?),
+            Kind::Object => {
+                let mut url = None;
+                c.object(|c, key| {
+                    if key.is(src, "url") && c.kind()? == Kind::String {
+                        url = Some(c.string()?);
+                    } else {
+                        c.skip()?;
+                    }
+                    Ok(())
+                })?;
+                self.image_url_bad = url.is_none();
+                self.image_url = url;
+            }
+            _ => {
+                self.image_url_bad = true;
+                c.skip()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// An Anthropic `source` object: its type, media type, data, URL or
+    /// file id, or content blocks (bad when not an object).
+    fn read_source(&mut self, c: &mut Cursor<'_>, src: &[u8], kind: Kind) -> Result<()> {
+        if kind != Kind::Object {
+            self.source_bad = true;
+            c.skip()?;
+            return Ok(());
+        }
+        c.object(|c, key| {
+            let sk = |name: &str| key.is(src, name);
+            if sk("content") && c.kind()? == Kind::Array {
+                self.source_content = Some(c.skip()?);
+                return Ok(());
+            }
+            let slot = if c.kind()? != Kind::String {
+                None
+            } else if sk("type") {
+                Some(&mut self.source_type)
+            } else if sk("media_type") {
+                Some(&mut self.source_media_type)
+            } else if sk("data") {
+                Some(&mut self.source_data)
+            } else if sk("url") {
+                Some(&mut self.source_url)
+            } else if sk("file_id") {
+                Some(&mut self.source_file)
+            } else {
+                None
+            };
+            match slot {
+                Some(slot) => *slot = Some(c.string()?),
+                None => {
+                    c.skip()?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+}
+
+/// The members of a message the walk keeps (its content is walked as it
+/// is read).
+#[derive(Default)]
+struct MessageFields {
+    role: Option<Str>,
+    ty: Option<Str>,
+    call_id: Option<Str>,
+    content: Option<ContentArray>,
+}
+
+/// Who sent a message: its role as the image rules see it (`tool` for a
+/// Responses `*_output` item, `user` when none is given), what kind of
+/// message that is, and whether it is a Chat tool (or function) message.
+struct Speaker {
+    role: String,
+    kind: Role,
+    tool_message: bool,
+}
+
+impl Speaker {
+    fn of(src: &[u8], fields: &MessageFields) -> Speaker {
+        let role = fields
+            .role
+            .as_ref()
+            .and_then(|r| r.decode(src))
+            .map(|r| r.into_owned());
+        let ty = fields.ty.as_ref();
+        let is_output = ty.is_some_and(|t| {
+            t.is(src, "function_call_output")
+                || t.is(src, "custom_tool_call_output")
+                || t.is(src, "computer_call_output")
+        });
+        let kind = role_of(
+            role.as_deref(),
+            ty.and_then(|t| t.decode(src)).as_deref(),
+            is_output,
+        );
+        let role = match (role, is_output) {
+            (_, true) => "tool".to_owned(),
+            (Some(r), false) => r,
+            (None, false) => "user".to_owned(),
+        };
+        let tool_message = role == "tool" || role == "function";
+        Speaker {
+            role,
+            kind,
+            tool_message,
+        }
     }
 }
 
@@ -621,9 +686,6 @@ impl Walker<'_> {
             self.out.items[index].bytes = range.len();
             return Ok(());
         }
-        let src = self.src;
-        let mut role: Option<Str> = None;
-        let mut ty: Option<Str> = None;
         let mut msg = Msg {
             index,
             first_image: self.out.images.len(),
@@ -632,66 +694,76 @@ impl Walker<'_> {
             units: 0,
             cache_markers: false,
         };
-        let mut content: Option<ContentArray> = None;
-        let mut call_id: Option<Str> = None;
-        let range = c.object(|c, key| {
-            if key.is(src, "role") && c.kind()? == Kind::String {
-                role = Some(c.string()?);
-            } else if key.is(src, "type") && c.kind()? == Kind::String {
-                ty = Some(c.string()?);
-            } else if (key.is(src, "tool_call_id") || key.is(src, "call_id"))
-                && c.kind()? == Kind::String
-            {
-                call_id = Some(c.string()?);
-            } else if key.is(src, "content") || key.is(src, "output") {
-                let which = if key.is(src, "content") {
-                    "content"
-                } else {
-                    "output"
-                };
-                let path = format!("{items_key}[{index}].{which}");
-                let tool = key.is(src, "output");
-                content = self.content(c, &mut msg, &path, tool, 0)?;
-            } else {
-                c.skip()?;
-            }
-            Ok(())
-        })?;
-        let role = role.and_then(|r| r.decode(src)).map(|r| r.into_owned());
-        let is_output = ty.as_ref().is_some_and(|t| {
-            t.is(src, "function_call_output")
-                || t.is(src, "custom_tool_call_output")
-                || t.is(src, "computer_call_output")
-        });
-        let kind = role_of(
-            role.as_deref(),
-            ty.as_ref().and_then(|t| t.decode(src)).as_deref(),
-            is_output,
-        );
-        let role = match (role, is_output) {
-            (_, true) => "tool".to_owned(),
-            (Some(r), false) => r,
-            (None, false) => "user".to_owned(),
-        };
-        let tool_message = role == "tool" || role == "function";
-        if let Some(id) = call_id
-            && (tool_message || kind == Role::Tool)
+        let mut fields = MessageFields::default();
+        let range =
+            c.object(|c, key| self.message_member(c, &key, &mut msg, &mut fields, items_key))?;
+        let who = Speaker::of(self.src, &fields);
+        if let Some(id) = fields.call_id
+            && (who.tool_message || who.kind == Role::Tool)
         {
             self.out.call_ids.push((index, 0, id));
         }
+        self.finish_message(msg, &who, fields.content, range.len());
+        Ok(())
+    }
+
+    /// Reads one member of a message, walking its content.
+    fn message_member(
+        &mut self,
+        c: &mut Cursor<'_>,
+        key: &Str,
+        msg: &mut Msg,
+        fields: &mut MessageFields,
+        items_key: &str,
+    ) -> Result<()> {
+        let src = self.src;
+        if key.is(src, "role") && c.kind()? == Kind::String {
+            fields.role = Some(c.string()?);
+        } else if key.is(src, "type") && c.kind()? == Kind::String {
+            fields.ty = Some(c.string()?);
+        } else if (key.is(src, "tool_call_id") || key.is(src, "call_id"))
+            && c.kind()? == Kind::String
+        {
+            fields.call_id = Some(c.string()?);
+        } else if key.is(src, "content") || key.is(src, "output") {
+            let which = if key.is(src, "content") {
+                "content"
+            } else {
+                "output"
+            };
+            let path = format!("{items_key}[{}].{which}", msg.index);
+            let tool = key.is(src, "output");
+            fields.content = self.content(c, msg, &path, tool, 0)?;
+        } else {
+            c.skip()?;
+        }
+        Ok(())
+    }
+
+    /// Once its role is known: the message's images, its item, its texts,
+    /// the images hidden in them, and whether it may collapse to a string.
+    fn finish_message(
+        &mut self,
+        mut msg: Msg,
+        who: &Speaker,
+        content: Option<ContentArray>,
+        bytes: usize,
+    ) {
+        let index = msg.index;
+        let tool_message = who.tool_message;
         for img in &mut self.out.images[msg.first_image..] {
-            img.role.clone_from(&role);
+            img.role.clone_from(&who.role);
             img.in_tool_result |= tool_message;
         }
         let own = |in_tool: bool| !in_tool && !tool_message;
         self.out.items[index] = Item {
-            role: kind,
-            authored: kind == Role::User
+            role: who.kind,
+            authored: who.kind == Role::User
                 && (msg.spots.iter().any(|&(_, t, _)| own(t))
                     || self.out.images[msg.first_image..]
                         .iter()
                         .any(|f| own(f.in_tool_result))),
-            bytes: range.len(),
+            bytes,
         };
         for &(spot, in_tool, unit) in &msg.spots {
             self.out.texts.push(TextAt {
@@ -703,9 +775,9 @@ impl Walker<'_> {
         }
         // Text of user and tool messages may hide images; system, developer
         // and assistant text is never looked into.
-        if !matches!(role.as_str(), "system" | "developer" | "assistant") {
+        if !matches!(who.role.as_str(), "system" | "developer" | "assistant") {
             for (spot, in_tool, _) in std::mem::take(&mut msg.spots) {
-                self.look_in_text(spot, &msg, &role, in_tool || tool_message);
+                self.look_in_text(spot, &msg, &who.role, in_tool || tool_message);
             }
         }
         if self.shape == Shape::Chat
@@ -720,7 +792,6 @@ impl Walker<'_> {
                 parts,
             });
         }
-        Ok(())
     }
 
     /// Walks a `content` (or `output`) value. Returns, for an array, its
@@ -985,124 +1056,32 @@ pub(super) fn classify(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, 
 /// embedded resources holding a document or audio, and SDK file parts of a
 /// document or audio type.
 fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)> {
-    let text = |s: &Option<Str>| {
-        s.as_ref()
-            .and_then(|s| s.decode(src))
-            .map(|c| c.into_owned())
-    };
     let is = |name: &str| ty.is(src, name);
-    let url_like = |s: &Str| {
-        if s.raw(src).starts_with(b"data:") {
-            Raw::DataUrl(s.clone())
-        } else {
-            Raw::Url(s.clone())
-        }
-    };
-    let document = |mt: &Option<Str>, name: &Option<Str>, data: Option<&Str>| {
-        let mt = text(mt).unwrap_or_default();
-        let name = text(name);
-        let head = data.map(|d| data_head(d.raw(src)));
-        let mt = match (mt.is_empty(), data) {
-            (true, Some(d)) if d.raw(src).starts_with(b"data:") => {
-                super::decode::data_url_payload(d.raw(src))
-                    .map(|(m, _)| m)
-                    .unwrap_or_default()
-            }
-            _ => mt,
-        };
-        Medium::Document {
-            family: DocFamily::of(&mt, name.as_deref(), head.unwrap_or_default()),
-            name,
-        }
-    };
-    let media_of = |m: &Option<Str>| text(m).map(|m| m.to_ascii_lowercase()).unwrap_or_default();
-    // `file_data` is a data URL; some clients send the bare base64, and
-    // SDK parts put a URL where the data goes.
-    let file_data = |d: &Str, mt: &Option<Str>| {
-        let raw = d.raw(src);
-        if raw.starts_with(b"data:") || raw.starts_with(b"http://") || raw.starts_with(b"https://")
-        {
-            url_like(d)
-        } else {
-            Raw::Base64(d.clone(), mt.clone())
-        }
-    };
-    // A `file` part whose data is a picture is an image, whatever carries it.
-    let picture = |d: Option<&Str>| {
-        d.is_some_and(|d| {
-            let raw = d.raw(src);
-            raw.starts_with(b"data:image/") || image_head(data_head(raw))
-        })
-    };
+    let part = MediaPart { src, f };
     if is("file")
         && (f.chat_file
             || f.file_data.is_some()
             || (f.file_id.is_some() && f.data.is_none() && f.url.is_none()))
     {
-        // Chat `file` part.
-        let raw = match (&f.file_data, &f.file_id) {
-            (Some(d), _) => file_data(d, &None),
-            (None, Some(id)) => Raw::File(id.clone()),
-            (None, None) => Raw::Broken("file part without file_data or file_id"),
-        };
-        if picture(f.file_data.as_ref()) {
-            return Some((Medium::Image, raw));
-        }
-        return Some((document(&None, &f.filename, f.file_data.as_ref()), raw));
+        return Some(part.chat_file());
     }
     if is("input_file") {
-        let raw = match (&f.file_data, &f.file_url, &f.file_id) {
-            (Some(d), _, _) => file_data(d, &None),
-            (None, Some(u), _) => Raw::Url(u.clone()),
-            (None, None, Some(id)) => Raw::File(id.clone()),
-            (None, None, None) => Raw::Broken("input_file without file_data, file_url or file_id"),
-        };
-        if picture(f.file_data.as_ref()) {
-            return Some((Medium::Image, raw));
-        }
-        return Some((document(&None, &f.filename, f.file_data.as_ref()), raw));
+        return Some(part.input_file());
     }
     if is("document") && (f.source_type.is_some() || f.source_bad) && f.source_content.is_none() {
-        let st = f.source_type.as_ref();
-        let sis = |name| st.is_some_and(|t| t.is(src, name));
-        let medium = document(&f.source_media_type, &f.filename, f.source_data.as_ref());
-        let raw = if sis("base64") {
-            match &f.source_data {
-                Some(d) => Raw::Base64(d.clone(), f.source_media_type.clone()),
-                None => Raw::Broken("base64 document source without data"),
-            }
-        } else if sis("text") {
-            match &f.source_data {
-                Some(d) => Raw::Text(d.clone()),
-                None => Raw::Broken("text document source without data"),
-            }
-        } else if sis("url") {
-            match &f.source_url {
-                Some(u) => url_like(u),
-                None => Raw::Broken("url document source without a url"),
-            }
-        } else if sis("file") {
-            match &f.source_file {
-                Some(id) => Raw::File(id.clone()),
-                None => Raw::Broken("file document source without a file_id"),
-            }
-        } else {
-            return None;
-        };
-        return Some((medium, raw));
+        return part.anthropic_document();
     }
     if is("input_audio") {
-        let format = text(&f.audio_format).map(|s| s.to_ascii_lowercase());
+        let format = part.text(&f.audio_format).map(|s| s.to_ascii_lowercase());
         let raw = match &f.audio_data {
             Some(d) => Raw::Base64(d.clone(), None),
             None => Raw::Broken("input_audio without data"),
         };
         return Some((Medium::Audio { format }, raw));
     }
-    let audio_format = |mt: &str| mt.strip_prefix("audio/").map(|f| f.to_owned());
     // MCP `audio` content.
     if is("audio") {
-        let mt = media_of(&f.media_type);
+        let mt = part.media_of(&f.media_type);
         let raw = match &f.data {
             Some(d) => Raw::Base64(d.clone(), f.media_type.clone()),
             None => Raw::Broken("audio part without data"),
@@ -1119,7 +1098,159 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
     if is("resource")
         && let Some(blob) = &f.resource_blob
     {
-        let mt = media_of(&f.resource_mime);
+        return part.mcp_resource(blob);
+    }
+    // SDK file parts of a document or audio type (Vercel `file-data`,
+    // `media`, v7 `file`; LangChain `file`), their data inline, a data URL
+    // or an http(s) URL (in `data` or `url`).
+    if is("file-data") || is("media") || is("file") {
+        return part.sdk_file();
+    }
+    None
+}
+
+/// An audio format from an `audio/…` media type.
+fn audio_format(mt: &str) -> Option<String> {
+    mt.strip_prefix("audio/").map(|f| f.to_owned())
+}
+
+/// A content part being classified as a document or audio.
+struct MediaPart<'p> {
+    src: &'p [u8],
+    f: &'p PartFields,
+}
+
+impl MediaPart<'_> {
+    fn text(&self, s: &Option<Str>) -> Option<String> {
+        s.as_ref()
+            .and_then(|s| s.decode(self.src))
+            .map(|c| c.into_owned())
+    }
+
+    /// A media type, lower case (empty when none).
+    fn media_of(&self, m: &Option<Str>) -> String {
+        self.text(m)
+            .map(|m| m.to_ascii_lowercase())
+            .unwrap_or_default()
+    }
+
+    fn url_like(&self, s: &Str) -> Raw {
+        if s.raw(self.src).starts_with(b"data:") {
+            Raw::DataUrl(s.clone())
+        } else {
+            Raw::Url(s.clone())
+        }
+    }
+
+    /// A document of this media type or name, else of the type its data URL
+    /// declares, else of the type its first bytes tell.
+    fn document(&self, mt: &Option<Str>, name: &Option<Str>, data: Option<&Str>) -> Medium {
+        let src = self.src;
+        let mt = self.text(mt).unwrap_or_default();
+        let name = self.text(name);
+        let head = data.map(|d| data_head(d.raw(src)));
+        let mt = match (mt.is_empty(), data) {
+            (true, Some(d)) if d.raw(src).starts_with(b"data:") => {
+                super::decode::data_url_payload(d.raw(src))
+                    .map(|(m, _)| m)
+                    .unwrap_or_default()
+            }
+            _ => mt,
+        };
+        Medium::Document {
+            family: DocFamily::of(&mt, name.as_deref(), head.unwrap_or_default()),
+            name,
+        }
+    }
+
+    /// `file_data` is a data URL; some clients send the bare base64, and
+    /// SDK parts put a URL where the data goes.
+    fn file_data(&self, d: &Str, mt: &Option<Str>) -> Raw {
+        let raw = d.raw(self.src);
+        if raw.starts_with(b"data:") || raw.starts_with(b"http://") || raw.starts_with(b"https://")
+        {
+            self.url_like(d)
+        } else {
+            Raw::Base64(d.clone(), mt.clone())
+        }
+    }
+
+    /// A `file` part whose data is a picture is an image, whatever carries
+    /// it.
+    fn picture(&self, d: Option<&Str>) -> bool {
+        d.is_some_and(|d| {
+            let raw = d.raw(self.src);
+            raw.starts_with(b"data:image/") || image_head(data_head(raw))
+        })
+    }
+
+    /// Chat `file` part.
+    fn chat_file(&self) -> (Medium, Raw) {
+        let f = self.f;
+        let raw = match (&f.file_data, &f.file_id) {
+            (Some(d), _) => self.file_data(d, &None),
+            (None, Some(id)) => Raw::File(id.clone()),
+            (None, None) => Raw::Broken("file part without file_data or file_id"),
+        };
+        if self.picture(f.file_data.as_ref()) {
+            return (Medium::Image, raw);
+        }
+        (self.document(&None, &f.filename, f.file_data.as_ref()), raw)
+    }
+
+    /// Responses `input_file`.
+    fn input_file(&self) -> (Medium, Raw) {
+        let f = self.f;
+        let raw = match (&f.file_data, &f.file_url, &f.file_id) {
+            (Some(d), _, _) => self.file_data(d, &None),
+            (None, Some(u), _) => Raw::Url(u.clone()),
+            (None, None, Some(id)) => Raw::File(id.clone()),
+            (None, None, None) => Raw::Broken("input_file without file_data, file_url or file_id"),
+        };
+        if self.picture(f.file_data.as_ref()) {
+            return (Medium::Image, raw);
+        }
+        (self.document(&None, &f.filename, f.file_data.as_ref()), raw)
+    }
+
+    /// Anthropic `document` block with a base64, text, URL or file source
+    /// (`None` for another source type).
+    fn anthropic_document(&self) -> Option<(Medium, Raw)> {
+        let f = self.f;
+        let st = f.source_type.as_ref();
+        let sis = |name| st.is_some_and(|t| t.is(self.src, name));
+        let medium = self.document(&f.source_media_type, &f.filename, f.source_data.as_ref());
+        let raw = if sis("base64") {
+            match &f.source_data {
+                Some(d) => Raw::Base64(d.clone(), f.source_media_type.clone()),
+                None => Raw::Broken("base64 document source without data"),
+            }
+        } else if sis("text") {
+            match &f.source_data {
+                Some(d) => Raw::Text(d.clone()),
+                None => Raw::Broken("text document source without data"),
+            }
+        } else if sis("url") {
+            match &f.source_url {
+                Some(u) => self.url_like(u),
+                None => Raw::Broken("url document source without a url"),
+            }
+        } else if sis("file") {
+            match &f.source_file {
+                Some(id) => Raw::File(id.clone()),
+                None => Raw::Broken("file document source without a file_id"),
+            }
+        } else {
+            return None;
+        };
+        Some((medium, raw))
+    }
+
+    /// MCP embedded resource with a `blob`: audio or a document (`None`
+    /// for another type).
+    fn mcp_resource(&self, blob: &Str) -> Option<(Medium, Raw)> {
+        let f = self.f;
+        let mt = self.media_of(&f.resource_mime);
         let raw = Raw::Base64(blob.clone(), f.resource_mime.clone());
         if let Some(format) = audio_format(&mt) {
             return Some((
@@ -1129,21 +1260,24 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
                 raw,
             ));
         }
-        let name = text(&f.resource_uri).map(|u| u.rsplit('/').next().unwrap_or(&u).to_owned());
-        let family = DocFamily::of(&mt, name.as_deref(), blob.raw(src));
+        let name = self
+            .text(&f.resource_uri)
+            .map(|u| u.rsplit('/').next().unwrap_or(&u).to_owned());
+        let family = DocFamily::of(&mt, name.as_deref(), blob.raw(self.src));
         if family != DocFamily::Other || mt.starts_with("text/") {
             return Some((Medium::Document { family, name }, raw));
         }
-        return None;
+        None
     }
-    // SDK file parts of a document or audio type (Vercel `file-data`,
-    // `media`, v7 `file`; LangChain `file`), their data inline, a data URL
-    // or an http(s) URL (in `data` or `url`).
-    if is("file-data") || is("media") || is("file") {
-        let mt = media_of(&f.media_type);
+
+    /// SDK file part: audio or a document (`None` for another type, or
+    /// without data or URL).
+    fn sdk_file(&self) -> Option<(Medium, Raw)> {
+        let f = self.f;
+        let mt = self.media_of(&f.media_type);
         let (raw, data) = match (&f.data, &f.url) {
-            (Some(d), _) => (file_data(d, &f.media_type), Some(d)),
-            (None, Some(u)) => (url_like(u), None),
+            (Some(d), _) => (self.file_data(d, &f.media_type), Some(d)),
+            (None, Some(u)) => (self.url_like(u), None),
             (None, None) => return None,
         };
         if let Some(format) = audio_format(&mt) {
@@ -1154,13 +1288,13 @@ fn classify_media(src: &[u8], ty: &Str, f: &PartFields) -> Option<(Medium, Raw)>
                 raw,
             ));
         }
-        let head = data.map(|d| data_head(d.raw(src))).unwrap_or_default();
-        let family = DocFamily::of(&mt, text(&f.filename).as_deref(), head);
+        let head = data.map(|d| data_head(d.raw(self.src))).unwrap_or_default();
+        let family = DocFamily::of(&mt, self.text(&f.filename).as_deref(), head);
         if family != DocFamily::Other || mt.starts_with("text/") {
-            return Some((document(&f.media_type, &f.filename, data), raw));
+            return Some((self.document(&f.media_type, &f.filename, data), raw));
         }
+        None
     }
-    None
 }
 
 /// Where a data string's payload starts: past a data URL's header.
