@@ -177,56 +177,11 @@ async fn open(
         .metrics
         .session_history
         .observe(merged.history_used as f64);
-    // The new messages are stored as the client's bytes (its key order,
-    // its spacing), so sending them again later changes nothing.
-    let ranges = as_array
-        .then(|| sessions::item_ranges(body, items))
-        .flatten()
-        .filter(|r| r.len() == messages.len());
-    let new = merged
-        .new
-        .iter()
-        .zip(&merged.new_at)
-        .filter_map(|(m, &i)| match ranges.as_ref().and_then(|r| r.get(i)) {
-            // A copy: a slice would keep the whole request body alive in the
-            // memory store.
-            Some(r) => Some(Bytes::copy_from_slice(&body[r.clone()])),
-            None => serde_json::to_vec(m).ok().map(Bytes::from),
-        })
-        .collect();
-    // Without the cache markers its client placed on it then (they belong
-    // to that request, and would pile up).
-    let unmarked: Vec<Option<Vec<u8>>> = stored_raw
-        .iter()
-        .skip(merged.history_from)
-        .take(merged.history_used)
-        .map(|b| sessions::without_cache_markers(b))
-        .collect();
-    let history_raw: Vec<&[u8]> = stored_raw
-        .iter()
-        .skip(merged.history_from)
-        .zip(&unmarked)
-        .map(|(b, u)| u.as_deref().unwrap_or(&b[..]))
-        .collect();
-    // The client's messages go as they came: its bytes untouched when
-    // nothing is inserted, the history spliced in otherwise — each stored
-    // message as the bytes it was stored as, which are the bytes its
-    // client sent (a reply: as visor wrote it), so the prefix a provider
-    // cached last turn is sent again byte for byte
-    // (less the cache markers above).
-    let body = if merged.history.is_empty() && as_array {
-        body.clone()
-    } else if let Some(spliced) = as_array
-        .then(|| sessions::insert_items(body, items, merged.at, &history_raw))
-        .flatten()
-    {
-        Bytes::from(spliced)
-    } else {
+    let new = new_messages(body, items, as_array, &messages, &merged);
+    let body = merged_body(body, items, as_array, &stored_raw, &merged, || {
         request[items] = Value::Array(merged.messages(&messages));
         serde_json::to_vec(&request)
-            .map(Bytes::from)
-            .map_err(|e| VisorError::InvalidJson(e.to_string()))?
-    };
+    })?;
     Ok(Opened {
         body,
         history_used: merged.history_used,
@@ -239,6 +194,73 @@ async fn open(
             done: false,
         },
     })
+}
+
+/// The request's new messages, to store: each as the client's bytes (its
+/// key order, its spacing), so sending them again later changes nothing.
+fn new_messages(
+    body: &Bytes,
+    items: &str,
+    as_array: bool,
+    messages: &[Value],
+    merged: &sessions::Merged,
+) -> Vec<Bytes> {
+    let ranges = as_array
+        .then(|| sessions::item_ranges(body, items))
+        .flatten()
+        .filter(|r| r.len() == messages.len());
+    merged
+        .new
+        .iter()
+        .zip(&merged.new_at)
+        .filter_map(|(m, &i)| match ranges.as_ref().and_then(|r| r.get(i)) {
+            // A copy: a slice would keep the whole request body alive in the
+            // memory store.
+            Some(r) => Some(Bytes::copy_from_slice(&body[r.clone()])),
+            None => serde_json::to_vec(m).ok().map(Bytes::from),
+        })
+        .collect()
+}
+
+/// The body with the history in it. The client's messages go as they came:
+/// its bytes untouched when nothing is inserted, the history spliced in
+/// otherwise — each stored message as the bytes it was stored as, which are
+/// the bytes its client sent (a reply: as visor wrote it), so the prefix a
+/// provider cached last turn is sent again byte for byte, less the cache
+/// markers its client placed on it then (they belong to that request, and
+/// would pile up). `rebuilt`: the body made anew, when it cannot be spliced.
+fn merged_body(
+    body: &Bytes,
+    items: &str,
+    as_array: bool,
+    stored_raw: &[Bytes],
+    merged: &sessions::Merged,
+    rebuilt: impl FnOnce() -> serde_json::Result<Vec<u8>>,
+) -> Result<Bytes, VisorError> {
+    if merged.history.is_empty() && as_array {
+        return Ok(body.clone());
+    }
+    let unmarked: Vec<Option<Vec<u8>>> = stored_raw
+        .iter()
+        .skip(merged.history_from)
+        .take(merged.history_used)
+        .map(|b| sessions::without_cache_markers(b))
+        .collect();
+    let history_raw: Vec<&[u8]> = stored_raw
+        .iter()
+        .skip(merged.history_from)
+        .zip(&unmarked)
+        .map(|(b, u)| u.as_deref().unwrap_or(&b[..]))
+        .collect();
+    if let Some(spliced) = as_array
+        .then(|| sessions::insert_items(body, items, merged.at, &history_raw))
+        .flatten()
+    {
+        return Ok(Bytes::from(spliced));
+    }
+    rebuilt()
+        .map(Bytes::from)
+        .map_err(|e| VisorError::InvalidJson(e.to_string()))
 }
 
 enum Reply {
