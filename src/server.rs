@@ -532,7 +532,7 @@ async fn refresh_learned(state: Arc<AppState>, mut stop: watch::Receiver<bool>) 
                 // expires its own).
                 ticks = ticks.wrapping_add(1);
                 if ticks.is_multiple_of(SWEEP_EVERY) {
-                    let ttl = Duration::from_secs(state.config.sessions.idle_ttl_secs);
+                    let ttl = state.config.sessions.idle_ttl;
                     if let Ok(gone @ 1..) = state.store.sweep_sessions(ttl).await {
                         tracing::info!(sessions = gone, "idle sessions forgotten");
                     }

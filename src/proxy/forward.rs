@@ -604,7 +604,7 @@ pub(super) fn caller_key(state: &AppState, extensions: &http::Extensions) -> Opt
     match extensions.get::<Caller>().copied() {
         Some(Caller::Key(i)) => Some(i),
         Some(Caller::Unlimited) => None,
-        Some(Caller::Anonymous) | None => state.config.keys.iter().position(|(_, k)| k.is_none()),
+        Some(Caller::Anonymous) | None => state.config.keys.iter().position(|k| k.key.is_none()),
     }
 }
 

@@ -86,7 +86,7 @@ impl AppState {
             &config
                 .keys
                 .iter()
-                .map(|(_, k)| k.as_ref())
+                .map(|k| k.key.as_ref())
                 .collect::<Vec<_>>(),
         );
         let upstream_names = config
@@ -139,7 +139,7 @@ impl AppState {
         for name in config
             .keys
             .iter()
-            .map(|(k, _)| k.name.as_str())
+            .map(|k| k.name.as_str())
             .chain(["api_keys", "none"])
         {
             metrics.context_resent.with_label_values(&[name]);
@@ -147,7 +147,11 @@ impl AppState {
             metrics.context_long.with_label_values(&[name]);
         }
         let limits = crate::limits::Limiter::new(
-            config.keys.iter().map(|(k, _)| k.clone()).collect(),
+            config
+                .keys
+                .iter()
+                .map(crate::limits::KeyLimits::from)
+                .collect(),
             store.clone(),
             metrics.clone(),
         );

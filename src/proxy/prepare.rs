@@ -249,7 +249,7 @@ async fn prepare_within(
 
 /// `images.non_vision = "describe"`
 fn describes(state: &AppState) -> bool {
-    state.config.non_vision == crate::config::NonVision::Describe
+    state.config.images.non_vision == crate::config::NonVision::Describe
 }
 
 /// How providers and servers say "no documents for this model" (each

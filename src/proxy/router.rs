@@ -213,7 +213,7 @@ async fn session_endpoint(
         return refuse(state, VisorError::BadRequest(crate::sessions::BAD_PATH_ID));
     }
     let key = super::session_turn::key(state, headers, &id);
-    let ttl = std::time::Duration::from_secs(state.config.sessions.idle_ttl_secs);
+    let ttl = state.config.sessions.idle_ttl;
     if delete {
         return match state.store.delete_session(&key, ttl).await {
             Ok(_) => {

@@ -80,7 +80,7 @@ pub fn key(state: &AppState, headers: &HeaderMap, id: &str) -> String {
 }
 
 fn ttl(state: &AppState) -> Duration {
-    Duration::from_secs(state.config.sessions.idle_ttl_secs)
+    state.config.sessions.idle_ttl
 }
 
 /// Reads session `id`'s history and merges the request's messages into it.
