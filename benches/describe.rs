@@ -28,10 +28,10 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use visor::config::Config;
-use visor::describe::{Credential, describe};
+use visor::media_text::describe::{Credential, describe};
+use visor::media_text::{self, Credentials};
 use visor::metrics::Metrics;
 use visor::proxy::AppState;
-use visor::proxy::media_text::{self, Credentials};
 use visor::transform::{self, Payload, Plan, Shape, Subject, Takes};
 use visor::upstream::Upstreams;
 
@@ -44,7 +44,7 @@ fn state(rt: &tokio::runtime::Runtime, backend: &str, data_dir: &Path) -> Arc<Ap
     let config = Config::from_toml(&toml, Path::new("bench.toml"), &|_| None).unwrap();
     let metrics = Arc::new(Metrics::new().unwrap());
     let upstreams = Upstreams::new(Duration::from_secs(1), &config.upstreams).unwrap();
-    rt.block_on(async { Arc::new(AppState::new(config, metrics, upstreams).unwrap()) })
+    rt.block_on(async { Arc::new(visor::app::build(config, metrics, upstreams).unwrap()) })
 }
 
 fn png(salt: usize) -> Vec<u8> {
@@ -98,9 +98,14 @@ async fn rewrite(state: &Arc<AppState>, body: &[u8], plan: &Plan) -> usize {
         Ok(scanned) => {
             let subjects = scanned.subjects(body).into_iter().map(|(_, s)| s).collect();
             let jobs = scanned.media(body);
-            let mut descriptions =
-                describe(&state.describer, subjects, &Credential::default()).await;
-            let made = media_text::make(state, jobs, true, &Credentials::default()).await;
+            let mut descriptions = describe(
+                state.rewrite.media.describer(),
+                subjects,
+                &Credential::default(),
+            )
+            .await;
+            let made =
+                media_text::make(&state.rewrite.media, jobs, true, &Credentials::default()).await;
             descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
             let report = scanned.finish(body, &descriptions).report;
             report.images_described + report.media_replaced
@@ -137,11 +142,11 @@ fn bench(c: &mut Criterion) {
     // Memory: one description cached.
     let mem = state(&rt, "memory", &dir.join("mem"));
     let one = subject(&png(0));
-    let key = mem.describer.key(&one.sha256);
+    let key = mem.rewrite.media.describer().key(&one.sha256);
     rt.block_on(mem.store.put_description(&key, "A bar chart: 42% / 58%."))
         .unwrap();
     let warm = rt.block_on(describe(
-        &mem.describer,
+        mem.rewrite.media.describer(),
         vec![one.clone()],
         &Credential::default(),
     ));
@@ -151,8 +156,12 @@ fn bench(c: &mut Criterion) {
             rt.block_on(async {
                 let started = Instant::now();
                 for _ in 0..iters {
-                    let d =
-                        describe(&mem.describer, vec![one.clone()], &Credential::default()).await;
+                    let d = describe(
+                        mem.rewrite.media.describer(),
+                        vec![one.clone()],
+                        &Credential::default(),
+                    )
+                    .await;
                     black_box(d);
                 }
                 started.elapsed()
@@ -180,7 +189,7 @@ fn bench(c: &mut Criterion) {
     // A request with 10 cached images, against the same without images.
     let pngs: Vec<Vec<u8>> = (1..=10).map(png).collect();
     for p in &pngs {
-        let k = mem.describer.key(&subject(p).sha256);
+        let k = mem.rewrite.media.describer().key(&subject(p).sha256);
         rt.block_on(mem.store.put_description(
             &k,
             "A screenshot of a terminal: `cargo test` passed, 105 tests.",

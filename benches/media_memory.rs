@@ -14,7 +14,7 @@ use std::io::Write as _;
 use std::time::Instant;
 
 use visor::media::{DocKind, Limits, read, render_page};
-use visor::proxy::media_text;
+use visor::media_text;
 use visor::transform::{Plan, Rules, Shape, Takes, scan};
 
 /// A PDF of two pages: text, then one `side`×`side` RGB image (raw,

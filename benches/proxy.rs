@@ -18,8 +18,8 @@ use std::hint::black_box;
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use visor::api::usage::UsageObserver;
 use visor::proxy::request_body::{JsonScanner, probe};
-use visor::proxy::usage::UsageObserver;
 
 fn bench(c: &mut Criterion) {
     let body = common::large_fixture();

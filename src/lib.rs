@@ -1,5 +1,7 @@
 //! visor: a transparent, streaming reverse proxy for OpenAI-compatible APIs.
 //!
+//! [`app::build`] is the composition root: it builds every part once from
+//! the checked config and hands the proxy its narrow contexts.
 //! A request enters through the tower stack in [`proxy::stack`] (request id,
 //! trace span, proxy keys, router). The router answers visor's own endpoints
 //! or forwards: it reads the body only where it must (the transformed
@@ -10,20 +12,26 @@
 //! through the pooled client in [`upstream`], and passes the response back
 //! chunk by chunk through one observing body that records [`metrics`].
 //! Documents a model cannot read (PDF, DOCX, PPTX, XLSX) are read to text
-//! and page images by the pure [`media`] module.
+//! and page images by the pure [`media`] module; [`media_text`] turns them,
+//! audio and images into text below the proxy (the reader, the describer
+//! and transcriber calls, their cache).
+//! Every answer visor gives itself to a `/v1` request, HTTP or WebSocket,
+//! leaves by one edge that logs and counts it.
 //! A route with `fallbacks` moves on to the next upstream within the
 //! [`retries`] budget and breakers.
 //! Every error visor makes itself is one [`error::VisorError`], answered in
 //! the OpenAI error shape.
 
+pub mod api;
+pub mod app;
 pub mod artifacts;
 pub mod config;
 pub mod connections;
-pub mod describe;
 pub mod error;
 pub mod failure;
 pub mod limits;
 pub mod media;
+pub mod media_text;
 pub mod metrics;
 pub mod models;
 pub mod proxy;

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use visor::config::{Config, StoreBackend};
 
-use visor::describe::{PROMPT_VERSION, description_key};
+use visor::media_text::describe::{PROMPT_VERSION, description_key};
 use visor::metrics::Metrics;
 use visor::models::{Caps, Learned, Medium, ModelTable, legacy_learned};
 use visor::server::{Server, shutdown_signal};
@@ -223,7 +223,7 @@ fn main() -> ExitCode {
         Command::MediaWorker {
             memory_mib,
             cpu_secs,
-        } => visor::proxy::media_text::worker_main(memory_mib, cpu_secs),
+        } => visor::media_text::worker_main(memory_mib, cpu_secs),
     }
 }
 
@@ -644,7 +644,7 @@ fn explain(
             let made: Vec<_> = scanned
                 .media(&body)
                 .iter()
-                .map(visor::proxy::media_text::offline)
+                .map(visor::media_text::offline)
                 .collect();
             let failed: Vec<String> = made
                 .iter()

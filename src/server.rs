@@ -63,15 +63,17 @@ impl Server {
         let metrics = Arc::new(Metrics::new().map_err(io::Error::other)?);
         let upstreams = upstream::Upstreams::new(config.server.connect_timeout, &config.upstreams)
             .map_err(io::Error::other)?;
-        let state = Arc::new(AppState::new(config, metrics, upstreams).map_err(io::Error::other)?);
-        state.import_legacy_learned().await;
-        let learned = state.sync_learned().await;
+        let learned_path = config.learned_path();
+        let state =
+            Arc::new(crate::app::build(config, metrics, upstreams).map_err(io::Error::other)?);
+        state.rewrite.import_legacy_learned(&learned_path).await;
+        let learned = state.rewrite.sync_learned().await;
         match state.store.problem() {
             None => tracing::info!(store = %state.store.label(), learned, "store ready"),
             Some(p) => tracing::warn!(problem = %p, "starting with memory only"),
         }
         tracing::info!(
-            documents = %crate::proxy::media_text::reader_note(&state.config.documents),
+            documents = %state.rewrite.media.reader_note(),
             "documents read"
         );
         // The workers' listeners share the port (SO_REUSEPORT), which another
@@ -92,7 +94,7 @@ impl Server {
         for _ in 1..workers {
             listeners.push(reuseport_listener(addr, true)?.into_std()?);
         }
-        let max_connections = state.config.server.max_connections;
+        let max_connections = state.server.max_connections;
         let (limit, lowered_by) = crate::connections::effective_limit(max_connections);
         if let Some(nofile) = lowered_by {
             // The built-in default (or the shipped config's copy of it) is
@@ -186,11 +188,11 @@ impl Server {
             // send) serving goes on for drain_delay so load balancers see it
             // before the listeners close. SIGINT is someone at a terminal:
             // no load balancer to wait for.
-            state.draining.store(true, Ordering::Relaxed);
+            state.life.draining.store(true, Ordering::Relaxed);
             let delay = match how {
-                Stop::Terminate => state.config.server.drain_delay,
+                Stop::Terminate => state.server.drain_delay,
                 Stop::Interrupt => {
-                    if !state.config.server.drain_delay.is_zero() {
+                    if !state.server.drain_delay.is_zero() {
                         tracing::info!(
                             "SIGINT: not waiting server.drain_delay_secs (only SIGTERM does)"
                         );
@@ -205,10 +207,10 @@ impl Server {
                 );
                 tokio::time::sleep(delay).await;
             }
-            state.describer.shutdown();
-            state.transcriber.shutdown();
-            state.shutdown.cancel();
-            let drain = state.config.server.drain_timeout;
+            state.rewrite.media.describer().shutdown();
+            state.rewrite.media.transcriber().shutdown();
+            state.life.shutdown.cancel();
+            let drain = state.server.drain_timeout;
             tracing::info!(
                 drain_secs = drain.as_secs_f64(),
                 "shutting down: draining connections"
@@ -289,13 +291,13 @@ async fn serve_then_wait(
     // Work requests left behind (turns being stored, WebSocket relays)
     // runs on the workers' runtimes: each stays up until all of it is
     // done, within the bound.
-    state.tasks.close();
-    if tokio::time::timeout_at(bound, state.tasks.wait())
+    state.life.tasks.close();
+    if tokio::time::timeout_at(bound, state.life.tasks.wait())
         .await
         .is_err()
     {
         tracing::warn!(
-            left = state.tasks.len(),
+            left = state.life.tasks.len(),
             "shutting down with background work unfinished"
         );
     }
@@ -334,7 +336,7 @@ async fn serve(
     listener.set_nonblocking(true)?;
     let listener = TcpListener::from_std(listener)?;
     let service = TowerToHyperService::new(stack(state.clone()));
-    let header_timeout = state.config.server.header_timeout;
+    let header_timeout = state.server.header_timeout;
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -403,7 +405,7 @@ async fn serve(
     }
     drop(listener);
     tracker.close();
-    let drained_by = Instant::now() + state.config.server.drain_timeout;
+    let drained_by = Instant::now() + state.server.drain_timeout;
     tokio::select! {
         () = tracker.wait() => tracing::debug!("worker: all connections closed"),
         () = tokio::time::sleep_until(drained_by) => {
@@ -448,7 +450,7 @@ where
         slot: Slot,
     ) {
         let conn = registered.conn.clone();
-        let header_timeout = self.state.config.server.header_timeout;
+        let header_timeout = self.state.server.header_timeout;
         let closed = &self.state.metrics.connections_closed;
         let sniffed = tokio::select! {
             r = tokio::time::timeout(header_timeout, sniff(&mut stream)) => r,
@@ -523,7 +525,7 @@ async fn refresh_learned(state: Arc<AppState>, mut stop: watch::Receiver<bool>) 
     loop {
         tokio::select! {
             () = tokio::time::sleep(crate::models::LEARNED_REFRESH) => {
-                let new = state.sync_learned().await;
+                let new = state.rewrite.sync_learned().await;
                 if new > 0 {
                     tracing::info!(new, "learned models read from the store");
                 }
@@ -532,7 +534,7 @@ async fn refresh_learned(state: Arc<AppState>, mut stop: watch::Receiver<bool>) 
                 // expires its own).
                 ticks = ticks.wrapping_add(1);
                 if ticks.is_multiple_of(SWEEP_EVERY) {
-                    let ttl = state.config.sessions.idle_ttl;
+                    let ttl = state.sessions.ttl;
                     if let Ok(gone @ 1..) = state.store.sweep_sessions(ttl).await {
                         tracing::info!(sessions = gone, "idle sessions forgotten");
                     }
@@ -554,7 +556,7 @@ async fn probe_store(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
         tokio::select! {
             () = tokio::time::sleep(crate::store::PROBE_EVERY) => {
                 if state.store.probe_if_down().await {
-                    state.sync_learned().await;
+                    state.rewrite.sync_learned().await;
                 }
             }
             () = stopped(&mut stop) => return,

@@ -82,7 +82,10 @@ async fn descriptions_are_injected_verbatim_and_made_once() {
     assert_eq!(described, expected);
     for c in &calls {
         let v: serde_json::Value = serde_json::from_slice(&c.body).unwrap();
-        assert_eq!(v["messages"][0]["content"], visor::describe::PROMPT);
+        assert_eq!(
+            v["messages"][0]["content"],
+            visor::media_text::describe::PROMPT
+        );
         assert_eq!(c.uri.path(), "/v1/chat/completions");
     }
 
@@ -470,6 +473,7 @@ async fn shutdown_cancels_background_descriptions() {
     );
 }
 
+#[cfg(feature = "redis")]
 #[tokio::test]
 async fn a_store_that_is_down_degrades_to_memory_and_readyz_says_so() {
     // Nothing listens on this port: the Redis store is down from the start.
@@ -658,6 +662,7 @@ async fn a_dead_describer_never_fails_the_request() {
     );
 }
 
+#[cfg(feature = "redis")]
 #[tokio::test]
 async fn a_store_that_does_not_answer_times_out_into_memory_only() {
     // Accepts connections and never answers: a hung Redis.

@@ -308,7 +308,7 @@ async fn documents_are_read_under_the_request_deadline_and_what_is_left_says_out
     }
     // Nothing of it was kept: the next request reads and describes again.
     assert_eq!(
-        visor.state.describer.cache_entries().await,
+        visor.state.rewrite.media.describer().cache_entries().await,
         0,
         "an incomplete text is not cached"
     );

@@ -361,6 +361,7 @@ async fn learns_from_a_refusal_retries_once_and_remembers_across_a_restart() {
     assert!(
         visor
             .state
+            .rewrite
             .models
             .learned
             .names()
@@ -541,7 +542,7 @@ async fn learned_models_of_the_previous_version_move_into_the_store() {
     let extra = format!("{STRIP}[server]\ndata_dir = \"{}\"\n", data_dir.display());
     let mut visor = Visor::for_mock(&mock, &extra).await;
     assert_eq!(
-        visor.state.models.learned.names(),
+        visor.state.rewrite.models.learned.names(),
         vec!["house-model".to_owned()]
     );
     assert_eq!(

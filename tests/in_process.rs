@@ -29,7 +29,7 @@ async fn state(upstream: &str) -> Arc<AppState> {
     let config = Config::from_toml(&toml, Path::new("in-process.toml"), &|_| None).unwrap();
     let metrics = Arc::new(Metrics::new().unwrap());
     let upstreams = Upstreams::new(config.server.connect_timeout, &config.upstreams).unwrap();
-    Arc::new(AppState::new(config, metrics, upstreams).unwrap())
+    Arc::new(visor::app::build(config, metrics, upstreams).unwrap())
 }
 
 fn request(method: &str, path: &str, body: &'static str) -> Request<RequestBody> {

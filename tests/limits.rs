@@ -290,6 +290,7 @@ async fn a_default_key_limits_requests_that_send_none() {
     assert_eq!(send(post_json(&url, CHAT)).await.0, 429);
 }
 
+#[cfg(feature = "redis")]
 fn redis_config(redis: &RedisServer) -> String {
     format!(
         "{}\n[store]\nbackend = \"{}\"\nprefix = \"visor-limits-{}:\"\n",
@@ -303,6 +304,7 @@ fn redis_config(redis: &RedisServer) -> String {
 /// on from the counts it last had from it (not from zero), and what it
 /// counted alone is added to the shared counters when Redis answers again,
 /// so the other replica sees it.
+#[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_lost_redis_for_a_while_neither_forgets_nor_hides_its_counts() {
     let Some(redis) = RedisServer::start() else {
@@ -352,6 +354,7 @@ async fn a_replica_that_lost_redis_for_a_while_neither_forgets_nor_hides_its_cou
     assert_eq!(mock.count(), 6);
 }
 
+#[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_on_one_redis_share_a_limit_and_limit_alone_without_it() {
     let Some(mut redis) = RedisServer::start() else {

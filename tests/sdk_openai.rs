@@ -266,7 +266,7 @@ async fn openai_python_sdk_through_visor() {
     let recs = mock.recorded();
     let (described, recs): (Vec<_>, Vec<_>) = recs.into_iter().partition(|r| {
         serde_json::from_slice::<serde_json::Value>(&r.body)
-            .is_ok_and(|v| v["messages"][0]["content"] == visor::describe::PROMPT)
+            .is_ok_and(|v| v["messages"][0]["content"] == visor::media_text::describe::PROMPT)
     });
     assert_eq!(described.len(), 1, "one describer call");
     assert!(described[0].headers.get("authorization").is_none());

@@ -484,6 +484,7 @@ async fn a_session_request_gets_503_when_the_store_is_unreachable() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[cfg(feature = "redis")]
 #[tokio::test]
 async fn two_replicas_share_sessions_through_redis() {
     let Some(redis) = RedisServer::start() else {
@@ -722,7 +723,7 @@ async fn a_turn_cut_by_the_drain_timeout_is_still_stored() {
             .expect("shutdown ends within the drain bound")
             .unwrap()
             .unwrap();
-        assert!(first.state.tasks.is_empty());
+        assert!(first.state.life.tasks.is_empty());
         assert!(
             next_data(&mut body, Duration::from_secs(10)).await.is_err(),
             "the stream was cut, not ended"

@@ -3,6 +3,7 @@
 //! away and comes back degrades visor to memory and back, never failing a
 //! request. Without redis-server these skip with a printed reason, except
 //! under CI=true (where `.ci/run` installs it), where they fail instead.
+#![cfg(feature = "redis")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod support;
@@ -151,6 +152,7 @@ async fn a_replica_started_later_knows_what_others_learned() {
     assert!(
         second
             .state
+            .rewrite
             .models
             .learned
             .names()

@@ -126,6 +126,7 @@ async fn sessions_on_disk_survive_a_reopen() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[cfg(feature = "redis")]
 #[tokio::test]
 async fn sessions_on_redis_are_shared_and_expire() {
     let Some(redis) = RedisServer::start() else {

@@ -181,6 +181,7 @@ async fn shutdown_lets_an_open_stream_finish_then_returns() {
     let draining = tokio::time::timeout(BOUND, async {
         while !visor
             .state
+            .life
             .draining
             .load(std::sync::atomic::Ordering::Relaxed)
         {

@@ -486,7 +486,7 @@ async fn shutdown_closes_an_open_websocket_going_away_and_waits_for_it() {
         .await
         .expect("shutdown finishes within the bound");
     served.unwrap().unwrap();
-    assert!(visor.state.tasks.is_empty());
+    assert!(visor.state.life.tasks.is_empty());
 }
 
 /// A response under way when shutdown starts gets the drain timeout to

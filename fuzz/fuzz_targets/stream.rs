@@ -1,6 +1,6 @@
 //! Fuzzes what visor reads from a response as it passes: token usage
-//! (`visor::proxy::usage::UsageObserver`, SSE and JSON) and a session's
-//! assistant reply (`visor::sessions::StreamedReply`, the pure part of
+//! (`visor::api::usage::UsageObserver`, SSE and JSON) and a session's
+//! assistant reply (`visor::api::StreamedReply`, the pure part of
 //! `proxy::session_turn::Recorder`, and `reply_from_json` for a JSON answer),
 //! over any response bytes cut into chunks anywhere.
 //!
@@ -23,9 +23,9 @@
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-use visor::proxy::usage::{Usage, UsageObserver};
-use visor::sessions::{StreamedReply, reply_from_json};
-use visor::transform::Shape;
+use visor::api::usage::{Usage, UsageObserver};
+use visor::api::{StreamedReply, reply_from_json};
+use visor::api::Shape;
 
 /// The chunk sizes: a small xorshift from the seed, each 1..=max.
 fn chunks(body: &[u8], seed: u16, max: usize) -> Vec<&[u8]> {

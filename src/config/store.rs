@@ -88,9 +88,44 @@ impl RawStore {
                 StoreBackend::Memory
             }
         };
+        if !cfg!(feature = "redis") && matches!(backend, StoreBackend::Redis(_)) {
+            p.bad(
+                "store.backend",
+                format_args!("{:?}", redacted_url(&self.backend)),
+                "this build of visor has no Redis support (it was built without the `redis` feature)",
+            );
+        }
         StoreConfig {
             backend,
             prefix: self.prefix,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{load, problems, ups};
+    use super::StoreBackend;
+
+    #[test]
+    fn backends_are_checked_and_passwords_never_printed() {
+        let with =
+            |backend: &str| format!("{}[store]\nbackend = \"{backend}\"\n", ups(&[("a", "")]));
+        let cfg = load(&with("memory")).unwrap();
+        assert_eq!(cfg.store.backend, StoreBackend::Memory);
+        let e = problems(&with("postgres://u:pw@h/db"));
+        assert!(
+            e.contains("store.backend: \"postgres://…@h/db\" — must be \"memory\""),
+            "{e}"
+        );
+        let e = problems(&with("redis://:pw@h:6379/0"));
+        if cfg!(feature = "redis") {
+            assert_eq!(e, "(valid)");
+        } else {
+            assert!(
+                e.contains("store.backend: \"redis://…@h:6379/0\" — this build of visor has no Redis support"),
+                "{e}"
+            );
         }
     }
 }

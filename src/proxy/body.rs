@@ -18,11 +18,11 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use tokio::time::{Instant, Sleep};
 
+use crate::api::usage::UsageObserver;
 use crate::failure::UpstreamFailure;
 use crate::metrics::Metrics;
 use crate::proxy::coalesce::Coalesced;
 use crate::proxy::session_turn::{Recorder, Storing};
-use crate::proxy::usage::UsageObserver;
 use crate::upstream::{BoxError, ResponseBody};
 use tokio_util::task::TaskTracker;
 

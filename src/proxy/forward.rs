@@ -50,67 +50,49 @@ use std::pin::Pin;
 use bytes::Bytes;
 use tokio::time::Sleep;
 
-use super::answer::refuse;
+use super::admission::{Asking, Gate, Grant, write_standing};
 use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
-use super::headers::{strip_hop_by_hop, upstream_request_headers};
-use super::prepare::{self, Options, Prepared};
+use super::edge::{Counts, Edge, Stop};
+use super::headers::{Caller, for_the_client, upstream_request_headers};
+use super::prepare::{self, Options, Prepared, Rewriter};
 use super::request_body::{FormScanner, JsonScanner, WholeBody};
-use super::session_turn::{self, Recorder};
-use super::usage::UsageObserver;
+use super::session_turn::{self, Recorder, Sessions};
 use super::{AppState, RequestIdExt};
+use crate::api::usage::UsageObserver;
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
-use crate::metrics::NO_UPSTREAM;
-use crate::transform::{Report, Shape};
+use crate::transform::Shape;
 use crate::upstream::{
     BodyState, LimitedBody, RequestBody, ResponseBody, SendFailure, UpstreamBody,
 };
 
-pub async fn proxy(state: Arc<AppState>, req: Request<RequestBody>) -> Response<ProxyBody> {
-    if super::websocket::is_upgrade(&req) {
-        return super::websocket::proxy(state, req).await;
-    }
-    let mut edge = Edge::new(&state);
-    match handle(&state, req, &mut edge).await {
-        Ok(resp) => resp,
-        Err(stop) => edge.answer(stop),
-    }
-}
-
 /// The phases, in order (see the module's list). Each returns what the next
-/// needs, or a [`Stop`] that [`Edge::answer`] turns into visor's answer.
-async fn handle(
+/// needs, or a [`Stop`] that the edge ([`super::edge::Edge::answer`]) turns
+/// into visor's answer.
+pub async fn handle(
     state: &Arc<AppState>,
     req: Request<RequestBody>,
     edge: &mut Edge<'_>,
 ) -> Result<Response<ProxyBody>, Stop> {
     let (mut call, parts, body) = Call::new(state, req)?; // 1. limit
-    let (model, held) = read_body(state, &call, &parts, body).await?; // 2. body
-    edge.model_read(model.as_deref());
-    let index = route(state, model.as_deref())?; // 3. route
-    edge.routed(index, model.as_deref());
-    let mut grant = limit(state, &parts, model.as_deref(), &held).await?; // 3b. key limits
-    let (held, mut session) = open_session(state, &call, &parts, held).await?; // 4. session
-    let mut prepared = transform(state, &mut call, &parts, index, &model, held, &session).await?; // 5. transform
-    edge.prepared(prepared.as_ref());
-    grant.count_context(state, prepared.as_ref());
-    // 5b. the key charged for what goes, not for what came (documents read,
-    // history inserted).
+    let held = read_body(state, &mut call, &parts, body).await?; // 2. body
+    edge.model_read(call.model.as_deref());
+    call.index = state.routes.route(call.model.as_deref())?; // 3. route
+    edge.routed(call.index, call.model.as_deref());
+    let mut grant = limit(&state.gate, &call, &parts, &held).await?; // 3b. key limits
+    let (held, mut session) = open_session(&state.sessions, &call, &parts, held).await?; // 4. session
+    let mut prepared = transform(&state.rewrite, &mut call, &parts, held, &session).await?; // 5. transform
+    edge.prepared(prepared.as_ref().map(|p| Counts::of(&p.report)));
     if let Some(p) = &prepared {
-        grant.charge_sent(state, p.body.len() as u64).await?;
+        state.gate.count_context(&grant, &p.report);
+        // 5b. the key charged for what goes, not for what came (documents
+        // read, history inserted).
+        state
+            .gate
+            .charge_sent(&mut grant, p.body.len() as u64)
+            .await?;
     }
-    let sent = send(
-        state,
-        &call,
-        edge,
-        parts,
-        index,
-        &model,
-        &prepared,
-        &mut session,
-    )
-    .await;
-    let (exchange, resp, timer, retry_head) = match sent {
+    let sent = match send(state, &call, edge, parts, &prepared, &mut session).await {
         Ok(sent) => sent,
         Err(stop) => {
             // No answer: the session's new messages are stored (without a
@@ -122,196 +104,31 @@ async fn handle(
             return Err(stop);
         }
     };
-    let learned = learn(
+    let Sent {
+        exchange,
+        answer,
+        retry_head,
+    } = sent;
+    let answer = match learn(
         state,
-        &exchange,
         &call,
         edge,
-        &model,
         &mut prepared,
+        &exchange,
         retry_head,
-        resp,
-        timer,
+        answer,
     )
-    .await?; // 7. learn
-    let (resp, timer) = match learned {
-        Learned::Answer(resp, timer) => (resp, timer),
+    .await?
+    {
+        Learned::Answer(answer) => answer, // 7. learn
         Learned::Passed(head, body) => return Ok(edge.passed(head, body)),
     };
-    Ok(respond(
-        state,
-        call,
-        &exchange,
-        edge,
+    let outgoing = Outgoing {
         prepared,
-        session.recorder,
-        resp,
-        timer,
+        recorder: session.recorder,
         grant,
-    )
-    .await) // 8. respond
-}
-
-/// Why a request stops before an upstream answer streams back.
-enum Stop {
-    /// Refused by visor itself: counted with no upstream.
-    Refused(VisorError),
-    /// The upstream failed: the error and its `visor_upstream_errors_total`
-    /// kind; counted with the upstream.
-    Upstream(VisorError, UpstreamFailure),
-}
-
-impl From<VisorError> for Stop {
-    fn from(e: VisorError) -> Self {
-        Stop::Refused(e)
-    }
-}
-
-impl From<(VisorError, UpstreamFailure)> for Stop {
-    fn from((e, kind): (VisorError, UpstreamFailure)) -> Self {
-        Stop::Upstream(e, kind)
-    }
-}
-
-/// Where visor's own answers to a proxied request leave: each is logged and
-/// counted here, once. (An upstream answer that streams back is counted
-/// once when its body ends, by [`Finish`].)
-struct Edge<'a> {
-    state: &'a AppState,
-    started: Instant,
-    /// Once routed: the upstream's name and the model's metric label.
-    routed: Option<(Arc<str>, String)>,
-    /// Once the body was read: the model's metric label (a request refused
-    /// for its model, 404 or 403, is counted under it).
-    model: Option<String>,
-    /// Once transformed: the `x-visor-*` counts.
-    counts: Option<Counts>,
-}
-
-/// What the transforms did to a request, for the `x-visor-*` headers and the
-/// log line.
-#[derive(Clone, Copy)]
-struct Counts {
-    images_replaced: usize,
-    media_replaced: usize,
-    bytes_saved: i64,
-    history_used: usize,
-}
-
-impl Counts {
-    fn of(report: &Report) -> Self {
-        Counts {
-            images_replaced: report.images_replaced,
-            media_replaced: report.media_replaced,
-            bytes_saved: report.bytes_saved,
-            history_used: report.history_used,
-        }
-    }
-}
-
-impl<'a> Edge<'a> {
-    fn new(state: &'a AppState) -> Self {
-        Edge {
-            state,
-            started: Instant::now(),
-            routed: None,
-            model: None,
-            counts: None,
-        }
-    }
-
-    fn model_read(&mut self, model: Option<&str>) {
-        if let Some(m) = model {
-            self.model = Some(self.state.metrics.model_label(m));
-        }
-    }
-
-    fn routed(&mut self, index: usize, model: Option<&str>) {
-        let name = self.state.upstream_names[index].clone();
-        let label = self.state.metrics.model_label(model.unwrap_or(""));
-        tracing::debug!(upstream = %name, model = %label, "routed");
-        self.routed = Some((name, label));
-    }
-
-    fn prepared(&mut self, prepared: Option<&Prepared>) {
-        self.counts = prepared.map(|p| Counts::of(&p.report));
-    }
-
-    /// The model's metric label (empty before routing).
-    fn model_label(&self) -> String {
-        self.routed
-            .as_ref()
-            .map(|(_, m)| m.clone())
-            .unwrap_or_default()
-    }
-
-    fn count(&self, status: http::StatusCode) {
-        let (upstream, model) = match &self.routed {
-            Some((u, m)) => (&**u, m.as_str()),
-            None => (NO_UPSTREAM, ""),
-        };
-        self.state
-            .metrics
-            .requests
-            .with_label_values(&[upstream, model, status.as_str()])
-            .inc();
-    }
-
-    /// Visor's answer to a request that stopped.
-    fn answer(self, stop: Stop) -> Response<ProxyBody> {
-        match stop {
-            Stop::Refused(e) => match &self.model {
-                None => refuse(self.state, e),
-                Some(model) => {
-                    tracing::info!(error = e.label(), status = e.status().as_u16(), model = %model, "refused");
-                    self.state
-                        .metrics
-                        .requests
-                        .with_label_values(&[NO_UPSTREAM, model, e.status().as_str()])
-                        .inc();
-                    e.into_response()
-                }
-            },
-            Stop::Upstream(e, kind) => {
-                let upstream = self.routed.as_ref().map_or("", |(u, _)| &**u);
-                self.state.metrics.upstream_error(upstream, kind.label());
-                self.count(e.status());
-                let counts = self.counts;
-                tracing::warn!(
-                    upstream = %upstream,
-                    error = e.label(),
-                    kind = kind.label(),
-                    images_replaced = counts.map_or(0, |c| c.images_replaced),
-                    media_replaced = counts.map_or(0, |c| c.media_replaced),
-                    bytes_saved = counts.map_or(0, |c| c.bytes_saved),
-                    "upstream request failed"
-                );
-                let mut resp = e.into_response();
-                if let Some(c) = counts {
-                    visor_counts(resp.headers_mut(), c);
-                }
-                resp
-            }
-        }
-    }
-
-    /// An upstream 4xx read whole to look for an image refusal, and passed
-    /// back as it was.
-    fn passed(&self, mut head: http::response::Parts, body: Bytes) -> Response<ProxyBody> {
-        for_the_client(&mut head);
-        if let Some(c) = self.counts {
-            visor_counts(&mut head.headers, c);
-        }
-        self.count(head.status);
-        if let Some((upstream, _)) = &self.routed {
-            self.state
-                .metrics
-                .request_duration
-                .with_label_values(&[&**upstream])
-                .observe(self.started.elapsed().as_secs_f64());
-        }
-        Response::from_parts(head, ProxyBody::from(body))
-    }
+    };
+    Ok(respond(state, call, &exchange, edge, outgoing, answer).await) // 8. respond
 }
 
 /// One request on its way, as the phases pass it on.
@@ -328,6 +145,10 @@ struct Call {
     deadline: Instant,
     /// Set when a streamed body runs over `max_body_bytes`.
     exceeded: Arc<BodyState>,
+    /// The body's `model` (phase 2), when it names one visor can read.
+    model: Option<String>,
+    /// The routed upstream (phase 3).
+    index: usize,
 }
 
 impl Call {
@@ -339,11 +160,7 @@ impl Call {
     ) -> Result<(Call, http::request::Parts, RequestBody), Stop> {
         let started = Instant::now();
         let inflight = InflightGuard::new(state.metrics.clone());
-        let request_id = req
-            .extensions()
-            .get::<RequestIdExt>()
-            .map(|r| r.0.clone())
-            .unwrap_or_else(|| HeaderValue::from_static("req_unknown"));
+        let request_id = RequestIdExt::of(req.extensions());
         let (parts, body) = req.into_parts();
         let rest = parts.uri.path()["/v1".len()..].to_owned();
         let shape = match parts.method == Method::POST {
@@ -359,7 +176,7 @@ impl Call {
             }
             None => Options::default(),
         };
-        let limit = state.config.server.max_body_bytes;
+        let limit = state.server.max_body_bytes;
         if content_length(&parts.headers).is_some_and(|n| n > limit) {
             return Err(VisorError::BodyTooLarge { limit }.into());
         }
@@ -373,8 +190,10 @@ impl Call {
             // A body visor reads before forwarding must arrive within the
             // request's total deadline (no slow-loris uploads holding a
             // worker's memory).
-            deadline: started + state.config.server.request_timeout,
+            deadline: started + state.server.request_timeout,
             exceeded: Arc::new(BodyState::default()),
+            model: None,
+            index: 0,
         };
         Ok((call, parts, body))
     }
@@ -394,11 +213,22 @@ enum Held {
 /// depends on it.
 async fn read_body(
     state: &AppState,
+    call: &mut Call,
+    parts: &http::request::Parts,
+    body: RequestBody,
+) -> Result<Held, Stop> {
+    let (model, held) = read_model_and_body(state, call, parts, body).await?;
+    call.model = model;
+    Ok(held)
+}
+
+async fn read_model_and_body(
+    state: &AppState,
     call: &Call,
     parts: &http::request::Parts,
     body: RequestBody,
 ) -> Result<(Option<String>, Held), Stop> {
-    let limit = state.config.server.max_body_bytes;
+    let limit = state.server.max_body_bytes;
     if call.shape.is_some() {
         let hint = content_length(&parts.headers).unwrap_or(0);
         return match tokio::time::timeout_at(call.deadline, read_validated(body, limit, hint)).await
@@ -410,13 +240,13 @@ async fn read_body(
     }
     // The model is read when the route depends on it, or when the caller's
     // `[[key]]` allows only some models.
-    let key = caller_key(state, &parts.extensions).and_then(|i| state.limits.key(i));
+    let key = state.gate.held_to(&parts.extensions);
     let restricted = key.is_some_and(|k| !k.any_model);
     // A key with a token limit is charged by the body's size: one that
     // does not say it (chunked) is read whole first, so it is counted.
     let metered = key.is_some_and(|k| k.tokens_per_minute.is_some())
         && content_length(&parts.headers).is_none();
-    if !state.route_by_model && !restricted {
+    if !state.routes.by_model && !restricted {
         let rest = LimitedBody::new(body, limit, call.exceeded.clone());
         let mut b = UpstreamBody {
             prefix: VecDeque::new(),
@@ -485,303 +315,48 @@ async fn read_rest(
     Ok(())
 }
 
-/// A request sent, up to its response head: the exchange, the head (and
-/// body), the total deadline's timer, and what a learned-refusal retry
-/// needs.
-type Sent<'s> = (
-    Exchange<'s>,
-    Response<ResponseBody>,
-    Pin<Box<Sleep>>,
-    Option<RetryHead>,
-);
+/// An upstream's answer, up to its head: the response, and the request's
+/// one timer (the total deadline, handed on to the body).
+struct Answer {
+    resp: Response<ResponseBody>,
+    timer: Pin<Box<Sleep>>,
+}
+
+/// A request sent, up to its response head: the exchange, the answer, and
+/// what a learned-refusal retry needs.
+struct Sent<'s> {
+    exchange: Exchange<'s>,
+    answer: Answer,
+    retry_head: Option<RetryHead>,
+}
 
 /// Phase 6: the request sent — to its upstream, or along its fallbacks —
 /// until a response head.
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the request's parts, until issue 30 gives each phase a narrow context"
-)]
 async fn send<'s>(
-    state: &'s Arc<AppState>,
+    state: &'s AppState,
     call: &Call,
     edge: &mut Edge<'_>,
     parts: http::request::Parts,
-    index: usize,
-    model: &Option<String>,
     prepared: &Option<Prepared>,
     session: &mut Session,
 ) -> Result<Sent<'s>, Stop> {
-    let chain = fallback_chain(state, call, &parts, index, session).await?;
-    match chain {
-        None => {
-            let (up_req, retry_head) =
-                upstream_request(state, call, parts, index, prepared, session)?;
-            let exchange = Exchange::new(state, call, index);
-            let (resp, timer) = exchange.run(up_req, &call.exceeded, exchange.sent).await?;
-            Ok((exchange, resp, timer, retry_head))
-        }
-        Some(chain) => {
-            let to = Chain {
-                upstreams: chain,
-                model: model.as_deref(),
-            };
-            send_chain(state, call, edge, &parts, to, prepared, session).await
-        }
-    }
-}
-
-/// Phase 3: the first upstream whose globs match; no model → the first
-/// upstream; a model nobody takes → 404.
-/// What phase 3b let through: the caller's `[[key]]` (when it has one)
-/// and the tokens its request was estimated at.
-struct Grant {
-    key: Option<usize>,
-    /// The key's name for metrics (`api_keys`, or `none` without a key).
-    label: String,
-    estimate: u64,
-    /// Where the key's windows stand with this request counted: its
-    /// `x-ratelimit-*` headers.
-    standing: Option<crate::limits::Verdict>,
-}
-
-impl Grant {
-    /// The body that goes is `bytes` long: when that is more than the
-    /// estimate, the key is charged the rest, and refused (429, nothing
-    /// sent) when its window has no room for all of it.
-    async fn charge_sent(&mut self, state: &AppState, bytes: u64) -> Result<(), Stop> {
-        let Some(i) = self.key else { return Ok(()) };
-        let sent = bytes / crate::limits::BYTES_PER_TOKEN;
-        if sent <= self.estimate {
-            return Ok(());
-        }
-        let Some(verdict) = state
-            .limits
-            .charge_more(
-                i,
-                sent - self.estimate,
-                sent,
-                self.standing.as_ref().map(|v| v.window),
-            )
-            .await
-        else {
-            return Ok(());
-        };
-        if let (Some(over), Some(k)) = (verdict.over, state.limits.key(i)) {
-            let mut verdict = verdict;
-            verdict.requests = self.standing.as_ref().and_then(|v| v.requests);
-            return Err(rate_limited(k, &verdict, over, sent).into());
-        }
-        if let Some(v) = self.standing.as_mut() {
-            v.tokens = verdict.tokens;
-        }
-        self.estimate = sent;
-        Ok(())
-    }
-
-    /// The context a key sends: body bytes received, and the bytes dedup
-    /// removed (context sent again).
-    fn count_context(&self, state: &AppState, prepared: Option<&Prepared>) {
-        let Some(p) = prepared else { return };
-        let m = &state.metrics;
-        m.context_received
-            .with_label_values(&[&self.label])
-            .inc_by(self.estimate * crate::limits::BYTES_PER_TOKEN);
-        if p.report.messages > state.config.sessions.max_depth as usize {
-            m.context_long.with_label_values(&[&self.label]).inc();
-        }
-        if p.report.lines_omitted + p.report.items_omitted > 0 {
-            m.context_resent
-                .with_label_values(&[&self.label])
-                .inc_by(p.report.bytes_saved_dedup.max(0) as u64);
-        }
-    }
-}
-
-/// The `[[key]]` a request is held to: its own, or — without a key — the
-/// `[[key]]` that has none, if there is one.
-pub(super) fn caller_key(state: &AppState, extensions: &http::Extensions) -> Option<usize> {
-    use super::headers::Caller;
-    match extensions.get::<Caller>().copied() {
-        Some(Caller::Key(i)) => Some(i),
-        Some(Caller::Unlimited) => None,
-        Some(Caller::Anonymous) | None => state.config.keys.iter().position(|k| k.key.is_none()),
-    }
-}
-
-/// Phase 3b: the caller's `[[key]]` — a model outside its `models` is
-/// 403, a request over its limits 429 (with `Retry-After` and the
-/// `x-ratelimit-*` headers).
-async fn limit(
-    state: &AppState,
-    parts: &http::request::Parts,
-    model: Option<&str>,
-    held: &Held,
-) -> Result<Grant, Stop> {
-    use super::headers::Caller;
-    let caller = parts
-        .extensions
-        .get::<Caller>()
-        .copied()
-        .unwrap_or(Caller::Anonymous);
-    let bytes = match held {
-        Held::Whole(b) => b.len() as u64,
-        // Read whole when it does not say its length and the key counts
-        // tokens (above).
-        Held::Streamed(b) => content_length(&parts.headers)
-            .unwrap_or_else(|| b.prefix.iter().map(|c| c.len() as u64).sum()),
-    };
-    let estimate = bytes / crate::limits::BYTES_PER_TOKEN;
-    let key = caller_key(state, &parts.extensions);
-    let label = match (caller, key.and_then(|i| state.limits.key(i))) {
-        (_, Some(k)) => k.name.clone(),
-        (Caller::Unlimited, None) => "api_keys".to_owned(),
-        _ => "none".to_owned(),
-    };
-    let Some(i) = key.filter(|&i| state.limits.key(i).is_some()) else {
-        return Ok(Grant {
-            key: None,
-            label,
-            estimate,
-            standing: None,
+    let chain = fallback_chain(state, call, &parts, session).await?;
+    let Some(chain) = chain else {
+        let (up_req, retry_head) =
+            upstream_request(state, call, parts, call.index, prepared, session)?;
+        let exchange = Exchange::new(state, call, call.index);
+        let answer = exchange.run(up_req, &call.exceeded, exchange.sent).await?;
+        return Ok(Sent {
+            exchange,
+            answer,
+            retry_head,
         });
     };
-    // A request with a body (a listing like `GET /v1/models` has none).
-    let bodied = match held {
-        Held::Whole(b) => !b.is_empty(),
-        Held::Streamed(b) => {
-            b.prefix.iter().any(|c| !c.is_empty())
-                || b.rest.is_some()
-                || content_length(&parts.headers).is_some_and(|n| n > 0)
-        }
+    let to = Chain {
+        upstreams: chain,
+        model: call.model.as_deref(),
     };
-    let standing = admit_standing(state, i, model, bodied, estimate).await?;
-    Ok(Grant {
-        key: Some(i),
-        label,
-        estimate,
-        standing,
-    })
-}
-
-/// Whether `[[key]]` `i` may send a request for `model` estimated at
-/// `estimate` tokens now: 403 for a model outside its `models`, 429 over
-/// its limits (the request is counted in its window either way it goes).
-/// The HTTP path and each `response.create` of the WebSocket mode.
-pub(super) async fn admit(
-    state: &AppState,
-    i: usize,
-    model: Option<&str>,
-    bodied: bool,
-    estimate: u64,
-) -> Result<(), VisorError> {
-    admit_standing(state, i, model, bodied, estimate)
-        .await
-        .map(drop)
-}
-
-/// [`admit`], with the key's standing after the request when it goes (for
-/// its `x-ratelimit-*` headers).
-async fn admit_standing(
-    state: &AppState,
-    i: usize,
-    model: Option<&str>,
-    bodied: bool,
-    estimate: u64,
-) -> Result<Option<crate::limits::Verdict>, VisorError> {
-    let Some(k) = state.limits.key(i) else {
-        return Ok(None);
-    };
-    if let Some(m) = model
-        && !k.allows(m)
-    {
-        return Err(VisorError::ModelNotAllowed {
-            key: k.name.clone(),
-            model: m.to_owned(),
-        });
-    }
-    if model.is_none() && !k.any_model && bodied {
-        // A body whose model visor cannot find might name one to the
-        // upstream (`MODEL` to a case-blind reader, a form part written
-        // another way): a key limited to some models must name it plainly.
-        return Err(VisorError::Unroutable(format!(
-            "key `{}` may use only some models, and this body names none visor can read",
-            k.name
-        )));
-    }
-    let verdict = state.limits.check(i, estimate).await;
-    let Some(over) = verdict.over else {
-        return Ok(Some(verdict));
-    };
-    Err(rate_limited(k, &verdict, over, estimate))
-}
-
-/// The 429 for a request over key `k`'s `over` limit: `Retry-After` and
-/// the `x-ratelimit-*` headers of its standing.
-pub(super) fn rate_limited(
-    k: &crate::limits::KeyLimits,
-    verdict: &crate::limits::Verdict,
-    over: crate::limits::Limit,
-    asked: u64,
-) -> VisorError {
-    let headers = rate_limit_headers(verdict);
-    let reset = verdict
-        .requests
-        .or(verdict.tokens)
-        .map_or(60, |s| s.reset.as_secs().max(1));
-    tracing::info!(key = %k.name, limit = over.label(), "rate limited");
-    let detail = match (over, verdict.requests, verdict.tokens) {
-        (crate::limits::Limit::Requests, Some(r), _) => {
-            format!("{} requests per minute, all used", r.limit)
-        }
-        (crate::limits::Limit::Tokens, _, Some(t)) => format!(
-            "this request is about {asked} tokens, and {} of its {} tokens per minute are left",
-            t.remaining, t.limit
-        ),
-        _ => format!("{} per minute", over.label()),
-    };
-    VisorError::RateLimited {
-        key: k.name.clone(),
-        detail,
-        retry_after_secs: reset,
-        headers,
-    }
-}
-
-/// The `x-ratelimit-*` headers of a key's standing, as OpenAI sends them:
-/// on every answer to a request of a limited key, 429 or not.
-fn rate_limit_headers(verdict: &crate::limits::Verdict) -> Vec<(&'static str, String)> {
-    let mut headers = Vec::new();
-    let mut add = |kind: &str, s: Option<crate::limits::Standing>| {
-        if let Some(s) = s {
-            let reset = format!("{}s", s.reset.as_secs().max(1));
-            let (l, r, t) = match kind {
-                "requests" => (
-                    "x-ratelimit-limit-requests",
-                    "x-ratelimit-remaining-requests",
-                    "x-ratelimit-reset-requests",
-                ),
-                _ => (
-                    "x-ratelimit-limit-tokens",
-                    "x-ratelimit-remaining-tokens",
-                    "x-ratelimit-reset-tokens",
-                ),
-            };
-            headers.push((l, s.limit.to_string()));
-            headers.push((r, s.remaining.to_string()));
-            headers.push((t, reset));
-        }
-    };
-    add("requests", verdict.requests);
-    add("tokens", verdict.tokens);
-    headers
-}
-
-fn route(state: &AppState, model: Option<&str>) -> Result<usize, Stop> {
-    let index = match model {
-        None => Some(0),
-        Some(m) => state.config.upstreams.iter().position(|u| u.matches(m)),
-    };
-    index.ok_or_else(|| VisorError::NoRoute(model.unwrap_or_default().to_owned()).into())
+    send_chain(state, call, edge, &parts, to, prepared, session).await
 }
 
 /// What phase 4 found of a session.
@@ -793,10 +368,44 @@ struct Session {
     streamed: Option<UpstreamBody>,
 }
 
+/// Phase 3b: the caller's `[[key]]` — a model outside its `models` is
+/// 403, a request over its limits 429 ([`Gate::grant`]).
+async fn limit(
+    gate: &Gate,
+    call: &Call,
+    parts: &http::request::Parts,
+    held: &Held,
+) -> Result<Grant, Stop> {
+    let caller = parts
+        .extensions
+        .get::<Caller>()
+        .copied()
+        .unwrap_or(Caller::Anonymous);
+    let (bytes, bodied) = match held {
+        Held::Whole(b) => (b.len() as u64, !b.is_empty()),
+        // Read whole when it does not say its length and the key counts
+        // tokens (phase 2).
+        Held::Streamed(b) => (
+            content_length(&parts.headers)
+                .unwrap_or_else(|| b.prefix.iter().map(|c| c.len() as u64).sum()),
+            b.prefix.iter().any(|c| !c.is_empty())
+                || b.rest.is_some()
+                || content_length(&parts.headers).is_some_and(|n| n > 0),
+        ),
+    };
+    let ask = Asking {
+        caller,
+        model: call.model.as_deref(),
+        bytes,
+        bodied,
+    };
+    Ok(gate.grant(gate.caller_key(&parts.extensions), ask).await?)
+}
+
 /// Phase 4: with `x-visor-session`, the stored history merged into a body
 /// held whole; a store that cannot be read → 503.
 async fn open_session(
-    state: &Arc<AppState>,
+    sessions: &Sessions,
     call: &Call,
     parts: &http::request::Parts,
     held: Held,
@@ -817,7 +426,7 @@ async fn open_session(
     let Some(id) = session_turn::requested(&parts.headers)? else {
         return Ok((Some(bytes), Session::default()));
     };
-    let opened = session_turn::open(state, shape, &parts.headers, &id, &bytes).await?;
+    let opened = sessions.open(shape, &parts.headers, &id, &bytes).await?;
     let s = Session {
         history_used: opened.history_used,
         recorder: Some(opened.recorder),
@@ -828,11 +437,9 @@ async fn open_session(
 
 /// Phase 5: the pure rewrite of a body visor holds whole.
 async fn transform(
-    state: &Arc<AppState>,
+    rewrite: &Rewriter,
     call: &mut Call,
     parts: &http::request::Parts,
-    index: usize,
-    model: &Option<String>,
     held: Option<Bytes>,
     session: &Session,
 ) -> Result<Option<Prepared>, Stop> {
@@ -841,12 +448,14 @@ async fn transform(
     };
     let asker = prepare::Asker {
         headers: &parts.headers,
-        upstream: index,
+        upstream: call.index,
     };
     let opts = std::mem::take(&mut call.opts);
     // Read under the request's deadline: past it, 504 and nothing sent.
-    let (model, deadline) = (model.as_deref(), call.deadline);
-    let mut p = prepare::prepare_by(state, shape, model, bytes, opts, asker, deadline).await?;
+    let (model, deadline) = (call.model.as_deref(), call.deadline);
+    let mut p = rewrite
+        .prepare_by(shape, model, bytes, opts, asker, deadline)
+        .await?;
     p.report.history_used = session.history_used;
     Ok(Some(p))
 }
@@ -867,15 +476,16 @@ fn upstream_request(
     session: &mut Session,
 ) -> Result<(Request<UpstreamBody>, Option<RetryHead>), Stop> {
     let uri = state
-        .upstreams
+        .routes
+        .client
         .uri(index, &call.rest, parts.uri.query())
         .ok_or(VisorError::BadRequest(
             "the request target is not a valid URL path",
         ))?;
     upstream_request_headers(
         &mut parts.headers,
-        &state.config.upstreams[index],
-        state.keys.is_set(),
+        &state.routes.upstreams[index],
+        state.gate.keys.is_set(),
         &call.request_id,
     );
     parts.uri = uri;
@@ -914,17 +524,16 @@ async fn fallback_chain<'s>(
     state: &'s AppState,
     call: &Call,
     parts: &http::request::Parts,
-    index: usize,
     session: &mut Session,
 ) -> Result<Option<&'s [usize]>, Stop> {
-    let upstream = &state.config.upstreams[index];
+    let upstream = &state.routes.upstreams[call.index];
     if !upstream.has_fallbacks() {
         return Ok(None);
     }
     let Some(body) = session.streamed.as_mut() else {
         return Ok(Some(&upstream.chain));
     };
-    let limit = REPLAY_LIMIT.min(state.config.server.max_body_bytes);
+    let limit = REPLAY_LIMIT.min(state.server.max_body_bytes);
     if content_length(&parts.headers).is_some_and(|n| n > limit) {
         return Ok(None);
     }
@@ -937,7 +546,7 @@ async fn fallback_chain<'s>(
         while let Some(frame) = stream.frame().await {
             let frame = frame.map_err(|_| match call.exceeded.exceeded() {
                 true => VisorError::BodyTooLarge {
-                    limit: state.config.server.max_body_bytes,
+                    limit: state.server.max_body_bytes,
                 },
                 false => VisorError::BadRequest("the request body could not be read"),
             })?;
@@ -989,7 +598,7 @@ fn copy_head(parts: &http::request::Parts) -> http::request::Parts {
 /// headers and credential. Once a response head is taken (any other
 /// status), nothing is retried.
 async fn send_chain<'s>(
-    state: &'s Arc<AppState>,
+    state: &'s AppState,
     call: &Call,
     edge: &mut Edge<'_>,
     parts: &http::request::Parts,
@@ -997,7 +606,7 @@ async fn send_chain<'s>(
     prepared: &Option<Prepared>,
     session: &mut Session,
 ) -> Result<Sent<'s>, Stop> {
-    let retries = &state.retries;
+    let retries = &state.routes.retries;
     retries.budget.record_request();
     // A streamed body, held whole by `fallback_chain`: sent again as is.
     let replay = session.streamed.as_ref().map(|b| b.prefix.clone());
@@ -1026,24 +635,27 @@ async fn send_chain<'s>(
             upstream_request(state, call, copy_head(parts), index, prepared, session)?;
         let exchange = Exchange::new(state, call, index);
         let result = exchange.run(up_req, &call.exceeded, exchange.sent).await;
+        let done = |result: Result<Answer, Stop>, exchange| {
+            result.map(|answer| Sent {
+                exchange,
+                answer,
+                retry_head,
+            })
+        };
         let (reason, hold) = match &result {
-            Ok((resp, _)) if resp.status().is_server_error() => (UpstreamFailure::Status5xx, None),
-            Ok((resp, _)) if resp.status() == http::StatusCode::TOO_MANY_REQUESTS => (
+            Ok(a) if a.resp.status().is_server_error() => (UpstreamFailure::Status5xx, None),
+            Ok(a) if a.resp.status() == http::StatusCode::TOO_MANY_REQUESTS => (
                 UpstreamFailure::Status429,
-                crate::retries::retry_after(resp.headers().get(header::RETRY_AFTER)),
+                crate::retries::retry_after(a.resp.headers().get(header::RETRY_AFTER)),
             ),
             Ok(_) => {
                 attempt.succeeded();
-                let (resp, timer) = result?;
-                return Ok((exchange, resp, timer, retry_head));
+                return done(result, exchange);
             }
             Err(Stop::Upstream(_, kind)) if kind.retryable() => (*kind, None),
             // The request's own deadline, or visor refused it (too large):
             // no other upstream would do better.
-            Err(_) => {
-                let (resp, timer) = result?;
-                return Ok((exchange, resp, timer, retry_head));
-            }
+            Err(_) => return done(result, exchange),
         };
         attempt.failed(hold);
         let next = upstreams
@@ -1051,18 +663,14 @@ async fn send_chain<'s>(
             .enumerate()
             .skip(pos + 1)
             .find_map(|(p, &i)| retries.admit(i).map(|a| (p, i, a)));
-        let name = &state.upstream_names[index];
+        let name = &state.routes.names[index];
         let next = match next {
             Some(n) if retries.budget.try_retry() => n,
             Some(_) => {
                 tracing::warn!(upstream = %name, reason = reason.label(), "retry budget spent: no fallback");
-                let (resp, timer) = result?;
-                return Ok((exchange, resp, timer, retry_head));
+                return done(result, exchange);
             }
-            None => {
-                let (resp, timer) = result?;
-                return Ok((exchange, resp, timer, retry_head));
-            }
+            None => return done(result, exchange),
         };
         // This attempt is over: counted at its upstream, its answer (if
         // any) dropped unread, which closes its connection.
@@ -1077,7 +685,7 @@ async fn send_chain<'s>(
         tracing::info!(
             upstream = %name,
             reason = reason.label(),
-            fallback = %state.upstream_names[next.1],
+            fallback = %state.routes.names[next.1],
             "falling back"
         );
         drop(result);
@@ -1092,7 +700,7 @@ async fn send_chain<'s>(
 )]
 enum Learned {
     /// The upstream's answer to stream back (to the retry, if there was one).
-    Answer(Response<ResponseBody>, Pin<Box<Sleep>>),
+    Answer(Answer),
     /// An upstream 4xx read whole that was not about images: passed back as
     /// it was.
     Passed(http::response::Parts, Bytes),
@@ -1101,40 +709,35 @@ enum Learned {
 /// Phase 7: a model of unknown vision whose upstream answers with an
 /// "images not supported" 4xx is retried once with the images replaced, and
 /// remembered as non-vision.
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the request's parts, until issue 30 gives each phase a narrow context"
-)]
 async fn learn(
-    state: &Arc<AppState>,
-    exchange: &Exchange<'_>,
+    state: &AppState,
     call: &Call,
     edge: &mut Edge<'_>,
-    model: &Option<String>,
     prepared: &mut Option<Prepared>,
+    exchange: &Exchange<'_>,
     retry_head: Option<RetryHead>,
-    resp: Response<ResponseBody>,
-    timer: Pin<Box<Sleep>>,
+    answer: Answer,
 ) -> Result<Learned, Stop> {
     let Some(p) = prepared.as_mut() else {
-        return Ok(Learned::Answer(resp, timer));
+        return Ok(Learned::Answer(answer));
     };
     let (Some((method, uri, mut headers)), true) = (retry_head, p.learn.is_some()) else {
-        return Ok(Learned::Answer(resp, timer));
+        return Ok(Learned::Answer(answer));
     };
-    if !may_be_refusal(resp.status(), resp.headers()) {
-        return Ok(Learned::Answer(resp, timer));
+    if !may_be_refusal(answer.resp.status(), answer.resp.headers()) {
+        return Ok(Learned::Answer(answer));
     }
     let Some(learn) = p.learn.take() else {
-        return Ok(Learned::Answer(resp, timer));
+        return Ok(Learned::Answer(answer));
     };
-    let (head, incoming) = resp.into_parts();
+    let (head, incoming) = answer.resp.into_parts();
     let error_body = read_error_body(incoming, exchange.head_deadline, &exchange.upstream).await?;
-    let model = model.as_deref().unwrap_or("");
+    let model = call.model.as_deref().unwrap_or("");
+    let rewrite = &state.rewrite;
     let Some(prepare::Retry {
         prepared: retry,
         lesson,
-    }) = prepare::after_refusal(state, &learn, model, &error_body).await
+    }) = rewrite.after_refusal(&learn, model, &error_body).await
     else {
         // Not about what it was assumed to take: the upstream's answer,
         // as it was.
@@ -1148,51 +751,54 @@ async fn learn(
     let history_used = p.report.history_used;
     *p = retry;
     p.report.history_used = history_used;
-    edge.prepared(Some(p));
-    let (resp, timer) = exchange.run(req, &call.exceeded, Instant::now()).await?;
-    if resp.status().is_success() {
-        prepare::learn(state, lesson).await;
+    edge.prepared(Some(Counts::of(&p.report)));
+    let answer = exchange.run(req, &call.exceeded, Instant::now()).await?;
+    if answer.resp.status().is_success() {
+        rewrite.learn(lesson).await;
     }
-    Ok(Learned::Answer(resp, timer))
+    Ok(Learned::Answer(answer))
+}
+
+/// What phase 8 sends back along with the answer: the rewrite (its counts
+/// and its originals still being saved), the session's recorder, and the
+/// key's grant.
+struct Outgoing {
+    prepared: Option<Prepared>,
+    recorder: Option<Recorder>,
+    grant: Grant,
 }
 
 /// Phase 8: status and headers passed through (plus the `x-visor-*`
 /// counts); once the replaced originals are on disk, the body streams back
 /// through an [`ObservedBody`] that counts the request when it ends.
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the request's parts, until issue 30 gives each phase a narrow context"
-)]
 async fn respond(
     state: &Arc<AppState>,
     call: Call,
     exchange: &Exchange<'_>,
     edge: &Edge<'_>,
-    mut prepared: Option<Prepared>,
-    recorder: Option<Recorder>,
-    resp: Response<ResponseBody>,
-    timer: Pin<Box<Sleep>>,
-    grant: Grant,
+    out: Outgoing,
+    answer: Answer,
 ) -> Response<ProxyBody> {
+    let Outgoing {
+        mut prepared,
+        mut recorder,
+        grant,
+    } = out;
     let upstream = exchange.upstream.clone();
-    let (mut head, incoming) = resp.into_parts();
+    let (mut head, incoming) = answer.resp.into_parts();
     if head.status.is_server_error() {
         state
             .metrics
             .upstream_error(&upstream, UpstreamFailure::Status5xx.label());
     }
     for_the_client(&mut head);
-    // A limited key's standing, in place of the provider's own (the key is
-    // what the client is held to).
     if let Some(v) = &grant.standing {
-        for (name, value) in rate_limit_headers(v) {
-            if let Ok(value) = HeaderValue::from_str(&value) {
-                head.headers.insert(name, value);
-            }
-        }
+        write_standing(&mut head.headers, v);
     }
+    // For the log line (the retry after a refusal may replace more images).
+    let counts = prepared.as_ref().map(|p| Counts::of(&p.report));
     if let Some(p) = prepared.as_mut() {
-        visor_counts(&mut head.headers, Counts::of(&p.report));
+        Counts::of(&p.report).write(&mut head.headers);
         // The replaced images are on disk before the response is returned
         // (the write overlapped the upstream call).
         if let Some(saving) = p.saving.take() {
@@ -1200,12 +806,9 @@ async fn respond(
         }
     }
     let usage = UsageObserver::for_response(&head.headers);
-    let mut recorder = recorder;
     if let Some(rec) = recorder.as_mut() {
         rec.head(head.status, &head.headers);
     }
-    // For the log line (the retry after a refusal may replace more images).
-    let counts = prepared.as_ref().map(|p| Counts::of(&p.report));
     let finish = Finish {
         metrics: state.metrics.clone(),
         upstream,
@@ -1218,38 +821,34 @@ async fn respond(
         images_replaced: counts.map_or(0, |c| c.images_replaced),
         media_replaced: counts.map_or(0, |c| c.media_replaced),
         bytes_saved: counts.map_or(0, |c| c.bytes_saved),
-        on_usage: grant.key.map(|i| {
-            let state = state.clone();
-            let estimate = grant.estimate;
-            Box::new(move |prompt: Option<u64>, completion: u64| {
-                // The prompt as the estimate charged it when the provider
-                // did not say.
-                let used = prompt.unwrap_or(estimate) + completion;
-                let s = state.clone();
-                state.tasks.spawn(async move {
-                    s.limits.correct(i, estimate, used).await;
-                });
-            }) as super::body::Charge
-        }),
+        on_usage: grant.key.map(|i| charge_usage(state, i, grant.estimate)),
     };
-    let mut observed = ObservedBody::new(
-        incoming,
-        usage,
-        state.config.server.idle_timeout,
-        call.deadline,
-        timer,
-        finish,
-    );
+    let idle = state.server.idle_timeout;
+    let mut observed =
+        ObservedBody::new(incoming, usage, idle, call.deadline, answer.timer, finish);
     if let Some(rec) = recorder {
         observed = observed.with_session(rec);
     }
     Response::from_parts(head, ProxyBody::Upstream(Box::new(observed)))
 }
 
+/// What key `i` is charged once the provider says what a request used (the
+/// prompt as the estimate charged it when the provider did not say).
+fn charge_usage(state: &Arc<AppState>, i: usize, estimate: u64) -> super::body::Charge {
+    let state = state.clone();
+    Box::new(move |prompt: Option<u64>, completion: u64| {
+        let used = prompt.unwrap_or(estimate) + completion;
+        let s = state.clone();
+        state.life.tasks.spawn(async move {
+            s.gate.limits.correct(i, estimate, used).await;
+        });
+    })
+}
+
 /// One request/response-head exchange with the chosen upstream, under the
 /// first-byte and total deadlines.
 struct Exchange<'a> {
-    state: &'a Arc<AppState>,
+    state: &'a AppState,
     index: usize,
     upstream: Arc<str>,
     /// When the request was first sent upstream.
@@ -1260,13 +859,13 @@ struct Exchange<'a> {
 }
 
 impl<'a> Exchange<'a> {
-    fn new(state: &'a Arc<AppState>, call: &Call, index: usize) -> Self {
-        let server = &state.config.server;
+    fn new(state: &'a AppState, call: &Call, index: usize) -> Self {
+        let server = &state.server;
         let sent = Instant::now();
         Exchange {
             state,
             index,
-            upstream: state.upstream_names[index].clone(),
+            upstream: state.routes.names[index].clone(),
             sent,
             head_deadline: (sent + server.first_byte_timeout).min(call.deadline),
             deadline: call.deadline,
@@ -1280,10 +879,10 @@ impl<'a> Exchange<'a> {
         req: Request<UpstreamBody>,
         exceeded: &BodyState,
         sent: Instant,
-    ) -> Result<(Response<ResponseBody>, Pin<Box<Sleep>>), Stop> {
+    ) -> Result<Answer, Stop> {
         let state = self.state;
-        let idle = state.config.server.idle_timeout;
-        let sending = state.upstreams.send(self.index, req, exceeded);
+        let idle = state.server.idle_timeout;
+        let sending = state.routes.client.send(self.index, req, exceeded);
         // The request's one timer, armed once at the earlier of the head
         // deadline and one idle gap from now. A head that comes sooner (the
         // usual case) hands it to the body as is, already right for the
@@ -1307,7 +906,7 @@ impl<'a> Exchange<'a> {
         };
         let upstream = self.upstream.to_string();
         match outcome {
-            Ok(Ok(resp)) => Ok((resp, timer)),
+            Ok(Ok(resp)) => Ok(Answer { resp, timer }),
             Ok(Err(failed)) => {
                 let failure = failed.failure;
                 let e = match failure {
@@ -1346,27 +945,6 @@ impl<'a> Exchange<'a> {
             }
         }
     }
-}
-
-/// The `x-visor-*` counts of a transformed endpoint.
-fn visor_counts(headers: &mut HeaderMap, report: Counts) {
-    let num = |n: i64| HeaderValue::from(n);
-    headers.insert(
-        header::HeaderName::from_static("x-visor-images-replaced"),
-        num(report.images_replaced as i64),
-    );
-    headers.insert(
-        header::HeaderName::from_static("x-visor-media-replaced"),
-        num(report.media_replaced as i64),
-    );
-    headers.insert(
-        header::HeaderName::from_static("x-visor-bytes-saved"),
-        num(report.bytes_saved.max(0)),
-    );
-    headers.insert(
-        header::HeaderName::from_static("x-visor-history-used"),
-        num(report.history_used as i64),
-    );
 }
 
 fn set_content_length(headers: &mut HeaderMap, len: usize) {
@@ -1558,27 +1136,4 @@ async fn scan_model(
     };
     let rest = (!ended).then(|| LimitedBody::new(body, limit - held, exceeded));
     Ok((model, UpstreamBody { prefix, rest }))
-}
-
-/// An upstream's response head made visor's: without the hop-by-hop
-/// headers, in the protocol of the client's connection (an upstream that
-/// answers HTTP/1.0 would otherwise make visor answer its client so, and
-/// close a connection the client meant to keep).
-fn for_the_client(head: &mut http::response::Parts) {
-    strip_hop_by_hop(&mut head.headers);
-    head.version = Version::HTTP_11;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn transformed_endpoints() {
-        assert_eq!(Shape::of_path("/chat/completions"), Some(Shape::Chat));
-        assert_eq!(Shape::of_path("/responses"), Some(Shape::Responses));
-        assert_eq!(Shape::of_path("/messages"), Some(Shape::Messages));
-        assert_eq!(Shape::of_path("/embeddings"), None);
-        assert_eq!(Shape::of_path("/responses/abc/cancel"), None);
-    }
 }

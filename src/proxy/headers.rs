@@ -205,6 +205,15 @@ fn new_request_id() -> HeaderValue {
     HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
 }
 
+/// An upstream's response head made visor's: without the hop-by-hop
+/// headers, in the protocol of the client's connection (an upstream that
+/// answers HTTP/1.0 would otherwise make visor answer its client so, and
+/// close a connection the client meant to keep).
+pub fn for_the_client(head: &mut http::response::Parts) {
+    strip_hop_by_hop(&mut head.headers);
+    head.version = http::Version::HTTP_11;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

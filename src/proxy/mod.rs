@@ -1,16 +1,15 @@
 //! The service stack: what happens to a request, in order.
 
-mod answer;
+mod admission;
 pub mod body;
 pub mod coalesce;
+mod edge;
 mod forward;
 pub mod headers;
-pub mod media_text;
 mod prepare;
 pub mod request_body;
 mod router;
 pub mod session_turn;
-pub mod usage;
 mod websocket;
 
 use std::convert::Infallible;
@@ -24,25 +23,75 @@ use http::{HeaderValue, Request, Response};
 use tower::{Layer, Service, ServiceBuilder};
 use tracing::Instrument;
 
-use crate::artifacts::Artifacts;
-use crate::config::Config;
-use crate::describe::Describer;
+use crate::config::{Server, Upstream};
 use crate::error::VisorError;
-use crate::metrics::{Metrics, NO_UPSTREAM};
-use crate::models::{Learned, ModelTable};
+use crate::metrics::Metrics;
+use crate::retries::Retries;
 use crate::store::Store;
 use crate::upstream::{RequestBody, Upstreams};
 use body::ProxyBody;
-use headers::{ProxyKeys, X_REQUEST_ID};
+use headers::X_REQUEST_ID;
+
+pub use admission::Gate;
+pub use headers::ProxyKeys;
+pub use prepare::Rewriter;
+pub use session_turn::Sessions;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// What every request handler shares.
+/// What the proxy's phases share, as narrow contexts: each phase takes the
+/// one it reads (built by [`crate::app::build`], the composition root).
 pub struct AppState {
-    pub config: Config,
+    /// `[server]`: the body limit and the deadlines.
+    pub server: Server,
     pub metrics: Arc<Metrics>,
-    pub upstreams: Arc<Upstreams>,
-    pub keys: ProxyKeys,
+    /// Who may call, and what each `[[key]]` may spend (the auth layer,
+    /// phase 3b, each WebSocket event).
+    pub gate: Gate,
+    /// Where a request goes (phases 3 and 6, the WebSocket connect).
+    pub routes: Routes,
+    /// What a request becomes (phases 5 and 7).
+    pub rewrite: Rewriter,
+    /// Conversations kept by visor (phase 4, `/visor/sessions`).
+    pub sessions: Sessions,
+    /// Descriptions, learned models, sessions and shared counts beyond one
+    /// request (`[store]`): `/readyz`, the sweeps.
+    pub store: Arc<Store>,
+    /// Start, drain and stop.
+    pub life: Lifecycle,
+}
+
+/// Where requests go: the upstreams in config order, their pooled client,
+/// and the fallback budget and breakers.
+pub struct Routes {
+    /// `[[upstream]]`, checked, in order.
+    pub upstreams: Vec<Upstream>,
+    /// Upstream names, shared into response bodies for their metrics.
+    pub names: Vec<Arc<str>>,
+    /// False when the first upstream takes every model: then the route
+    /// never depends on the body, and bodies visor does not transform are
+    /// not read.
+    pub by_model: bool,
+    pub client: Arc<Upstreams>,
+    /// The fallback budget and the breakers of the upstreams in a chain.
+    pub retries: Retries,
+}
+
+impl Routes {
+    /// Phase 3: the first upstream whose globs match; no model → the first
+    /// upstream; a model nobody takes → 404.
+    pub fn route(&self, model: Option<&str>) -> Result<usize, VisorError> {
+        let index = match model {
+            None => Some(0),
+            Some(m) => self.upstreams.iter().position(|u| u.matches(m)),
+        };
+        index.ok_or_else(|| VisorError::NoRoute(model.unwrap_or_default().to_owned()))
+    }
+}
+
+/// Start, drain and stop: what shutdown sets and waits for.
+#[derive(Default)]
+pub struct Lifecycle {
     /// Set at shutdown: `/readyz` answers 503.
     pub draining: AtomicBool,
     /// Work a request leaves behind (a session turn still being stored when
@@ -52,177 +101,20 @@ pub struct AppState {
     /// Fired when shutdown starts draining: a WebSocket closes (1001) once
     /// no response is under way on it.
     pub shutdown: CancellationToken,
-    /// Upstream names, shared into response bodies for their metrics.
-    pub upstream_names: Vec<Arc<str>>,
-    /// False when the first upstream takes every model: then the route never
-    /// depends on the body, and bodies visor does not transform are not read.
-    pub route_by_model: bool,
-    /// The model-spec table (user, built-in and learned rows).
-    pub models: ModelTable,
-    /// Where replaced images are saved and served from.
-    pub artifacts: Artifacts,
-    /// `images.refusal_phrases`, lower case.
-    pub refusal_phrases: Vec<String>,
-    /// Descriptions and learned models beyond one request (`[store]`).
-    pub store: Arc<Store>,
-    /// The vision model that describes images, and its cache.
-    pub describer: Arc<Describer>,
-    /// The model that writes down speech (`[transcriber]`), and its cache.
-    pub transcriber: Arc<Describer>,
-    /// The fallback budget and the breakers of the upstreams in a chain.
-    pub retries: crate::retries::Retries,
-    /// `[[key]]` limits (counted in the store when it is shared).
-    pub limits: crate::limits::Limiter,
-}
-
-impl AppState {
-    pub fn new(
-        config: Config,
-        metrics: Arc<Metrics>,
-        upstreams: Upstreams,
-    ) -> Result<Self, String> {
-        let keys = ProxyKeys::new(
-            &config.server.api_keys,
-            &config
-                .keys
-                .iter()
-                .map(|k| k.key.as_ref())
-                .collect::<Vec<_>>(),
-        );
-        let upstream_names = config
-            .upstreams
-            .iter()
-            .map(|u| Arc::from(u.name.as_str()))
-            .collect();
-        let route_by_model = !config.upstreams.first().is_some_and(|u| u.matches_all());
-        if config.upstreams.is_empty() {
-            return Err("no upstream configured".to_owned());
-        }
-        let models =
-            ModelTable::new(&config.models, Learned::default()).map_err(|e| e.to_string())?;
-        let upstreams = Arc::new(upstreams);
-        let store = Arc::new(Store::open(
-            &config.store.backend,
-            &config.store.prefix,
-            &config.server.data_dir,
-            metrics.clone(),
-        )?);
-        let describer = Arc::new(Describer::new(
-            &config,
-            upstreams.clone(),
-            store.clone(),
-            metrics.clone(),
-        ));
-        let transcriber = Arc::new(Describer::transcriber(
-            &config,
-            upstreams.clone(),
-            store.clone(),
-            metrics.clone(),
-        ));
-        // Only upstreams a chain may send to show a breaker state: a config
-        // without fallbacks exposes no new series.
-        let in_chain = |i: usize| {
-            config
-                .upstreams
-                .iter()
-                .any(|u| u.has_fallbacks() && u.chain.contains(&i))
-        };
-        let retries = crate::retries::Retries::new(&config.retries, config.upstreams.len(), |i| {
-            in_chain(i).then(|| {
-                metrics
-                    .upstream_state
-                    .with_label_values(&[config.upstreams[i].name.as_str()])
-            })
-        });
-        // Every key's context series exist from the start (at 0), so the
-        // alert on a jump has a baseline.
-        for name in config
-            .keys
-            .iter()
-            .map(|k| k.name.as_str())
-            .chain(["api_keys", "none"])
-        {
-            metrics.context_resent.with_label_values(&[name]);
-            metrics.context_received.with_label_values(&[name]);
-            metrics.context_long.with_label_values(&[name]);
-        }
-        let limits = crate::limits::Limiter::new(
-            config
-                .keys
-                .iter()
-                .map(crate::limits::KeyLimits::from)
-                .collect(),
-            store.clone(),
-            metrics.clone(),
-        );
-        let artifacts = Artifacts::new(config.artifacts_dir());
-        let refusal_phrases = config
-            .images
-            .refusal_phrases
-            .iter()
-            .map(|p| p.to_lowercase())
-            .collect();
-        Ok(Self {
-            retries,
-            models,
-            store,
-            describer,
-            transcriber,
-            limits,
-            artifacts,
-            refusal_phrases,
-            config,
-            metrics,
-            upstreams,
-            keys,
-            draining: AtomicBool::new(false),
-            tasks: TaskTracker::new(),
-            shutdown: CancellationToken::new(),
-            upstream_names,
-            route_by_model,
-        })
-    }
-
-    /// Loads the learned models from the store; returns how many were new.
-    pub async fn sync_learned(&self) -> usize {
-        match self.store.learned().await {
-            Ok(names) => self.models.learned.merge(names),
-            Err(_) => 0,
-        }
-    }
-
-    /// Moves the models in `learned-models.json` (where the version before
-    /// the store kept them) into the store, then renames the file to
-    /// `learned-models.json.imported`. While the store is down they are
-    /// learned in memory and the file stays for the next start.
-    pub async fn import_legacy_learned(&self) {
-        let path = self.config.learned_path();
-        let legacy = crate::models::legacy_learned(&path);
-        if legacy.is_empty() {
-            return;
-        }
-        let mut stored = true;
-        for name in &legacy {
-            stored &= self.store.learn(name).await.is_ok();
-        }
-        self.models.learned.merge(legacy);
-        if stored {
-            let done = path.with_extension("json.imported");
-            match std::fs::rename(&path, &done) {
-                Ok(()) => {
-                    tracing::info!(from = %path.display(), "learned models moved into the store")
-                }
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "cannot rename the imported learned-models file")
-                }
-            }
-        }
-    }
 }
 
 /// The request id of this request, put in the extensions by [`RequestSpan`].
 #[derive(Clone)]
 pub struct RequestIdExt(pub HeaderValue);
+
+impl RequestIdExt {
+    /// The id layer 1 gave the request of `extensions`.
+    pub fn of(extensions: &http::Extensions) -> HeaderValue {
+        extensions
+            .get::<RequestIdExt>()
+            .map_or_else(|| HeaderValue::from_static("req_unknown"), |r| r.0.clone())
+    }
+}
 
 type BoxFut = Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible>> + Send>>;
 
@@ -361,16 +253,10 @@ where
             || path.starts_with("/v1/")
             || path == "/visor"
             || path.starts_with("/visor/");
-        let caller = self.state.keys.caller(req.headers());
+        let caller = self.state.gate.keys.caller(req.headers());
         if guarded && caller.is_none() {
-            let err = VisorError::Unauthorized;
-            tracing::info!(error = err.label(), "refused");
-            self.state
-                .metrics
-                .requests
-                .with_label_values(&[NO_UPSTREAM, "", "401"])
-                .inc();
-            return Box::pin(async move { Ok(err.into_response()) });
+            let resp = edge::refuse(&self.state.metrics, VisorError::Unauthorized);
+            return Box::pin(async move { Ok(resp) });
         }
         let mut req = req;
         req.extensions_mut()

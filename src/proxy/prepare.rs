@@ -12,17 +12,115 @@ use http::HeaderMap;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::AppState;
-use super::media_text::{self, Credentials, Within};
-use crate::describe::{Credential, describe};
+use crate::artifacts::Artifacts;
 use crate::error::VisorError;
-use crate::models::Medium;
+use crate::media_text::describe::{Credential, Describer, describe};
+use crate::media_text::{self, Credentials, MediaText, Within};
+use crate::metrics::Metrics;
+use crate::models::{Medium, ModelTable};
+use crate::store::Store;
 use crate::transform::{self, Plan, Report, Rewrite, Rules, Shape, Takes};
 use crate::upstream::UpstreamBody;
 
 /// Bodies larger than this are transformed on the blocking pool, so a
 /// multi-megabyte image does not hold up the other connections of a worker.
 const INLINE_LIMIT: usize = 256 * 1024;
+
+/// What the transform phase (and the learning after a refusal) reads: the
+/// model table, the rules built at load, the part that turns media into
+/// text, and where replaced originals go.
+pub struct Rewriter {
+    /// The model-spec table (user, built-in and learned rows).
+    pub models: ModelTable,
+    /// The `[images]` and `[dedup]` rules, built at load (a model's own
+    /// `max_images` narrows them per request).
+    pub rules: Rules,
+    /// `images.non_vision = "describe"`.
+    pub describes: bool,
+    /// `describer.query_aware`.
+    pub query_aware: bool,
+    /// `images.refusal_phrases`, lower case.
+    pub refusal_phrases: Vec<String>,
+    /// Where replaced images are saved and served from.
+    pub artifacts: Artifacts,
+    /// Proxy keys are set: the client's own credential is not forwarded to
+    /// the describer or transcriber.
+    pub proxy_keys_set: bool,
+    /// `server.request_timeout`: a share of it is kept for the upstream.
+    pub request_timeout: std::time::Duration,
+    /// `server.max_body_bytes`: documents are cut to fit it.
+    pub max_body_bytes: u64,
+    pub media: Arc<MediaText>,
+    /// Learned models, shared with the other replicas.
+    pub store: Arc<Store>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Rewriter {
+    /// Phase 5: see [`prepare_by`].
+    pub async fn prepare_by(
+        &self,
+        shape: Shape,
+        model: Option<&str>,
+        body: Bytes,
+        opts: Options,
+        asker: Asker<'_>,
+        deadline: Instant,
+    ) -> Result<Prepared, VisorError> {
+        prepare_by(self, shape, model, body, opts, asker, deadline).await
+    }
+
+    /// Phase 7: see [`after_refusal`].
+    pub async fn after_refusal(
+        &self,
+        learn: &Learnable,
+        model: &str,
+        error_body: &[u8],
+    ) -> Option<Retry> {
+        after_refusal(self, learn, model, error_body).await
+    }
+
+    /// Phase 7, answered: see [`learn`].
+    pub async fn learn(&self, lesson: Lesson) {
+        learn(self, lesson).await;
+    }
+
+    /// Loads the learned models from the store; returns how many were new.
+    pub async fn sync_learned(&self) -> usize {
+        match self.store.learned().await {
+            Ok(names) => self.models.learned.merge(names),
+            Err(_) => 0,
+        }
+    }
+
+    /// Moves the models in `learned-models.json` (`path`, where the version
+    /// before the store kept them) into the store, then renames the file to
+    /// `learned-models.json.imported`. While the store is down they are
+    /// learned in memory and the file stays for the next start.
+    pub async fn import_legacy_learned(&self, path: &std::path::Path) {
+        let legacy = crate::models::legacy_learned(path);
+        if legacy.is_empty() {
+            return;
+        }
+        let mut stored = true;
+        for name in &legacy {
+            stored &= self.store.learn(name).await.is_ok();
+        }
+        self.models.learned.merge(legacy);
+        if !stored {
+            return;
+        }
+        let done = path.with_extension("json.imported");
+        match std::fs::rename(path, &done) {
+            Ok(()) => {
+                tracing::info!(from = %path.display(), "learned models moved into the store")
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot rename the imported learned-models file")
+            }
+        }
+    }
+}
 
 /// What the client asked of visor for this request.
 #[derive(Debug, Clone, Copy, Default)]
@@ -141,8 +239,8 @@ const UPSTREAM_SHARE: u32 = 4;
 /// past `server.max_body_bytes` has its documents cut further. `Err`: 504
 /// when the deadline passed before the body was ready (nothing is sent),
 /// 413 when even documents cut to their headers do not fit.
-pub async fn prepare_by(
-    state: &Arc<AppState>,
+async fn prepare_by(
+    rw: &Rewriter,
     shape: Shape,
     model: Option<&str>,
     body: Bytes,
@@ -150,32 +248,27 @@ pub async fn prepare_by(
     asker: Asker<'_>,
     deadline: Instant,
 ) -> Result<Prepared, VisorError> {
-    let reserve = state.config.server.request_timeout / UPSTREAM_SHARE;
-    let within = Within {
-        stop_at: Some(deadline.checked_sub(reserve).unwrap_or(deadline)),
-        ..Within::unbounded_time(state)
-    };
-    let prepared = prepare_within(state, shape, model, body, opts, asker, within, deadline).await?;
+    let prepared = prepare_within(rw, shape, model, body, opts, asker, deadline).await?;
     if Instant::now() >= deadline {
         return Err(VisorError::TransformTimeout);
     }
     Ok(prepared)
 }
 
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the request's parts, until issue 30 gives each phase a narrow context"
-)]
 async fn prepare_within(
-    state: &Arc<AppState>,
+    rw: &Rewriter,
     shape: Shape,
     model: Option<&str>,
     body: Bytes,
     opts: Options,
     asker: Asker<'_>,
-    within: Within,
     deadline: Instant,
 ) -> Result<Prepared, VisorError> {
+    let reserve = rw.request_timeout / UPSTREAM_SHARE;
+    let within = Within {
+        stop_at: Some(deadline.checked_sub(reserve).unwrap_or(deadline)),
+        ..Within::unbounded_time(&rw.media)
+    };
     let unchanged = |body: Bytes, learn| Prepared {
         body,
         report: Report::default(),
@@ -185,42 +278,38 @@ async fn prepare_within(
     if opts.off {
         return Ok(unchanged(body, None));
     }
-    let mut resolved = state.models.resolve(model.unwrap_or(""), opts.vision);
+    let mut resolved = rw.models.resolve(model.unwrap_or(""), opts.vision);
     // A model another replica may have learned (a shared store): asked of
     // the store now, not at the next 30 s refresh, so this request does not
     // pay the refusal round trip again.
-    if !resolved.known() && state.store.is_shared() && might_hold_images(&body) {
+    if !resolved.known() && rw.store.is_shared() && might_hold_images(&body) {
         let name = crate::models::normalise(model.unwrap_or(""));
-        if !name.is_empty() && matches!(state.store.is_learned(&name).await, Ok(true)) {
-            state.models.learned.merge([name]);
-            resolved = state.models.resolve(model.unwrap_or(""), opts.vision);
+        if !name.is_empty() && matches!(rw.store.is_learned(&name).await, Ok(true)) {
+            rw.models.learned.merge([name]);
+            resolved = rw.models.resolve(model.unwrap_or(""), opts.vision);
         }
     }
     let plan = Plan {
         shape,
         vision: resolved.vision,
-        describe: describes(state),
-        rules: Rules::new(
-            &state.config.images,
-            &state.config.dedup,
-            resolved.caps.max_images,
-        ),
+        describe: rw.describes,
+        rules: rw.rules.for_model(resolved.caps.max_images),
         takes: Takes {
             pdf: resolved.pdf,
             office: resolved.office,
             audio: resolved.audio,
         },
-        query_aware: state.config.describer.query_aware,
+        query_aware: rw.query_aware,
     };
-    let for_service = |d: &crate::describe::Describer| {
-        Credential::for_request(d, state.keys.is_set(), asker.headers, asker.upstream)
+    let for_service = |d: &Describer| {
+        Credential::for_request(d, rw.proxy_keys_set, asker.headers, asker.upstream)
     };
     let credential = Credentials {
         describer: match plan.describe {
-            true => for_service(&state.describer),
+            true => for_service(rw.media.describer()),
             false => Credential::default(),
         },
-        transcriber: for_service(&state.transcriber),
+        transcriber: for_service(rw.media.transcriber()),
     };
     // A model of unknown vision: an upstream refusal of its images can be
     // learned from, once, by sending the original again without them.
@@ -242,14 +331,9 @@ async fn prepare_within(
     if !transform::needed(&plan) {
         return Ok(unchanged(body, learn));
     }
-    let mut prepared = run(state, body, plan, &credential, within).await?;
+    let mut prepared = run(rw, body, plan, &credential, within).await?;
     prepared.learn = learn;
     Ok(prepared)
-}
-
-/// `images.non_vision = "describe"`
-fn describes(state: &AppState) -> bool {
-    state.config.images.non_vision == crate::config::NonVision::Describe
 }
 
 /// How providers and servers say "no documents for this model" (each
@@ -308,8 +392,8 @@ fn said_word(text: &str, phrases: &[&'static str]) -> Option<&'static str> {
 /// vision), documents or audio (flags no row states) it was assumed to
 /// take: when its error says which, the body with those replaced, and what
 /// to learn once that is answered.
-pub async fn after_refusal(
-    state: &Arc<AppState>,
+async fn after_refusal(
+    rw: &Rewriter,
     learn: &Learnable,
     model: &str,
     error_body: &[u8],
@@ -319,8 +403,7 @@ pub async fn after_refusal(
     let images = learn
         .vision_unknown
         .then(|| {
-            state
-                .refusal_phrases
+            rw.refusal_phrases
                 .iter()
                 .find(|p| text.contains(p.as_str()))
         })
@@ -344,17 +427,17 @@ pub async fn after_refusal(
     let plan = Plan {
         shape: learn.shape,
         vision: learn.vision && images.is_none(),
-        describe: describes(state),
+        describe: rw.describes,
         rules: learn.rules,
         takes: Takes {
             pdf: learn.takes.pdf && documents.is_none(),
             office: learn.takes.office,
             audio: learn.takes.audio && audio.is_none(),
         },
-        query_aware: state.config.describer.query_aware,
+        query_aware: rw.query_aware,
     };
     let prepared = run(
-        state,
+        rw,
         learn.original.clone(),
         plan,
         &learn.credential,
@@ -394,27 +477,22 @@ pub async fn after_refusal(
 
 /// The retry without what was refused was answered: the model is learned
 /// (memory, store, `visor check`). A retry that fails too teaches nothing.
-pub async fn learn(state: &Arc<AppState>, lesson: Lesson) {
+async fn learn(rw: &Rewriter, lesson: Lesson) {
     let mut names = Vec::new();
     if lesson.images {
-        names.extend(state.models.learned.learn(&lesson.model));
+        names.extend(rw.models.learned.learn(&lesson.model));
     }
     if lesson.documents {
-        names.extend(state.models.learned.learn_media(Medium::Pdf, &lesson.model));
+        names.extend(rw.models.learned.learn_media(Medium::Pdf, &lesson.model));
     }
     if lesson.audio {
-        names.extend(
-            state
-                .models
-                .learned
-                .learn_media(Medium::Audio, &lesson.model),
-        );
+        names.extend(rw.models.learned.learn_media(Medium::Audio, &lesson.model));
     }
     for name in names {
-        state.metrics.capability_learned.inc();
+        rw.metrics.capability_learned.inc();
         // A store that is down logged and counted it; the model stays
         // learned in memory.
-        let _ = state.store.learn(&name).await;
+        let _ = rw.store.learn(&name).await;
     }
     tracing::info!(
         phrase = %lesson.phrase,
@@ -426,7 +504,7 @@ pub async fn learn(state: &Arc<AppState>, lesson: Lesson) {
 }
 
 async fn run(
-    state: &Arc<AppState>,
+    rw: &Rewriter,
     body: Bytes,
     plan: Plan,
     credential: &Credentials,
@@ -468,14 +546,14 @@ async fn run(
             // Images not described by the deadline keep their
             // placeholders.
             let described = async {
-                let d = describe(&state.describer, subjects, &credential.describer);
+                let d = describe(rw.media.describer(), subjects, &credential.describer);
                 media_text::until(within.stop_at, d)
                     .await
                     .unwrap_or_default()
             };
             let (mut descriptions, made) = futures_util::future::join(
                 described,
-                media_text::make_within(state, media, plan.describe, credential, within),
+                media_text::make_within(&rw.media, media, plan.describe, credential, within),
             )
             .await;
             failed = made
@@ -497,7 +575,7 @@ async fn run(
             let mut rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))
                 .await
                 .unwrap_or_default();
-            let limit = usize::try_from(state.config.server.max_body_bytes)
+            let limit = usize::try_from(rw.max_body_bytes)
                 .unwrap_or(usize::MAX)
                 .max(body.len());
             if let (Some((scanned, descriptions)), Some(new)) = (again, &rewrite.body)
@@ -518,13 +596,29 @@ async fn run(
             rewrite
         }
     };
-    let m = &state.metrics;
-    m.transform_duration.observe(spent.as_secs_f64());
+    rw.metrics.transform_duration.observe(spent.as_secs_f64());
     let Rewrite {
         body: new,
         report,
         artifacts,
     } = rewrite;
+    count(&rw.metrics, &report, &failed);
+    if let Some(why) = report.skipped {
+        tracing::debug!(why, "request body left unchanged");
+    }
+    let saving = (!artifacts.is_empty()).then(|| save(rw, artifacts));
+    Ok(Prepared {
+        body: new.map(Bytes::from).unwrap_or(body),
+        report,
+        saving,
+        learn: None,
+    })
+}
+
+/// A rewrite counted: each image action, the documents and audio left as
+/// references (those `failed` were counted as made), the bytes saved by
+/// each rule.
+fn count(m: &Metrics, report: &Report, failed: &[String]) {
     let mut actions: Vec<(&str, u64)> = Vec::new();
     for n in report.images.iter().filter(|n| n.medium == "image") {
         match actions.iter_mut().find(|(a, _)| *a == n.action) {
@@ -556,24 +650,18 @@ async fn run(
             .with_label_values(&["dedup"])
             .inc_by(report.bytes_saved_dedup.max(0) as u64);
     }
-    if let Some(why) = report.skipped {
-        tracing::debug!(why, "request body left unchanged");
-    }
-    let saving = (!artifacts.is_empty()).then(|| {
-        let store = state.artifacts.clone();
-        let metrics = state.metrics.clone();
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = store.save_all(&artifacts) {
-                metrics.artifact_errors.inc();
-                tracing::warn!(dir = %store.dir().display(), error = %e, "cannot save replaced images");
-            }
-        })
-    });
-    Ok(Prepared {
-        body: new.map(Bytes::from).unwrap_or(body),
-        report,
-        saving,
-        learn: None,
+}
+
+/// The replaced originals written on the blocking pool, while the request
+/// goes upstream.
+fn save(rw: &Rewriter, artifacts: Vec<crate::artifacts::Artifact>) -> JoinHandle<()> {
+    let store = rw.artifacts.clone();
+    let metrics = rw.metrics.clone();
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = store.save_all(&artifacts) {
+            metrics.artifact_errors.inc();
+            tracing::warn!(dir = %store.dir().display(), error = %e, "cannot save replaced images");
+        }
     })
 }
 

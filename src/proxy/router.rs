@@ -8,15 +8,15 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, Version, header};
 use http_body::Body as _;
 
 use super::AppState;
-use super::answer::refuse;
 use super::body::ProxyBody;
-use super::forward;
+use super::edge::{Edge, refuse};
+use super::{forward, websocket};
 use crate::error::VisorError;
 use crate::upstream::RequestBody;
 
 pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Response<ProxyBody> {
     if let Err(e) = check_target(&req) {
-        return refuse(&state, e);
+        return refuse(&state.metrics, e);
     }
     // One spelling of each path before anything classifies it (HTTP and
     // WebSocket alike), and the one the upstream is sent.
@@ -27,21 +27,21 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
                 *req.uri_mut() = uri;
             } else {
                 return refuse(
-                    &state,
+                    &state.metrics,
                     VisorError::BadRequest("the request target is not a valid URL path"),
                 );
             }
         }
-        Err(why) => return refuse(&state, VisorError::BadRequest(why)),
+        Err(why) => return refuse(&state.metrics, VisorError::BadRequest(why)),
     }
     let path = req.uri().path();
     // Everything under /v1 goes upstream, whatever its method.
     if path == "/v1" || path.starts_with("/v1/") {
-        return forward::proxy(state, req).await;
+        return proxy(&state, req).await;
     }
     let head = req.method() == Method::HEAD;
     let Some(endpoint) = Own::of(path) else {
-        let resp = refuse(&state, VisorError::NotFound(truncate(path, 200)));
+        let resp = refuse(&state.metrics, VisorError::NotFound(truncate(path, 200)));
         return if head { without_body(resp) } else { resp };
     };
     let method = req.method().clone();
@@ -51,12 +51,12 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
             path: truncate(path, 200),
             allow: endpoint.allow(),
         };
-        return refuse(&state, e);
+        return refuse(&state.metrics, e);
     }
     let resp = match endpoint {
         Own::Healthz => json(StatusCode::OK, r#"{"status":"ok"}"#),
         Own::Readyz => {
-            if state.draining.load(Ordering::Relaxed) {
+            if state.life.draining.load(Ordering::Relaxed) {
                 json(StatusCode::SERVICE_UNAVAILABLE, r#"{"status":"draining"}"#)
             } else {
                 // Degraded (still 200: requests are served): the store, or a
@@ -64,8 +64,8 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
                 // credential.
                 let reasons: Vec<String> = [
                     state.store.check().await,
-                    state.describer.problem(),
-                    state.transcriber.problem(),
+                    state.rewrite.media.describer().problem(),
+                    state.rewrite.media.transcriber().problem(),
                 ]
                 .into_iter()
                 .flatten()
@@ -80,10 +80,10 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
             }
         }
         Own::Metrics => {
-            state
-                .metrics
-                .describe_cache_entries
-                .set(i64::try_from(state.describer.cache_entries().await).unwrap_or(i64::MAX));
+            state.metrics.describe_cache_entries.set(
+                i64::try_from(state.rewrite.media.describer().cache_entries().await)
+                    .unwrap_or(i64::MAX),
+            );
             let mut resp = Response::new(ProxyBody::from(Bytes::from(state.metrics.render())));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -98,6 +98,18 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
         }
     };
     if head { without_body(resp) } else { resp }
+}
+
+/// Everything under `/v1`: a WebSocket upgrade or an HTTP request, each
+/// answered through one [`Edge`] that logs and counts what visor answers
+/// itself.
+async fn proxy(state: &Arc<AppState>, req: Request<RequestBody>) -> Response<ProxyBody> {
+    let mut edge = Edge::new(&state.metrics, &state.routes.names);
+    let result = match websocket::is_upgrade(&req) {
+        true => websocket::upgrade(state, req, &mut edge).await,
+        false => forward::handle(state, req, &mut edge).await,
+    };
+    result.unwrap_or_else(|stop| edge.answer(stop))
 }
 
 /// One of visor's own endpoints (outside `/v1`).
@@ -161,13 +173,13 @@ fn without_body(resp: Response<ProxyBody>) -> Response<ProxyBody> {
 async fn artifact(state: &AppState, id: String) -> Response<ProxyBody> {
     if !crate::artifacts::valid_id(&id) {
         return refuse(
-            state,
+            &state.metrics,
             VisorError::BadRequest(
                 "an artifact id is the full SHA-256 in lower-case hex (64 characters)",
             ),
         );
     }
-    let store = state.artifacts.clone();
+    let store = state.rewrite.artifacts.clone();
     let key = id.clone();
     let read = tokio::task::spawn_blocking(move || store.read(&key)).await;
     match read {
@@ -191,12 +203,12 @@ async fn artifact(state: &AppState, id: String) -> Response<ProxyBody> {
             );
             resp
         }
-        Ok(Ok(None)) => refuse(state, VisorError::ArtifactNotFound(id)),
+        Ok(Ok(None)) => refuse(&state.metrics, VisorError::ArtifactNotFound(id)),
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "cannot read artifact");
-            refuse(state, VisorError::ArtifactNotFound(id))
+            refuse(&state.metrics, VisorError::ArtifactNotFound(id))
         }
-        Err(_) => refuse(state, VisorError::ArtifactNotFound(id)),
+        Err(_) => refuse(&state.metrics, VisorError::ArtifactNotFound(id)),
     }
 }
 
@@ -210,22 +222,25 @@ async fn session_endpoint(
     id: String,
 ) -> Response<ProxyBody> {
     if crate::sessions::valid_id(&id).is_err() {
-        return refuse(state, VisorError::BadRequest(crate::sessions::BAD_PATH_ID));
+        return refuse(
+            &state.metrics,
+            VisorError::BadRequest(crate::sessions::BAD_PATH_ID),
+        );
     }
-    let key = super::session_turn::key(state, headers, &id);
-    let ttl = state.config.sessions.idle_ttl;
+    let sessions = &state.sessions;
+    let key = sessions.key(headers, &id);
+    let ttl = sessions.ttl;
     if delete {
-        return match state.store.delete_session(&key, ttl).await {
+        return match sessions.store.delete_session(&key, ttl).await {
             Ok(_) => {
                 let mut resp = Response::new(ProxyBody::from(Bytes::new()));
                 *resp.status_mut() = StatusCode::NO_CONTENT;
                 resp
             }
-            Err(e) => refuse(state, VisorError::StoreUnavailable(e.to_string())),
+            Err(e) => refuse(&state.metrics, VisorError::StoreUnavailable(e.to_string())),
         };
     }
-    let keep = state.config.sessions.max_depth as usize;
-    match state.store.session(&key, keep, ttl).await {
+    match sessions.store.session(&key, sessions.max_depth, ttl).await {
         Ok(Some(messages)) => {
             // The stored messages are JSON already: joined, not re-parsed.
             let mut body =
@@ -241,8 +256,8 @@ async fn session_endpoint(
             body.extend_from_slice(b"]}");
             json_owned(StatusCode::OK, body)
         }
-        Ok(None) => refuse(state, VisorError::SessionNotFound(id)),
-        Err(e) => refuse(state, VisorError::StoreUnavailable(e.to_string())),
+        Ok(None) => refuse(&state.metrics, VisorError::SessionNotFound(id)),
+        Err(e) => refuse(&state.metrics, VisorError::StoreUnavailable(e.to_string())),
     }
 }
 

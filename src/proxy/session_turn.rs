@@ -22,9 +22,12 @@ use http::HeaderMap;
 use serde_json::Value;
 use tokio_util::task::TaskTracker;
 
-use super::AppState;
+use super::headers::ProxyKeys;
+use crate::api::{self, StreamedReply};
 use crate::error::VisorError;
-use crate::sessions::{self, StreamedReply};
+use crate::metrics::Metrics;
+use crate::sessions;
+use crate::store::Store;
 use crate::transform::Shape;
 
 /// Largest non-stream answer read for its reply.
@@ -74,28 +77,74 @@ fn bad(e: sessions::BadHeader) -> VisorError {
     VisorError::BadRequest(e.0)
 }
 
-/// The store key of session `id` for the client of `headers`.
-pub fn key(state: &AppState, headers: &HeaderMap, id: &str) -> String {
-    sessions::store_key(state.keys.key_id(headers).as_deref(), id)
+/// Conversations kept by visor: where they are stored, how long, how many
+/// messages, and whose they are. Cheap to clone (each turn's recorder
+/// holds one).
+#[derive(Clone)]
+pub struct Sessions {
+    pub store: Arc<Store>,
+    /// Whose a session is: the proxy key the client presents.
+    keys: Arc<ProxyKeys>,
+    metrics: Arc<Metrics>,
+    /// Where a turn still being stored when its client left runs (shutdown
+    /// waits for it).
+    tasks: TaskTracker,
+    /// `sessions.default_depth`.
+    default_depth: usize,
+    /// `sessions.max_depth`: messages kept per session.
+    pub max_depth: usize,
+    /// `sessions.idle_ttl_secs`.
+    pub ttl: Duration,
 }
 
-fn ttl(state: &AppState) -> Duration {
-    state.config.sessions.idle_ttl
+impl Sessions {
+    pub fn new(
+        settings: &crate::config::Sessions,
+        store: Arc<Store>,
+        keys: Arc<ProxyKeys>,
+        metrics: Arc<Metrics>,
+        tasks: TaskTracker,
+    ) -> Self {
+        Sessions {
+            store,
+            keys,
+            metrics,
+            tasks,
+            default_depth: settings.default_depth as usize,
+            max_depth: settings.max_depth as usize,
+            ttl: settings.idle_ttl,
+        }
+    }
+
+    /// The store key of session `id` for the client of `headers`.
+    pub fn key(&self, headers: &HeaderMap, id: &str) -> String {
+        sessions::store_key(self.keys.key_id(headers).as_deref(), id)
+    }
+
+    /// Reads session `id`'s history and merges the request's messages into
+    /// it.
+    pub async fn open(
+        &self,
+        shape: Shape,
+        headers: &HeaderMap,
+        id: &str,
+        body: &Bytes,
+    ) -> Result<Opened, VisorError> {
+        open(self, shape, headers, id, body).await
+    }
 }
 
-/// Reads session `id`'s history and merges the request's messages into it.
-pub async fn open(
-    state: &Arc<AppState>,
+async fn open(
+    state: &Sessions,
     shape: Shape,
     headers: &HeaderMap,
     id: &str,
     body: &Bytes,
 ) -> Result<Opened, VisorError> {
-    let cfg = &state.config.sessions;
-    let depth = history_depth(headers, cfg.default_depth as usize, cfg.max_depth as usize)?;
+    let depth = history_depth(headers, state.default_depth, state.max_depth)?;
     let mut request: Value =
         serde_json::from_slice(body).map_err(|e| VisorError::InvalidJson(e.to_string()))?;
-    let items = sessions::items_key(shape);
+    let items = shape.items_key();
     let as_array = matches!(request.get(items), Some(Value::Array(_)));
     let messages = match request.get_mut(items).map(Value::take) {
         Some(Value::Array(m)) => m,
@@ -109,11 +158,11 @@ pub async fn open(
             ));
         }
     };
-    let key = key(state, headers, id);
+    let key = state.key(headers, id);
     // Enough of the stored tail to find what the client re-sent, and the
     // history to prepend.
     let want = depth.max(messages.len());
-    let stored = match state.store.session(&key, want, ttl(state)).await {
+    let stored = match state.store.session(&key, want, state.ttl).await {
         Ok(s) => s.unwrap_or_default(),
         Err(e) => return Err(VisorError::StoreUnavailable(e.to_string())),
     };
@@ -205,7 +254,7 @@ enum Reply {
 
 /// Records one request's turn in its session.
 pub struct Recorder {
-    state: Arc<AppState>,
+    state: Sessions,
     shape: Shape,
     key: String,
     new: Vec<Bytes>,
@@ -265,9 +314,7 @@ impl Recorder {
         }
         self.done = true;
         let reply = match (&self.reply, whole) {
-            (Reply::Json(chunks, _), true) => {
-                sessions::reply_from_json(self.shape, &chunks.concat())
-            }
+            (Reply::Json(chunks, _), true) => api::reply_from_json(self.shape, &chunks.concat()),
             (Reply::Stream(s), _) => s.reply(),
             _ => Vec::new(),
         };
@@ -287,10 +334,10 @@ impl Recorder {
         let state = self.state.clone();
         let key = std::mem::take(&mut self.key);
         Some(Box::pin(async move {
-            let keep = state.config.sessions.max_depth as usize;
+            let keep = state.max_depth;
             let stored = state
                 .store
-                .append_session(&key, turn, keep, ttl(&state))
+                .append_session(&key, turn, keep, state.ttl)
                 .await;
             let ok = stored.is_ok();
             let result = match stored {

@@ -54,6 +54,7 @@
 //!   closed. Either side closing or going away closes the other.
 
 use std::collections::VecDeque;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,12 +73,12 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
-use super::answer::refuse;
 use super::body::ProxyBody;
+use super::edge::{Edge, Stop};
 use super::headers::upstream_request_headers;
 use super::prepare::{self, Options};
-use super::usage::Usage;
 use super::{AppState, RequestIdExt};
+use crate::api::usage::Usage;
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
 use crate::metrics::NO_UPSTREAM;
@@ -117,178 +118,35 @@ fn unsupported_version(headers: &HeaderMap) -> Option<String> {
     }
 }
 
-/// Answers a WebSocket upgrade: connects upstream, then relays.
-pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Response<ProxyBody> {
-    let Some(key) = req.headers().get(header::SEC_WEBSOCKET_KEY).cloned() else {
-        return refuse(
-            &state,
-            VisorError::BadRequest("a WebSocket upgrade without Sec-WebSocket-Key"),
-        );
-    };
-    // RFC 6455 4.2.2: a version visor does not speak (or none) is 426 with
-    // the one it does, before any upstream is contacted.
-    if let Some(other) = unsupported_version(req.headers()) {
-        return refuse(&state, VisorError::WebSocketVersion(other));
-    }
-    let opts = match Options::from_headers(req.headers()) {
-        Ok(o) => o,
-        Err(e) => return refuse(&state, e),
-    };
-    let request_id = req
-        .extensions()
-        .get::<RequestIdExt>()
-        .map(|r| r.0.clone())
-        .unwrap_or_else(|| HeaderValue::from_static("req_unknown"));
+/// Answers a WebSocket upgrade: admits it, connects upstream, accepts,
+/// then relays on a tracked task. A refusal or an upstream failure before
+/// the 101 is a [`Stop`] the edge answers, as for HTTP.
+pub async fn upgrade(
+    state: &Arc<AppState>,
+    mut req: Request<RequestBody>,
+    edge: &mut Edge<'_>,
+) -> Result<Response<ProxyBody>, Stop> {
+    let key = check_handshake(req.headers())?;
+    let opts = Options::from_headers(req.headers())?;
+    let request_id = RequestIdExt::of(req.extensions());
     let rest = req.uri().path()["/v1".len()..].to_owned();
     let responses = rest == "/responses";
-    // The caller's `[[key]]`: each `response.create` of the Responses mode
-    // is a request it is held to (below, as the events come); any other
-    // upgrade (the Realtime API) names its model in the URL and is one
-    // request.
-    let holder = super::forward::caller_key(&state, req.extensions())
-        .filter(|&i| state.limits.key(i).is_some());
-    if !responses && let Some(i) = holder {
-        let restricted = state.limits.key(i).is_some_and(|k| !k.any_model);
-        let model = match query_model(req.uri().query()) {
-            Ok(m) => m,
-            Err(()) if restricted => {
-                return refuse(
-                    &state,
-                    VisorError::BadRequest(
-                        "the WebSocket URL names its model more than once (or not in UTF-8)",
-                    ),
-                );
-            }
-            Err(()) => None,
-        };
-        if restricted && model.is_none() {
-            return refuse(
-                &state,
-                VisorError::BadRequest(
-                    "this key may use only some models: name the model in the WebSocket URL (?model=…)",
-                ),
-            );
-        }
-        if let Err(e) = super::forward::admit(&state, i, model.as_deref(), false, 0).await {
-            return refuse(&state, e);
-        }
-    }
+    let holder = admit_socket(state, &req, responses).await?;
     // 1. connect: the first upstream (no model at the handshake).
     let index = 0;
-    let upstream = &state.config.upstreams[index];
-    let name = state.upstream_names[index].clone();
-    let Some(http_uri) = state.upstreams.uri(index, &rest, req.uri().query()) else {
-        return refuse(
-            &state,
-            VisorError::BadRequest("the request target is not a valid URL path"),
-        );
-    };
-    let ws_uri = match ws_uri(&http_uri) {
-        Some(u) => u,
-        None => {
-            return refuse(
-                &state,
-                VisorError::BadRequest("the request target is not a valid URL path"),
-            );
-        }
-    };
-    let mut headers = req.headers().clone();
-    upstream_request_headers(&mut headers, upstream, state.keys.is_set(), &request_id);
-    for h in [
-        header::SEC_WEBSOCKET_KEY,
-        header::SEC_WEBSOCKET_VERSION,
-        header::SEC_WEBSOCKET_EXTENSIONS,
-        header::SEC_WEBSOCKET_ACCEPT,
-    ] {
-        headers.remove(h);
-    }
-    let Some(up_req) = upstream_upgrade(&ws_uri, &headers) else {
-        return refuse(
-            &state,
-            VisorError::BadRequest("the request target is not a valid URL path"),
-        );
-    };
-    let server = &state.config.server;
+    edge.routed(index, None);
     let started = Instant::now();
-    let fail = |e: VisorError, kind: UpstreamFailure| {
-        state.metrics.upstream_error(&name, kind.label());
-        state
-            .metrics
-            .requests
-            .with_label_values(&[&*name, "", e.status().as_str()])
-            .inc();
-        tracing::warn!(upstream = %name, error = e.label(), kind = kind.label(), "websocket upstream failed");
-        e.into_response()
+    let (upstream_ws, up_headers) = match connect(state, &req, &rest, &request_id).await? {
+        Opened::Open(ws, headers) => (ws, headers),
+        // Refused by the upstream (401, 404, 426…): its answer, status
+        // and body.
+        Opened::Refused(parts, body) => return Ok(edge.refused_upgrade(&parts, body)),
     };
-    let stream = match state.upstreams.connect_raw(index, http_uri).await {
-        Ok(s) => s,
-        Err(SendFailure::ConnectTimeout) => {
-            let e = VisorError::UpstreamTimeout {
-                upstream: name.to_string(),
-                which: "connect timeout",
-            };
-            return fail(e, UpstreamFailure::ConnectTimeout);
-        }
-        Err(_) => {
-            let e = VisorError::UpstreamUnreachable {
-                upstream: name.to_string(),
-                reason: "connection refused or failed",
-            };
-            return fail(e, UpstreamFailure::Connect);
-        }
-    };
-    let handshake = open_upstream(stream, up_req, server.first_byte_timeout);
-    let (upstream_ws, up_headers) =
-        match tokio::time::timeout(server.first_byte_timeout, handshake).await {
-            Ok(Ok(Opened::Open(ws, headers))) => (ws, headers),
-            Ok(Ok(Opened::Refused(parts, body))) => {
-                // Refused by the upstream (401, 404, 426…): its answer,
-                // status and body.
-                let mut out = Response::new(ProxyBody::from(body));
-                *out.status_mut() = parts.status;
-                for h in [header::CONTENT_TYPE, header::RETRY_AFTER] {
-                    if let Some(v) = parts.headers.get(&h) {
-                        out.headers_mut().insert(h, v.clone());
-                    }
-                }
-                state
-                    .metrics
-                    .requests
-                    .with_label_values(&[&*name, "", parts.status.as_str()])
-                    .inc();
-                return out;
-            }
-            Ok(Err(())) => {
-                let e = VisorError::UpstreamUnreachable {
-                    upstream: name.to_string(),
-                    reason: "the WebSocket handshake failed",
-                };
-                return fail(e, UpstreamFailure::Reset);
-            }
-            Err(_) => {
-                let e = VisorError::UpstreamTimeout {
-                    upstream: name.to_string(),
-                    which: "first byte timeout",
-                };
-                return fail(e, UpstreamFailure::FirstByteTimeout);
-            }
-        };
-
     // 2. accept
     let on_upgrade = hyper::upgrade::on(&mut req);
-    let mut resp = Response::new(ProxyBody::from(Bytes::new()));
-    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    let h = resp.headers_mut();
-    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    if let Ok(v) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
-        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
-    }
-    if let Some(p) = up_headers.get(header::SEC_WEBSOCKET_PROTOCOL) {
-        h.insert(header::SEC_WEBSOCKET_PROTOCOL, p.clone());
-    }
+    let resp = switching(&key, &up_headers);
+    let name = state.routes.names[index].clone();
     tracing::debug!(upstream = %name, path = %rest, "websocket opened");
-
     // 3. relay, once the client's side has switched. The connection's slot
     // under max_connections is held until the socket ends.
     let slot = req.extensions_mut().remove::<crate::connections::Slot>();
@@ -305,7 +163,7 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
         state: state.clone(),
         upstream: name,
         key: holder,
-        request_id: request_id.clone(),
+        request_id,
         responses,
         opts,
         headers: req.headers().clone(),
@@ -313,12 +171,12 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
     };
     // A client's event is a request body: none over max_body_bytes, whole
     // or in one frame (1009 closes the socket before it is held).
-    let limit = usize::try_from(server.max_body_bytes).unwrap_or(usize::MAX);
+    let limit = usize::try_from(state.server.max_body_bytes).unwrap_or(usize::MAX);
     let client_config = WebSocketConfig::default()
         .max_message_size(Some(limit))
         .max_frame_size(Some(limit));
     // On the tracked task set: shutdown waits for the socket to close.
-    state.tasks.spawn(async move {
+    state.life.tasks.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) => {
                 let client = WebSocketStream::from_raw_socket(
@@ -333,6 +191,141 @@ pub async fn proxy(state: Arc<AppState>, mut req: Request<RequestBody>) -> Respo
         }
         drop(slot);
     });
+    Ok(resp)
+}
+
+/// The client's `Sec-WebSocket-Key`, when the handshake is one visor
+/// speaks. RFC 6455 4.2.2: a version visor does not speak (or none) is 426
+/// with the one it does, before any upstream is contacted.
+fn check_handshake(headers: &HeaderMap) -> Result<HeaderValue, VisorError> {
+    let Some(key) = headers.get(header::SEC_WEBSOCKET_KEY).cloned() else {
+        return Err(VisorError::BadRequest(
+            "a WebSocket upgrade without Sec-WebSocket-Key",
+        ));
+    };
+    if let Some(other) = unsupported_version(headers) {
+        return Err(VisorError::WebSocketVersion(other));
+    }
+    Ok(key)
+}
+
+/// The caller's `[[key]]`, when it has limits: each `response.create` of
+/// the Responses mode is a request it is held to (as the events come); any
+/// other upgrade (the Realtime API) names its model in the URL and is one
+/// request, admitted here.
+async fn admit_socket(
+    state: &AppState,
+    req: &Request<RequestBody>,
+    responses: bool,
+) -> Result<Option<usize>, VisorError> {
+    let gate = &state.gate;
+    let holder = gate
+        .caller_key(req.extensions())
+        .filter(|&i| gate.limits.key(i).is_some());
+    let Some(i) = holder.filter(|_| !responses) else {
+        return Ok(holder);
+    };
+    let restricted = gate.limits.key(i).is_some_and(|k| !k.any_model);
+    let model = match query_model(req.uri().query()) {
+        Ok(m) => m,
+        Err(()) if restricted => {
+            return Err(VisorError::BadRequest(
+                "the WebSocket URL names its model more than once (or not in UTF-8)",
+            ));
+        }
+        Err(()) => None,
+    };
+    if restricted && model.is_none() {
+        return Err(VisorError::BadRequest(
+            "this key may use only some models: name the model in the WebSocket URL (?model=…)",
+        ));
+    }
+    gate.admit(i, model.as_deref(), false, 0).await?;
+    Ok(holder)
+}
+
+/// Phase 1 of a socket: visor's own WebSocket to the first upstream, with
+/// the client's headers as for any request, within the connect and
+/// first-byte deadlines.
+async fn connect(
+    state: &AppState,
+    req: &Request<RequestBody>,
+    rest: &str,
+    request_id: &HeaderValue,
+) -> Result<Opened, Stop> {
+    let index = 0;
+    let routes = &state.routes;
+    let bad_target = || VisorError::BadRequest("the request target is not a valid URL path");
+    let http_uri = routes
+        .client
+        .uri(index, rest, req.uri().query())
+        .ok_or_else(bad_target)?;
+    let ws_uri = ws_uri(&http_uri).ok_or_else(bad_target)?;
+    let mut headers = req.headers().clone();
+    let upstream = &routes.upstreams[index];
+    upstream_request_headers(&mut headers, upstream, state.gate.keys.is_set(), request_id);
+    for h in [
+        header::SEC_WEBSOCKET_KEY,
+        header::SEC_WEBSOCKET_VERSION,
+        header::SEC_WEBSOCKET_EXTENSIONS,
+        header::SEC_WEBSOCKET_ACCEPT,
+    ] {
+        headers.remove(h);
+    }
+    let up_req = upstream_upgrade(&ws_uri, &headers).ok_or_else(bad_target)?;
+    let name = routes.names[index].to_string();
+    let stream = match routes.client.connect_raw(index, http_uri).await {
+        Ok(s) => s,
+        Err(SendFailure::ConnectTimeout) => {
+            let e = VisorError::UpstreamTimeout {
+                upstream: name,
+                which: "connect timeout",
+            };
+            return Err(Stop::Upstream(e, UpstreamFailure::ConnectTimeout));
+        }
+        Err(_) => {
+            let e = VisorError::UpstreamUnreachable {
+                upstream: name,
+                reason: "connection refused or failed",
+            };
+            return Err(Stop::Upstream(e, UpstreamFailure::Connect));
+        }
+    };
+    let first_byte = state.server.first_byte_timeout;
+    let handshake = open_upstream(stream, up_req, first_byte);
+    match tokio::time::timeout(first_byte, handshake).await {
+        Ok(Ok(opened)) => Ok(opened),
+        Ok(Err(())) => {
+            let e = VisorError::UpstreamUnreachable {
+                upstream: name,
+                reason: "the WebSocket handshake failed",
+            };
+            Err(Stop::Upstream(e, UpstreamFailure::Reset))
+        }
+        Err(_) => {
+            let e = VisorError::UpstreamTimeout {
+                upstream: name,
+                which: "first byte timeout",
+            };
+            Err(Stop::Upstream(e, UpstreamFailure::FirstByteTimeout))
+        }
+    }
+}
+
+/// The 101 that switches the client's connection: no extensions (frames
+/// are relayed one by one), the upstream's subprotocol.
+fn switching(key: &HeaderValue, up_headers: &HeaderMap) -> Response<ProxyBody> {
+    let mut resp = Response::new(ProxyBody::from(Bytes::new()));
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = resp.headers_mut();
+    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    if let Ok(v) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
+        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
+    }
+    if let Some(p) = up_headers.get(header::SEC_WEBSOCKET_PROTOCOL) {
+        h.insert(header::SEC_WEBSOCKET_PROTOCOL, p.clone());
+    }
     resp
 }
 
@@ -656,213 +649,138 @@ struct InFlight {
     bytes_saved: i64,
 }
 
+/// The relay's state between two messages: both sides' write halves, the
+/// responses under way (oldest first: a client may start one before the
+/// last ended), the clocks, and the model the last create named.
+struct Sides<CT, UT> {
+    c_tx: CT,
+    u_tx: UT,
+    inflight: VecDeque<InFlight>,
+    /// The upstream's last message (its idle deadline while a response is
+    /// under way).
+    last_upstream: Instant,
+    /// The last message either way (pings and pongs aside).
+    last_any: Instant,
+    model: String,
+    /// A write to either side that has not gone out by then: that peer
+    /// stopped reading.
+    write_bound: Duration,
+}
+
+impl<CT, UT> Sides<CT, UT>
+where
+    CT: futures_util::Sink<Message> + Unpin,
+    UT: futures_util::Sink<Message> + Unpin,
+{
+    /// The client left, or stopped reading: the upstream is closed and
+    /// every response under way counted as cancelled.
+    async fn client_gone(&mut self, relay: &Relay) -> ControlFlow<()> {
+        end(
+            &mut self.u_tx,
+            Some(close(CloseCode::Away, "client went away")),
+        )
+        .await;
+        relay.finish_all(&mut self.inflight, Ended::ClientCancelled);
+        ControlFlow::Break(())
+    }
+
+    /// The upstream broke or stopped reading: the client is closed and
+    /// every response under way ends as `outcome`.
+    async fn upstream_gone(&mut self, relay: &Relay, outcome: Ended) -> ControlFlow<()> {
+        end(
+            &mut self.c_tx,
+            Some(close(CloseCode::Away, "upstream went away")),
+        )
+        .await;
+        relay.finish_all(&mut self.inflight, outcome);
+        ControlFlow::Break(())
+    }
+
+    async fn send_client(&mut self, relay: &Relay, m: Message) -> ControlFlow<()> {
+        match put(&mut self.c_tx, m, self.write_bound).await {
+            Put::Sent => ControlFlow::Continue(()),
+            _ => self.client_gone(relay).await,
+        }
+    }
+
+    async fn send_upstream(&mut self, relay: &Relay, m: Message) -> ControlFlow<()> {
+        match put(&mut self.u_tx, m, self.write_bound).await.failed() {
+            None => ControlFlow::Continue(()),
+            Some(outcome) => self.upstream_gone(relay, outcome).await,
+        }
+    }
+}
+
 impl Relay {
     async fn run<C, U>(self, client: WebSocketStream<C>, upstream: WebSocketStream<U>)
     where
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
         U: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     {
-        let (mut c_tx, mut c_rx) = client.split();
-        let (mut u_tx, mut u_rx) = upstream.split();
-        let idle = self.state.config.server.idle_timeout;
-        // A write to either side that has not gone out by then: that peer
-        // stopped reading.
-        let write_bound = idle;
-        // The responses under way, oldest first (a client may start one
-        // before the last ended).
-        let mut inflight: VecDeque<InFlight> = VecDeque::new();
-        let mut last_upstream = Instant::now();
-        let mut last_any = Instant::now();
+        let (c_tx, mut c_rx) = client.split();
+        let (u_tx, mut u_rx) = upstream.split();
+        let idle = self.state.server.idle_timeout;
+        let mut s = Sides {
+            c_tx,
+            u_tx,
+            inflight: VecDeque::new(),
+            last_upstream: Instant::now(),
+            last_any: Instant::now(),
+            model: String::new(),
+            write_bound: idle,
+        };
         // Nothing in flight and nothing either way this long: the socket is
         // closed (1001), so an idle or half-open one frees its slot.
-        let quiet = self.state.config.server.request_timeout;
-        let mut model = String::new();
+        let quiet = self.state.server.request_timeout;
         // Once shutdown starts with a response under way: it may finish
         // within the drain timeout, no longer.
         let mut drain_until: Option<Instant> = None;
         // Counted as in flight on the gate while a response is under way:
         // only an idle socket is closed to make room.
         let mut busy: Option<crate::connections::InFlight> = None;
+        let shutdown = &self.state.life.shutdown;
         loop {
-            match (&self.registered, inflight.is_empty(), busy.is_some()) {
+            match (&self.registered, s.inflight.is_empty(), busy.is_some()) {
                 (Some(r), false, false) => busy = Some(r.conn.begin()),
                 (_, true, true) => busy = None,
                 _ => {}
             }
-            let deadline = match inflight.is_empty() {
-                false => last_upstream + idle,
-                true => last_any + quiet,
+            let deadline = match s.inflight.is_empty() {
+                false => s.last_upstream + idle,
+                true => s.last_any + quiet,
             };
             let deadline = drain_until.map_or(deadline, |d| deadline.min(d));
-            tokio::select! {
-                m = c_rx.next() => {
-                    let m = match m {
-                        Some(Ok(m)) => m,
-                        // A frame that breaks the protocol, text that is not
-                        // UTF-8, a message over max_body_bytes: the client
-                        // hears why (1002, 1007, 1009); a client gone
-                        // nothing. The upstream socket is closed.
-                        Some(Err(e)) => {
-                            if let Some(frame) = violation(&e) {
-                                tracing::debug!(error = %e, "websocket client broke the protocol");
-                                end(&mut c_tx, Some(frame)).await;
-                            }
-                            end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                            self.finish_all(&mut inflight, Ended::ClientCancelled);
-                            break;
-                        }
-                        None => {
-                            end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                            self.finish_all(&mut inflight, Ended::ClientCancelled);
-                            break;
-                        }
-                    };
-                    let text = match m {
-                        // tungstenite answers a ping itself (once): neither
-                        // goes upstream, and neither is activity that keeps
-                        // a quiet socket open.
-                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => continue,
-                        Message::Close(frame) => {
-                            end(&mut u_tx, Some(Message::Close(frame))).await;
-                            // The reply to the client's close, queued by
-                            // tungstenite, goes out now.
-                            let _ = tokio::time::timeout(CLOSE_BOUND, c_tx.close()).await;
-                            self.finish_all(&mut inflight, Ended::ClientCancelled);
-                            break;
-                        }
-                        Message::Text(text) => text,
-                        // On a Responses socket a binary frame is an event
-                        // like any other when it is UTF-8 (lenient servers
-                        // read its bytes as JSON), refused when it is not.
-                        Message::Binary(bytes) if self.responses => match Utf8Bytes::try_from(bytes) {
-                            Ok(text) => text,
-                            Err(e) => {
-                                last_any = Instant::now();
-                                let why = format!("invalid UTF-8 at byte {}", e.valid_up_to());
-                                let refusal = self.refusal(VisorError::InvalidJson(why), None);
-                                if put(&mut c_tx, refusal, write_bound).await != Put::Sent {
-                                    end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                    self.finish_all(&mut inflight, Ended::ClientCancelled);
-                                    break;
-                                }
-                                continue;
-                            }
-                        },
-                        other => {
-                            last_any = Instant::now();
-                            if let Some(outcome) = put(&mut u_tx, other, write_bound).await.failed() {
-                                end(&mut c_tx, Some(close(CloseCode::Away, "upstream went away"))).await;
-                                self.finish_all(&mut inflight, outcome);
-                                break;
-                            }
-                            continue;
-                        }
-                    };
-                    last_any = Instant::now();
-                    // Activity: the socket is the last the gate would ask
-                    // to make room.
-                    if let Some(r) = &self.registered {
-                        drop(r.conn.begin());
-                    }
-                    let (out, started) = match self.client_event(text, &mut model).await {
-                        Ok(pair) => pair,
-                        // Refused (unreadable, or by the key): the client
-                        // hears why, the upstream nothing.
-                        Err(refusal) => {
-                            if put(&mut c_tx, refusal, write_bound).await != Put::Sent {
-                                end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                self.finish_all(&mut inflight, Ended::ClientCancelled);
-                                break;
-                            }
-                            continue;
-                        }
-                    };
-                    if let Some(f) = started {
-                        // The upstream's idle deadline starts with the first
-                        // response under way; while one is, only the
-                        // upstream's messages restart it.
-                        if inflight.is_empty() {
-                            last_upstream = Instant::now();
-                        }
-                        inflight.push_back(f);
-                    }
-                    if let Some(outcome) = put(&mut u_tx, out, write_bound).await.failed() {
-                        end(&mut c_tx, Some(close(CloseCode::Away, "upstream went away"))).await;
-                        self.finish_all(&mut inflight, outcome);
-                        break;
-                    }
-                }
-                m = u_rx.next() => {
-                    // Any message, a ping too, says the upstream is alive.
-                    last_upstream = Instant::now();
-                    match m {
-                        // Answered by tungstenite (pings), never relayed.
-                        Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
-                        Some(Ok(Message::Text(text))) => {
-                            last_any = last_upstream;
-                            // The key's tokens corrected by the usage before
-                            // the client hears the response is done.
-                            if let Some((i, estimate, used)) = self.server_event(text.as_str(), &mut inflight) {
-                                self.state.limits.correct(i, estimate, used).await;
-                            }
-                            if put(&mut c_tx, Message::Text(text), write_bound).await != Put::Sent {
-                                end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                self.finish_all(&mut inflight, Ended::ClientCancelled);
-                                break;
-                            }
-                        }
-                        Some(Ok(Message::Close(frame))) => {
-                            end(&mut c_tx, Some(Message::Close(frame))).await;
-                            end(&mut u_tx, None).await;
-                            self.finish_all(&mut inflight, Ended::Failed(UpstreamFailure::Reset));
-                            break;
-                        }
-                        Some(Ok(other)) => {
-                            last_any = last_upstream;
-                            if put(&mut c_tx, other, write_bound).await != Put::Sent {
-                                end(&mut u_tx, Some(close(CloseCode::Away, "client went away"))).await;
-                                self.finish_all(&mut inflight, Ended::ClientCancelled);
-                                break;
-                            }
-                        }
-                        Some(Err(_)) | None => {
-                            end(&mut c_tx, Some(close(CloseCode::Error, "upstream connection lost"))).await;
-                            self.finish_all(&mut inflight, Ended::Failed(UpstreamFailure::Reset));
-                            break;
-                        }
-                    }
-                }
+            let flow = tokio::select! {
+                m = c_rx.next() => self.client_message(&mut s, m).await,
+                m = u_rx.next() => self.upstream_message(&mut s, m).await,
                 // At max_connections, the gate asks the connection idle the
                 // longest to make room: this socket, with nothing under way.
-                () = shed_asked(self.registered.as_ref()), if inflight.is_empty() => {
-                    end(&mut c_tx, Some(close(CloseCode::Away, "connection limit reached: idle socket closed"))).await;
-                    end(&mut u_tx, Some(close(CloseCode::Away, "idle socket closed"))).await;
-                    break;
+                () = shed_asked(self.registered.as_ref()), if s.inflight.is_empty() => {
+                    end(&mut s.c_tx, Some(close(CloseCode::Away, "connection limit reached: idle socket closed"))).await;
+                    end(&mut s.u_tx, Some(close(CloseCode::Away, "idle socket closed"))).await;
+                    ControlFlow::Break(())
                 }
                 // Shutdown: closed once no response is under way (one that
                 // is finishes first).
-                () = self.state.shutdown.cancelled(), if inflight.is_empty() => {
-                    shut(&mut c_tx, &mut u_tx).await;
-                    break;
+                () = shutdown.cancelled(), if s.inflight.is_empty() => {
+                    shut(&mut s.c_tx, &mut s.u_tx).await;
+                    ControlFlow::Break(())
                 }
-                () = self.state.shutdown.cancelled(), if drain_until.is_none() => {
-                    drain_until = Some(Instant::now() + self.state.config.server.drain_timeout);
+                () = shutdown.cancelled(), if drain_until.is_none() => {
+                    drain_until = Some(Instant::now() + self.state.server.drain_timeout);
+                    ControlFlow::Continue(())
                 }
                 () = tokio::time::sleep_until(deadline), if drain_until.is_some_and(|d| d <= deadline) => {
-                    shut(&mut c_tx, &mut u_tx).await;
-                    self.finish_all(&mut inflight, Ended::ClientCancelled);
-                    break;
+                    shut(&mut s.c_tx, &mut s.u_tx).await;
+                    self.finish_all(&mut s.inflight, Ended::ClientCancelled);
+                    ControlFlow::Break(())
                 }
                 () = tokio::time::sleep_until(deadline), if drain_until.is_none_or(|d| d > deadline) => {
-                    let (code, why) = match inflight.is_empty() {
-                        false => (CloseCode::Error, "upstream idle timeout"),
-                        true => (CloseCode::Away, "idle socket closed"),
-                    };
-                    end(&mut c_tx, Some(close(code, why))).await;
-                    end(&mut u_tx, Some(close(CloseCode::Away, "idle timeout"))).await;
-                    self.finish_all(&mut inflight, Ended::Failed(UpstreamFailure::IdleTimeout));
-                    break;
+                    self.timed_out(&mut s).await
                 }
+            };
+            if flow.is_break() {
+                break;
             }
         }
         tracing::debug!(
@@ -870,6 +788,152 @@ impl Relay {
             duration_ms = self.started.elapsed().as_millis() as u64,
             "websocket closed"
         );
+    }
+
+    /// What the client sent: relayed, transformed or refused — or the
+    /// socket ends.
+    async fn client_message<CT, UT>(
+        &self,
+        s: &mut Sides<CT, UT>,
+        m: Option<Result<Message, WsError>>,
+    ) -> ControlFlow<()>
+    where
+        CT: futures_util::Sink<Message> + Unpin,
+        UT: futures_util::Sink<Message> + Unpin,
+    {
+        let m = match m {
+            Some(Ok(m)) => m,
+            // A frame that breaks the protocol, text that is not UTF-8, a
+            // message over max_body_bytes: the client hears why (1002,
+            // 1007, 1009); a client gone nothing. The upstream socket is
+            // closed.
+            Some(Err(e)) => {
+                if let Some(frame) = violation(&e) {
+                    tracing::debug!(error = %e, "websocket client broke the protocol");
+                    end(&mut s.c_tx, Some(frame)).await;
+                }
+                return s.client_gone(self).await;
+            }
+            None => return s.client_gone(self).await,
+        };
+        let text = match m {
+            // tungstenite answers a ping itself (once): neither goes
+            // upstream, and neither is activity that keeps a quiet socket
+            // open.
+            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => {
+                return ControlFlow::Continue(());
+            }
+            Message::Close(frame) => {
+                end(&mut s.u_tx, Some(Message::Close(frame))).await;
+                // The reply to the client's close, queued by tungstenite,
+                // goes out now.
+                let _ = tokio::time::timeout(CLOSE_BOUND, s.c_tx.close()).await;
+                self.finish_all(&mut s.inflight, Ended::ClientCancelled);
+                return ControlFlow::Break(());
+            }
+            Message::Text(text) => text,
+            // On a Responses socket a binary frame is an event like any
+            // other when it is UTF-8 (lenient servers read its bytes as
+            // JSON), refused when it is not.
+            Message::Binary(bytes) if self.responses => match Utf8Bytes::try_from(bytes) {
+                Ok(text) => text,
+                Err(e) => {
+                    s.last_any = Instant::now();
+                    let why = format!("invalid UTF-8 at byte {}", e.valid_up_to());
+                    let refusal = self.refusal(VisorError::InvalidJson(why), None);
+                    return s.send_client(self, refusal).await;
+                }
+            },
+            other => {
+                s.last_any = Instant::now();
+                return s.send_upstream(self, other).await;
+            }
+        };
+        s.last_any = Instant::now();
+        // Activity: the socket is the last the gate would ask to make room.
+        if let Some(r) = &self.registered {
+            drop(r.conn.begin());
+        }
+        let (out, started) = match self.client_event(text, &mut s.model).await {
+            Ok(pair) => pair,
+            // Refused (unreadable, or by the key): the client hears why, the
+            // upstream nothing.
+            Err(refusal) => return s.send_client(self, refusal).await,
+        };
+        if let Some(f) = started {
+            // The upstream's idle deadline starts with the first response
+            // under way; while one is, only the upstream's messages restart
+            // it.
+            if s.inflight.is_empty() {
+                s.last_upstream = Instant::now();
+            }
+            s.inflight.push_back(f);
+        }
+        s.send_upstream(self, out).await
+    }
+
+    /// What the upstream sent: relayed (a response's end counted) — or the
+    /// socket ends.
+    async fn upstream_message<CT, UT>(
+        &self,
+        s: &mut Sides<CT, UT>,
+        m: Option<Result<Message, WsError>>,
+    ) -> ControlFlow<()>
+    where
+        CT: futures_util::Sink<Message> + Unpin,
+        UT: futures_util::Sink<Message> + Unpin,
+    {
+        // Any message, a ping too, says the upstream is alive.
+        s.last_upstream = Instant::now();
+        match m {
+            // Answered by tungstenite (pings), never relayed.
+            Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {
+                ControlFlow::Continue(())
+            }
+            Some(Ok(Message::Text(text))) => {
+                s.last_any = s.last_upstream;
+                // The key's tokens corrected by the usage before the client
+                // hears the response is done.
+                if let Some((i, estimate, used)) = self.server_event(text.as_str(), &mut s.inflight)
+                {
+                    self.state.gate.limits.correct(i, estimate, used).await;
+                }
+                s.send_client(self, Message::Text(text)).await
+            }
+            Some(Ok(Message::Close(frame))) => {
+                end(&mut s.c_tx, Some(Message::Close(frame))).await;
+                end(&mut s.u_tx, None).await;
+                self.finish_all(&mut s.inflight, Ended::Failed(UpstreamFailure::Reset));
+                ControlFlow::Break(())
+            }
+            Some(Ok(other)) => {
+                s.last_any = s.last_upstream;
+                s.send_client(self, other).await
+            }
+            Some(Err(_)) | None => {
+                let lost = close(CloseCode::Error, "upstream connection lost");
+                end(&mut s.c_tx, Some(lost)).await;
+                self.finish_all(&mut s.inflight, Ended::Failed(UpstreamFailure::Reset));
+                ControlFlow::Break(())
+            }
+        }
+    }
+
+    /// The upstream was silent too long with a response under way, or the
+    /// socket was quiet too long with none: both sides closed.
+    async fn timed_out<CT, UT>(&self, s: &mut Sides<CT, UT>) -> ControlFlow<()>
+    where
+        CT: futures_util::Sink<Message> + Unpin,
+        UT: futures_util::Sink<Message> + Unpin,
+    {
+        let (code, why) = match s.inflight.is_empty() {
+            false => (CloseCode::Error, "upstream idle timeout"),
+            true => (CloseCode::Away, "idle socket closed"),
+        };
+        end(&mut s.c_tx, Some(close(code, why))).await;
+        end(&mut s.u_tx, Some(close(CloseCode::Away, "idle timeout"))).await;
+        self.finish_all(&mut s.inflight, Ended::Failed(UpstreamFailure::IdleTimeout));
+        ControlFlow::Break(())
     }
 
     /// A client event: transformed when it carries Responses input items;
@@ -944,18 +1008,20 @@ impl Relay {
         };
         let body = Bytes::from(text.clone());
         // An event is a request: read under its own deadline.
-        let deadline = Instant::now() + self.state.config.server.request_timeout;
-        let prepared = prepare::prepare_by(
-            &self.state,
-            Shape::Responses,
-            Some(model.as_str()),
-            body,
-            self.opts,
-            asker,
-            deadline,
-        )
-        .await
-        .map_err(|e| self.refusal(e, Some(model.as_str())))?;
+        let deadline = Instant::now() + self.state.server.request_timeout;
+        let prepared = self
+            .state
+            .rewrite
+            .prepare_by(
+                Shape::Responses,
+                Some(model.as_str()),
+                body,
+                self.opts,
+                asker,
+                deadline,
+            )
+            .await
+            .map_err(|e| self.refusal(e, Some(model.as_str())))?;
         if let Some(saving) = prepared.saving {
             let _ = saving.await;
         }
@@ -968,12 +1034,13 @@ impl Relay {
             && sent > estimate
             && let Some(verdict) = self
                 .state
+                .gate
                 .limits
                 .charge_more(i, sent - estimate, sent, None)
                 .await
         {
-            if let (Some(over), Some(k)) = (verdict.over, self.state.limits.key(i)) {
-                let e = super::forward::rate_limited(k, &verdict, over, sent);
+            if let (Some(over), Some(k)) = (verdict.over, self.state.gate.limits.key(i)) {
+                let e = super::admission::rate_limited(k, &verdict, over, sent);
                 return Err(self.refusal(e, Some(model.as_str())));
             }
             if let Some(f) = started.as_mut() {
@@ -998,12 +1065,12 @@ impl Relay {
     /// status and headers HTTP would have had, logged and counted like an
     /// HTTP refusal; the socket stays open.
     async fn admit(&self, i: usize, model: Option<&str>, estimate: u64) -> Result<(), Message> {
-        let restricted = self.state.limits.key(i).is_some_and(|k| !k.any_model);
+        let restricted = self.state.gate.limits.key(i).is_some_and(|k| !k.any_model);
         let verdict = match model {
             None if restricted => Err(VisorError::BadRequest(
                 "this key may use only some models: name the model in each response.create",
             )),
-            _ => super::forward::admit(&self.state, i, model, true, estimate).await,
+            _ => self.state.gate.admit(i, model, true, estimate).await,
         };
         verdict.map_err(|e| self.refusal(e, model))
     }
@@ -1016,7 +1083,9 @@ impl Relay {
         model: Option<&str>,
         estimate: u64,
     ) -> Result<(), Message> {
-        super::forward::admit(&self.state, i, model, false, estimate)
+        self.state
+            .gate
+            .admit(i, model, false, estimate)
             .await
             .map_err(|e| self.refusal(e, model))
     }
@@ -1091,7 +1160,7 @@ impl Relay {
                 if self.key.is_some()
                     && let Some(f) = inflight.iter_mut().find(|f| f.created)
                 {
-                    f.text_bytes += super::usage::text_bytes(text.as_bytes());
+                    f.text_bytes += crate::api::usage::text_bytes(text.as_bytes());
                 }
                 return None;
             }
@@ -1115,8 +1184,9 @@ impl Relay {
                 && completion > 0
             {
                 let (state, estimate) = (self.state.clone(), f.estimate);
-                self.state.tasks.spawn(async move {
+                self.state.life.tasks.spawn(async move {
                     state
+                        .gate
                         .limits
                         .correct(i, estimate, estimate + completion)
                         .await;

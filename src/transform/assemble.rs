@@ -175,10 +175,7 @@ impl Scan {
 
 /// One text part in the request's own shape.
 pub(super) fn text_part(shape: Shape, text: &str) -> Vec<u8> {
-    let ty = match shape {
-        Shape::Chat | Shape::Messages => "text",
-        Shape::Responses => "input_text",
-    };
+    let ty = shape.text_part_type();
     let mut out = Vec::with_capacity(text.len() + 32);
     out.extend_from_slice(b"{\"type\":\"");
     out.extend_from_slice(ty.as_bytes());

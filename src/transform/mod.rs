@@ -25,8 +25,6 @@ pub mod walk;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use serde::Serialize;
-
 use crate::artifacts::Artifact;
 use crate::config::{Dedup, Images};
 use placeholder::{Reason, placeholder};
@@ -36,29 +34,7 @@ pub use rules::{Fate, decide};
 use walk::Source;
 pub use walk::{DocFamily, Medium};
 
-/// The API shape of a transformed endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Shape {
-    /// `POST /v1/chat/completions`
-    Chat,
-    /// `POST /v1/responses`
-    Responses,
-    /// `POST /v1/messages` (Anthropic)
-    Messages,
-}
-
-impl Shape {
-    /// The shape of a path after `/v1`, for `POST`.
-    pub fn of_path(rest: &str) -> Option<Shape> {
-        match rest {
-            "/chat/completions" => Some(Shape::Chat),
-            "/responses" => Some(Shape::Responses),
-            "/messages" => Some(Shape::Messages),
-            _ => None,
-        }
-    }
-}
+pub use crate::api::Shape;
 
 /// What the transforms need to know about the request's model.
 #[derive(Debug, Clone, Copy)]
@@ -151,6 +127,18 @@ impl Rules {
                 min_lines: dedup.min_run_lines as usize,
                 min_bytes: dedup.min_run_bytes as usize,
             }),
+        }
+    }
+
+    /// These rules (built at load, for no model in particular) for a model
+    /// whose table row says `max_images`: the smaller cap wins. The same as
+    /// [`Rules::new`] with that model's cap.
+    pub fn for_model(self, model_max_images: Option<u32>) -> Rules {
+        Rules {
+            max_images: model_max_images
+                .map_or(self.max_images, |m| self.max_images.min(m as usize)),
+            hard_max_images: model_max_images.map(|m| m as usize),
+            ..self
         }
     }
 

@@ -394,10 +394,7 @@ pub struct Scan {
 
 /// Reads the request once and finds every image in it.
 pub fn scan(body: &[u8], shape: Shape) -> std::result::Result<Scan, Malformed> {
-    let items_key = match shape {
-        Shape::Chat | Shape::Messages => "messages",
-        Shape::Responses => "input",
-    };
+    let items_key = shape.items_key();
     let mut w = Walker {
         src: body,
         shape,

@@ -672,7 +672,7 @@ impl Visor {
     }
 
     pub fn data_dir(&self) -> PathBuf {
-        self.state.config.server.data_dir.clone()
+        self.state.server.data_dir.clone()
     }
 
     /// Begins the graceful shutdown.

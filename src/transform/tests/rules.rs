@@ -193,6 +193,16 @@ fn the_models_max_images_wins_when_smaller() {
         None
     );
     assert_eq!(Rules::new(&cfg.images, &cfg.dedup, None).dedup, None);
+    // The rules built once at load, narrowed per model, are the rules
+    // built for that model.
+    let at_load = Rules::new(&cfg.images, &cfg.dedup, None);
+    for cap in [None, Some(0), Some(2), Some(6), Some(50)] {
+        assert_eq!(
+            at_load.for_model(cap),
+            Rules::new(&cfg.images, &cfg.dedup, cap),
+            "{cap:?}"
+        );
+    }
 }
 
 #[test]

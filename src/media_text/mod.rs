@@ -1,5 +1,7 @@
-//! Documents and audio turned into text for a model that cannot take them:
-//! the async edge around the pure parts. A PDF or Office file is read
+//! What turns media into text, below the proxy: documents and audio for a
+//! model that cannot take them, and the calls that make the text (the
+//! describer and transcriber in [`describe`]). The async edge around the
+//! pure parts. A PDF or Office file is read
 //! ([`crate::media`], on the blocking pool), its pages that hold figures
 //! or no text are rendered and described, its embedded images described
 //! (the `[describer]`), and the whole text is kept under the document's
@@ -17,12 +19,69 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use crate::describe::{Credential, PROMPT_VERSION, describe};
+pub mod describe;
+
 use crate::media::{self, DocKind, Document, Limits};
+use crate::metrics::Metrics;
 use crate::transform::placeholder::{audio_text, document_header, unreadable};
 use crate::transform::{MediaJob, Medium, Payload, Subject, decode::sha256_hex, subject_key};
+use describe::{Credential, Describer, PROMPT_VERSION, describe};
 
-use super::AppState;
+/// The part that turns a request's documents and audio into text: the
+/// describer and transcriber it calls, and the `[documents]` bounds,
+/// resolved once at start.
+pub struct MediaText {
+    describer: Arc<Describer>,
+    transcriber: Arc<Describer>,
+    metrics: Arc<Metrics>,
+    /// `documents.max_pages_described`.
+    max_pages_described: usize,
+    /// `documents.max_document_chars` (see [`document_chars`]).
+    max_document_chars: usize,
+    /// `documents.max_request_chars` (see [`request_chars`]).
+    request_chars: usize,
+    /// The child reader, when `documents.isolate` finds one.
+    reader: Option<Worker>,
+    /// `documents.isolate`, for [`MediaText::reader_note`].
+    isolate: bool,
+}
+
+impl MediaText {
+    /// The part for `config`, calling `describer` and `transcriber`.
+    pub fn new(
+        config: &crate::config::Config,
+        describer: Arc<Describer>,
+        transcriber: Arc<Describer>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let documents = &config.documents;
+        Self {
+            describer,
+            transcriber,
+            metrics,
+            max_pages_described: documents.max_pages_described as usize,
+            max_document_chars: document_chars(documents),
+            request_chars: request_chars(config),
+            reader: reader(documents),
+            isolate: documents.isolate,
+        }
+    }
+
+    /// The describer (images, and the pages of documents).
+    pub fn describer(&self) -> &Arc<Describer> {
+        &self.describer
+    }
+
+    /// The transcriber (speech).
+    pub fn transcriber(&self) -> &Arc<Describer> {
+        &self.transcriber
+    }
+
+    /// How documents are read, for the start-up log line.
+    pub fn reader_note(&self) -> String {
+        reader_note(self.reader.as_ref(), self.isolate)
+    }
+}
 
 /// Pages are rendered for the describer at this resolution.
 const RENDER_DPI: f32 = 110.0;
@@ -77,10 +136,10 @@ pub struct Within {
 
 impl Within {
     /// No deadline; the configured per-request text budget.
-    pub fn unbounded_time(state: &AppState) -> Self {
+    pub fn unbounded_time(media: &MediaText) -> Self {
         Self {
             stop_at: None,
-            chars: request_chars(&state.config),
+            chars: media.request_chars,
         }
     }
 }
@@ -116,17 +175,17 @@ pub const OUT_OF_TIME: &str = "not read: out of time";
 /// one after another (a request takes at most one of the process's
 /// readers, so one request with many documents never starves the others).
 pub async fn make(
-    state: &Arc<AppState>,
+    media: &MediaText,
     jobs: Vec<MediaJob>,
     describe_pages: bool,
     creds: &Credentials,
 ) -> Vec<Made> {
     make_within(
-        state,
+        media,
         jobs,
         describe_pages,
         creds,
-        Within::unbounded_time(state),
+        Within::unbounded_time(media),
     )
     .await
 }
@@ -136,7 +195,7 @@ pub async fn make(
 /// of `within.chars` (in request order), and those after it is spent are
 /// not read.
 pub async fn make_within(
-    state: &Arc<AppState>,
+    media: &MediaText,
     jobs: Vec<MediaJob>,
     describe_pages: bool,
     creds: &Credentials,
@@ -147,7 +206,7 @@ pub async fn make_within(
         .partition(|j| matches!(j.medium, Medium::Audio { .. }));
     let heard = futures_util::future::join_all(audio.into_iter().map(|job| async {
         let (sha256, media_type) = (job.sha256.clone(), job.media_type.clone());
-        match until(within.stop_at, transcribe(state, job, &creds.transcriber)).await {
+        match until(within.stop_at, transcribe(media, job, &creds.transcriber)).await {
             Some(made) => made,
             None => Made {
                 text: Arc::from(unreadable(
@@ -179,7 +238,7 @@ pub async fn make_within(
                 continue;
             }
             let sha256 = job.sha256.clone();
-            let read = document(state, job.clone(), describe_pages, &creds.describer, within);
+            let read = document(media, job.clone(), describe_pages, &creds.describer, within);
             let Some(mut m) = until(within.stop_at, read).await else {
                 made.push(failed(job, name, OUT_OF_TIME));
                 continue;
@@ -206,7 +265,7 @@ pub async fn make_within(
         } else {
             "document"
         };
-        state
+        media
             .metrics
             .media
             .with_label_values(&[kind, m.action])
@@ -262,7 +321,7 @@ fn cut_document(text: String, max: usize, unread: bool) -> String {
     }
 }
 
-async fn transcribe(state: &Arc<AppState>, job: MediaJob, cred: &Credential) -> Made {
+async fn transcribe(media: &MediaText, job: MediaJob, cred: &Credential) -> Made {
     let subject = Subject {
         sha256: job.sha256.clone(),
         payload: Payload::Inline {
@@ -272,7 +331,7 @@ async fn transcribe(state: &Arc<AppState>, job: MediaJob, cred: &Credential) -> 
         lookup_only: false,
         query: None,
     };
-    let transcript = describe(&state.transcriber, vec![subject], cred).await;
+    let transcript = describe(&media.transcriber, vec![subject], cred).await;
     match transcript.into_iter().next() {
         Some((_, t)) => Made {
             text: Arc::from(audio_text(&job.sha256, &job.media_type, &t)),
@@ -333,7 +392,7 @@ struct Picture {
 }
 
 async fn document(
-    state: &Arc<AppState>,
+    media: &MediaText,
     job: MediaJob,
     describe_pages: bool,
     cred: &Credential,
@@ -343,23 +402,23 @@ async fn document(
         Medium::Document { name, .. } => name.clone(),
         _ => None,
     };
-    let max_described = state.config.documents.max_pages_described as usize;
-    let budget = if describe_pages { max_described } else { 0 };
-    let max_chars = document_chars(&state.config.documents);
-    let key = document_key(state, &job, budget, max_chars);
-    if let Some(text) = state.describer.cached(&key).await {
+    let budget = if describe_pages {
+        media.max_pages_described
+    } else {
+        0
+    };
+    let max_chars = media.max_document_chars;
+    let key = document_key(media, &job, budget, max_chars);
+    if let Some(text) = media.describer.cached(&key).await {
         return Made {
             sha256: job.sha256,
             text,
             action: "described",
         };
     }
-    let bytes = job.bytes.clone();
-    let media_type = job.media_type.clone();
-    let name2 = name.clone();
     // Rendering is skipped while the describer is backing off: nothing
     // would describe the pages.
-    let describer_up = !state.describer.is_backing_off();
+    let describer_up = !media.describer.is_backing_off();
     let wait = Instant::now() + READER_WAIT;
     let permit = match tokio::time::timeout_at(wait, readers().acquire()).await {
         Ok(Ok(permit)) => permit,
@@ -370,62 +429,20 @@ async fn document(
         _ => return failed(job, name, "could not be read: all readers busy"),
     };
     let ask = Ask {
-        media_type,
-        name: name2,
+        media_type: job.media_type.clone(),
+        name: name.clone(),
         budget,
         render: if describer_up { budget } else { 0 },
         max_chars,
     };
-    let read = match reader(&state.config.documents) {
-        Some(worker) => {
-            // The permit is held until the child is gone (a request
-            // dropped mid-read kills it: `kill_on_drop`).
-            let mut read = read_in_child(&worker, &ask, &bytes).await;
-            let pdf = DocKind::detect(Some(&ask.media_type), ask.name.as_deref(), &bytes)
-                == Some(DocKind::Pdf);
-            if let (Err(failed), true) = (&read, pdf && ask.render > 0) {
-                // Rendering is where a hostile PDF costs most: its text
-                // alone, the pages it would have rendered saying why not.
-                let failed = failed.clone();
-                let text_only = Ask { render: 0, ..ask };
-                read = read_in_child(&worker, &text_only, &bytes)
-                    .await
-                    .map(|mut r| {
-                        let unrendered = std::mem::take(&mut r.unseen);
-                        r.unrendered = unrendered
-                            .into_iter()
-                            .map(|p| (p, failed.why.clone()))
-                            .collect();
-                        // A limit of the file's own making is met again
-                        // next time: kept. A busy machine is not.
-                        r.transient = !failed.repeatable;
-                        r
-                    });
-            }
-            drop(permit);
-            read.map_err(|e| e.why)
-        }
-        None => {
-            let stop = Arc::new(AtomicBool::new(false));
-            let _stop_on_drop = StopOnDrop(stop.clone());
-            tokio::task::spawn_blocking(move || {
-                // Held by the read itself: a request dropped mid-read
-                // keeps its reader until the read notices.
-                let _permit = permit;
-                read(&bytes, &ask, &stop)
-            })
-            .await
-            .map_err(|_| "the reader stopped".to_owned())
-        }
-    };
-    let read = match read {
+    let read = match read_with(media.reader.as_ref(), permit, ask, job.bytes.clone()).await {
         Ok(read) => read,
         Err(why) => return failed(job, name, &format!("could not be read: {why}")),
     };
-    let doc = match read.doc {
+    let doc = match &read.doc {
         Ok(Content::Parsed(d)) => d,
         Ok(Content::Plain(text)) => {
-            let text = cut_document(plain(&job, name.as_deref(), &text), max_chars, false);
+            let text = cut_document(plain(&job, name.as_deref(), text), max_chars, false);
             return Made {
                 text: Arc::from(text),
                 sha256: job.sha256,
@@ -434,8 +451,97 @@ async fn document(
         }
         Err(e) => return failed(job, name, &format!("could not be read: {e}")),
     };
-    let subjects: Vec<Subject> = read
-        .pictures
+    let (mut notes, mut complete) =
+        describe_pictures(media, &job, &read.pictures, cred, within).await;
+    let (pages, pages_complete) = page_notes(media, &job, &read).await;
+    notes.extend(pages);
+    complete &= pages_complete && !read.transient;
+    let unit = read.kind.map_or("page", DocKind::unit);
+    let why_not = match describe_pages {
+        true => "over documents.max_pages_described",
+        false => "images.non_vision = \"strip\"",
+    };
+    let unread = doc.stopped.as_deref() == Some(media::TEXT_BUDGET);
+    let text = compose(
+        &job,
+        name.as_deref(),
+        doc,
+        unit,
+        &notes,
+        &read.pictures,
+        why_not,
+    );
+    let text: Arc<str> = Arc::from(cut_document(text, max_chars, unread));
+    if complete {
+        media.describer.remember(&key, text.clone()).await;
+    }
+    Made {
+        sha256: job.sha256,
+        text,
+        action: "described",
+    }
+}
+
+/// Reads a document: in a child process when there is a `worker`, else on
+/// the blocking pool; `permit` (one of the process's readers) is held until
+/// the read is over.
+async fn read_with(
+    worker: Option<&Worker>,
+    permit: tokio::sync::SemaphorePermit<'static>,
+    ask: Ask,
+    bytes: bytes::Bytes,
+) -> Result<Read, String> {
+    let Some(worker) = worker else {
+        let stop = Arc::new(AtomicBool::new(false));
+        let _stop_on_drop = StopOnDrop(stop.clone());
+        return tokio::task::spawn_blocking(move || {
+            // Held by the read itself: a request dropped mid-read keeps its
+            // reader until the read notices.
+            let _permit = permit;
+            read(&bytes, &ask, &stop)
+        })
+        .await
+        .map_err(|_| "the reader stopped".to_owned());
+    };
+    // The permit is held until the child is gone (a request dropped
+    // mid-read kills it: `kill_on_drop`).
+    let mut read = read_in_child(worker, &ask, &bytes).await;
+    let pdf =
+        DocKind::detect(Some(&ask.media_type), ask.name.as_deref(), &bytes) == Some(DocKind::Pdf);
+    if let (Err(failed), true) = (&read, pdf && ask.render > 0) {
+        // Rendering is where a hostile PDF costs most: its text alone, the
+        // pages it would have rendered saying why not.
+        let failed = failed.clone();
+        let text_only = Ask { render: 0, ..ask };
+        read = read_in_child(worker, &text_only, &bytes)
+            .await
+            .map(|mut r| {
+                let unrendered = std::mem::take(&mut r.unseen);
+                r.unrendered = unrendered
+                    .into_iter()
+                    .map(|p| (p, failed.why.clone()))
+                    .collect();
+                // A limit of the file's own making is met again next time:
+                // kept. A busy machine is not.
+                r.transient = !failed.repeatable;
+                r
+            });
+    }
+    drop(permit);
+    read.map_err(|e| e.why)
+}
+
+/// A line for each picture a document's read gave (a rendered page, an
+/// embedded image): its description, or why it has none; false when one
+/// has none (the text is then not kept: next time it may be described).
+async fn describe_pictures(
+    media: &MediaText,
+    job: &MediaJob,
+    pictures: &[Picture],
+    cred: &Credential,
+    within: Within,
+) -> (Vec<(usize, String)>, bool) {
+    let subjects: Vec<Subject> = pictures
         .iter()
         .map(|p| Subject {
             sha256: picture_sha(&job.sha256, p),
@@ -447,12 +553,11 @@ async fn document(
             query: job.query.clone(),
         })
         .collect();
-    // Pages still undescribed at the request's deadline say so (and the
-    // text is not kept: next time they may be described).
+    // Pages still undescribed at the request's deadline say so.
     let mut late = false;
     let descriptions = match subjects.is_empty() {
         true => Vec::new(),
-        false => match until(within.stop_at, describe(&state.describer, subjects, cred)).await {
+        false => match until(within.stop_at, describe(&media.describer, subjects, cred)).await {
             Some(d) => d,
             None => {
                 late = true;
@@ -472,20 +577,30 @@ async fn document(
             .map(|(_, d)| d.clone())
     };
     let mut complete = true;
-    let mut notes: Vec<(usize, String)> = Vec::new();
-    for p in &read.pictures {
+    let mut notes = Vec::with_capacity(pictures.len());
+    for p in pictures {
         match described(p) {
             Some(d) => notes.push((p.page, format!("[{} described: {}]", p.label, one_line(&d)))),
             None => {
                 complete = false;
-                notes.push((
-                    p.page,
-                    format!("[{}: not described, {unavailable}]", p.label),
-                ));
+                let note = format!("[{}: not described, {unavailable}]", p.label);
+                notes.push((p.page, note));
             }
         }
     }
-    complete &= !read.transient;
+    (notes, complete)
+}
+
+/// A line for each page that needed a look and was not rendered: why it
+/// could not be, or (the describer backing off) its description from an
+/// earlier turn; false when one has neither.
+async fn page_notes(
+    media: &MediaText,
+    job: &MediaJob,
+    read: &Read,
+) -> (Vec<(usize, String)>, bool) {
+    let mut complete = true;
+    let mut notes = Vec::new();
     for (page, why) in &read.unrendered {
         // (A page stopped by a budget is kept as read, like the rest of
         // the document: later turns then send the same text, and do not
@@ -497,10 +612,8 @@ async fn document(
         ));
     }
     for &page in &read.unseen {
-        // Not rendered (the describer is backing off), but described on
-        // an earlier turn: that description, as it was.
         let id = subject_key(&format!("{}.p{page}", job.sha256), job.query.as_deref());
-        match state.describer.cached(&state.describer.key(&id)).await {
+        match media.describer.cached(&media.describer.key(&id)).await {
             Some(d) => notes.push((page, format!("[page {page} described: {}]", one_line(&d)))),
             None => {
                 complete = false;
@@ -511,30 +624,7 @@ async fn document(
             }
         }
     }
-    let unit = read.kind.map_or("page", DocKind::unit);
-    let why_not = match describe_pages {
-        true => "over documents.max_pages_described",
-        false => "images.non_vision = \"strip\"",
-    };
-    let unread = doc.stopped.as_deref() == Some(media::TEXT_BUDGET);
-    let text = compose(
-        &job,
-        name.as_deref(),
-        &doc,
-        unit,
-        &notes,
-        &read.pictures,
-        why_not,
-    );
-    let text: Arc<str> = Arc::from(cut_document(text, max_chars, unread));
-    if complete {
-        state.describer.remember(&key, text.clone()).await;
-    }
-    Made {
-        sha256: job.sha256,
-        text,
-        action: "described",
-    }
+    (notes, complete)
 }
 
 /// The text of a document without descriptions (`visor explain`, which
@@ -678,16 +768,16 @@ fn reader(cfg: &crate::config::Documents) -> Option<Worker> {
     })
 }
 
-/// How documents are read, for the start-up log line.
-pub fn reader_note(cfg: &crate::config::Documents) -> String {
-    match reader(cfg) {
+/// How documents are read: by `reader`, else on threads.
+fn reader_note(reader: Option<&Worker>, isolate: bool) -> String {
+    match reader {
         Some(w) => format!(
             "in a child process ({}, {} MiB, {} s of CPU)",
             w.binary.display(),
             w.memory_mib,
             w.cpu_secs
         ),
-        None if cfg.isolate => {
+        None if isolate => {
             "on threads of this process (isolate = true, but this executable is not visor: set documents.reader_binary)".to_owned()
         }
         None => "on threads of this process (isolate = false)".to_owned(),
@@ -864,8 +954,8 @@ pub fn worker_main(memory_mib: u64, cpu_secs: u64) -> std::process::ExitCode {
 /// The key a document's whole text is kept under: its hash, the reader's
 /// version, the describer model and prompt, how many pages may be
 /// described, and the query.
-fn document_key(state: &AppState, job: &MediaJob, budget: usize, max_chars: usize) -> String {
-    let d = &state.describer;
+fn document_key(media: &MediaText, job: &MediaJob, budget: usize, max_chars: usize) -> String {
+    let d = &media.describer;
     let q = subject_key("", job.query.as_deref());
     // The text's header names the file and its type: the same bytes under
     // another name or type are another text.

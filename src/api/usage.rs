@@ -15,6 +15,8 @@
 //! `cache_read_input_tokens` and `cache_creation_input_tokens`.
 
 use bytes::Bytes;
+
+use super::sse::{self, Lines};
 use serde::Deserialize;
 
 const MAX_JSON: usize = 4 * 1024 * 1024;
@@ -140,7 +142,7 @@ pub enum UsageObserver {
         len: usize,
     },
     Sse {
-        partial: Vec<u8>,
+        lines: Lines,
         usage: Usage,
     },
 }
@@ -160,7 +162,7 @@ impl UsageObserver {
             .unwrap_or_default();
         if contains(ct, b"text/event-stream") {
             UsageObserver::Sse {
-                partial: Vec::new(),
+                lines: Lines::bounded(MAX_LINE),
                 usage: Usage::default(),
             }
         } else if contains(ct, b"json") {
@@ -184,26 +186,8 @@ impl UsageObserver {
                     chunks.push(data.clone());
                 }
             }
-            UsageObserver::Sse { partial, usage } => {
-                let mut rest: &[u8] = data;
-                while let Some(nl) = memchr::memchr(b'\n', rest) {
-                    let line = &rest[..nl];
-                    if partial.is_empty() {
-                        sse_line(line, usage);
-                    } else {
-                        partial.extend_from_slice(line);
-                        sse_line(partial, usage);
-                        partial.clear();
-                    }
-                    rest = &rest[nl + 1..];
-                }
-                if !rest.is_empty() {
-                    if partial.len() + rest.len() > MAX_LINE {
-                        partial.clear();
-                    } else {
-                        partial.extend_from_slice(rest);
-                    }
-                }
+            UsageObserver::Sse { lines, usage } => {
+                lines.feed(data, |line| sse_line(line, usage));
             }
         }
     }
@@ -228,8 +212,11 @@ impl UsageObserver {
                 }
                 usage
             }
-            UsageObserver::Sse { partial, mut usage } => {
-                sse_line(&partial, &mut usage);
+            UsageObserver::Sse {
+                mut lines,
+                mut usage,
+            } => {
+                sse_line(&lines.finish(), &mut usage);
                 usage
             }
         }
@@ -243,7 +230,7 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 /// Parses one SSE line if it is `data: {…"usage": {…}…}`; otherwise
 /// counts the generated text it carries.
 fn sse_line(line: &[u8], usage: &mut Usage) {
-    let Some(payload) = line.strip_prefix(b"data:") else {
+    let Some(payload) = sse::data(line) else {
         return;
     };
     let Some(at) = memchr::memmem::find(payload, b"\"usage\"") else {
@@ -289,7 +276,7 @@ fn repeats_text(payload: &[u8]) -> bool {
 /// keys streams carry text in (Chat `content` and tool `arguments`,
 /// Responses `delta`, Anthropic `text`, `partial_json` and `thinking`,
 /// reasoning), escapes counted as written.
-pub(super) fn text_bytes(payload: &[u8]) -> u64 {
+pub fn text_bytes(payload: &[u8]) -> u64 {
     if repeats_text(payload) {
         return 0;
     }

@@ -1,0 +1,237 @@
+//! The one edge every proxied request leaves by, HTTP or WebSocket: visor's
+//! own answers (a request that stopped before an upstream answer streams
+//! back) are logged and counted here, once, and the error's label is the
+//! metric label. An upstream answer that streams back is counted once when
+//! its body ends ([`super::body::Finish`]); one read whole and passed back
+//! ([`Edge::passed`]) and a WebSocket handshake an upstream refused
+//! ([`Edge::refused_upgrade`]) here.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response, header};
+use tokio::time::Instant;
+
+use super::body::ProxyBody;
+use super::headers::for_the_client;
+use crate::error::VisorError;
+use crate::failure::UpstreamFailure;
+use crate::metrics::{Metrics, NO_UPSTREAM};
+use crate::transform::Report;
+
+/// Why a request stops before an upstream answer streams back.
+pub enum Stop {
+    /// Refused by visor itself: counted with no upstream.
+    Refused(VisorError),
+    /// The upstream failed: the error and its `visor_upstream_errors_total`
+    /// kind; counted with the upstream.
+    Upstream(VisorError, UpstreamFailure),
+}
+
+impl From<VisorError> for Stop {
+    fn from(e: VisorError) -> Self {
+        Stop::Refused(e)
+    }
+}
+
+impl From<(VisorError, UpstreamFailure)> for Stop {
+    fn from((e, kind): (VisorError, UpstreamFailure)) -> Self {
+        Stop::Upstream(e, kind)
+    }
+}
+
+/// What the transforms did to a request, for the `x-visor-*` headers and the
+/// log line.
+#[derive(Clone, Copy)]
+pub struct Counts {
+    pub images_replaced: usize,
+    pub media_replaced: usize,
+    pub bytes_saved: i64,
+    pub history_used: usize,
+}
+
+impl Counts {
+    pub fn of(report: &Report) -> Self {
+        Counts {
+            images_replaced: report.images_replaced,
+            media_replaced: report.media_replaced,
+            bytes_saved: report.bytes_saved,
+            history_used: report.history_used,
+        }
+    }
+
+    /// The `x-visor-*` counts of a transformed endpoint.
+    pub fn write(self, headers: &mut HeaderMap) {
+        let num = |n: i64| HeaderValue::from(n);
+        headers.insert(
+            header::HeaderName::from_static("x-visor-images-replaced"),
+            num(self.images_replaced as i64),
+        );
+        headers.insert(
+            header::HeaderName::from_static("x-visor-media-replaced"),
+            num(self.media_replaced as i64),
+        );
+        headers.insert(
+            header::HeaderName::from_static("x-visor-bytes-saved"),
+            num(self.bytes_saved.max(0)),
+        );
+        headers.insert(
+            header::HeaderName::from_static("x-visor-history-used"),
+            num(self.history_used as i64),
+        );
+    }
+}
+
+/// Where visor's own answers to a proxied request leave: what the request
+/// became known as along its phases (model, upstream, transform counts),
+/// and the one place that logs and counts it.
+pub struct Edge<'a> {
+    metrics: &'a Metrics,
+    names: &'a [Arc<str>],
+    started: Instant,
+    /// Once routed: the upstream's name and the model's metric label.
+    routed: Option<(Arc<str>, String)>,
+    /// Once the body was read: the model's metric label (a request refused
+    /// for its model, 404 or 403, is counted under it).
+    model: Option<String>,
+    /// Once transformed: the `x-visor-*` counts.
+    counts: Option<Counts>,
+}
+
+impl<'a> Edge<'a> {
+    /// An edge for one request; `names`: the upstreams' names, by index.
+    pub fn new(metrics: &'a Metrics, names: &'a [Arc<str>]) -> Self {
+        Edge {
+            metrics,
+            names,
+            started: Instant::now(),
+            routed: None,
+            model: None,
+            counts: None,
+        }
+    }
+
+    pub fn model_read(&mut self, model: Option<&str>) {
+        if let Some(m) = model {
+            self.model = Some(self.metrics.model_label(m));
+        }
+    }
+
+    pub fn routed(&mut self, index: usize, model: Option<&str>) {
+        let name = self.names[index].clone();
+        let label = self.metrics.model_label(model.unwrap_or(""));
+        tracing::debug!(upstream = %name, model = %label, "routed");
+        self.routed = Some((name, label));
+    }
+
+    pub fn prepared(&mut self, counts: Option<Counts>) {
+        self.counts = counts;
+    }
+
+    /// The model's metric label (empty before routing).
+    pub fn model_label(&self) -> String {
+        self.routed
+            .as_ref()
+            .map(|(_, m)| m.clone())
+            .unwrap_or_default()
+    }
+
+    fn count(&self, status: http::StatusCode) {
+        let (upstream, model) = match &self.routed {
+            Some((u, m)) => (&**u, m.as_str()),
+            None => (NO_UPSTREAM, self.model.as_deref().unwrap_or("")),
+        };
+        self.metrics
+            .requests
+            .with_label_values(&[upstream, model, status.as_str()])
+            .inc();
+    }
+
+    /// Visor's answer to a request that stopped.
+    pub fn answer(self, stop: Stop) -> Response<ProxyBody> {
+        match stop {
+            Stop::Refused(e) => {
+                match &self.model {
+                    None => {
+                        tracing::info!(error = e.label(), status = e.status().as_u16(), "refused")
+                    }
+                    Some(model) => {
+                        tracing::info!(error = e.label(), status = e.status().as_u16(), model = %model, "refused")
+                    }
+                }
+                self.metrics
+                    .requests
+                    .with_label_values(&[
+                        NO_UPSTREAM,
+                        self.model.as_deref().unwrap_or(""),
+                        e.status().as_str(),
+                    ])
+                    .inc();
+                e.into_response()
+            }
+            Stop::Upstream(e, kind) => {
+                let upstream = self.routed.as_ref().map_or("", |(u, _)| &**u);
+                self.metrics.upstream_error(upstream, kind.label());
+                self.count(e.status());
+                let counts = self.counts;
+                tracing::warn!(
+                    upstream = %upstream,
+                    error = e.label(),
+                    kind = kind.label(),
+                    images_replaced = counts.map_or(0, |c| c.images_replaced),
+                    media_replaced = counts.map_or(0, |c| c.media_replaced),
+                    bytes_saved = counts.map_or(0, |c| c.bytes_saved),
+                    "upstream request failed"
+                );
+                let mut resp = e.into_response();
+                if let Some(c) = counts {
+                    c.write(resp.headers_mut());
+                }
+                resp
+            }
+        }
+    }
+
+    /// An upstream 4xx read whole to look for an image refusal, and passed
+    /// back as it was.
+    pub fn passed(&self, mut head: http::response::Parts, body: Bytes) -> Response<ProxyBody> {
+        for_the_client(&mut head);
+        if let Some(c) = self.counts {
+            c.write(&mut head.headers);
+        }
+        self.count(head.status);
+        if let Some((upstream, _)) = &self.routed {
+            self.metrics
+                .request_duration
+                .with_label_values(&[&**upstream])
+                .observe(self.started.elapsed().as_secs_f64());
+        }
+        Response::from_parts(head, ProxyBody::from(body))
+    }
+
+    /// A WebSocket handshake the upstream refused (401, 404, 426…): its
+    /// status, `Content-Type`, `Retry-After` and body, counted at the
+    /// upstream.
+    pub fn refused_upgrade(
+        &self,
+        head: &http::response::Parts,
+        body: Bytes,
+    ) -> Response<ProxyBody> {
+        let mut out = Response::new(ProxyBody::from(body));
+        *out.status_mut() = head.status;
+        for h in [header::CONTENT_TYPE, header::RETRY_AFTER] {
+            if let Some(v) = head.headers.get(&h) {
+                out.headers_mut().insert(h, v.clone());
+            }
+        }
+        self.count(head.status);
+        out
+    }
+}
+
+/// Visor's answer to a request refused before anything was known of it (a
+/// bad target, a visor endpoint's error): logged and counted with no
+/// upstream, in the OpenAI error shape.
+pub fn refuse(metrics: &Metrics, e: VisorError) -> Response<ProxyBody> {
+    Edge::new(metrics, &[]).answer(Stop::Refused(e))
+}
