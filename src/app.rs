@@ -119,14 +119,10 @@ fn rewriter(
     Ok(Rewriter {
         models,
         rules: Rules::new(&config.images, &config.dedup, None),
-        describes: config.non_vision == crate::config::NonVision::Describe,
+        describes: config.images.non_vision == crate::config::NonVision::Describe,
         query_aware: config.describer.query_aware,
-        refusal_phrases: config
-            .images
-            .refusal_phrases
-            .iter()
-            .map(|p| p.to_lowercase())
-            .collect(),
+        // Lower case already (config's images section).
+        refusal_phrases: config.images.refusal_phrases.clone(),
         artifacts: Artifacts::new(config.artifacts_dir()),
         proxy_keys_set: gate.keys.is_set(),
         request_timeout: config.server.request_timeout,
@@ -144,7 +140,7 @@ fn gate(config: &Config, store: Arc<Store>, metrics: Arc<Metrics>) -> Gate {
         &config
             .keys
             .iter()
-            .map(|(_, k)| k.as_ref())
+            .map(|k| k.key.as_ref())
             .collect::<Vec<_>>(),
     );
     // Every key's context series exist from the start (at 0), so the
@@ -152,7 +148,7 @@ fn gate(config: &Config, store: Arc<Store>, metrics: Arc<Metrics>) -> Gate {
     for name in config
         .keys
         .iter()
-        .map(|(k, _)| k.name.as_str())
+        .map(|k| k.name.as_str())
         .chain(["api_keys", "none"])
     {
         metrics.context_resent.with_label_values(&[name]);
@@ -160,14 +156,18 @@ fn gate(config: &Config, store: Arc<Store>, metrics: Arc<Metrics>) -> Gate {
         metrics.context_long.with_label_values(&[name]);
     }
     let limits = Limiter::new(
-        config.keys.iter().map(|(k, _)| k.clone()).collect(),
+        config
+            .keys
+            .iter()
+            .map(crate::limits::KeyLimits::from)
+            .collect(),
         store,
         metrics.clone(),
     );
     Gate {
         keys: Arc::new(keys),
         limits,
-        keyless: config.keys.iter().position(|(_, k)| k.is_none()),
+        keyless: config.keys.iter().position(|k| k.key.is_none()),
         max_depth: config.sessions.max_depth as usize,
         metrics,
     }

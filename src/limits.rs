@@ -43,6 +43,19 @@ pub struct KeyLimits {
     pub any_model: bool,
 }
 
+impl From<&crate::config::Key> for KeyLimits {
+    /// The limits and models of a `[[key]]` as the config checked them.
+    fn from(k: &crate::config::Key) -> Self {
+        Self {
+            name: k.name.clone(),
+            requests_per_minute: k.requests_per_minute,
+            tokens_per_minute: k.tokens_per_minute,
+            models: k.matcher.clone(),
+            any_model: k.any_model,
+        }
+    }
+}
+
 impl KeyLimits {
     pub fn allows(&self, model: &str) -> bool {
         self.models.is_match(model.to_ascii_lowercase())

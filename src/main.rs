@@ -22,6 +22,7 @@ macro_rules! out {
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::sync::Arc;
+use std::time::Duration;
 use visor::config::{Config, StoreBackend};
 
 use visor::media_text::describe::{PROMPT_VERSION, description_key};
@@ -328,6 +329,12 @@ fn caps_text(c: &Caps) -> String {
     )
 }
 
+/// A duration in seconds as its config key was written (`1.14`, `20`):
+/// exact to the nanosecond the key is kept in.
+fn secs(d: Duration) -> f64 {
+    d.as_nanos() as f64 / 1e9
+}
+
 fn check(source: &Source, model: Option<&str>, strict: bool) -> ExitCode {
     let Some(cfg) = load(source) else {
         return ExitCode::FAILURE;
@@ -388,11 +395,7 @@ fn print_keys(cfg: &Config) -> usize {
     let s = &cfg.server;
     // Proxy keys: `server.api_keys` and every `[[key]]` with a key. With
     // any, a client's own provider key is not forwarded but refused (401).
-    let entry_keys = cfg
-        .keys
-        .iter()
-        .filter(|(_, secret)| secret.is_some())
-        .count();
+    let entry_keys = cfg.keys.iter().filter(|k| k.key.is_some()).count();
     let proxy_keys = s.api_keys.len() + entry_keys;
     if proxy_keys == 0 {
         out!("proxy keys: none (clients' own Authorization / x-api-key are forwarded)");
@@ -402,12 +405,12 @@ fn print_keys(cfg: &Config) -> usize {
             s.api_keys.len()
         );
     }
-    for (k, secret) in &cfg.keys {
+    for k in &cfg.keys {
         let per = |v: Option<u64>| v.map_or("no limit".to_owned(), |n| n.to_string());
         out!(
             "key {:?}: {}, requests/min {}, tokens/min {}",
             k.name,
-            match secret {
+            match k.key {
                 Some(_) => "clients send its key",
                 None => "requests without a key",
             },
@@ -522,7 +525,7 @@ fn print_media(cfg: &Config) {
     out!(
         "describer: model {} on upstream {describer_upstream}, prompt v{PROMPT_VERSION}, timeout {}s, concurrency {}, on_miss={}, query_aware={}",
         d.model,
-        d.timeout_secs,
+        secs(d.timeout),
         d.concurrency,
         d.on_miss,
         d.query_aware
@@ -535,7 +538,7 @@ fn print_media(cfg: &Config) {
             .clone()
             .or_else(|| cfg.upstreams.first().map(|u| u.name.clone()))
             .unwrap_or_default(),
-        t.timeout_secs,
+        secs(t.timeout),
         t.concurrency
     );
     out!(
@@ -676,7 +679,7 @@ fn explain_plan(cfg: &Config, shape: Shape, resolved: &Resolved) -> Plan {
     Plan {
         shape,
         vision: resolved.vision,
-        describe: cfg.non_vision == visor::config::NonVision::Describe,
+        describe: cfg.images.non_vision == visor::config::NonVision::Describe,
         rules: visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
         takes: Takes {
             pdf: resolved.pdf,

@@ -25,7 +25,7 @@ use std::sync::RwLock;
 use globset::{GlobSet, GlobSetBuilder};
 use serde::Deserialize;
 
-use crate::config::{RawModel, model_glob};
+use crate::config::{Model, RawModel};
 
 /// The built-in table, compiled in.
 const BUILT_IN: &str = include_str!("../config/models.toml");
@@ -42,7 +42,7 @@ pub struct Caps {
 }
 
 impl Caps {
-    fn from_raw(m: &RawModel) -> Self {
+    fn of_row(m: &Model) -> Self {
         Self {
             vision: m.vision,
             audio: m.audio,
@@ -114,8 +114,6 @@ impl Resolved {
 pub enum TableError {
     #[error("built-in model table: {0}")]
     BuiltIn(String),
-    #[error("model[{0}].match: {1:?} — not a valid glob")]
-    Glob(usize, String),
 }
 
 struct Layer {
@@ -125,14 +123,15 @@ struct Layer {
 }
 
 impl Layer {
-    fn new(rows: &[RawModel]) -> Result<Self, TableError> {
+    /// The rows' globs, built at load, in one set.
+    fn new(rows: &[Model]) -> Result<Self, TableError> {
         let mut b = GlobSetBuilder::new();
-        for (i, r) in rows.iter().enumerate() {
-            b.add(model_glob(&r.pattern).map_err(|_| TableError::Glob(i, r.pattern.clone()))?);
+        for r in rows {
+            b.add(r.glob.clone());
         }
         Ok(Self {
             patterns: rows.iter().map(|r| r.pattern.clone()).collect(),
-            caps: rows.iter().map(Caps::from_raw).collect(),
+            caps: rows.iter().map(Caps::of_row).collect(),
             set: b
                 .build()
                 .map_err(|e| TableError::BuiltIn(format!("glob set: {e}")))?,
@@ -307,12 +306,22 @@ struct BuiltInFile {
 }
 
 impl ModelTable {
-    pub fn new(user: &[RawModel], learned: Learned) -> Result<Self, TableError> {
+    pub fn new(user: &[Model], learned: Learned) -> Result<Self, TableError> {
         let file: BuiltInFile =
             toml::from_str(BUILT_IN).map_err(|e| TableError::BuiltIn(e.to_string()))?;
+        let builtin = file
+            .model
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let pattern = r.pattern.clone();
+                Model::new(r)
+                    .map_err(|e| TableError::BuiltIn(format!("row {i} match = {pattern:?}: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             user: Layer::new(user)?,
-            builtin: Layer::new(&file.model)?,
+            builtin: Layer::new(&builtin)?,
             learned,
             cache: RwLock::new(HashMap::new()),
         })
@@ -612,6 +621,12 @@ mod tests {
         assert_eq!(normalise(""), "");
     }
 
+    /// `config/models.toml` parses, every row's glob builds.
+    #[test]
+    fn built_in_table_loads_whole() {
+        assert!(table().builtin_len() > 200);
+    }
+
     /// Known answers both ways, through provider prefixes and date suffixes.
     #[test]
     fn built_in_table_known_answers() {
@@ -748,7 +763,7 @@ mod tests {
         let r = table().resolve("qwen2.5vl:7b", None);
         assert!(r.vision);
         assert_eq!(r.vision_from, Source::Marker("vl"));
-        let user = [RawModel {
+        let user = [Model::new(RawModel {
             pattern: "qwen2.5vl*".into(),
             vision: Some(false),
             audio: None,
@@ -756,7 +771,8 @@ mod tests {
             office: None,
             max_images: None,
             context_window: None,
-        }];
+        })
+        .unwrap()];
         let t = ModelTable::new(&user, Learned::default()).unwrap();
         assert!(!t.resolve("qwen2.5vl:7b", None).vision);
     }
@@ -954,6 +970,7 @@ mod tests {
                 context_window: None,
             },
         ];
+        let user: Vec<Model> = user.into_iter().map(|r| Model::new(r).unwrap()).collect();
         let t = ModelTable::new(&user, Learned::default()).unwrap();
         let r = t.resolve("openrouter/openai/gpt-4o-2024-08-06", None);
         assert!(!r.vision);

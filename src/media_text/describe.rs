@@ -80,7 +80,7 @@ struct Service<'a> {
     job: Job,
     upstream: Option<&'a str>,
     model: &'a str,
-    timeout_secs: f64,
+    timeout: Duration,
     concurrency: u32,
     in_background: bool,
 }
@@ -248,9 +248,9 @@ impl Describer {
             job: Job::Describe,
             upstream: d.upstream.as_deref(),
             model: &d.model,
-            timeout_secs: d.timeout_secs,
+            timeout: d.timeout,
             concurrency: d.concurrency,
-            in_background: config.on_miss == crate::config::OnMiss::Placeholder,
+            in_background: d.on_miss == crate::config::OnMiss::Placeholder,
         };
         Self::with(service, config, upstreams, store, metrics)
     }
@@ -268,7 +268,7 @@ impl Describer {
             job: Job::Transcribe,
             upstream: t.upstream.as_deref(),
             model: &t.model,
-            timeout_secs: t.timeout_secs,
+            timeout: t.timeout,
             concurrency: t.concurrency,
             in_background: false,
         };
@@ -304,7 +304,7 @@ impl Describer {
             store,
             metrics,
             model: service.model.to_owned(),
-            timeout: Duration::from_secs_f64(service.timeout_secs),
+            timeout: service.timeout,
             in_background: service.in_background,
             calls: Semaphore::new(service.concurrency.max(1) as usize),
             cache,

@@ -727,7 +727,7 @@ pub const DEFAULT_DOCUMENT_CHARS: u64 = 150_000;
 
 /// `documents.max_document_chars`: the most characters one document's
 /// text is (header and notes included); its reader stops there.
-pub fn document_chars(cfg: &crate::config::RawDocuments) -> usize {
+pub fn document_chars(cfg: &crate::config::Documents) -> usize {
     usize::try_from(cfg.max_document_chars).unwrap_or(usize::MAX)
 }
 
@@ -743,7 +743,7 @@ struct Worker {
 /// visor's (named `visor…`; on Linux by `/proc/self/exe`, the same file even
 /// after an upgrade replaced it on disk). A test harness or a bench that
 /// embeds the library reads on a thread unless it names the binary.
-fn reader(cfg: &crate::config::RawDocuments) -> Option<Worker> {
+fn reader(cfg: &crate::config::Documents) -> Option<Worker> {
     if !cfg.isolate {
         return None;
     }

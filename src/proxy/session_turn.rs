@@ -99,7 +99,7 @@ pub struct Sessions {
 
 impl Sessions {
     pub fn new(
-        settings: &crate::config::RawSessions,
+        settings: &crate::config::Sessions,
         store: Arc<Store>,
         keys: Arc<ProxyKeys>,
         metrics: Arc<Metrics>,
@@ -112,7 +112,7 @@ impl Sessions {
             tasks,
             default_depth: settings.default_depth as usize,
             max_depth: settings.max_depth as usize,
-            ttl: Duration::from_secs(settings.idle_ttl_secs),
+            ttl: settings.idle_ttl,
         }
     }
 

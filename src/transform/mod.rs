@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::artifacts::Artifact;
-use crate::config::{RawDedup, RawImages};
+use crate::config::{Dedup, Images};
 use placeholder::{Reason, placeholder};
 use report::{Action, note};
 pub use report::{ImageNote, Report};
@@ -115,7 +115,7 @@ impl Rules {
 
     /// The rules of the `[images]` and `[dedup]` sections, for a model
     /// whose table row says `max_images` (the smaller cap wins).
-    pub fn new(images: &RawImages, dedup: &RawDedup, model_max_images: Option<u32>) -> Rules {
+    pub fn new(images: &Images, dedup: &Dedup, model_max_images: Option<u32>) -> Rules {
         let cap = images.max_per_request as usize;
         Rules {
             keep_turns: images.keep_turns as usize,

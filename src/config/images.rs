@@ -1,0 +1,161 @@
+//! `[images]`: what becomes of images — replaced for models that cannot
+//! see them, aged out, capped, deduplicated — and the phrases that say a
+//! model takes none.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use super::Problems;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawImages {
+    #[serde(default = "default_non_vision")]
+    pub non_vision: String,
+    #[serde(default = "default_keep_turns")]
+    pub keep_turns: u32,
+    #[serde(default = "default_max_per_request")]
+    pub max_per_request: u32,
+    #[serde(default = "default_true")]
+    pub dedupe: bool,
+    /// The provider bills a re-sent prompt prefix at about a tenth (OpenAI,
+    /// Anthropic, DeepSeek, vLLM prefix caching): an image already sent is
+    /// aged out or capped only when that makes the request cheaper. False:
+    /// every input token costs the same each turn, so ageing always pays.
+    #[serde(default = "default_true")]
+    pub prompt_cache: bool,
+    #[serde(default)]
+    pub artifacts_dir: Option<String>,
+    /// Phrases (case-insensitive) that mark an upstream's 4xx answer as
+    /// "this model does not take images": visor then retries once with the
+    /// images replaced and learns the model.
+    #[serde(default = "default_refusal_phrases")]
+    pub refusal_phrases: Vec<String>,
+}
+
+impl Default for RawImages {
+    fn default() -> Self {
+        Self {
+            non_vision: default_non_vision(),
+            keep_turns: default_keep_turns(),
+            max_per_request: default_max_per_request(),
+            dedupe: true,
+            prompt_cache: true,
+            artifacts_dir: None,
+            refusal_phrases: default_refusal_phrases(),
+        }
+    }
+}
+
+/// How providers and servers say "no images for this model" (OpenAI, vLLM,
+/// DeepSeek, OpenRouter, Ollama, LiteLLM, llama.cpp, TGI phrasings).
+pub fn default_refusal_phrases() -> Vec<String> {
+    [
+        "image_url is only supported by certain models",
+        "does not support image",
+        "doesn't support image",
+        "image input is not supported",
+        "image inputs are not supported",
+        "images are not supported",
+        "image content is not supported",
+        "does not support vision",
+        "vision is not supported",
+        "not a multimodal model",
+        "does not support multimodal",
+        "multimodal input is not supported",
+        "unknown variant `image_url`",
+        "unknown variant `image`",
+        "no endpoints found that support image input",
+        "image input not supported",
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect()
+}
+
+fn default_non_vision() -> String {
+    "describe".to_owned()
+}
+fn default_keep_turns() -> u32 {
+    2
+}
+fn default_max_per_request() -> u32 {
+    10
+}
+fn default_true() -> bool {
+    true
+}
+
+/// What replaces an image a model cannot see (`images.non_vision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NonVision {
+    /// A description by the `[describer]` model.
+    Describe,
+    /// A placeholder.
+    Strip,
+}
+
+impl fmt::Display for NonVision {
+    /// As written in the config.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            NonVision::Describe => "describe",
+            NonVision::Strip => "strip",
+        })
+    }
+}
+
+/// `[images]`, checked.
+#[derive(Debug, Clone)]
+pub struct Images {
+    pub non_vision: NonVision,
+    pub keep_turns: u32,
+    pub max_per_request: u32,
+    pub dedupe: bool,
+    /// See [`RawImages::prompt_cache`].
+    pub prompt_cache: bool,
+    pub artifacts_dir: Option<PathBuf>,
+    /// See [`RawImages::refusal_phrases`]; lower case, matched against an
+    /// answer lower-cased.
+    pub refusal_phrases: Vec<String>,
+}
+
+impl RawImages {
+    pub(super) fn validate(self, p: &mut Problems) -> Images {
+        let non_vision = p
+            .one_of(
+                "images.non_vision",
+                &self.non_vision,
+                &[
+                    ("describe", NonVision::Describe),
+                    ("strip", NonVision::Strip),
+                ],
+            )
+            .unwrap_or(NonVision::Describe);
+        for (i, ph) in self.refusal_phrases.iter().enumerate() {
+            if ph.trim().is_empty() {
+                p.bad(
+                    format_args!("images.refusal_phrases[{i}]"),
+                    "\"\"",
+                    "a phrase must not be empty",
+                );
+            }
+        }
+        p.at_least_one("images.max_per_request", self.max_per_request.into());
+        Images {
+            non_vision,
+            keep_turns: self.keep_turns,
+            max_per_request: self.max_per_request,
+            dedupe: self.dedupe,
+            prompt_cache: self.prompt_cache,
+            artifacts_dir: self.artifacts_dir.map(PathBuf::from),
+            refusal_phrases: self
+                .refusal_phrases
+                .iter()
+                .map(|ph| ph.to_lowercase())
+                .collect(),
+        }
+    }
+}
