@@ -18,6 +18,7 @@ use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
 use crate::metrics::{Metrics, NO_UPSTREAM};
 use crate::transform::Report;
+use crate::upstream::SendFailure;
 
 /// Why a request stops before an upstream answer streams back.
 pub enum Stop {
@@ -26,6 +27,37 @@ pub enum Stop {
     /// The upstream failed: the error and its `visor_upstream_errors_total`
     /// kind; counted with the upstream.
     Upstream(VisorError, UpstreamFailure),
+}
+
+impl Stop {
+    /// A request that could not be sent to `upstream` (HTTP or a WebSocket
+    /// handshake): the client's own doing or visor's limit (`limit`, its
+    /// `max_body_bytes`) is refused; the upstream's failure is counted as
+    /// its kind, `cause` saying how the connection failed.
+    pub fn of_send(upstream: &str, failure: SendFailure, cause: &'static str, limit: u64) -> Stop {
+        let upstream = upstream.to_owned();
+        let e = match failure {
+            SendFailure::BodyTooLarge => return Stop::Refused(VisorError::BodyTooLarge { limit }),
+            // The client went away mid-upload: its doing, not the
+            // upstream's (no upstream error counted).
+            SendFailure::ClientBody => {
+                return Stop::Refused(VisorError::BadRequest(
+                    "the request body could not be read: the client stopped sending it",
+                ));
+            }
+            SendFailure::Connect | SendFailure::Reset => VisorError::UpstreamUnreachable {
+                upstream,
+                reason: cause,
+            },
+            SendFailure::ConnectTimeout => VisorError::UpstreamTimeout {
+                upstream,
+                which: "connect timeout",
+            },
+        };
+        // The client's or visor's own failures returned above.
+        let kind = UpstreamFailure::of_send(failure).unwrap_or(UpstreamFailure::Reset);
+        Stop::Upstream(e, kind)
+    }
 }
 
 impl From<VisorError> for Stop {

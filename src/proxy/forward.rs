@@ -62,9 +62,7 @@ use crate::api::usage::UsageObserver;
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
 use crate::transform::Shape;
-use crate::upstream::{
-    BodyState, LimitedBody, RequestBody, ResponseBody, SendFailure, UpstreamBody,
-};
+use crate::upstream::{BodyState, LimitedBody, RequestBody, ResponseBody, UpstreamBody};
 
 /// The phases, in order (see the module's list). Each returns what the next
 /// needs, or a [`Stop`] that the edge ([`super::edge::Edge::answer`]) turns
@@ -907,33 +905,12 @@ impl<'a> Exchange<'a> {
         let upstream = self.upstream.to_string();
         match outcome {
             Ok(Ok(resp)) => Ok(Answer { resp, timer }),
-            Ok(Err(failed)) => {
-                let failure = failed.failure;
-                let e = match failure {
-                    SendFailure::BodyTooLarge => {
-                        let limit = self.limit;
-                        return Err(Stop::Refused(VisorError::BodyTooLarge { limit }));
-                    }
-                    // The client went away mid-upload: its doing, not the
-                    // upstream's (no upstream error counted).
-                    SendFailure::ClientBody => {
-                        return Err(Stop::Refused(VisorError::BadRequest(
-                            "the request body could not be read: the client stopped sending it",
-                        )));
-                    }
-                    SendFailure::Connect | SendFailure::Reset => VisorError::UpstreamUnreachable {
-                        upstream,
-                        reason: failed.cause,
-                    },
-                    SendFailure::ConnectTimeout => VisorError::UpstreamTimeout {
-                        upstream,
-                        which: "connect timeout",
-                    },
-                };
-                // The client's or visor's own failures returned above.
-                let kind = UpstreamFailure::of_send(failure).unwrap_or(UpstreamFailure::Reset);
-                Err(Stop::Upstream(e, kind))
-            }
+            Ok(Err(failed)) => Err(Stop::of_send(
+                &upstream,
+                failed.failure,
+                failed.cause,
+                self.limit,
+            )),
             Err(()) => {
                 let (which, kind) = if self.head_deadline >= self.deadline {
                     ("request timeout", UpstreamFailure::RequestTimeout)

@@ -83,7 +83,6 @@ use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
 use crate::metrics::NO_UPSTREAM;
 use crate::transform::Shape;
-use crate::upstream::SendFailure;
 use crate::upstream::{RawConn, RequestBody};
 
 /// True for an HTTP/1.1 WebSocket upgrade request.
@@ -274,23 +273,12 @@ async fn connect(
     }
     let up_req = upstream_upgrade(&ws_uri, &headers).ok_or_else(bad_target)?;
     let name = routes.names[index].to_string();
-    let stream = match routes.client.connect_raw(index, http_uri).await {
-        Ok(s) => s,
-        Err(SendFailure::ConnectTimeout) => {
-            let e = VisorError::UpstreamTimeout {
-                upstream: name,
-                which: "connect timeout",
-            };
-            return Err(Stop::Upstream(e, UpstreamFailure::ConnectTimeout));
-        }
-        Err(_) => {
-            let e = VisorError::UpstreamUnreachable {
-                upstream: name,
-                reason: "connection refused or failed",
-            };
-            return Err(Stop::Upstream(e, UpstreamFailure::Connect));
-        }
-    };
+    let limit = state.server.max_body_bytes;
+    let stream = routes
+        .client
+        .connect_raw(index, http_uri)
+        .await
+        .map_err(|f| Stop::of_send(&name, f, "connection refused or failed", limit))?;
     let first_byte = state.server.first_byte_timeout;
     let handshake = open_upstream(stream, up_req, first_byte);
     match tokio::time::timeout(first_byte, handshake).await {
