@@ -1,7 +1,8 @@
 //! The composition root: every part is built here, once, from the checked
 //! config, in the order the parts depend on each other, and handed to the
-//! proxy as the narrow contexts its phases take. Nothing else builds a
-//! part; no part reaches back into the proxy.
+//! proxy as the narrow contexts its phases take. Nothing else on the
+//! serving path builds a part (the CLI's `check` and `explain` build the
+//! few they read); no part reaches back into the proxy.
 //!
 //! ```text
 //! config ─► metrics, upstream client           (given by the caller)
@@ -39,6 +40,7 @@ pub fn build(
     if config.upstreams.is_empty() {
         return Err("no upstream configured".to_owned());
     }
+    let models = ModelTable::new(&config.models, Learned::default()).map_err(|e| e.to_string())?;
     let upstreams = Arc::new(upstreams);
     let store = Arc::new(Store::open(
         &config.store.backend,
@@ -48,7 +50,14 @@ pub fn build(
     )?);
     let media = Arc::new(media_text(&config, &upstreams, &store, &metrics));
     let gate = gate(&config, store.clone(), metrics.clone());
-    let rewrite = rewriter(&config, &gate, media, store.clone(), metrics.clone())?;
+    let rewrite = rewriter(
+        &config,
+        &gate,
+        models,
+        media,
+        store.clone(),
+        metrics.clone(),
+    );
     let life = Lifecycle::default();
     let sessions = Sessions::new(
         &config.sessions,
@@ -111,12 +120,12 @@ fn media_text(
 fn rewriter(
     config: &Config,
     gate: &Gate,
+    models: ModelTable,
     media: Arc<MediaText>,
     store: Arc<Store>,
     metrics: Arc<Metrics>,
-) -> Result<Rewriter, String> {
-    let models = ModelTable::new(&config.models, Learned::default()).map_err(|e| e.to_string())?;
-    Ok(Rewriter {
+) -> Rewriter {
+    Rewriter {
         models,
         rules: Rules::new(&config.images, &config.dedup, None),
         describes: config.images.non_vision == crate::config::NonVision::Describe,
@@ -130,7 +139,7 @@ fn rewriter(
         media,
         store,
         metrics,
-    })
+    }
 }
 
 /// Who may call (proxy keys), and what each `[[key]]` may spend.

@@ -36,6 +36,10 @@ pub use pdf_guard::MAX_IMAGE_PIXELS;
 #[cfg(not(feature = "documents"))]
 pub use without_documents::{PdfRead, read_and_render, render_page};
 
+/// Why a document is not read in a build without the `documents` feature.
+pub const NOT_BUILT: &str =
+    "this build of visor reads no documents (built without the `documents` feature)";
+
 /// The version of what [`read`] makes of a document: bump it whenever the
 /// text extracted from a document may change, so that texts kept under an
 /// older version are not served again (3: a text page with a picture holds
@@ -329,7 +333,7 @@ pub fn read(kind: DocKind, bytes: &[u8], limits: &Limits) -> Result<Document, Re
 }
 
 /// Read a document's pages: never, in a build without the `documents`
-/// feature (see [`without_documents::NOT_BUILT`]).
+/// feature (see [`NOT_BUILT`]).
 #[cfg(not(feature = "documents"))]
 pub fn read(_kind: DocKind, _bytes: &[u8], _limits: &Limits) -> Result<Document, ReadError> {
     Err(ReadError::new(without_documents::NOT_BUILT))

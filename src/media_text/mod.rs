@@ -62,7 +62,10 @@ impl MediaText {
             max_pages_described: documents.max_pages_described as usize,
             max_document_chars: document_chars(documents),
             request_chars: request_chars(config),
-            reader: reader(documents),
+            // A build without document readers starts no child to learn so.
+            reader: cfg!(feature = "documents")
+                .then(|| reader(documents))
+                .flatten(),
             isolate: documents.isolate,
         }
     }
@@ -79,6 +82,9 @@ impl MediaText {
 
     /// How documents are read, for the start-up log line.
     pub fn reader_note(&self) -> String {
+        if !cfg!(feature = "documents") {
+            return format!("not read: {}", media::NOT_BUILT);
+        }
         reader_note(self.reader.as_ref(), self.isolate)
     }
 }
@@ -402,6 +408,14 @@ async fn document(
         Medium::Document { name, .. } => name.clone(),
         _ => None,
     };
+    if !cfg!(feature = "documents") {
+        // Before a reader's slot is taken: there is nothing to read with.
+        return failed(
+            job,
+            name,
+            &format!("could not be read: {}", media::NOT_BUILT),
+        );
+    }
     let budget = if describe_pages {
         media.max_pages_described
     } else {

@@ -1,7 +1,7 @@
 //! Admission: who may call, and what each `[[key]]` may spend. The auth
-//! layer asks [`ProxyKeys`] for the caller; phase 3b of an HTTP request and
-//! each input-carrying event of a WebSocket ask [`Gate::admit`] whether the
-//! caller's `[[key]]` may send it now.
+//! layer asks [`ProxyKeys`] for the caller; phase 3b of an HTTP request asks
+//! [`Gate::grant`], and each input-carrying event of a WebSocket
+//! [`Gate::admit`], whether the caller's `[[key]]` may send it now.
 
 use std::sync::Arc;
 

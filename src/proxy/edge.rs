@@ -128,6 +128,41 @@ pub struct Edge<'a> {
     model: Option<String>,
     /// Once transformed: the `x-visor-*` counts.
     counts: Option<Counts>,
+    transport: Transport,
+}
+
+/// How a request came: its log lines say so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Http,
+    /// A WebSocket upgrade, or an event on the socket.
+    WebSocket,
+}
+
+/// A request (or a WebSocket event) visor refused itself: logged, and
+/// counted in `visor_requests_total` with no upstream, under the model it
+/// named (its metric label) when it named one.
+pub fn refused(metrics: &Metrics, e: &VisorError, model: Option<&str>, transport: Transport) {
+    let status = e.status();
+    match (model, transport) {
+        (None, Transport::Http) => {
+            tracing::info!(error = e.label(), status = status.as_u16(), "refused")
+        }
+        (Some(model), Transport::Http) => {
+            tracing::info!(error = e.label(), status = status.as_u16(), model = %model, "refused")
+        }
+        (model, Transport::WebSocket) => tracing::info!(
+            error = e.label(),
+            status = status.as_u16(),
+            model = %model.unwrap_or(""),
+            transport = "websocket",
+            "refused"
+        ),
+    }
+    metrics
+        .requests
+        .with_label_values(&[NO_UPSTREAM, model.unwrap_or(""), status.as_str()])
+        .inc();
 }
 
 impl<'a> Edge<'a> {
@@ -140,7 +175,13 @@ impl<'a> Edge<'a> {
             routed: None,
             model: None,
             counts: None,
+            transport: Transport::Http,
         }
+    }
+
+    /// The request is a WebSocket upgrade (its log lines say so).
+    pub fn websocket(&mut self) {
+        self.transport = Transport::WebSocket;
     }
 
     pub fn model_read(&mut self, model: Option<&str>) {
@@ -171,7 +212,9 @@ impl<'a> Edge<'a> {
     fn count(&self, status: http::StatusCode) {
         let (upstream, model) = match &self.routed {
             Some((u, m)) => (&**u, m.as_str()),
-            None => (NO_UPSTREAM, self.model.as_deref().unwrap_or("")),
+            // (Every count of an answer without an upstream is a refusal,
+            // counted by `refused`.)
+            None => (NO_UPSTREAM, ""),
         };
         self.metrics
             .requests
@@ -183,22 +226,7 @@ impl<'a> Edge<'a> {
     pub fn answer(self, stop: Stop) -> Response<ProxyBody> {
         match stop {
             Stop::Refused(e) => {
-                match &self.model {
-                    None => {
-                        tracing::info!(error = e.label(), status = e.status().as_u16(), "refused")
-                    }
-                    Some(model) => {
-                        tracing::info!(error = e.label(), status = e.status().as_u16(), model = %model, "refused")
-                    }
-                }
-                self.metrics
-                    .requests
-                    .with_label_values(&[
-                        NO_UPSTREAM,
-                        self.model.as_deref().unwrap_or(""),
-                        e.status().as_str(),
-                    ])
-                    .inc();
+                refused(self.metrics, &e, self.model.as_deref(), Transport::Http);
                 e.into_response()
             }
             Stop::Upstream(e, kind) => {
@@ -206,15 +234,23 @@ impl<'a> Edge<'a> {
                 self.metrics.upstream_error(upstream, kind.label());
                 self.count(e.status());
                 let counts = self.counts;
-                tracing::warn!(
-                    upstream = %upstream,
-                    error = e.label(),
-                    kind = kind.label(),
-                    images_replaced = counts.map_or(0, |c| c.images_replaced),
-                    media_replaced = counts.map_or(0, |c| c.media_replaced),
-                    bytes_saved = counts.map_or(0, |c| c.bytes_saved),
-                    "upstream request failed"
-                );
+                match self.transport {
+                    Transport::Http => tracing::warn!(
+                        upstream = %upstream,
+                        error = e.label(),
+                        kind = kind.label(),
+                        images_replaced = counts.map_or(0, |c| c.images_replaced),
+                        media_replaced = counts.map_or(0, |c| c.media_replaced),
+                        bytes_saved = counts.map_or(0, |c| c.bytes_saved),
+                        "upstream request failed"
+                    ),
+                    Transport::WebSocket => tracing::warn!(
+                        upstream = %upstream,
+                        error = e.label(),
+                        kind = kind.label(),
+                        "websocket upstream failed"
+                    ),
+                }
                 let mut resp = e.into_response();
                 if let Some(c) = counts {
                     c.write(resp.headers_mut());

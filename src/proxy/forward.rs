@@ -57,10 +57,12 @@ use super::headers::{Caller, for_the_client, upstream_request_headers};
 use super::prepare::{self, Options, Prepared, Rewriter};
 use super::request_body::{FormScanner, JsonScanner, WholeBody};
 use super::session_turn::{self, Recorder, Sessions};
-use super::{AppState, RequestIdExt};
+use super::{AppState, RequestIdExt, Routes};
 use crate::api::usage::UsageObserver;
+use crate::config::Server;
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
+use crate::metrics::Metrics;
 use crate::transform::Shape;
 use crate::upstream::{BodyState, LimitedBody, RequestBody, ResponseBody, UpstreamBody};
 
@@ -90,7 +92,16 @@ pub async fn handle(
             .charge_sent(&mut grant, p.body.len() as u64)
             .await?;
     }
-    let sent = match send(state, &call, edge, parts, &prepared, &mut session).await {
+    let sent = match send(
+        Sending::of(state),
+        &call,
+        edge,
+        parts,
+        &prepared,
+        &mut session,
+    )
+    .await
+    {
         Ok(sent) => sent,
         Err(stop) => {
             // No answer: the session's new messages are stored (without a
@@ -108,7 +119,7 @@ pub async fn handle(
         retry_head,
     } = sent;
     let answer = match learn(
-        state,
+        &state.rewrite,
         &call,
         edge,
         &mut prepared,
@@ -328,21 +339,43 @@ struct Sent<'s> {
     retry_head: Option<RetryHead>,
 }
 
+/// What phase 6 reads: the server's bounds and deadlines, the upstreams
+/// and their client (with the fallback budget and breakers), whether proxy
+/// keys are set (the client's own key is then not forwarded), the metrics.
+#[derive(Clone, Copy)]
+struct Sending<'s> {
+    server: &'s Server,
+    routes: &'s Routes,
+    keys_set: bool,
+    metrics: &'s Metrics,
+}
+
+impl<'s> Sending<'s> {
+    fn of(state: &'s AppState) -> Self {
+        Sending {
+            server: &state.server,
+            routes: &state.routes,
+            keys_set: state.gate.keys.is_set(),
+            metrics: &state.metrics,
+        }
+    }
+}
+
 /// Phase 6: the request sent — to its upstream, or along its fallbacks —
 /// until a response head.
 async fn send<'s>(
-    state: &'s AppState,
+    to: Sending<'s>,
     call: &Call,
     edge: &mut Edge<'_>,
     parts: http::request::Parts,
     prepared: &Option<Prepared>,
     session: &mut Session,
 ) -> Result<Sent<'s>, Stop> {
-    let chain = fallback_chain(state, call, &parts, session).await?;
+    let chain = fallback_chain(to, call, &parts, session).await?;
     let Some(chain) = chain else {
         let (up_req, retry_head) =
-            upstream_request(state, call, parts, call.index, prepared, session)?;
-        let exchange = Exchange::new(state, call, call.index);
+            upstream_request(to, call, parts, call.index, prepared, session)?;
+        let exchange = Exchange::new(to, call, call.index);
         let answer = exchange.run(up_req, &call.exceeded, exchange.sent).await?;
         return Ok(Sent {
             exchange,
@@ -350,11 +383,11 @@ async fn send<'s>(
             retry_head,
         });
     };
-    let to = Chain {
+    let chain = Chain {
         upstreams: chain,
         model: call.model.as_deref(),
     };
-    send_chain(state, call, edge, &parts, to, prepared, session).await
+    send_chain(to, call, edge, &parts, chain, prepared, session).await
 }
 
 /// What phase 4 found of a session.
@@ -466,14 +499,14 @@ type RetryHead = (Method, http::Uri, HeaderMap);
 /// upstream's base URL, headers rewritten, the body as held (byte for byte
 /// when nothing changed).
 fn upstream_request(
-    state: &AppState,
+    to: Sending<'_>,
     call: &Call,
     mut parts: http::request::Parts,
     index: usize,
     prepared: &Option<Prepared>,
     session: &mut Session,
 ) -> Result<(Request<UpstreamBody>, Option<RetryHead>), Stop> {
-    let uri = state
+    let uri = to
         .routes
         .client
         .uri(index, &call.rest, parts.uri.query())
@@ -482,8 +515,8 @@ fn upstream_request(
         ))?;
     upstream_request_headers(
         &mut parts.headers,
-        &state.routes.upstreams[index],
-        state.gate.keys.is_set(),
+        &to.routes.upstreams[index],
+        to.keys_set,
         &call.request_id,
     );
     parts.uri = uri;
@@ -519,19 +552,19 @@ pub const REPLAY_LIMIT: u64 = 4 * 1024 * 1024;
 /// already; a streamed one is read whole here up to [`REPLAY_LIMIT`]).
 /// `None`: the routed upstream alone, exactly as without fallbacks.
 async fn fallback_chain<'s>(
-    state: &'s AppState,
+    to: Sending<'s>,
     call: &Call,
     parts: &http::request::Parts,
     session: &mut Session,
 ) -> Result<Option<&'s [usize]>, Stop> {
-    let upstream = &state.routes.upstreams[call.index];
+    let upstream = &to.routes.upstreams[call.index];
     if !upstream.has_fallbacks() {
         return Ok(None);
     }
     let Some(body) = session.streamed.as_mut() else {
         return Ok(Some(&upstream.chain));
     };
-    let limit = REPLAY_LIMIT.min(state.server.max_body_bytes);
+    let limit = REPLAY_LIMIT.min(to.server.max_body_bytes);
     if content_length(&parts.headers).is_some_and(|n| n > limit) {
         return Ok(None);
     }
@@ -544,7 +577,7 @@ async fn fallback_chain<'s>(
         while let Some(frame) = stream.frame().await {
             let frame = frame.map_err(|_| match call.exceeded.exceeded() {
                 true => VisorError::BodyTooLarge {
-                    limit: state.server.max_body_bytes,
+                    limit: to.server.max_body_bytes,
                 },
                 false => VisorError::BadRequest("the request body could not be read"),
             })?;
@@ -596,7 +629,7 @@ fn copy_head(parts: &http::request::Parts) -> http::request::Parts {
 /// headers and credential. Once a response head is taken (any other
 /// status), nothing is retried.
 async fn send_chain<'s>(
-    state: &'s AppState,
+    to: Sending<'s>,
     call: &Call,
     edge: &mut Edge<'_>,
     parts: &http::request::Parts,
@@ -604,7 +637,7 @@ async fn send_chain<'s>(
     prepared: &Option<Prepared>,
     session: &mut Session,
 ) -> Result<Sent<'s>, Stop> {
-    let retries = &state.routes.retries;
+    let retries = &to.routes.retries;
     retries.budget.record_request();
     // A streamed body, held whole by `fallback_chain`: sent again as is.
     let replay = session.streamed.as_ref().map(|b| b.prefix.clone());
@@ -630,8 +663,8 @@ async fn send_chain<'s>(
             });
         }
         let (up_req, retry_head) =
-            upstream_request(state, call, copy_head(parts), index, prepared, session)?;
-        let exchange = Exchange::new(state, call, index);
+            upstream_request(to, call, copy_head(parts), index, prepared, session)?;
+        let exchange = Exchange::new(to, call, index);
         let result = exchange.run(up_req, &call.exceeded, exchange.sent).await;
         let done = |result: Result<Answer, Stop>, exchange| {
             result.map(|answer| Sent {
@@ -661,7 +694,7 @@ async fn send_chain<'s>(
             .enumerate()
             .skip(pos + 1)
             .find_map(|(p, &i)| retries.admit(i).map(|a| (p, i, a)));
-        let name = &state.routes.names[index];
+        let name = &to.routes.names[index];
         let next = match next {
             Some(n) if retries.budget.try_retry() => n,
             Some(_) => {
@@ -672,18 +705,17 @@ async fn send_chain<'s>(
         };
         // This attempt is over: counted at its upstream, its answer (if
         // any) dropped unread, which closes its connection.
-        state
-            .metrics
+        to.metrics
             .retries
             .with_label_values(&[&**name, reason.label()])
             .inc();
         if reason != UpstreamFailure::Status429 {
-            state.metrics.upstream_error(name, reason.label());
+            to.metrics.upstream_error(name, reason.label());
         }
         tracing::info!(
             upstream = %name,
             reason = reason.label(),
-            fallback = %state.routes.names[next.1],
+            fallback = %to.routes.names[next.1],
             "falling back"
         );
         drop(result);
@@ -708,7 +740,7 @@ enum Learned {
 /// "images not supported" 4xx is retried once with the images replaced, and
 /// remembered as non-vision.
 async fn learn(
-    state: &AppState,
+    rewrite: &Rewriter,
     call: &Call,
     edge: &mut Edge<'_>,
     prepared: &mut Option<Prepared>,
@@ -731,7 +763,6 @@ async fn learn(
     let (head, incoming) = answer.resp.into_parts();
     let error_body = read_error_body(incoming, exchange.head_deadline, &exchange.upstream).await?;
     let model = call.model.as_deref().unwrap_or("");
-    let rewrite = &state.rewrite;
     let Some(prepare::Retry {
         prepared: retry,
         lesson,
@@ -846,7 +877,7 @@ fn charge_usage(state: &Arc<AppState>, i: usize, estimate: u64) -> super::body::
 /// One request/response-head exchange with the chosen upstream, under the
 /// first-byte and total deadlines.
 struct Exchange<'a> {
-    state: &'a AppState,
+    to: Sending<'a>,
     index: usize,
     upstream: Arc<str>,
     /// When the request was first sent upstream.
@@ -857,13 +888,13 @@ struct Exchange<'a> {
 }
 
 impl<'a> Exchange<'a> {
-    fn new(state: &'a AppState, call: &Call, index: usize) -> Self {
-        let server = &state.server;
+    fn new(to: Sending<'a>, call: &Call, index: usize) -> Self {
+        let server = to.server;
         let sent = Instant::now();
         Exchange {
-            state,
+            to,
             index,
-            upstream: state.routes.names[index].clone(),
+            upstream: to.routes.names[index].clone(),
             sent,
             head_deadline: (sent + server.first_byte_timeout).min(call.deadline),
             deadline: call.deadline,
@@ -878,9 +909,8 @@ impl<'a> Exchange<'a> {
         exceeded: &BodyState,
         sent: Instant,
     ) -> Result<Answer, Stop> {
-        let state = self.state;
-        let idle = state.server.idle_timeout;
-        let sending = state.routes.client.send(self.index, req, exceeded);
+        let idle = self.to.server.idle_timeout;
+        let sending = self.to.routes.client.send(self.index, req, exceeded);
         // The request's one timer, armed once at the earlier of the head
         // deadline and one idle gap from now. A head that comes sooner (the
         // usual case) hands it to the body as is, already right for the

@@ -132,7 +132,7 @@ type BoxFut = Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible
 ///    refuse bad targets (400/404), read or stream the body (413 over the
 ///    limit, 400 for invalid JSON on transformed endpoints), pick the upstream
 ///    by `model` (404 if none), replace images for a model that cannot see
-///    (the model-spec table in [`AppState::models`]), forward, and answer
+///    (the model-spec table in [`Rewriter::models`]), forward, and answer
 ///    with the upstream's response passed through an observing body
 ///    (metrics, usage, deadlines). It also serves `/visor/artifacts/<sha256>`.
 ///

@@ -74,14 +74,13 @@ use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
 use super::body::ProxyBody;
-use super::edge::{Edge, Stop};
+use super::edge::{Edge, Stop, Transport, refused};
 use super::headers::upstream_request_headers;
 use super::prepare::{self, Options};
 use super::{AppState, RequestIdExt};
 use crate::api::usage::Usage;
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
-use crate::metrics::NO_UPSTREAM;
 use crate::transform::Shape;
 use crate::upstream::{RawConn, RequestBody};
 
@@ -125,6 +124,7 @@ pub async fn upgrade(
     mut req: Request<RequestBody>,
     edge: &mut Edge<'_>,
 ) -> Result<Response<ProxyBody>, Stop> {
+    edge.websocket();
     let key = check_handshake(req.headers())?;
     let opts = Options::from_headers(req.headers())?;
     let request_id = RequestIdExt::of(req.extensions());
@@ -1096,19 +1096,9 @@ impl Relay {
     /// A client event visor refuses: logged and counted like an HTTP
     /// refusal, answered with an `error` event; nothing goes upstream.
     fn refusal(&self, e: VisorError, model: Option<&str>) -> Message {
-        let model = model.map_or_else(String::new, |m| self.state.metrics.model_label(m));
-        tracing::info!(
-            error = e.label(),
-            status = e.status().as_u16(),
-            model = %model,
-            transport = "websocket",
-            "refused"
-        );
-        self.state
-            .metrics
-            .requests
-            .with_label_values(&[NO_UPSTREAM, &model, e.status().as_str()])
-            .inc();
+        let metrics = &self.state.metrics;
+        let model = model.map(|m| metrics.model_label(m));
+        refused(metrics, &e, model.as_deref(), Transport::WebSocket);
         Message::Text(e.ws_event().into())
     }
 

@@ -111,3 +111,93 @@ async fn the_stack_answers_in_process_like_over_a_socket() {
     let sent = mock.recorded();
     assert_eq!(&sent[2].body[..], br#"{"model":"e","input":"a"}"#);
 }
+
+/// The `visor_requests_total` series of `metrics` for `upstream`, `model`
+/// and `status`, as `/metrics` renders it (0 when absent).
+fn requests_total(state: &AppState, upstream: &str, model: &str, status: &str) -> u64 {
+    state
+        .metrics
+        .requests
+        .get_metric_with_label_values(&[upstream, model, status])
+        .map_or(0, |c| c.get())
+}
+
+/// A state whose one upstream is `url`, taking `gpt-*`, behind the proxy
+/// key `sk-edge`.
+fn edge_state(url: &str) -> Arc<AppState> {
+    let dir = temp_dir("in-process-edge");
+    let toml = format!(
+        "[server]\ndata_dir = \"{}\"\napi_keys = [\"sk-edge\"]\n[store]\nbackend = \"memory\"\n\
+         [[upstream]]\nname = \"mock\"\nbase_url = \"{url}/v1\"\nmodels = [\"gpt-*\"]\n",
+        dir.display(),
+    );
+    let config = Config::from_toml(&toml, Path::new("edge.toml"), &|_| None).unwrap();
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let upstreams = Upstreams::new(config.server.connect_timeout, &config.upstreams).unwrap();
+    Arc::new(visor::app::build(config, metrics, upstreams).unwrap())
+}
+
+/// `GET /v1/responses` as a WebSocket upgrade in `version`, with the key.
+fn upgrade(version: &str) -> Request<RequestBody> {
+    let mut req = request("GET", "/v1/responses", "");
+    for (name, value) in [
+        ("authorization", "Bearer sk-edge"),
+        ("upgrade", "websocket"),
+        ("connection", "Upgrade"),
+        ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="),
+        ("sec-websocket-version", version),
+    ] {
+        req.headers_mut().insert(name, value.parse().unwrap());
+    }
+    req
+}
+
+#[tokio::test]
+async fn every_answer_visor_gives_itself_leaves_by_one_edge_http_or_websocket() {
+    let mock = MockUpstream::start(|_| Reply::json(200, "{}")).await;
+    let state = edge_state(&mock.url());
+
+    // No key: 401 at the auth layer, counted once with no upstream.
+    let (status, body) = answer(&state, request("GET", "/v1/models", "")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(error_code(&body), "invalid_api_key");
+    assert_eq!(requests_total(&state, "", "", "401"), 1);
+
+    // A model no upstream takes: 404, counted under the model it named.
+    let mut req = request(
+        "POST",
+        "/v1/chat/completions",
+        r#"{"model":"claude-x","messages":[]}"#,
+    );
+    req.headers_mut()
+        .insert("authorization", "Bearer sk-edge".parse().unwrap());
+    let (status, _) = answer(&state, req).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(requests_total(&state, "", "claude-x", "404"), 1);
+
+    // A WebSocket upgrade in a version visor does not speak: 426 from the
+    // same edge, counted the same way, and no upstream contacted.
+    let (status, body) = answer(&state, upgrade("8")).await;
+    assert_eq!(status, StatusCode::UPGRADE_REQUIRED);
+    assert!(!error_code(&body).is_empty());
+    assert_eq!(requests_total(&state, "", "", "426"), 1);
+    assert_eq!(mock.count(), 0, "nothing reached the upstream");
+}
+
+#[tokio::test]
+async fn a_websocket_upstream_that_cannot_be_reached_is_counted_at_the_edge_as_http_is() {
+    // An address where nothing listens (bound, then closed).
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let state = edge_state(&url);
+    let (status, body) = answer(&state, upgrade("13")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body:?}");
+    assert_eq!(requests_total(&state, "mock", "", "502"), 1);
+    let connect_errors = state
+        .metrics
+        .upstream_errors
+        .get_metric_with_label_values(&["mock", "connect"])
+        .map_or(0, |c| c.get());
+    assert_eq!(connect_errors, 1);
+}
