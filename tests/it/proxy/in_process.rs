@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Full};
 use support::*;
 use tower::ServiceExt;
 use visor::config::Config;
-use visor::metrics::Metrics;
+use visor::metrics::{Metrics, NO_UPSTREAM};
 use visor::proxy::{AppState, stack};
 use visor::upstream::{RequestBody, Upstreams};
 
@@ -161,7 +161,7 @@ async fn every_answer_visor_gives_itself_leaves_by_one_edge_http_or_websocket() 
     let (status, body) = answer(&state, request("GET", "/v1/models", "")).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert_eq!(error_code(&body), "invalid_api_key");
-    assert_eq!(requests_total(&state, "", "", "401"), 1);
+    assert_eq!(requests_total(&state, NO_UPSTREAM, "", "401"), 1);
 
     // A model no upstream takes: 404, counted under the model it named.
     let mut req = request(
@@ -173,14 +173,14 @@ async fn every_answer_visor_gives_itself_leaves_by_one_edge_http_or_websocket() 
         .insert("authorization", "Bearer sk-edge".parse().unwrap());
     let (status, _) = answer(&state, req).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    assert_eq!(requests_total(&state, "", "claude-x", "404"), 1);
+    assert_eq!(requests_total(&state, NO_UPSTREAM, "claude-x", "404"), 1);
 
     // A WebSocket upgrade in a version visor does not speak: 426 from the
     // same edge, counted the same way, and no upstream contacted.
     let (status, body) = answer(&state, upgrade("8")).await;
     assert_eq!(status, StatusCode::UPGRADE_REQUIRED);
     assert!(!error_code(&body).is_empty());
-    assert_eq!(requests_total(&state, "", "", "426"), 1);
+    assert_eq!(requests_total(&state, NO_UPSTREAM, "", "426"), 1);
     assert_eq!(mock.count(), 0, "nothing reached the upstream");
 }
 
