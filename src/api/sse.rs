@@ -28,6 +28,7 @@ impl Lines {
     }
 
     /// Calls `line` with each line `chunk` completes, in order.
+    #[inline]
     pub fn feed(&mut self, chunk: &[u8], mut line: impl FnMut(&[u8])) {
         let mut rest = chunk;
         while let Some(nl) = memchr::memchr(b'\n', rest) {
@@ -62,6 +63,7 @@ pub fn data(line: &[u8]) -> Option<&[u8]> {
     line.strip_prefix(b"data:")
 }
 
+#[inline]
 fn without_cr(line: &[u8]) -> &[u8] {
     line.strip_suffix(b"\r").unwrap_or(line)
 }
