@@ -21,7 +21,7 @@ mod sdk_openai;
 
 /// `src/connections.rs`: client connections.
 mod connections;
-/// `src/describe.rs`: the describer.
+/// `src/media_text/describe.rs`: the describer.
 mod describe;
 /// `src/limits.rs`: `[[key]]` limits.
 mod limits;
@@ -50,7 +50,7 @@ mod server {
     mod shutdown;
 }
 
-/// `src/store.rs`: the store backends.
+/// `src/store/`: the store backends.
 mod store {
     mod faults;
     mod redis;
