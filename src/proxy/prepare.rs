@@ -57,34 +57,6 @@ pub struct Rewriter {
 }
 
 impl Rewriter {
-    /// Phase 5: see [`prepare_by`].
-    pub async fn prepare_by(
-        &self,
-        shape: Shape,
-        model: Option<&str>,
-        body: Bytes,
-        opts: Options,
-        asker: Asker<'_>,
-        deadline: Instant,
-    ) -> Result<Prepared, VisorError> {
-        prepare_by(self, shape, model, body, opts, asker, deadline).await
-    }
-
-    /// Phase 7: see [`after_refusal`].
-    pub async fn after_refusal(
-        &self,
-        learn: &Learnable,
-        model: &str,
-        error_body: &[u8],
-    ) -> Option<Retry> {
-        after_refusal(self, learn, model, error_body).await
-    }
-
-    /// Phase 7, answered: see [`learn`].
-    pub async fn learn(&self, lesson: Lesson) {
-        learn(self, lesson).await;
-    }
-
     /// Loads the learned models from the store; returns how many were new.
     pub async fn sync_learned(&self) -> usize {
         match self.store.learned().await {
@@ -231,28 +203,31 @@ impl Prepared {
 /// or what is left when that is less) is the upstream's.
 const UPSTREAM_SHARE: u32 = 4;
 
-/// The body to send upstream for a request that must be answered by
-/// `deadline` (`started + server.request_timeout_secs`). Documents, audio
-/// and images are turned into text until a quarter of the request's time
-/// is left (what is not done by then says "out of time"); document text is
-/// bounded per document and per request, and a body that it would take
-/// past `server.max_body_bytes` has its documents cut further. `Err`: 504
-/// when the deadline passed before the body was ready (nothing is sent),
-/// 413 when even documents cut to their headers do not fit.
-async fn prepare_by(
-    rw: &Rewriter,
-    shape: Shape,
-    model: Option<&str>,
-    body: Bytes,
-    opts: Options,
-    asker: Asker<'_>,
-    deadline: Instant,
-) -> Result<Prepared, VisorError> {
-    let prepared = prepare_within(rw, shape, model, body, opts, asker, deadline).await?;
-    if Instant::now() >= deadline {
-        return Err(VisorError::TransformTimeout);
+impl Rewriter {
+    /// The body to send upstream for a request that must be answered by
+    /// `deadline` (`started + server.request_timeout_secs`). Documents, audio
+    /// and images are turned into text until a quarter of the request's time
+    /// is left (what is not done by then says "out of time"); document text is
+    /// bounded per document and per request, and a body that it would take
+    /// past `server.max_body_bytes` has its documents cut further. `Err`: 504
+    /// when the deadline passed before the body was ready (nothing is sent),
+    /// 413 when even documents cut to their headers do not fit.
+    pub async fn prepare_by(
+        &self,
+        shape: Shape,
+        model: Option<&str>,
+        body: Bytes,
+        opts: Options,
+        asker: Asker<'_>,
+        deadline: Instant,
+    ) -> Result<Prepared, VisorError> {
+        let rw = self;
+        let prepared = prepare_within(rw, shape, model, body, opts, asker, deadline).await?;
+        if Instant::now() >= deadline {
+            return Err(VisorError::TransformTimeout);
+        }
+        Ok(prepared)
     }
-    Ok(prepared)
 }
 
 async fn prepare_within(
@@ -388,119 +363,125 @@ fn said_word(text: &str, phrases: &[&'static str]) -> Option<&'static str> {
     })
 }
 
-/// After an upstream refused a request whose images (model of unknown
-/// vision), documents or audio (flags no row states) it was assumed to
-/// take: when its error says which, the body with those replaced, and what
-/// to learn once that is answered.
-async fn after_refusal(
-    rw: &Rewriter,
-    learn: &Learnable,
-    model: &str,
-    error_body: &[u8],
-) -> Option<Retry> {
-    use transform::placeholder::Reason;
-    let text = String::from_utf8_lossy(error_body).to_lowercase();
-    let images = learn
-        .vision_unknown
-        .then(|| {
-            rw.refusal_phrases
+impl Rewriter {
+    /// After an upstream refused a request whose images (model of unknown
+    /// vision), documents or audio (flags no row states) it was assumed to
+    /// take: when its error says which, the body with those replaced, and what
+    /// to learn once that is answered.
+    pub async fn after_refusal(
+        &self,
+        learn: &Learnable,
+        model: &str,
+        error_body: &[u8],
+    ) -> Option<Retry> {
+        let rw = self;
+        use transform::placeholder::Reason;
+        let text = String::from_utf8_lossy(error_body).to_lowercase();
+        let images = learn
+            .vision_unknown
+            .then(|| {
+                rw.refusal_phrases
+                    .iter()
+                    .find(|p| text.contains(p.as_str()))
+            })
+            .flatten();
+        let documents = (learn.takes.pdf && learn.pdf_unknown)
+            .then(|| said_word(&text, DOCUMENT_REFUSALS))
+            .flatten();
+        let audio = (learn.takes.audio && learn.audio_unknown)
+            .then(|| said_word(&text, AUDIO_REFUSALS))
+            .flatten();
+        let phrase = match (images, documents.or(audio)) {
+            (Some(p), _) => p.clone(),
+            (None, Some(p)) => p.to_owned(),
+            (None, None) => return None,
+        };
+        // Past the request's deadline no retry is sent: the refusal is the
+        // answer.
+        if Instant::now() >= learn.deadline {
+            return None;
+        }
+        let plan = Plan {
+            shape: learn.shape,
+            vision: learn.vision && images.is_none(),
+            describe: rw.describes,
+            rules: learn.rules,
+            takes: Takes {
+                pdf: learn.takes.pdf && documents.is_none(),
+                office: learn.takes.office,
+                audio: learn.takes.audio && audio.is_none(),
+            },
+            query_aware: rw.query_aware,
+        };
+        let prepared = run(
+            rw,
+            learn.original.clone(),
+            plan,
+            &learn.credential,
+            learn.within,
+        )
+        .await
+        .ok()?;
+        if Instant::now() >= learn.deadline {
+            return None;
+        }
+        let replaced = |medium: &str, reason: Reason| {
+            prepared
+                .report
+                .images
                 .iter()
-                .find(|p| text.contains(p.as_str()))
-        })
-        .flatten();
-    let documents = (learn.takes.pdf && learn.pdf_unknown)
-        .then(|| said_word(&text, DOCUMENT_REFUSALS))
-        .flatten();
-    let audio = (learn.takes.audio && learn.audio_unknown)
-        .then(|| said_word(&text, AUDIO_REFUSALS))
-        .flatten();
-    let phrase = match (images, documents.or(audio)) {
-        (Some(p), _) => p.clone(),
-        (None, Some(p)) => p.to_owned(),
-        (None, None) => return None,
-    };
-    // Past the request's deadline no retry is sent: the refusal is the
-    // answer.
-    if Instant::now() >= learn.deadline {
-        return None;
+                .any(|n| n.medium == medium && n.reason == Some(reason))
+        };
+        let lesson = Lesson {
+            model: model.to_owned(),
+            phrase,
+            images: images.is_some() && replaced("image", Reason::NonVision),
+            documents: documents.is_some() && replaced("document", Reason::CannotTake),
+            audio: audio.is_some() && replaced("audio", Reason::CannotTake),
+        };
+        if !(lesson.images || lesson.documents || lesson.audio) {
+            return None;
+        }
+        tracing::info!(
+            phrase = %lesson.phrase,
+            images = lesson.images,
+            documents = lesson.documents,
+            audio = lesson.audio,
+            "upstream refused what the model was assumed to take: retrying once with it replaced"
+        );
+        Some(Retry { prepared, lesson })
     }
-    let plan = Plan {
-        shape: learn.shape,
-        vision: learn.vision && images.is_none(),
-        describe: rw.describes,
-        rules: learn.rules,
-        takes: Takes {
-            pdf: learn.takes.pdf && documents.is_none(),
-            office: learn.takes.office,
-            audio: learn.takes.audio && audio.is_none(),
-        },
-        query_aware: rw.query_aware,
-    };
-    let prepared = run(
-        rw,
-        learn.original.clone(),
-        plan,
-        &learn.credential,
-        learn.within,
-    )
-    .await
-    .ok()?;
-    if Instant::now() >= learn.deadline {
-        return None;
-    }
-    let replaced = |medium: &str, reason: Reason| {
-        prepared
-            .report
-            .images
-            .iter()
-            .any(|n| n.medium == medium && n.reason == Some(reason))
-    };
-    let lesson = Lesson {
-        model: model.to_owned(),
-        phrase,
-        images: images.is_some() && replaced("image", Reason::NonVision),
-        documents: documents.is_some() && replaced("document", Reason::CannotTake),
-        audio: audio.is_some() && replaced("audio", Reason::CannotTake),
-    };
-    if !(lesson.images || lesson.documents || lesson.audio) {
-        return None;
-    }
-    tracing::info!(
-        phrase = %lesson.phrase,
-        images = lesson.images,
-        documents = lesson.documents,
-        audio = lesson.audio,
-        "upstream refused what the model was assumed to take: retrying once with it replaced"
-    );
-    Some(Retry { prepared, lesson })
 }
 
-/// The retry without what was refused was answered: the model is learned
-/// (memory, store, `visor check`). A retry that fails too teaches nothing.
-async fn learn(rw: &Rewriter, lesson: Lesson) {
-    let mut names = Vec::new();
-    if lesson.images {
-        names.extend(rw.models.learned.learn(&lesson.model));
+impl Rewriter {
+    /// The retry without what was refused was answered: the model is learned
+    /// (memory, store, `visor check`). A retry that fails too teaches nothing.
+    pub async fn learn(&self, lesson: Lesson) {
+        let rw = self;
+        let mut names = Vec::new();
+        if lesson.images {
+            names.extend(rw.models.learned.learn(&lesson.model));
+        }
+        if lesson.documents {
+            names.extend(rw.models.learned.learn_media(Medium::Pdf, &lesson.model));
+        }
+        if lesson.audio {
+            names.extend(rw.models.learned.learn_media(Medium::Audio, &lesson.model));
+        }
+        for name in names {
+            rw.metrics.capability_learned.inc();
+            // A store that is down logged and counted it; the model stays
+            // learned in memory.
+            let _ = rw.store.learn(&name).await;
+        }
+        tracing::info!(
+            phrase = %lesson.phrase,
+            images = lesson.images,
+            documents = lesson.documents,
+            audio = lesson.audio,
+            "model learned: the retry without what it refused was answered"
+        );
     }
-    if lesson.documents {
-        names.extend(rw.models.learned.learn_media(Medium::Pdf, &lesson.model));
-    }
-    if lesson.audio {
-        names.extend(rw.models.learned.learn_media(Medium::Audio, &lesson.model));
-    }
-    for name in names {
-        rw.metrics.capability_learned.inc();
-        // A store that is down logged and counted it; the model stays
-        // learned in memory.
-        let _ = rw.store.learn(&name).await;
-    }
-    tracing::info!(
-        phrase = %lesson.phrase,
-        images = lesson.images,
-        documents = lesson.documents,
-        audio = lesson.audio,
-        "model learned: the retry without what it refused was answered"
-    );
 }
 
 async fn run(
