@@ -39,6 +39,8 @@ pub struct Caps {
     pub office: Option<bool>,
     pub max_images: Option<u32>,
     pub context_window: Option<u64>,
+    /// The shortest prefix the provider caches, in tokens.
+    pub cache_min_tokens: Option<u32>,
 }
 
 impl Caps {
@@ -50,6 +52,7 @@ impl Caps {
             office: m.office,
             max_images: m.max_images,
             context_window: m.context_window,
+            cache_min_tokens: m.cache_min_tokens,
         }
     }
 }
@@ -420,6 +423,7 @@ impl ModelTable {
                 caps.office = caps.office.or(row.office);
                 caps.max_images = caps.max_images.or(row.max_images);
                 caps.context_window = caps.context_window.or(row.context_window);
+                caps.cache_min_tokens = caps.cache_min_tokens.or(row.cache_min_tokens);
             }
         }
         // A model known to see only by a marker in its name (a local VL
@@ -771,6 +775,7 @@ mod tests {
             office: None,
             max_images: None,
             context_window: None,
+            ..RawModel::default()
         })
         .unwrap()];
         let t = ModelTable::new(&user, Learned::default()).unwrap();
@@ -959,6 +964,7 @@ mod tests {
                 office: None,
                 max_images: None,
                 context_window: None,
+                ..RawModel::default()
             },
             RawModel {
                 pattern: "gpt-oss-*".into(),
@@ -968,6 +974,7 @@ mod tests {
                 office: None,
                 max_images: Some(3),
                 context_window: None,
+                ..RawModel::default()
             },
         ];
         let user: Vec<Model> = user.into_iter().map(|r| Model::new(r).unwrap()).collect();

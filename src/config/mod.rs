@@ -13,7 +13,8 @@
 //! One module per section: [`server`], [`keys`] (`[[key]]`), [`upstreams`]
 //! (`[[upstream]]`, routing globs, fallback chains), [`models`]
 //! (`[[model]]`), [`images`], [`describer`] (and `[transcriber]`),
-//! [`documents`], [`dedup`], [`sessions`], [`store`], [`retries`]; and
+//! [`documents`], [`dedup`], [`sessions`], [`store`], [`retries`],
+//! [`cache`]; and
 //! `mistakes`, the warnings a valid config can still earn. The config
 //! depends on no other part of the crate.
 
@@ -23,6 +24,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+pub mod cache;
 pub mod dedup;
 pub mod describer;
 pub mod documents;
@@ -40,6 +42,7 @@ pub mod upstreams;
 #[cfg(test)]
 mod testing;
 
+pub use cache::{Cache, CacheTtl, RawCache};
 pub use dedup::{Dedup, RawDedup};
 pub use describer::{Describer, OnMiss, RawDescriber, RawTranscriber, Transcriber};
 pub use documents::{Documents, RawDocuments};
@@ -186,6 +189,8 @@ pub struct RawConfig {
     /// `[[key]]`: proxy keys with a name, limits and allowed models.
     #[serde(default)]
     pub key: Vec<RawKey>,
+    #[serde(default)]
+    pub cache: RawCache,
 }
 
 // ------------------------------------------------------------ runtime phase
@@ -206,6 +211,8 @@ pub struct Config {
     pub sessions: Sessions,
     pub store: StoreConfig,
     pub retries: Retries,
+    /// `[cache]`: prompt-cache breakpoints and how misses are explained.
+    pub cache: Cache,
     /// `[[key]]`: each entry's limits and models, and its key when it has
     /// one.
     pub keys: Vec<Key>,
@@ -276,6 +283,7 @@ impl RawConfig {
         let dedup = self.dedup.validate(&mut p, &mut warnings);
         let sessions = self.sessions.validate(&mut p);
         let store = self.store.validate(&mut p);
+        let cache = self.cache.validate(&mut p);
         if !p.is_empty() {
             return Err(p.0);
         }
@@ -298,6 +306,7 @@ impl RawConfig {
             sessions,
             store,
             retries,
+            cache,
             keys,
             warnings,
         })

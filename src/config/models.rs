@@ -9,7 +9,7 @@ use super::Problems;
 
 /// One `[[model]]` row as written (also the shape of the built-in table's
 /// rows, `config/models.toml`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawModel {
     #[serde(rename = "match")]
@@ -27,6 +27,9 @@ pub struct RawModel {
     pub max_images: Option<u32>,
     #[serde(default)]
     pub context_window: Option<u64>,
+    /// The shortest prefix, in tokens, the provider caches.
+    #[serde(default)]
+    pub cache_min_tokens: Option<u32>,
 }
 
 /// One row, its glob built.
@@ -42,6 +45,7 @@ pub struct Model {
     pub office: Option<bool>,
     pub max_images: Option<u32>,
     pub context_window: Option<u64>,
+    pub cache_min_tokens: Option<u32>,
 }
 
 impl Model {
@@ -56,6 +60,7 @@ impl Model {
             office: raw.office,
             max_images: raw.max_images,
             context_window: raw.context_window,
+            cache_min_tokens: raw.cache_min_tokens,
         })
     }
 }

@@ -27,6 +27,11 @@ pub struct RawUpstream {
     /// head (names of other `[[upstream]]`s of the same API shape).
     #[serde(default)]
     pub fallbacks: Vec<String>,
+    /// OpenAI kind: a request without a `prompt_cache_key` gets a stable
+    /// one (never sent to an upstream that did not opt in: some servers
+    /// refuse fields they do not know).
+    #[serde(default)]
+    pub prompt_cache_key: bool,
 }
 
 fn default_models() -> Vec<String> {
@@ -80,6 +85,8 @@ pub struct Upstream {
     pub ca_certs: Vec<rustls::pki_types::CertificateDer<'static>>,
     /// `fallbacks`, as written.
     pub fallbacks: Vec<String>,
+    /// `prompt_cache_key = true`.
+    pub prompt_cache_key: bool,
     /// The upstreams a request routed here may go to, in order: this one,
     /// then its fallbacks, each followed by its own (depth first, each
     /// once). Just this one when it has no fallbacks.
@@ -161,6 +168,13 @@ impl RawUpstream {
                 ],
             )
             .unwrap_or(AuthMode::Bearer);
+        if self.prompt_cache_key && auth == AuthMode::XApiKey {
+            p.bad(
+                format_args!("{key}.prompt_cache_key"),
+                true,
+                "is for the OpenAI kind (auth = \"bearer\"); the Anthropic kind caches at breakpoints (see [cache])",
+            );
+        }
         if let Some(k) = &self.api_key
             && k.expose().trim().is_empty()
         {
@@ -187,6 +201,7 @@ impl RawUpstream {
             matcher,
             ca_certs,
             fallbacks: self.fallbacks,
+            prompt_cache_key: self.prompt_cache_key,
             chain: vec![i],
         }
     }

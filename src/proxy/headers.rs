@@ -229,6 +229,7 @@ mod tests {
             matcher: globset::GlobSet::empty(),
             ca_certs: Vec::new(),
             fallbacks: Vec::new(),
+            prompt_cache_key: false,
             chain: vec![0],
         }
     }
