@@ -17,6 +17,8 @@
 //! and transcriber calls, their cache).
 //! Every answer visor gives itself to a `/v1` request, HTTP or WebSocket,
 //! leaves by one edge that logs and counts it.
+//! [`prompt_cache`] places cache breakpoints where the client set none and
+//! explains each request's cache misses.
 //! A route with `fallbacks` moves on to the next upstream within the
 //! [`retries`] budget and breakers.
 //! Every error visor makes itself is one [`error::VisorError`], answered in
@@ -34,6 +36,7 @@ pub mod media;
 pub mod media_text;
 pub mod metrics;
 pub mod models;
+pub mod prompt_cache;
 pub mod proxy;
 pub mod retries;
 pub mod server;

@@ -37,6 +37,10 @@ pub struct Metrics {
     pub ratelimit_shared: IntGauge,
     pub ratelimit_local_checks: IntCounter,
     pub context_resent: IntCounterVec,
+    /// `visor_cache_tokens_total{kind}`: readable, read, written.
+    pub cache_tokens: IntCounterVec,
+    /// `visor_cache_misses_total{cause}`.
+    pub cache_misses: IntCounterVec,
     pub context_received: IntCounterVec,
     pub context_long: IntCounterVec,
     pub bytes_saved: IntCounterVec,
@@ -84,6 +88,8 @@ impl Metrics {
             ratelimit_shared: limits.ratelimit_shared,
             ratelimit_local_checks: limits.ratelimit_local_checks,
             context_resent: context.context_resent,
+            cache_tokens: context.cache_tokens,
+            cache_misses: context.cache_misses,
             context_received: context.context_received,
             context_long: context.context_long,
             bytes_saved: transforms.bytes_saved,
@@ -378,6 +384,8 @@ impl Describer {
 /// Context clients send again, by key.
 struct Context {
     context_resent: IntCounterVec,
+    cache_tokens: IntCounterVec,
+    cache_misses: IntCounterVec,
     context_received: IntCounterVec,
     context_long: IntCounterVec,
 }
@@ -390,6 +398,18 @@ impl Context {
                 "visor_context_resent_bytes_total",
                 "Request bytes dedup removed (context the client sent again), by key name",
                 &["key"],
+            )?,
+            cache_tokens: counter_vec(
+                registry,
+                "visor_cache_tokens_total",
+                "Prompt tokens the provider could read from its cache (readable), read and wrote, as its usage says",
+                &["kind"],
+            )?,
+            cache_misses: counter_vec(
+                registry,
+                "visor_cache_misses_total",
+                "Requests whose cached prefix fell short, by cause (first, client, visor, expired, provider)",
+                &["cause"],
             )?,
             context_received: counter_vec(
                 registry,

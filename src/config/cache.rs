@@ -106,7 +106,9 @@ mod tests {
     use super::*;
 
     fn cache(extra: &str) -> Cache {
-        load(&format!("{}{extra}", ups(&[("a", "")]))).unwrap().cache
+        load(&format!("{}{extra}", ups(&[("a", "")])))
+            .unwrap()
+            .cache
     }
 
     #[test]
@@ -128,7 +130,10 @@ mod tests {
 
     #[test]
     fn other_values_are_named() {
-        let p = problems(&format!("{}[cache]\nttl = \"10m\"\nbreakpoints = \"on\"\nexpire_after_secs = 0\n", ups(&[("a", "")])));
+        let p = problems(&format!(
+            "{}[cache]\nttl = \"10m\"\nbreakpoints = \"on\"\nexpire_after_secs = 0\n",
+            ups(&[("a", "")])
+        ));
         assert!(p.contains("cache.ttl: \"10m\""), "{p}");
         assert!(p.contains("cache.breakpoints: \"on\""), "{p}");
         assert!(p.contains("cache.expire_after_secs: 0"), "{p}");

@@ -156,6 +156,18 @@ trait Backend: Send + Sync {
         None
     }
 
+    /// `None`: not shared (a conversation's last request is kept in the
+    /// process). Otherwise sets `key` to `value` (expiring after `ttl`) and
+    /// returns what it held, in one step.
+    fn swap_record<'a>(
+        &'a self,
+        _key: &'a str,
+        _value: Vec<u8>,
+        _ttl: Duration,
+    ) -> Option<StoreFuture<'a, Option<Vec<u8>>>> {
+        None
+    }
+
     /// `None`: not shared.
     fn uncount_window<'a>(
         &'a self,
@@ -190,6 +202,17 @@ impl Access {
     fn is_read(self) -> bool {
         matches!(self, Access::Get | Access::List)
     }
+}
+
+/// What [`Store::swap_record`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Swapped {
+    /// The store is not shared: the process keeps its own.
+    NotShared,
+    /// The store failed (counted and logged as any store failure).
+    Failed,
+    /// What the store held before (`None`: nothing).
+    Was(Option<Vec<u8>>),
 }
 
 /// A down store: what took it down, and when to try again.
@@ -325,6 +348,19 @@ impl Store {
             return Ok(false);
         };
         self.guarded(Access::Put, op).await.map(|()| true)
+    }
+
+    /// Keeps `value` as conversation `key`'s last request (for `ttl`) and
+    /// returns the one it replaces, in one step, so replicas sharing the
+    /// store follow one conversation ([`Swapped`]).
+    pub async fn swap_record(&self, key: &str, value: Vec<u8>, ttl: Duration) -> Swapped {
+        let Some(op) = self.backend.swap_record(key, value, ttl) else {
+            return Swapped::NotShared;
+        };
+        match self.guarded(Access::Put, op).await {
+            Ok(old) => Swapped::Was(old),
+            Err(_) => Swapped::Failed,
+        }
     }
 
     /// Whether `name` (normalised) is learned as non-vision in the store.

@@ -234,6 +234,25 @@ impl Backend for Redis {
         None
     }
 
+    fn swap_record<'a>(
+        &'a self,
+        key: &'a str,
+        value: Vec<u8>,
+        ttl: Duration,
+    ) -> Option<StoreFuture<'a, Option<Vec<u8>>>> {
+        Some(Box::pin(async move {
+            self.query(
+                ::redis::cmd("SET")
+                    .arg(self.key("cache:", key))
+                    .arg(value)
+                    .arg("EX")
+                    .arg(ttl.as_secs().max(1))
+                    .arg("GET"),
+            )
+            .await
+        }))
+    }
+
     fn count_window<'a>(
         &'a self,
         requests_key: &'a str,

@@ -1,0 +1,326 @@
+//! Prompt caching: providers bill a cached prefix at about a tenth, and
+//! visor helps every request be read from the cache — and says why, when
+//! it is not.
+//!
+//! - [`anatomy`]: a request as the cache sees it (the head, then each
+//!   message; hashed without cache markers; tokens estimated).
+//! - [`breakpoints`]: where visor's `cache_control` markers go on a
+//!   Messages request to an Anthropic-kind upstream that carries none.
+//! - [`ledger`]: a conversation's last request kept as hashes, and the next
+//!   request judged against it (readable tokens, the cause of a miss).
+//! - [`PromptCache`] (here): the part the proxy calls once per request —
+//!   markers or a `prompt_cache_key` added, the judging done, the record
+//!   kept (in this process, or in a shared store so replicas follow one
+//!   conversation).
+//!
+//! The first three are pure; this file holds the little state.
+
+pub mod anatomy;
+pub mod breakpoints;
+pub mod ledger;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::HeaderValue;
+
+use crate::api::Shape;
+use crate::config::Cache;
+use crate::metrics::Metrics;
+use crate::store::{Store, Swapped};
+use anatomy::Anatomy;
+use ledger::{Cause, Judging, Reads, Record, Said, Verdict};
+
+/// A conversation's last request is kept this long after it (long past
+/// any cache's lifetime, so a late request is `expired`, not `first`).
+pub const RECORD_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Records kept in this process, in bytes at most.
+const MEMORY_BYTES: u64 = 64 * 1024 * 1024;
+
+/// The cache minimum when the model table does not say.
+pub const DEFAULT_MIN_TOKENS: u64 = 1024;
+
+pub struct PromptCache {
+    config: Cache,
+    /// Conversations' last requests, by conversation.
+    recent: moka::future::Cache<u64, Arc<Record>>,
+    store: Arc<Store>,
+}
+
+/// One request, as the proxy hands it over.
+pub struct Asked<'a> {
+    pub shape: Shape,
+    /// The body as the client sent it (with a session's history).
+    pub received: &'a Bytes,
+    /// The body the transforms made of it.
+    pub prepared: &'a Bytes,
+    pub model: &'a str,
+    /// The caller's key name (`none` without one).
+    pub key_name: &'a str,
+    /// `x-visor-session`, when set.
+    pub session: Option<&'a str>,
+    /// The upstream is of the Anthropic kind (caches at breakpoints).
+    pub anthropic_kind: bool,
+    /// Every upstream the request may go to opted in to
+    /// `prompt_cache_key`.
+    pub cache_key: bool,
+    /// The model's `cache_min_tokens`.
+    pub min_tokens: Option<u32>,
+    /// The request may be changed (`x-visor-transform` is not `off`).
+    pub may_change: bool,
+}
+
+/// What the proxy does with a request's caching.
+#[derive(Debug, Default)]
+pub struct Applied {
+    /// The body with visor's markers or key, when it added any.
+    pub body: Option<Bytes>,
+    /// The breakpoints visor placed.
+    pub breakpoints: usize,
+    /// The judging, for the response header and, at the end, the metrics
+    /// and the log line. `None`: not followed (a Responses request that
+    /// continues a stored response, a body visor cannot read).
+    pub seen: Option<Seen>,
+}
+
+/// What is known of a request's caching before its answer.
+#[derive(Debug, Clone, Copy)]
+pub struct Seen {
+    pub verdict: Verdict,
+    /// visor's estimate of the prompt's tokens.
+    pub estimated: u64,
+    pub shape: Shape,
+}
+
+impl Seen {
+    /// `x-visor-cache`: `readable=M`, and `; miss=CAUSE` when a cause is
+    /// known before the answer.
+    pub fn header(&self) -> HeaderValue {
+        let v = &self.verdict;
+        let text = match v.cause {
+            Some(c) => format!("readable={}; miss={}", v.readable, c.label()),
+            None => format!("readable={}", v.readable),
+        };
+        HeaderValue::from_str(&text).unwrap_or(HeaderValue::from_static("readable=0"))
+    }
+
+    /// Once the answer said its usage (`prompt`: input tokens as the
+    /// provider counts them; Anthropic's exclude what it read and wrote):
+    /// counts the tokens and the miss, and returns them for the log line.
+    /// `said`: false when the answer never said its usage (then only a
+    /// cause known before the answer is counted).
+    pub fn settle(
+        &self,
+        metrics: &Metrics,
+        prompt: u64,
+        read: u64,
+        written: u64,
+        said: bool,
+    ) -> Settled {
+        if !said {
+            if let Some(c) = self.verdict.cause {
+                metrics.cache_misses.with_label_values(&[c.label()]).inc();
+            }
+            return Settled {
+                readable: None,
+                cause: self.verdict.cause,
+                at: self.verdict.at,
+            };
+        }
+        let total = match self.shape {
+            Shape::Messages => prompt + read + written,
+            Shape::Chat | Shape::Responses => prompt,
+        };
+        let said = Said {
+            prompt: total,
+            read,
+            written,
+        };
+        let (readable, cause) = ledger::settle(self.verdict, self.estimated, said);
+        let kinds = [("readable", readable), ("read", read), ("written", written)];
+        for (kind, n) in kinds {
+            metrics.cache_tokens.with_label_values(&[kind]).inc_by(n);
+        }
+        if let Some(c) = cause {
+            metrics.cache_misses.with_label_values(&[c.label()]).inc();
+        }
+        Settled {
+            readable: Some(readable),
+            cause,
+            at: self.verdict.at,
+        }
+    }
+}
+
+/// A request's caching, once its answer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    /// The readable tokens in the provider's count (`None`: it did not say).
+    pub readable: Option<u64>,
+    pub cause: Option<Cause>,
+    pub at: Option<usize>,
+}
+
+impl Settled {
+    /// `client at message 3`, `expired`… for the log line.
+    pub fn miss(&self) -> Option<String> {
+        let c = self.cause?;
+        Some(match self.at {
+            Some(k) => format!("{} at message {k}", c.label()),
+            None => c.label().to_owned(),
+        })
+    }
+}
+
+impl PromptCache {
+    pub fn new(config: Cache, store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
+        for c in Cause::ALL {
+            metrics.cache_misses.with_label_values(&[c.label()]);
+        }
+        for kind in ["readable", "read", "written"] {
+            metrics.cache_tokens.with_label_values(&[kind]);
+        }
+        let recent = moka::future::Cache::builder()
+            .max_capacity(MEMORY_BYTES)
+            .weigher(|_, r: &Arc<Record>| r.weight().min(u32::MAX as usize) as u32)
+            .time_to_idle(RECORD_TTL)
+            .build();
+        PromptCache {
+            config,
+            recent,
+            store,
+        }
+    }
+
+    /// Adds visor's breakpoints (Messages, Anthropic kind, none set by the
+    /// client) or a `prompt_cache_key` (an upstream that opted in), judges
+    /// the request against the previous one of its conversation and keeps
+    /// it as that conversation's last.
+    pub async fn apply(&self, asked: Asked<'_>) -> Applied {
+        let Some(received) = Anatomy::of(asked.shape, asked.received) else {
+            return Applied::default();
+        };
+        let sent = match asked.prepared == asked.received {
+            true => received.clone(),
+            false => match Anatomy::of(asked.shape, asked.prepared) {
+                Some(a) => a,
+                None => return Applied::default(),
+            },
+        };
+        if received.chained {
+            return Applied::default();
+        }
+        let min = asked.min_tokens.map_or(DEFAULT_MIN_TOKENS, u64::from);
+        let conversation = conversation(asked.session, asked.key_name, received.first_user);
+        let mut applied = Applied::default();
+        let mut placed = Vec::new();
+        if asked.shape == Shape::Messages
+            && asked.anthropic_kind
+            && asked.may_change
+            && self.config.breakpoints
+        {
+            placed = breakpoints::place(&sent, min);
+            if !placed.is_empty() {
+                let body = breakpoints::mark(asked.prepared, &sent, &placed, self.config.ttl);
+                applied.body = Some(Bytes::from(body));
+                applied.breakpoints = placed.len();
+            }
+        }
+        if asked.shape != Shape::Messages
+            && asked.cache_key
+            && asked.may_change
+            && !sent.has_cache_key
+        {
+            applied.body = Some(with_cache_key(asked.prepared, &sent, conversation));
+        }
+        let record = Arc::new(Record::new(
+            unix_ms(),
+            asked.model,
+            &received,
+            &sent,
+            &placed,
+        ));
+        let judging = Judging {
+            reads: match asked.anthropic_kind {
+                true => Reads::AtBreakpoints,
+                false => Reads::Automatically,
+            },
+            min_tokens: min,
+            expire_after_ms: self.config.expire_after.as_millis() as u64,
+        };
+        let estimated = record.total_tokens();
+        let previous = self.swap(conversation, record.clone()).await;
+        let verdict = ledger::judge(previous.as_deref(), &record, judging);
+        applied.seen = Some(Seen {
+            verdict,
+            estimated,
+            shape: asked.shape,
+        });
+        applied
+    }
+
+    /// Keeps `record` as the conversation's last request; returns the one
+    /// before it (from the shared store when there is one and it answers,
+    /// else from this process).
+    async fn swap(&self, conversation: u64, record: Arc<Record>) -> Option<Arc<Record>> {
+        let key = format!("{conversation:016x}");
+        let local = self.recent.get(&conversation).await;
+        self.recent.insert(conversation, record.clone()).await;
+        match self
+            .store
+            .swap_record(&key, record.encode(), RECORD_TTL)
+            .await
+        {
+            Swapped::Was(Some(bytes)) => Record::decode(&bytes).map(Arc::new).or(local),
+            Swapped::Was(None) => None,
+            Swapped::NotShared | Swapped::Failed => local,
+        }
+    }
+}
+
+/// A conversation: its `x-visor-session`, else its key name and first user
+/// message (so a changed system prompt is the client's change, not a new
+/// conversation).
+pub fn conversation(session: Option<&str>, key_name: &str, first_user: u64) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(key_name.as_bytes());
+    h.update(&[0]);
+    match session {
+        Some(s) => {
+            h.update(b"session\0");
+            h.update(s.as_bytes());
+        }
+        None => h.update(&first_user.to_le_bytes()),
+    }
+    h.digest()
+}
+
+/// The `prompt_cache_key` visor gives a conversation.
+pub fn cache_key(conversation: u64) -> String {
+    format!("visor-{conversation:016x}")
+}
+
+/// `body` with `"prompt_cache_key"` as its first field.
+fn with_cache_key(body: &[u8], a: &Anatomy, conversation: u64) -> Bytes {
+    let open = a.open + 1;
+    let rest = &body[open..];
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+    let field = format!(
+        "\"prompt_cache_key\":\"{}\"{}",
+        cache_key(conversation),
+        if empty { "" } else { "," }
+    );
+    let mut out = Vec::with_capacity(body.len() + field.len());
+    out.extend_from_slice(&body[..open]);
+    out.extend_from_slice(field.as_bytes());
+    out.extend_from_slice(rest);
+    Bytes::from(out)
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
