@@ -11,6 +11,7 @@
 //!        ─► proxy keys, [[key]] limits (store)  ─► proxy::Gate
 //!        ─► sessions (store, proxy keys)        ─► proxy::Sessions
 //!        ─► retry budget and breakers, upstreams ─► proxy::Routes
+//!        ─► [cache] (store)                     ─► prompt_cache::PromptCache
 //! ```
 
 use std::sync::Arc;
@@ -22,6 +23,7 @@ use crate::media_text::MediaText;
 use crate::media_text::describe::Describer;
 use crate::metrics::Metrics;
 use crate::models::{Learned, ModelTable};
+use crate::prompt_cache::PromptCache;
 use crate::proxy::{AppState, Gate, Lifecycle, ProxyKeys, Rewriter, Routes, Sessions};
 use crate::retries::Retries;
 use crate::store::Store;
@@ -67,6 +69,7 @@ pub fn build(
         life.tasks.clone(),
     );
     let retries = retries(&config, &metrics);
+    let cache = PromptCache::new(config.cache, store.clone(), metrics.clone());
     // What the phases keep of the config itself: the server's bounds and
     // deadlines, and the upstreams to route to.
     let Config {
@@ -91,6 +94,7 @@ pub fn build(
         routes,
         rewrite,
         sessions,
+        cache,
         store,
         life,
     })

@@ -344,6 +344,12 @@ impl ModelTable {
 
     /// The table's answer for `model`; `header` is the `x-visor-vision`
     /// override, when the request has one.
+    /// What the user and built-in rows say of `model` (no header, nothing
+    /// learned).
+    pub fn caps(&self, model: &str) -> Caps {
+        self.rows(model).0
+    }
+
     pub fn resolve(&self, model: &str, header: Option<bool>) -> Resolved {
         let (mut caps, mut vision_from) = self.rows(model);
         if let Some(v) = header {

@@ -128,6 +128,11 @@ pub struct Finish {
     pub images_replaced: usize,
     pub media_replaced: usize,
     pub bytes_saved: i64,
+    /// Cache breakpoints visor placed.
+    pub breakpoints: usize,
+    /// The request's cache as judged before the answer: settled by the
+    /// answer's usage (metrics, the log line).
+    pub cache: Option<crate::prompt_cache::Seen>,
     /// Called with the tokens the upstream's `usage` reports (prompt, when
     /// it said, and completion — estimated from the text streamed when it
     /// did not say): the caller's rate limit is corrected by them.
@@ -257,6 +262,11 @@ impl ObservedBody {
         // usage (every response that does has prompt tokens or completion
         // tokens): a stream without `include_usage` is not "0 tokens".
         let said = usage.prompt > 0 || usage.completion > 0;
+        let cache = f.cache.map(|seen| {
+            let whole = said && outcome == Outcome::Complete;
+            seen.settle(m, usage.prompt, usage.cached_read, usage.cache_write, whole)
+        });
+        let cache_miss = cache.and_then(|c| c.miss());
         tracing::info!(
             request_id = f.request_id.to_str().unwrap_or_default(),
             upstream = %f.upstream,
@@ -265,8 +275,11 @@ impl ObservedBody {
             outcome = outcome.label(),
             prompt_tokens = said.then_some(usage.prompt),
             completion_tokens = said.then_some(usage.completion),
-            cached_tokens = said.then_some(usage.cached_read),
-            cache_write_tokens = said.then_some(usage.cache_write),
+            cache_read = said.then_some(usage.cached_read),
+            cache_written = said.then_some(usage.cache_write),
+            cache_readable = cache.and_then(|c| c.readable),
+            cache_miss = cache_miss.as_deref(),
+            cache_breakpoints = (f.breakpoints > 0).then_some(f.breakpoints),
             images_replaced = f.images_replaced,
             media_replaced = f.media_replaced,
             bytes_saved = f.bytes_saved,

@@ -22,6 +22,11 @@
 //!    model that cannot see, the rules for every model and line
 //!    dedup applied ([`super::prepare`]); the replaced originals
 //!    are written in the background.
+//! 5c. cache    — the prompt cache ([`crate::prompt_cache`]): breakpoints
+//!    on a Messages request to an Anthropic-kind upstream that
+//!    carries none, a `prompt_cache_key` for an upstream that
+//!    opted in; the request judged against the previous one of
+//!    its conversation (`x-visor-cache`, settled at the end).
 //! 6. send      — headers rewritten, the body as held (byte for byte when
 //!    nothing changed); wait for the response head under the
 //!    first-byte and total deadlines (peek, then commit: failures
@@ -59,7 +64,8 @@ use super::request_body::{FormScanner, JsonScanner, WholeBody};
 use super::session_turn::{self, Recorder, Sessions};
 use super::{AppState, RequestIdExt, Routes};
 use crate::api::usage::UsageObserver;
-use crate::config::Server;
+use crate::config::{AuthMode, Server};
+use crate::prompt_cache::{Asked, Seen};
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
 use crate::metrics::Metrics;
@@ -81,7 +87,10 @@ pub async fn handle(
     edge.routed(call.index, call.model.as_deref());
     let mut grant = limit(&state.gate, &call, &parts, &held).await?; // 3b. key limits
     let (held, mut session) = open_session(&state.sessions, &call, &parts, held).await?; // 4. session
+    let received = held.clone();
+    let may_change = !call.opts.off;
     let mut prepared = transform(&state.rewrite, &mut call, &parts, held, &session).await?; // 5. transform
+    let cache = prompt_cache(state, &call, &parts, &grant, received, may_change, &mut prepared).await; // 5c. cache
     edge.prepared(prepared.as_ref().map(|p| Counts::of(&p.report)));
     if let Some(p) = &prepared {
         state.gate.count_context(&grant, &p.report);
@@ -136,6 +145,7 @@ pub async fn handle(
         prepared,
         recorder: session.recorder,
         grant,
+        cache,
     };
     Ok(respond(state, call, &exchange, edge, outgoing, answer).await) // 8. respond
 }
@@ -491,6 +501,50 @@ async fn transform(
     Ok(Some(p))
 }
 
+/// Phase 5c: the prompt cache's breakpoints or key added to the body to
+/// send, and the request judged against its conversation's previous one.
+async fn prompt_cache(
+    state: &AppState,
+    call: &Call,
+    parts: &http::request::Parts,
+    grant: &Grant,
+    received: Option<Bytes>,
+    may_change: bool,
+    prepared: &mut Option<Prepared>,
+) -> Option<Seen> {
+    let (Some(shape), Some(received), Some(p)) = (call.shape, received, prepared.as_mut()) else {
+        return None;
+    };
+    let routes = &state.routes;
+    let upstream = &routes.upstreams[call.index];
+    let model = call.model.as_deref().unwrap_or("");
+    let asked = Asked {
+        shape,
+        received: &received,
+        prepared: &p.body,
+        model,
+        key_name: &grant.label,
+        session: parts
+            .headers
+            .get("x-visor-session")
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim),
+        anthropic_kind: upstream.auth == AuthMode::XApiKey,
+        cache_key: upstream
+            .chain
+            .iter()
+            .all(|&i| routes.upstreams[i].prompt_cache_key),
+        min_tokens: state.rewrite.models.caps(model).cache_min_tokens,
+        may_change,
+    };
+    let applied = state.cache.apply(asked).await;
+    if let Some(body) = applied.body {
+        p.body = body;
+    }
+    p.report.breakpoints = applied.breakpoints;
+    applied.seen
+}
+
 /// The method, URI and headers of the upstream request, kept while an
 /// upstream refusal may still be learned from (the retry reuses them).
 type RetryHead = (Method, http::Uri, HeaderMap);
@@ -795,6 +849,8 @@ struct Outgoing {
     prepared: Option<Prepared>,
     recorder: Option<Recorder>,
     grant: Grant,
+    /// The request's cache, as judged before the answer.
+    cache: Option<Seen>,
 }
 
 /// Phase 8: status and headers passed through (plus the `x-visor-*`
@@ -812,6 +868,7 @@ async fn respond(
         mut prepared,
         mut recorder,
         grant,
+        cache,
     } = out;
     let upstream = exchange.upstream.clone();
     let (mut head, incoming) = answer.resp.into_parts();
@@ -821,6 +878,9 @@ async fn respond(
             .upstream_error(&upstream, UpstreamFailure::Status5xx.label());
     }
     for_the_client(&mut head);
+    if let Some(seen) = &cache {
+        head.headers.insert("x-visor-cache", seen.header());
+    }
     if let Some(v) = &grant.standing {
         write_standing(&mut head.headers, v);
     }
@@ -850,6 +910,8 @@ async fn respond(
         images_replaced: counts.map_or(0, |c| c.images_replaced),
         media_replaced: counts.map_or(0, |c| c.media_replaced),
         bytes_saved: counts.map_or(0, |c| c.bytes_saved),
+        breakpoints: prepared.as_ref().map_or(0, |p| p.report.breakpoints),
+        cache,
         on_usage: grant.key.map(|i| charge_usage(state, i, grant.estimate)),
     };
     let idle = state.server.idle_timeout;

@@ -54,6 +54,9 @@ pub struct AppState {
     pub rewrite: Rewriter,
     /// Conversations kept by visor (phase 4, `/visor/sessions`).
     pub sessions: Sessions,
+    /// Cache breakpoints and keys, and each request's cache judged (phase
+    /// 5c; settled when its answer ends).
+    pub cache: crate::prompt_cache::PromptCache,
     /// Descriptions, learned models, sessions and shared counts beyond one
     /// request (`[store]`): `/readyz`, the sweeps.
     pub store: Arc<Store>,

@@ -1228,8 +1228,8 @@ impl Relay {
             // Only when the provider said them (absent, not 0, otherwise).
             prompt_tokens = usage.map(|u| u.prompt),
             completion_tokens = usage.map(|u| u.completion),
-            cached_tokens = usage.map(|u| u.cached_read),
-            cache_write_tokens = usage.map(|u| u.cache_write),
+            cache_read = usage.map(|u| u.cached_read),
+            cache_written = usage.map(|u| u.cache_write),
             images_replaced = f.images_replaced,
             media_replaced = f.media_replaced,
             bytes_saved = f.bytes_saved,

@@ -61,6 +61,9 @@ pub struct Report {
     /// Stored session messages prepended (set by the proxy).
     #[serde(skip)]
     pub history_used: usize,
+    /// Prompt-cache breakpoints added (set by the proxy).
+    #[serde(skip)]
+    pub breakpoints: usize,
     pub images: Vec<ImageNote>,
     /// Set when the body could not be walked and was left unchanged.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -202,7 +202,7 @@ fn logs_never_contain_keys_or_bodies() {
         .lines()
         .find(|l| l.contains("response finished") && l.contains("status=200"))
         .unwrap();
-    for field in ["cached_tokens=1", "images_replaced=0", "bytes_saved=0"] {
+    for field in ["cache_read=1", "images_replaced=0", "bytes_saved=0"] {
         assert!(line.contains(field), "{field} in {line}");
     }
     // Every key and the body text carry the marker SECRET.

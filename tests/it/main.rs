@@ -25,6 +25,8 @@ mod connections;
 mod describe;
 /// `src/limits.rs`: `[[key]]` limits.
 mod limits;
+/// `src/prompt_cache/`: breakpoints, keys and the cache judged.
+mod prompt_cache;
 /// `src/sessions.rs`: server-side sessions.
 mod sessions;
 

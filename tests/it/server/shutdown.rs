@@ -394,8 +394,8 @@ fn a_stream_without_usage_logs_no_token_fields() {
     for field in [
         "prompt_tokens",
         "completion_tokens",
-        "cached_tokens",
-        "cache_write_tokens",
+        "cache_read",
+        "cache_written",
     ] {
         assert!(
             !streamed.contains(field),

@@ -2,6 +2,7 @@
 //! real loopback sockets (port 0), plus a small HTTP client.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod anthropic_cache;
 pub mod pdf_build;
 
 use std::io::{BufRead, BufReader};

@@ -1,0 +1,340 @@
+//! Prompt caching through the real proxy: breakpoints on Messages requests
+//! to an Anthropic-kind upstream (a mock whose cache is simulated, so its
+//! `usage` says what it read), the client's own markers left alone, a
+//! `prompt_cache_key` only for upstreams that opted in, every miss cause
+//! told (`x-visor-cache`) and counted, two replicas on one Redis following
+//! one conversation.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use crate::support;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::Full;
+use serde_json::{Value, json};
+use support::anthropic_cache::{CacheSim, blocks};
+use support::*;
+
+/// A mock Anthropic API whose answers carry the simulated cache's usage.
+async fn anthropic(sim: Arc<CacheSim>) -> MockUpstream {
+    MockUpstream::start(move |req: &Recorded| {
+        let usage = sim.request(&req.body);
+        Reply::json(
+            200,
+            json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+                   "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+                   "usage": usage.json()})
+            .to_string(),
+        )
+    })
+    .await
+}
+
+/// visor in front of `mock` as an Anthropic-kind upstream, plus `extra`.
+async fn visor_for(mock: &MockUpstream, extra: &str) -> Visor {
+    Visor::start(&format!(
+        "{extra}\n{}api_key = \"sk-ant-upstream\"\nauth = \"x-api-key\"\nmodels = [\"*\"]\n",
+        mock.upstream_toml("claude")
+    ))
+    .await
+}
+
+fn words(n: usize) -> String {
+    "lorem ipsum ".repeat(n)
+}
+
+/// Turn `k` (from 1) of an agent's tool loop, as the agent sends it: no
+/// markers, a long system prompt, one tool.
+fn tool_loop(k: usize, system: &str) -> Value {
+    let mut messages = vec![json!({"role": "user", "content": "Fix the failing test."})];
+    for i in 1..k {
+        messages.push(json!({"role": "assistant", "content": [
+            {"type": "text", "text": format!("Step {i}.")},
+            {"type": "tool_use", "id": format!("toolu_{i}"), "name": "sh", "input": {"cmd": format!("run {i}")}}]}));
+        messages.push(json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": format!("toolu_{i}"), "content": format!("output {i}: {}", words(40))}]}));
+    }
+    json!({"model": "claude-test", "max_tokens": 256, "system": system,
+           "tools": [{"name": "sh", "description": "Run a shell command", "input_schema": {"type": "object"}}],
+           "messages": messages})
+}
+
+async fn post_messages(visor: &Visor, body: impl Into<Bytes>, headers: &[(&str, &str)]) -> (StatusCode, HeaderMap, Bytes) {
+    let mut req = Request::post(visor.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .header("x-api-key", "sk-ant-client")
+        .header("anthropic-version", "2023-06-01");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    send(req.body(Full::new(body.into())).unwrap()).await
+}
+
+fn cache_header(h: &HeaderMap) -> String {
+    h.get("x-visor-cache")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+/// `readable=N` of an `x-visor-cache` value.
+fn readable(v: &str) -> u64 {
+    v.split(';')
+        .find_map(|p| p.trim().strip_prefix("readable="))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no readable in {v:?}"))
+}
+
+/// The markers of a body sent upstream: (block index in cache order).
+fn markers(body: &[u8]) -> Vec<usize> {
+    let v: Value = serde_json::from_slice(body).unwrap();
+    blocks(&v)
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, m))| *m)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Waits (bounded) until the counter reaches `want`; its last value.
+async fn wait_metric(visor: &Visor, name: &str, labels: &[(&str, &str)], want: f64) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let got = metric(&visor.metrics().await, name, labels).unwrap_or(0.0);
+        if got >= want || Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_tool_loop_without_markers_gets_breakpoints_and_reads_its_prefix_each_turn() {
+    let sim = Arc::new(CacheSim::default());
+    let mock = anthropic(sim.clone()).await;
+    let visor = visor_for(&mock, "").await;
+    let system = words(800);
+    for k in 1..=6 {
+        let (status, h, body) = post_messages(&visor, tool_loop(k, &system).to_string(), &[]).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let header = cache_header(&h);
+        match k {
+            1 => assert_eq!(header, "readable=0; miss=first"),
+            _ => {
+                assert!(!header.contains("miss"), "turn {k}: {header}");
+                assert!(readable(&header) > 2000, "turn {k}: {header}");
+            }
+        }
+    }
+    let sent = mock.recorded();
+    assert_eq!(sent.len(), 6);
+    let mut previous: Option<Vec<Value>> = None;
+    for (i, r) in sent.iter().enumerate() {
+        let v: Value = serde_json::from_slice(&r.body).unwrap();
+        let b = blocks(&v);
+        // The head (tool, system) and the request's last block.
+        assert_eq!(markers(&r.body), vec![1, b.len() - 1], "turn {}", i + 1);
+        assert_eq!(v["system"][0]["cache_control"]["type"], "ephemeral");
+        // Each request's prefix is the previous request, block for block.
+        let now: Vec<Value> = b.into_iter().map(|(b, _)| b).collect();
+        if let Some(p) = &previous {
+            assert_eq!(&now[..p.len()], &p[..], "turn {} rewrote the prefix", i + 1);
+        }
+        previous = Some(now);
+    }
+    // Five turns each read their previous request (above 2000 tokens).
+    let read = wait_metric(&visor, "visor_cache_tokens_total", &[("kind", "read")], 10_000.0).await;
+    assert!(read > 10_000.0, "the provider read the prefix each turn: {read}");
+    let m = visor.metrics().await;
+    assert_eq!(metric(&m, "visor_cache_misses_total", &[("cause", "first")]), Some(1.0));
+    for cause in ["client", "visor", "expired", "provider"] {
+        assert_eq!(metric(&m, "visor_cache_misses_total", &[("cause", cause)]), Some(0.0), "{cause}");
+    }
+    let readable = metric(&m, "visor_cache_tokens_total", &[("kind", "readable")]).unwrap();
+    assert!(read >= readable * 0.8 && read <= readable * 1.25, "read {read} of readable {readable}");
+}
+
+#[tokio::test]
+async fn the_clients_own_markers_arrive_byte_for_byte_and_are_still_judged() {
+    let sim = Arc::new(CacheSim::default());
+    let mock = anthropic(sim).await;
+    let visor = visor_for(&mock, "").await;
+    let mut body = tool_loop(3, &words(800));
+    body["system"] = json!([{"type": "text", "text": words(800), "cache_control": {"type": "ephemeral"}}]);
+    // Pretty-printed, as no rewrite would leave it.
+    let text = serde_json::to_string_pretty(&body).unwrap();
+    for _ in 0..2 {
+        let (status, h, _) = post_messages(&visor, text.clone(), &[]).await;
+        assert_eq!(status, 200);
+        assert!(h.contains_key("x-visor-cache"));
+    }
+    for r in mock.recorded() {
+        assert_eq!(r.body, text.as_bytes(), "the client's markers: forwarded as they came");
+    }
+    // Read at the client's own breakpoint the second time.
+    let read = wait_metric(&visor, "visor_cache_tokens_total", &[("kind", "read")], 1.0).await;
+    assert!(read > 2000.0, "{read}");
+}
+
+#[tokio::test]
+async fn a_short_prompt_gets_no_breakpoint_and_off_leaves_them_all_out() {
+    let mock = anthropic(Arc::new(CacheSim::default())).await;
+    let visor = visor_for(&mock, "").await;
+    let short = tool_loop(3, "Be brief.").to_string();
+    let (status, h, _) = post_messages(&visor, short.clone(), &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(cache_header(&h), "readable=0; miss=first");
+    assert_eq!(mock.recorded()[0].body, short.as_bytes());
+    // breakpoints = "off", and x-visor-transform: off, leave a long one alone.
+    let long = tool_loop(3, &words(800)).to_string();
+    let off = anthropic(Arc::new(CacheSim::default())).await;
+    let visor_off = visor_for(&off, "[cache]\nbreakpoints = \"off\"\n").await;
+    post_messages(&visor_off, long.clone(), &[]).await;
+    post_messages(&visor, long.clone(), &[("x-visor-transform", "off")]).await;
+    assert_eq!(off.recorded()[0].body, long.as_bytes());
+    assert_eq!(mock.recorded()[1].body, long.as_bytes());
+}
+
+#[tokio::test]
+async fn a_turn_of_25_tool_results_gets_the_look_back_breakpoint_and_reads() {
+    let sim = Arc::new(CacheSim::default());
+    let mock = anthropic(sim.clone()).await;
+    let visor = visor_for(&mock, "[cache]\nttl = \"1h\"\n").await;
+    let system = words(800);
+    let question = json!({"role": "user", "content": format!("Check every file. {}", words(100))});
+    let tools = json!([{"name": "cat", "input_schema": {"type": "object"}}]);
+    let first = json!({"model": "claude-test", "max_tokens": 64, "system": system, "tools": tools, "messages": [question]});
+    post_messages(&visor, first.to_string(), &[]).await;
+    let calls: Vec<Value> = (0..25)
+        .map(|i| json!({"type": "tool_use", "id": format!("toolu_{i}"), "name": "cat", "input": {"f": i}}))
+        .collect();
+    let results: Vec<Value> = (0..25)
+        .map(|i| json!({"type": "tool_result", "tool_use_id": format!("toolu_{i}"), "content": format!("file {i}")}))
+        .collect();
+    let second = json!({"model": "claude-test", "max_tokens": 64, "system": system, "tools": tools,
+        "messages": [question, {"role": "assistant", "content": calls}, {"role": "user", "content": results}]});
+    let (_, h, _) = post_messages(&visor, second.to_string(), &[]).await;
+    assert!(!cache_header(&h).contains("miss"), "{h:?}");
+    let sent = mock.recorded();
+    let v: Value = serde_json::from_slice(&sent[1].body).unwrap();
+    // Head, where the first request ended (51 blocks back), the end.
+    assert_eq!(markers(&sent[1].body), vec![1, 2, 52]);
+    assert_eq!(v["messages"][0]["content"][0]["cache_control"], json!({"type": "ephemeral", "ttl": "1h"}));
+    let read = wait_metric(&visor, "visor_cache_tokens_total", &[("kind", "read")], 1.0).await;
+    let head_and_question = (words(800).len() + words(100).len()) as f64 / 4.0;
+    assert!(read > head_and_question * 0.9, "read past the head: {read}");
+}
+
+/// A Chat upstream that answers every request.
+async fn openai() -> MockUpstream {
+    MockUpstream::start(|_: &Recorded| chat_ok()).await
+}
+
+fn chat_turns(first: &str, turns: usize) -> Value {
+    let mut messages = vec![json!({"role": "system", "content": "sys"}), json!({"role": "user", "content": first})];
+    for i in 1..turns {
+        messages.push(json!({"role": "assistant", "content": format!("a{i}")}));
+        messages.push(json!({"role": "user", "content": format!("u{i}")}));
+    }
+    json!({"model": "gpt-test", "messages": messages})
+}
+
+#[tokio::test]
+async fn openai_kind_gets_a_stable_prompt_cache_key_only_when_it_opted_in() {
+    let keyed = openai().await;
+    let plain = openai().await;
+    let visor = Visor::start(&format!(
+        "{}prompt_cache_key = true\nmodels = [\"keyed-*\"]\n{}models = [\"*\"]\n",
+        keyed.upstream_toml("keyed"),
+        plain.upstream_toml("plain")
+    ))
+    .await;
+    let send_as = |model: &str, body: &Value| {
+        let mut b = body.clone();
+        b["model"] = json!(model);
+        post_json(&visor.url("/v1/chat/completions"), b.to_string())
+    };
+    for turns in 1..=3 {
+        for model in ["keyed-1", "plain-1"] {
+            let (status, h, _) = send(send_as(model, &chat_turns("hello", turns))).await;
+            assert_eq!(status, 200);
+            assert!(h.contains_key("x-visor-cache"));
+        }
+    }
+    send(send_as("keyed-1", &chat_turns("another conversation", 1))).await;
+    let mut own = chat_turns("hello", 1);
+    own["prompt_cache_key"] = json!("mine");
+    send(send_as("keyed-1", &own)).await;
+    let keys: Vec<Value> = keyed
+        .recorded()
+        .iter()
+        .map(|r| serde_json::from_slice::<Value>(&r.body).unwrap()["prompt_cache_key"].clone())
+        .collect();
+    assert_eq!(keys.len(), 5);
+    let k = keys[0].as_str().unwrap();
+    assert!(k.starts_with("visor-"), "{k}");
+    assert_eq!(keys[1], keys[0]);
+    assert_eq!(keys[2], keys[0]);
+    assert_ne!(keys[3], keys[0], "another conversation, another key");
+    assert_eq!(keys[4], "mine");
+    for r in plain.recorded() {
+        assert!(!String::from_utf8_lossy(&r.body).contains("prompt_cache_key"), "never to an upstream that did not opt in");
+    }
+}
+
+#[tokio::test]
+async fn each_miss_is_told_with_its_cause_and_counted() {
+    let sim = Arc::new(CacheSim::default());
+    let mock = anthropic(sim.clone()).await;
+    let visor = visor_for(&mock, "[cache]\nexpire_after_secs = 0.2\n").await;
+    let system = words(800);
+    let turn = |k: usize, system: &str| tool_loop(k, system).to_string();
+    let header = |h: &HeaderMap| cache_header(h);
+    // The client changes its system prompt: `client` at message 0.
+    let (_, h, _) = post_messages(&visor, turn(1, &system), &[]).await;
+    assert_eq!(header(&h), "readable=0; miss=first");
+    let changed = format!("{system} Today is Tuesday.");
+    let (_, h, _) = post_messages(&visor, turn(2, &changed), &[]).await;
+    assert_eq!(header(&h), "readable=0; miss=client");
+    // Past the cache's lifetime (0.2 s here): `expired`.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, h, _) = post_messages(&visor, turn(3, &changed), &[]).await;
+    let told = header(&h);
+    assert!(told.ends_with("; miss=expired") && readable(&told) > 2000, "{told}");
+    // In time and stable, and the provider reads nothing: `provider`,
+    // known only once the answer said its usage.
+    sim.forget.store(true, Ordering::SeqCst);
+    let (_, h, _) = post_messages(&visor, turn(4, &changed), &[]).await;
+    assert!(!header(&h).contains("miss"), "{h:?}");
+    assert_eq!(wait_metric(&visor, "visor_cache_misses_total", &[("cause", "provider")], 1.0).await, 1.0);
+    let m = visor.metrics().await;
+    for cause in ["first", "client", "expired"] {
+        assert_eq!(metric(&m, "visor_cache_misses_total", &[("cause", cause)]), Some(1.0), "{cause}");
+    }
+    assert_eq!(metric(&m, "visor_cache_misses_total", &[("cause", "visor")]), Some(0.0));
+}
+
+#[tokio::test]
+async fn two_replicas_on_one_redis_follow_one_conversation() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = format!("[store]\nbackend = \"{}\"\nprefix = \"visor-cache-test:\"\n", redis.url());
+    let sim = Arc::new(CacheSim::default());
+    let mock = anthropic(sim).await;
+    let a = visor_for(&mock, &store).await;
+    let b = visor_for(&mock, &store).await;
+    let system = words(800);
+    let (_, h, _) = post_messages(&a, tool_loop(1, &system).to_string(), &[]).await;
+    assert_eq!(cache_header(&h), "readable=0; miss=first");
+    let (_, h, _) = post_messages(&b, tool_loop(2, &system).to_string(), &[]).await;
+    let told = cache_header(&h);
+    assert!(!told.contains("miss") && readable(&told) > 2000, "replica b follows what a sent: {told}");
+    // And back: a sees b's request as the previous one.
+    let (_, h, _) = post_messages(&a, tool_loop(3, &system).to_string(), &[]).await;
+    let again = cache_header(&h);
+    assert!(readable(&again) > readable(&told), "{again} after {told}");
+}
