@@ -65,10 +65,10 @@ use super::session_turn::{self, Recorder, Sessions};
 use super::{AppState, RequestIdExt, Routes};
 use crate::api::usage::UsageObserver;
 use crate::config::{AuthMode, Server};
-use crate::prompt_cache::{Asked, Seen};
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
 use crate::metrics::Metrics;
+use crate::prompt_cache::{Asked, Seen};
 use crate::transform::Shape;
 use crate::upstream::{BodyState, LimitedBody, RequestBody, ResponseBody, UpstreamBody};
 
@@ -90,7 +90,16 @@ pub async fn handle(
     let received = held.clone();
     let may_change = !call.opts.off;
     let mut prepared = transform(&state.rewrite, &mut call, &parts, held, &session).await?; // 5. transform
-    let cache = prompt_cache(state, &call, &parts, &grant, received, may_change, &mut prepared).await; // 5c. cache
+    let cache = prompt_cache(
+        state,
+        &call,
+        &parts,
+        &grant,
+        received,
+        may_change,
+        &mut prepared,
+    )
+    .await; // 5c. cache
     edge.prepared(prepared.as_ref().map(|p| Counts::of(&p.report)));
     if let Some(p) = &prepared {
         state.gate.count_context(&grant, &p.report);

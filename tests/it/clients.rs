@@ -16,6 +16,7 @@
 //! | Codex CLI, `codex exec`, a custom provider, a session | Responses SSE | view_image, exec_command `cat` ×2 |
 //! | Codex CLI, `supports_websockets = true` | Responses WebSocket | same (no dedup, no session there) |
 //! | Claude Code, `claude -p`, a session | Messages SSE | Read (a PNG), Bash `cat` ×2 |
+//! | `anthropic` (Python SDK), no `cache_control` | Messages JSON | sh ×5 (prompt caching: visor's breakpoints read each turn) |
 //!
 //! Every test: the model is text-only (`[[model]] vision = false`, `[images]
 //! non_vision = "strip"`), so no base64 image may reach the upstream and the
@@ -1379,4 +1380,97 @@ async fn claude_code_print_with_session() {
     );
     check_session(&visor, "claude-1", Wire::Messages, &main, AGENT_PROMPT).await;
     let _ = std::fs::remove_dir_all(work);
+}
+
+// ------------------------------------------------------- prompt caching
+
+/// The `anthropic` SDK's tool loop sets no `cache_control`; through visor to
+/// an Anthropic-kind upstream (a mock whose cache is simulated), every turn
+/// gets visor's breakpoints, the same prefix as the turn before, and is
+/// read from the cache from the second turn on; `x-visor-cache` tells the
+/// client so.
+#[tokio::test]
+async fn anthropic_python_sdk_tool_loop_is_cached_at_visors_breakpoints() {
+    const T: &str = "anthropic_python_sdk_tool_loop_is_cached_at_visors_breakpoints";
+    let python = need!(T, tokio::task::spawn_blocking(venv_python).await.unwrap());
+    let sim = Arc::new(support::anthropic_cache::CacheSim::default());
+    let cache = sim.clone();
+    // Six turns: five tool calls, then the answer.
+    let mock = MockUpstream::start(move |req: &Recorded| {
+        let usage = cache.request(&req.body).json();
+        let v: Value = serde_json::from_slice(&req.body).unwrap_or_default();
+        let turn = v["messages"].as_array().map_or(0, |m| m.len() / 2 + 1);
+        let (content, stop) = match turn {
+            1..=5 => (
+                json!([{"type": "tool_use", "id": format!("toolu_{turn}"), "name": "sh", "input": {"cmd": "make test"}}]),
+                "tool_use",
+            ),
+            _ => (json!([{"type": "text", "text": FINAL}]), "end_turn"),
+        };
+        Reply::json(
+            200,
+            json!({"id": format!("msg_{turn}"), "type": "message", "role": "assistant", "model": "claude-test",
+                   "content": content, "stop_reason": stop, "stop_sequence": null, "usage": usage})
+            .to_string(),
+        )
+    })
+    .await;
+    let visor = Visor::start(&format!(
+        "{}api_key = \"sk-ant-upstream\"\nauth = \"x-api-key\"\nmodels = [\"*\"]\n",
+        mock.upstream_toml("claude")
+    ))
+    .await;
+    let mut cmd = Command::new(python);
+    cmd.arg(clients_dir().join("anthropic_cache.py"))
+        .env("VISOR_ROOT", visor.url(""))
+        .env("VISOR_MODEL", "claude-test")
+        .env_remove("ANTHROPIC_API_KEY")
+        .env_remove("ANTHROPIC_BASE_URL");
+    let ran = run_client(cmd, BOUND).await;
+    ran.assert_ok(T);
+    let out = ran.json();
+    assert_eq!(out["turns"], 6, "{out}");
+    let told: Vec<&str> = out["cache"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(told[0], "readable=0; miss=first");
+    for t in &told[1..] {
+        assert!(
+            t.starts_with("readable=") && !t.contains("miss"),
+            "{told:?}"
+        );
+    }
+    let read: Vec<u64> = out["read"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(read[0], 0);
+    assert!(
+        read[1..].iter().all(|&r| r > 1000),
+        "read from the second turn on: {read:?}"
+    );
+    // Breakpoints in the right places, the prefix kept turn to turn.
+    let sent = mock.recorded();
+    let mut previous: Option<Vec<Value>> = None;
+    for (i, r) in sent.iter().enumerate() {
+        let v: Value = serde_json::from_slice(&r.body).unwrap();
+        let blocks = support::anthropic_cache::blocks(&v);
+        let marked: Vec<usize> = (0..blocks.len()).filter(|&b| blocks[b].1).collect();
+        assert_eq!(
+            marked,
+            vec![1, blocks.len() - 1],
+            "turn {}: the system prompt and the last block",
+            i + 1
+        );
+        let now: Vec<Value> = blocks.into_iter().map(|b| b.0).collect();
+        if let Some(p) = &previous {
+            assert_eq!(&now[..p.len()], &p[..], "turn {} changed the prefix", i + 1);
+        }
+        previous = Some(now);
+    }
 }

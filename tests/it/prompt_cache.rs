@@ -63,7 +63,11 @@ fn tool_loop(k: usize, system: &str) -> Value {
            "messages": messages})
 }
 
-async fn post_messages(visor: &Visor, body: impl Into<Bytes>, headers: &[(&str, &str)]) -> (StatusCode, HeaderMap, Bytes) {
+async fn post_messages(
+    visor: &Visor,
+    body: impl Into<Bytes>,
+    headers: &[(&str, &str)],
+) -> (StatusCode, HeaderMap, Bytes) {
     let mut req = Request::post(visor.url("/v1/messages"))
         .header("content-type", "application/json")
         .header("x-api-key", "sk-ant-client")
@@ -146,15 +150,34 @@ async fn a_tool_loop_without_markers_gets_breakpoints_and_reads_its_prefix_each_
         previous = Some(now);
     }
     // Five turns each read their previous request (above 2000 tokens).
-    let read = wait_metric(&visor, "visor_cache_tokens_total", &[("kind", "read")], 10_000.0).await;
-    assert!(read > 10_000.0, "the provider read the prefix each turn: {read}");
+    let read = wait_metric(
+        &visor,
+        "visor_cache_tokens_total",
+        &[("kind", "read")],
+        10_000.0,
+    )
+    .await;
+    assert!(
+        read > 10_000.0,
+        "the provider read the prefix each turn: {read}"
+    );
     let m = visor.metrics().await;
-    assert_eq!(metric(&m, "visor_cache_misses_total", &[("cause", "first")]), Some(1.0));
+    assert_eq!(
+        metric(&m, "visor_cache_misses_total", &[("cause", "first")]),
+        Some(1.0)
+    );
     for cause in ["client", "visor", "expired", "provider"] {
-        assert_eq!(metric(&m, "visor_cache_misses_total", &[("cause", cause)]), Some(0.0), "{cause}");
+        assert_eq!(
+            metric(&m, "visor_cache_misses_total", &[("cause", cause)]),
+            Some(0.0),
+            "{cause}"
+        );
     }
     let readable = metric(&m, "visor_cache_tokens_total", &[("kind", "readable")]).unwrap();
-    assert!(read >= readable * 0.8 && read <= readable * 1.25, "read {read} of readable {readable}");
+    assert!(
+        read >= readable * 0.8 && read <= readable * 1.25,
+        "read {read} of readable {readable}"
+    );
 }
 
 #[tokio::test]
@@ -163,7 +186,8 @@ async fn the_clients_own_markers_arrive_byte_for_byte_and_are_still_judged() {
     let mock = anthropic(sim).await;
     let visor = visor_for(&mock, "").await;
     let mut body = tool_loop(3, &words(800));
-    body["system"] = json!([{"type": "text", "text": words(800), "cache_control": {"type": "ephemeral"}}]);
+    body["system"] =
+        json!([{"type": "text", "text": words(800), "cache_control": {"type": "ephemeral"}}]);
     // Pretty-printed, as no rewrite would leave it.
     let text = serde_json::to_string_pretty(&body).unwrap();
     for _ in 0..2 {
@@ -172,7 +196,11 @@ async fn the_clients_own_markers_arrive_byte_for_byte_and_are_still_judged() {
         assert!(h.contains_key("x-visor-cache"));
     }
     for r in mock.recorded() {
-        assert_eq!(r.body, text.as_bytes(), "the client's markers: forwarded as they came");
+        assert_eq!(
+            r.body,
+            text.as_bytes(),
+            "the client's markers: forwarded as they came"
+        );
     }
     // Read at the client's own breakpoint the second time.
     let read = wait_metric(&visor, "visor_cache_tokens_total", &[("kind", "read")], 1.0).await;
@@ -222,7 +250,10 @@ async fn a_turn_of_25_tool_results_gets_the_look_back_breakpoint_and_reads() {
     let v: Value = serde_json::from_slice(&sent[1].body).unwrap();
     // Head, where the first request ended (51 blocks back), the end.
     assert_eq!(markers(&sent[1].body), vec![1, 2, 52]);
-    assert_eq!(v["messages"][0]["content"][0]["cache_control"], json!({"type": "ephemeral", "ttl": "1h"}));
+    assert_eq!(
+        v["messages"][0]["content"][0]["cache_control"],
+        json!({"type": "ephemeral", "ttl": "1h"})
+    );
     let read = wait_metric(&visor, "visor_cache_tokens_total", &[("kind", "read")], 1.0).await;
     let head_and_question = (words(800).len() + words(100).len()) as f64 / 4.0;
     assert!(read > head_and_question * 0.9, "read past the head: {read}");
@@ -234,7 +265,10 @@ async fn openai() -> MockUpstream {
 }
 
 fn chat_turns(first: &str, turns: usize) -> Value {
-    let mut messages = vec![json!({"role": "system", "content": "sys"}), json!({"role": "user", "content": first})];
+    let mut messages = vec![
+        json!({"role": "system", "content": "sys"}),
+        json!({"role": "user", "content": first}),
+    ];
     for i in 1..turns {
         messages.push(json!({"role": "assistant", "content": format!("a{i}")}));
         messages.push(json!({"role": "user", "content": format!("u{i}")}));
@@ -281,7 +315,10 @@ async fn openai_kind_gets_a_stable_prompt_cache_key_only_when_it_opted_in() {
     assert_ne!(keys[3], keys[0], "another conversation, another key");
     assert_eq!(keys[4], "mine");
     for r in plain.recorded() {
-        assert!(!String::from_utf8_lossy(&r.body).contains("prompt_cache_key"), "never to an upstream that did not opt in");
+        assert!(
+            !String::from_utf8_lossy(&r.body).contains("prompt_cache_key"),
+            "never to an upstream that did not opt in"
+        );
     }
 }
 
@@ -303,18 +340,37 @@ async fn each_miss_is_told_with_its_cause_and_counted() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (_, h, _) = post_messages(&visor, turn(3, &changed), &[]).await;
     let told = header(&h);
-    assert!(told.ends_with("; miss=expired") && readable(&told) > 2000, "{told}");
+    assert!(
+        told.ends_with("; miss=expired") && readable(&told) > 2000,
+        "{told}"
+    );
     // In time and stable, and the provider reads nothing: `provider`,
     // known only once the answer said its usage.
     sim.forget.store(true, Ordering::SeqCst);
     let (_, h, _) = post_messages(&visor, turn(4, &changed), &[]).await;
     assert!(!header(&h).contains("miss"), "{h:?}");
-    assert_eq!(wait_metric(&visor, "visor_cache_misses_total", &[("cause", "provider")], 1.0).await, 1.0);
+    assert_eq!(
+        wait_metric(
+            &visor,
+            "visor_cache_misses_total",
+            &[("cause", "provider")],
+            1.0
+        )
+        .await,
+        1.0
+    );
     let m = visor.metrics().await;
     for cause in ["first", "client", "expired"] {
-        assert_eq!(metric(&m, "visor_cache_misses_total", &[("cause", cause)]), Some(1.0), "{cause}");
+        assert_eq!(
+            metric(&m, "visor_cache_misses_total", &[("cause", cause)]),
+            Some(1.0),
+            "{cause}"
+        );
     }
-    assert_eq!(metric(&m, "visor_cache_misses_total", &[("cause", "visor")]), Some(0.0));
+    assert_eq!(
+        metric(&m, "visor_cache_misses_total", &[("cause", "visor")]),
+        Some(0.0)
+    );
 }
 
 #[tokio::test]
@@ -322,7 +378,10 @@ async fn two_replicas_on_one_redis_follow_one_conversation() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let store = format!("[store]\nbackend = \"{}\"\nprefix = \"visor-cache-test:\"\n", redis.url());
+    let store = format!(
+        "[store]\nbackend = \"{}\"\nprefix = \"visor-cache-test:\"\n",
+        redis.url()
+    );
     let sim = Arc::new(CacheSim::default());
     let mock = anthropic(sim).await;
     let a = visor_for(&mock, &store).await;
@@ -332,7 +391,10 @@ async fn two_replicas_on_one_redis_follow_one_conversation() {
     assert_eq!(cache_header(&h), "readable=0; miss=first");
     let (_, h, _) = post_messages(&b, tool_loop(2, &system).to_string(), &[]).await;
     let told = cache_header(&h);
-    assert!(!told.contains("miss") && readable(&told) > 2000, "replica b follows what a sent: {told}");
+    assert!(
+        !told.contains("miss") && readable(&told) > 2000,
+        "replica b follows what a sent: {told}"
+    );
     // And back: a sees b's request as the previous one.
     let (_, h, _) = post_messages(&a, tool_loop(3, &system).to_string(), &[]).await;
     let again = cache_header(&h);
