@@ -390,6 +390,20 @@ mod tests {
     use super::super::testing::{load, problems, ups};
 
     #[test]
+    fn prompt_cache_key_is_for_the_openai_kind() {
+        let ok = load(&ups(&[("a", "prompt_cache_key = true")])).unwrap();
+        assert!(ok.upstreams[0].prompt_cache_key);
+        let p = problems(&ups(&[(
+            "a",
+            "auth = \"x-api-key\"\nprompt_cache_key = true",
+        )]));
+        assert!(
+            p.contains("upstream[0].prompt_cache_key: true — is for the OpenAI kind"),
+            "{p}"
+        );
+    }
+
+    #[test]
     fn shipped_default_forwards_client_key_to_openai() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/visor.toml");
         let cfg = Config::load(&path).unwrap_or_else(|e| panic!("{e}"));

@@ -21,12 +21,12 @@
 //! 5. transform — the model-spec table decides; images are replaced for a
 //!    model that cannot see, the rules for every model and line
 //!    dedup applied ([`super::prepare`]); the replaced originals
-//!    are written in the background.
-//! 5c. cache    — the prompt cache ([`crate::prompt_cache`]): breakpoints
-//!    on a Messages request to an Anthropic-kind upstream that
-//!    carries none, a `prompt_cache_key` for an upstream that
-//!    opted in; the request judged against the previous one of
-//!    its conversation (`x-visor-cache`, settled at the end).
+//!    are written in the background. Then (5c) the prompt cache
+//!    ([`crate::prompt_cache`]): breakpoints on a Messages request
+//!    to an Anthropic-kind upstream that carries none, a
+//!    `prompt_cache_key` for an upstream that opted in; the request
+//!    judged against the previous one of its conversation
+//!    (`x-visor-cache`, settled at the end).
 //! 6. send      — headers rewritten, the body as held (byte for byte when
 //!    nothing changed); wait for the response head under the
 //!    first-byte and total deadlines (peek, then commit: failures
