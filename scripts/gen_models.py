@@ -22,8 +22,16 @@ is the same rule, so the check knows it and no row is spent on such names.
 DOCUMENTED rows are placed above the data's own exceptions: they hold facts
 read in the publishers' documentation that some host's entry in the data
 contradicts.
+
+CACHE_MIN_TOKENS rows come last and state only `cache_min_tokens`, the
+shortest prompt prefix (in tokens) the provider caches, read in each
+provider's prompt caching documentation. Every field is taken from the
+first row that states it, so these rows decide nothing else wherever they
+sit; among themselves the first match wins, and the script checks a few
+real names (CACHE_CHECKS) against them the way visor matches a name.
 """
 import csv
+import fnmatch
 import re
 import sys
 from collections import defaultdict
@@ -106,6 +114,97 @@ MANUAL = [
 ]
 
 
+# The shortest prefix each provider caches (`cache_min_tokens`), by model
+# family; visor assumes 1024 for a model no row states. Each group: the
+# documentation page it comes from, then (glob, tokens), first match wins,
+# so a model comes before a family glob that would also catch it. `[.-]`
+# takes both spellings of a version (claude-opus-4-5, claude-opus-4.5); a
+# leading `*` takes a host's prefix on the name (anthropic/, databricks-).
+CACHE_MIN_TOKENS = [
+    (
+        # Anthropic lists one minimum per model under "Cache limitations";
+        # these are the Claude API's figures as the page stood in October
+        # 2026. Bedrock publishes its own (there Fable 5 and Mythos 5 need
+        # 1,024), so a Bedrock upstream may want a [[model]] row of its own.
+        # Haiku 3, Sonnet 3.5 / 3.7 and Opus 3 are taken from earlier
+        # versions of the page, listed there before those models retired.
+        "Anthropic: https://platform.claude.com/docs/en/build-with-claude/prompt-caching",
+        [
+            ("*claude-opus-5*", 512), ("*claude-sonnet-5[.-]5*", 512),
+            ("*claude-haiku-5[.-]5*", 512), ("*claude-fable-5*", 512),
+            ("*claude-mythos-5*", 512),
+            ("*claude-mythos-preview*", 2048), ("*claude-opus-4[.-]7*", 2048),
+            ("*claude-opus-4[.-]5*", 4096), ("*claude-opus-4[.-]6*", 4096),
+            ("*claude-haiku-4[.-]5*", 4096), ("*claude-4[.-]5-haiku*", 4096),
+            ("*claude-opus-4[.-]8*", 1024), ("*claude-opus-4[.-]1*", 1024),
+            ("*claude-opus-4[.-]0*", 1024), ("*claude-opus-4", 1024),
+            ("*claude-4-opus*", 1024), ("*claude-4[.-]1-opus*", 1024),
+            ("*claude-sonnet-5*", 1024), ("*claude-sonnet-4*", 1024),
+            ("*claude-4*-sonnet*", 1024),
+            ("*claude-3[.-]5-haiku*", 2048), ("*claude-3-haiku*", 2048),
+            ("*claude-3[.-]5-sonnet*", 1024), ("*claude-3[.-]7-sonnet*", 1024),
+            ("*claude-3-opus*", 1024),
+        ],
+    ),
+    (
+        # OpenAI caches on its own for gpt-4o and every later model, from
+        # 1,024 prompt tokens up (the default; GPT-5.6 and later also take
+        # explicit breakpoints).
+        "OpenAI: https://developers.openai.com/api/docs/guides/prompt-caching",
+        [
+            ("*gpt-4o*", 1024), ("*gpt-4.1*", 1024), ("*gpt-5*", 1024),
+            ("*gpt-6*", 1024), ("o1*", 1024), ("o3*", 1024), ("o4*", 1024),
+        ],
+    ),
+    (
+        # DeepSeek's disk cache is on for every request and stores prefixes
+        # in units of 64 tokens, so nothing shorter is cached. The figure is
+        # from the announcement and the earlier context caching guide; the
+        # current guide (cache prefix units since sliding window attention)
+        # states no number.
+        "DeepSeek: https://api-docs.deepseek.com/news/news0802, "
+        "https://api-docs.deepseek.com/guides/kv_cache",
+        [("deepseek-chat*", 64), ("deepseek-reasoner*", 64)],
+    ),
+    (
+        # Gemini's implicit caching (on for 2.5 and newer) has a minimum per
+        # model; the table as updated in October 2026. Gemini 3 Flash and 3
+        # Pro Preview are from its May 2026 version (2.5 Flash was 1,024 and
+        # 2.5 Pro 4,096 then).
+        "Google: https://ai.google.dev/gemini-api/docs/caching",
+        [
+            ("gemini-2.5-flash", 2048), ("gemini-2.5-flash-preview*", 2048),
+            ("gemini-2.5-pro", 2048), ("gemini-2.5-pro-preview*", 2048),
+            ("gemini-3-flash-preview*", 1024), ("gemini-3-pro-preview*", 4096),
+            ("gemini-3.1-pro*", 4096), ("gemini-3.[5-8]-flash", 4096),
+            ("gemini-3.[5-8]-flash-preview*", 4096), ("gemini-4-argon*", 4096),
+        ],
+    ),
+]
+
+# Real names, as clients send them, and the minimum each must resolve to
+# through the rows above (checked at every run).
+CACHE_CHECKS = [
+    ("claude-3-5-haiku-20241022", 2048), ("anthropic/claude-3-5-haiku-20241022", 2048),
+    ("us.anthropic.claude-3-5-haiku-20241022-v1:0", 2048), ("anthropic/claude-3.5-haiku", 2048),
+    ("claude-3-haiku-20240307", 2048), ("claude-3-7-sonnet-latest", 1024),
+    ("claude-sonnet-4-20250514", 1024), ("claude-sonnet-4-5-20250929", 1024),
+    ("anthropic/claude-sonnet-4.6", 1024), ("claude-opus-4-20250514", 1024),
+    ("claude-opus-4-0", 1024), ("claude-opus-4-1-20250805", 1024),
+    ("claude-opus-4-5-20251101", 4096), ("claude-opus-4-6", 4096),
+    ("claude-opus-4-7", 2048), ("claude-opus-4-8", 1024),
+    ("claude-haiku-4-5-20251001", 4096), ("databricks-claude-haiku-4-5", 4096),
+    ("claude-4.5-haiku", 4096), ("claude-sonnet-5", 1024), ("claude-sonnet-5-5", 512),
+    ("claude-opus-5", 512), ("anthropic/claude-opus-5.5", 512), ("claude-haiku-5-5", 512),
+    ("claude-fable-5-1", 512), ("claude-mythos-preview", 2048),
+    ("gpt-4o", 1024), ("gpt-4o-mini-2024-07-18", 1024), ("openai/gpt-4.1", 1024),
+    ("gpt-5.1-codex", 1024), ("o3-mini", 1024), ("deepseek-chat", 64),
+    ("gemini-2.5-pro", 2048), ("google/gemini-2.5-flash", 2048),
+    ("gemini-3.1-pro-preview", 4096), ("gemini-3.8-flash", 4096),
+    ("claude-instant-1.2", None), ("gemini-2.5-flash-lite", None), ("llama3.1:8b", None),
+]
+
+
 def marker(name):
     """The vision marker in a name, as `vision_marker` in src/models.rs."""
     n = name.lower().rsplit("/", 1)[-1]
@@ -149,8 +248,32 @@ def flag(cell):
 
 
 def glob_match(pattern, name):
-    rx = "^" + "".join(".*" if c == "*" else re.escape(c) for c in pattern) + "$"
-    return re.match(rx, name) is not None
+    """`*` matches anything (across `/` too) and `[...]` one of a class, as
+    the table's globs (globset, `literal_separator(false)`)."""
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def candidates(name):
+    """The forms visor matches a requested name in (`candidates` in
+    src/models.rs): as sent, without its provider path, without a dotted
+    region/vendor prefix, without version/date/tag suffixes."""
+    lower = name.strip().lower()
+    base = lower.rsplit("/", 1)[-1]
+    unprefixed = VENDOR.sub("", REGION.sub("", base))
+    out = []
+    for f in (lower, base, unprefixed, normalise(unprefixed)):
+        if f and f not in out:
+            out.append(f)
+    return out
+
+
+def cache_min_tokens(name, rows):
+    """What the cache rows give `name`: the first row matching any form."""
+    forms = candidates(name)
+    for r in rows:
+        if any(glob_match(r["match"], f) for f in forms):
+            return r["cache_min_tokens"]
+    return None
 
 
 def main():
@@ -246,6 +369,15 @@ def main():
         + data_rows
     )
 
+    cache_rows = [{"match": p, "cache_min_tokens": n, "source": src if i == 0 else None}
+                  for src, group in CACHE_MIN_TOKENS for i, (p, n) in enumerate(group)]
+    wrong = [(n, cache_min_tokens(n, cache_rows), want) for n, want in CACHE_CHECKS
+             if cache_min_tokens(n, cache_rows) != want]
+    if wrong:
+        for w in wrong:
+            print("cache_min_tokens (name, got, documented):", w, file=sys.stderr)
+        sys.exit(1)
+
     for o in overridden:
         print("documented fact over the data:", o, file=sys.stderr)
     bad = []
@@ -256,7 +388,7 @@ def main():
         if marker(n):
             continue
         for r in table:
-            if glob_match(r["match"], n):
+            if "vision" in r and glob_match(r["match"], n):
                 if r.get("vision") != v["vision"]:
                     bad.append((n, v["vision"], r["match"]))
                 break
@@ -275,11 +407,16 @@ def main():
     print("# vision marker in the name (vl, vision, omni, llava, 4.5v...), then these.")
     print("# Names are matched lower case, with and without provider prefix and")
     print("# date/version suffix. A missing field means \"not stated\".")
-    print(f"# {len(stated)} names with a stated vision flag -> {len(table)} rows.")
-    for r in table:
+    print(f"# {len(stated)} names with a stated vision flag -> {len(table)} rows;")
+    print(f"# then {len(cache_rows)} rows with the providers' documented cache_min_tokens")
+    print("# (the shortest prefix they cache; 1024 where no row says).")
+    for r in table + cache_rows:
+        if r.get("source"):
+            print()
+            print(f"# cache_min_tokens, {r['source']}")
         print()
         print("[[model]]")
-        for k in ("match", "vision", "audio", "pdf", "context_window"):
+        for k in ("match", "vision", "audio", "pdf", "context_window", "cache_min_tokens"):
             if k in r:
                 v = r[k]
                 print(f"{k} = " + (f'"{v}"' if isinstance(v, str) else str(v).lower()))

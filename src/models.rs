@@ -959,6 +959,79 @@ mod tests {
         );
     }
 
+    /// The providers' documented shortest cached prefix (the sources are
+    /// cited beside `CACHE_MIN_TOKENS` in `scripts/gen_models.py`), through
+    /// provider paths, vendor prefixes and date suffixes; a model no row
+    /// states stays `None` (the cache code assumes 1024).
+    #[test]
+    fn built_in_cache_min_tokens_follow_the_providers_docs() {
+        let t = table();
+        let cases: &[(&str, Option<u32>)] = &[
+            // Anthropic: Haiku 3 and 3.5 need 2,048 tokens.
+            ("claude-3-5-haiku-20241022", Some(2048)),
+            ("anthropic/claude-3-5-haiku-20241022", Some(2048)),
+            ("us.anthropic.claude-3-5-haiku-20241022-v1:0", Some(2048)),
+            ("claude-3-5-haiku@20241022", Some(2048)),
+            ("openrouter/anthropic/claude-3.5-haiku", Some(2048)),
+            ("claude-3-haiku-20240307", Some(2048)),
+            // Sonnet 3.5 to 4.6, Opus 4, 4.1, 4.8, Sonnet 5: 1,024.
+            ("claude-3-5-sonnet-20241022", Some(1024)),
+            ("claude-3-7-sonnet-latest", Some(1024)),
+            ("claude-sonnet-4-20250514", Some(1024)),
+            ("claude-sonnet-4-5-20250929", Some(1024)),
+            ("anthropic/claude-sonnet-4.6", Some(1024)),
+            ("claude-opus-4-20250514", Some(1024)),
+            ("claude-opus-4-1-20250805", Some(1024)),
+            ("claude-opus-4-8", Some(1024)),
+            ("claude-sonnet-5", Some(1024)),
+            // Opus 4.5, 4.6 and Haiku 4.5: 4,096; Opus 4.7: 2,048.
+            ("claude-opus-4-5-20251101", Some(4096)),
+            ("anthropic/claude-opus-4.6", Some(4096)),
+            ("claude-haiku-4-5-20251001", Some(4096)),
+            ("eu.anthropic.claude-haiku-4-5-20251001-v1:0", Some(4096)),
+            ("claude-opus-4-7", Some(2048)),
+            // The 5.x generation: 512, but Sonnet 5 (above).
+            ("claude-opus-5", Some(512)),
+            ("claude-sonnet-5-5", Some(512)),
+            ("anthropic/claude-opus-5.5", Some(512)),
+            // OpenAI: 1,024 from gpt-4o on.
+            ("gpt-4o", Some(1024)),
+            ("openai/gpt-4o-2024-08-06", Some(1024)),
+            ("gpt-4.1-mini", Some(1024)),
+            ("gpt-5.1", Some(1024)),
+            ("o3-mini-2025-01-31", Some(1024)),
+            // DeepSeek: 64-token units.
+            ("deepseek-chat", Some(64)),
+            ("deepseek/deepseek-reasoner", Some(64)),
+            // Gemini implicit caching.
+            ("gemini-2.5-flash", Some(2048)),
+            ("google/gemini-2.5-pro", Some(2048)),
+            ("gemini-3.1-pro-preview", Some(4096)),
+            // Not documented: no row, the default applies.
+            ("gemini-2.5-flash-lite", None),
+            ("llama3.1:8b", None),
+            ("my-own-finetune-7b", None),
+        ];
+        let wrong: Vec<String> = cases
+            .iter()
+            .filter_map(|&(m, want)| {
+                let got = t.resolve(m, None).caps.cache_min_tokens;
+                (got != want).then(|| format!("{m}: want {want:?}, got {got:?}"))
+            })
+            .collect();
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+        // A user row's own figure comes first.
+        let user = Model::new(RawModel {
+            pattern: "claude-3-5-haiku*".into(),
+            cache_min_tokens: Some(1024),
+            ..RawModel::default()
+        })
+        .unwrap();
+        let t = ModelTable::new(&[user], Learned::default()).unwrap();
+        let r = t.resolve("anthropic/claude-3-5-haiku-20241022", None);
+        assert_eq!(r.caps.cache_min_tokens, Some(1024));
+    }
+
     #[test]
     fn resolution_order_header_user_builtin_learned() {
         let user = vec![

@@ -82,6 +82,27 @@ fn metric_names(expr: &str, out: &mut BTreeSet<String>) {
     }
 }
 
+/// The dashboard's panels, those inside a row included (a collapsed row
+/// holds its panels; an open one is followed by them). Rows themselves,
+/// which query nothing, are left out.
+fn dashboard_panels() -> Vec<Value> {
+    fn walk(panels: &[Value], out: &mut Vec<Value>) {
+        for p in panels {
+            if p["type"] == "row" {
+                if let Some(inner) = p["panels"].as_array() {
+                    walk(inner, out);
+                }
+            } else {
+                out.push(p.clone());
+            }
+        }
+    }
+    let dash: Value = serde_json::from_str(&read("grafana/visor.json")).unwrap();
+    let mut out = Vec::new();
+    walk(dash["panels"].as_array().unwrap(), &mut out);
+    out
+}
+
 /// The expressions of the alert rules and of the dashboard.
 fn used_metrics() -> BTreeSet<String> {
     let mut names = BTreeSet::new();
@@ -96,7 +117,7 @@ fn used_metrics() -> BTreeSet<String> {
     assert!(alerts >= 6);
     let dash: Value = serde_json::from_str(&read("grafana/visor.json")).unwrap();
     let mut exprs = 0;
-    for panel in dash["panels"].as_array().unwrap() {
+    for panel in dashboard_panels() {
         for t in panel["targets"].as_array().unwrap() {
             metric_names(t["expr"].as_str().unwrap(), &mut names);
             exprs += 1;
@@ -177,8 +198,111 @@ async fn every_metric_in_the_alerts_and_the_dashboard_exists() {
         "visor_describe_total",
         "visor_store_up",
         "visor_session_history_messages_bucket",
+        "visor_cache_tokens_total",
+        "visor_cache_misses_total",
     ] {
         assert!(used.contains(needed), "{needed} not used in deploy/");
+    }
+}
+
+/// The alert rule named `name`.
+fn alert(name: &str) -> Yaml {
+    let rules = &yaml("prometheus/alerts.yml")[0];
+    rules["groups"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_vec().unwrap().iter())
+        .find(|r| r["alert"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("no alert {name} in prometheus/alerts.yml"))
+        .clone()
+}
+
+/// PromQL without its whitespace, to compare expressions as written.
+fn squeeze(expr: &str) -> String {
+    expr.split_whitespace().collect()
+}
+
+/// The prompt-caching row: visor's read / readable ratio, its cache tokens
+/// by kind, its misses by cause; the alert when visor itself broke a
+/// cached prefix. And the series they select exist from the start (at 0):
+/// `increase()` over a series that first appears at 1 would miss the
+/// first broken prefix.
+#[tokio::test]
+async fn prompt_cache_panels_and_alert() {
+    let dash: Value = serde_json::from_str(&read("grafana/visor.json")).unwrap();
+    let top = dash["panels"].as_array().unwrap();
+    let row = top
+        .iter()
+        .position(|p| p["type"] == "row" && p["title"] == "Prompt caching")
+        .expect("a \"Prompt caching\" row");
+    // The panels that follow the row, up to the next one.
+    let under: Vec<&Value> = top[row + 1..]
+        .iter()
+        .take_while(|p| p["type"] != "row")
+        .collect();
+    let exprs: Vec<String> = under
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap())
+        .map(|t| squeeze(t["expr"].as_str().unwrap()))
+        .collect();
+    let inst = r#"instance=~"$instance""#;
+    for want in [
+        format!(
+            r#"sum(rate(visor_cache_tokens_total{{kind="read",{inst}}}[$__rate_interval]))/clamp_min(sum(rate(visor_cache_tokens_total{{kind="readable",{inst}}}[$__rate_interval])),1e-9)"#
+        ),
+        format!(r#"sumby(kind)(rate(visor_cache_tokens_total{{{inst}}}[$__rate_interval]))"#),
+        format!(r#"sumby(cause)(rate(visor_cache_misses_total{{{inst}}}[$__rate_interval]))"#),
+    ] {
+        assert!(
+            exprs.contains(&want),
+            "no panel under the row queries {want}: {exprs:#?}"
+        );
+    }
+    let ratio = under
+        .iter()
+        .find(|p| {
+            p["targets"][0]["expr"]
+                .as_str()
+                .unwrap()
+                .contains("kind=\"readable\"")
+        })
+        .unwrap();
+    assert_eq!(ratio["fieldConfig"]["defaults"]["unit"], "percentunit");
+
+    let rule = alert("VisorCacheBrokenByVisor");
+    assert_eq!(
+        squeeze(rule["expr"].as_str().unwrap()),
+        r#"increase(visor_cache_misses_total{cause="visor"}[10m])>0"#
+    );
+    assert!(rule["for"].is_badvalue(), "fires on the first one");
+    let description = rule["annotations"]["description"].as_str().unwrap();
+    assert!(
+        description.contains("never break") && description.contains("docs/caching.md"),
+        "{description}"
+    );
+
+    let mock = MockUpstream::start(upstream).await;
+    let visor = Visor::for_mock(&mock, DESCRIBE).await;
+    let text = visor.metrics().await;
+    let series: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' ').map(|(s, _)| s))
+        .collect();
+    for kind in ["readable", "read", "written"] {
+        let s = format!(r#"visor_cache_tokens_total{{kind="{kind}"}}"#);
+        assert!(
+            series.contains(&s.as_str()),
+            "{s} not on /metrics before traffic"
+        );
+    }
+    for cause in ["first", "client", "visor", "expired", "provider"] {
+        let s = format!(r#"visor_cache_misses_total{{cause="{cause}"}}"#);
+        assert!(
+            series.contains(&s.as_str()),
+            "{s} not on /metrics before traffic"
+        );
     }
 }
 
