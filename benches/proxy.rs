@@ -6,6 +6,10 @@
 //!   arrives (what every transformed request pays before routing).
 //! - `serde/4mb-image`: `serde_json` checking the same body, for scale.
 //! - `usage/sse-18-events`: the usage observer on a typical short stream.
+//! - `cache/anatomy-*`: the prompt cache's read of a request (each message
+//!   hashed, tokens estimated) on the 4 MB image request and a 109 KB
+//!   agent history; visor pays it once per transformed request (twice when
+//!   the transforms changed the body).
 //!
 //! `cargo bench --bench proxy`. The 4 MB fixture is made by
 //! `tests/fixtures/make_fixtures.py --large` into `target/load/` on
@@ -18,7 +22,9 @@ use std::hint::black_box;
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use visor::api::Shape;
 use visor::api::usage::UsageObserver;
+use visor::prompt_cache::anatomy::Anatomy;
 use visor::proxy::request_body::{JsonScanner, probe};
 
 fn bench(c: &mut Criterion) {
@@ -49,6 +55,23 @@ fn bench(c: &mut Criterion) {
             assert!(s.finish().unwrap().model.is_some());
         })
     });
+    g.finish();
+
+    let history = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/agent-history-refetch.json"),
+    )
+    .unwrap();
+    let mut g = c.benchmark_group("cache");
+    for (name, b) in [
+        ("anatomy-4mb-image", &body[..]),
+        ("anatomy-agent-history", &history[..]),
+    ] {
+        g.throughput(Throughput::Bytes(b.len() as u64));
+        g.bench_function(name, |bench| {
+            bench.iter(|| Anatomy::of(Shape::Chat, black_box(b)).unwrap())
+        });
+    }
     g.finish();
 
     let mut events: Vec<Bytes> = (0..16)

@@ -123,43 +123,51 @@ impl Anatomy {
     }
 }
 
-/// The top-level places of a request.
+/// What a request's top level holds besides its elements.
 #[derive(Default)]
 struct Top {
-    tools: Option<Range<usize>>,
-    system: Option<Range<usize>>,
-    messages: Option<Range<usize>>,
-    input: Option<Range<usize>>,
+    tools: Vec<Block>,
+    system: Vec<Block>,
+    messages: Option<Vec<Element>>,
     marked: bool,
     chained: bool,
     has_cache_key: bool,
 }
 
+/// One pass over the body: the tools, the system prompt and the messages
+/// walked where they are; everything else skipped.
 fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
     let mut c = Cursor::new(body);
     if c.kind()? != Kind::Object {
         return Err(Malformed);
     }
+    let items = match shape {
+        Shape::Responses => "input",
+        Shape::Chat | Shape::Messages => "messages",
+    };
     let mut top = Top::default();
     let whole = c.object(|c, key| {
-        let at = c.skip()?;
         let src = c.src();
-        if key.is(src, "tools") {
-            top.tools = Some(at);
+        if key.is(src, "tools") && c.kind()? == Kind::Array {
+            c.array(|c, _| {
+                top.tools.push(block_at(c)?);
+                Ok(())
+            })?;
         } else if key.is(src, "system") && shape == Shape::Messages
             || key.is(src, "instructions") && shape == Shape::Responses
         {
-            top.system = Some(at);
-        } else if key.is(src, "messages") {
-            top.messages = Some(at);
-        } else if key.is(src, "input") {
-            top.input = Some(at);
-        } else if key.is(src, "cache_control") {
-            top.marked = true;
-        } else if key.is(src, "previous_response_id") {
-            top.chained = &src[at] != b"null";
-        } else if key.is(src, "prompt_cache_key") {
-            top.has_cache_key = &src[at] != b"null";
+            top.system = content(c)?;
+        } else if key.is(src, items) {
+            top.messages = Some(messages(c)?);
+        } else {
+            let at = c.skip()?;
+            if key.is(src, "cache_control") {
+                top.marked = true;
+            } else if key.is(src, "previous_response_id") {
+                top.chained = &src[at] != b"null";
+            } else if key.is(src, "prompt_cache_key") {
+                top.has_cache_key = &src[at] != b"null";
+            }
         }
         Ok(())
     })?;
@@ -167,6 +175,7 @@ fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
         marked: top.marked,
         chained: top.chained,
         has_cache_key: top.has_cache_key,
+        tools: top.tools.len(),
         open: whole.start,
         ..Anatomy::default()
     };
@@ -174,46 +183,15 @@ fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
         hash: 0,
         tokens: 0,
         role: Role::Other,
-        blocks: Vec::new(),
+        blocks: top.tools,
     };
+    head.blocks.extend(top.system);
     let mut h = Xxh3::new();
-    if let Some(r) = &top.tools {
-        Cursor::at(body, r.start).array(|c, _| {
-            let block = block_at(c, shape)?;
-            a.tools += 1;
-            head.blocks.push(block);
-            Ok(())
-        })?;
-    }
-    if let Some(r) = &top.system {
-        head.blocks.extend(content(body, r.clone(), shape)?);
-    }
     for b in &head.blocks {
         hash_block(&mut h, body, b);
         head.tokens += b.tokens;
     }
-    let items = match shape {
-        Shape::Responses => top.input,
-        Shape::Chat | Shape::Messages => top.messages,
-    };
-    let mut messages = Vec::new();
-    if let Some(r) = items {
-        if shape == Shape::Responses && body.get(r.start) == Some(&b'"') {
-            // A string input is one user message.
-            let block = text_block(body, r.clone());
-            messages.push(Element {
-                hash: xxhash_rust::xxh3::xxh3_64(&body[r]),
-                tokens: block.tokens,
-                role: Role::User,
-                blocks: vec![block],
-            });
-        } else {
-            Cursor::at(body, r.start).array(|c, _| {
-                messages.push(message(c, shape)?);
-                Ok(())
-            })?;
-        }
-    }
+    let mut messages = top.messages.unwrap_or_default();
     if shape == Shape::Chat && !messages.is_empty() {
         // Chat's system prompt is its first message: the head holds it.
         let first = messages.remove(0);
@@ -233,15 +211,56 @@ fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
     Ok(a)
 }
 
-/// One message (or Responses item): its role, its content's blocks, and
-/// its hash without markers.
-fn message(c: &mut Cursor<'_>, shape: Shape) -> Result<Element> {
+/// The messages (or Responses input): an array of them, or a string that
+/// is one user message.
+fn messages(c: &mut Cursor<'_>) -> Result<Vec<Element>> {
     let body = c.src();
+    let mut out = Vec::new();
+    match c.kind()? {
+        Kind::String => {
+            let s = c.string()?;
+            let block = text_block(body, s.range.clone());
+            out.push(Element {
+                hash: xxhash_rust::xxh3::xxh3_64(&body[s.range]),
+                tokens: block.tokens,
+                role: Role::User,
+                blocks: vec![block],
+            });
+        }
+        Kind::Array => {
+            c.array(|c, _| {
+                out.push(message(c)?);
+                Ok(())
+            })?;
+        }
+        _ => {
+            c.skip()?;
+        }
+    }
+    Ok(out)
+}
+
+/// One message (or Responses item): its role, its content's blocks, its
+/// tokens, and its hash without markers.
+fn message(c: &mut Cursor<'_>) -> Result<Element> {
+    let body = c.src();
+    if c.kind()? != Kind::Object {
+        let r = c.skip()?;
+        return Ok(Element {
+            hash: xxhash_rust::xxh3::xxh3_64(&body[r.clone()]),
+            tokens: r.len() as u64 / BYTES_PER_TOKEN,
+            role: Role::Other,
+            blocks: Vec::new(),
+        });
+    }
     let mut role = Role::Other;
-    let mut content = None;
+    let mut blocks = Vec::new();
+    // Media and markers outside the content (a Responses item's own image
+    // fields, a tool call's arguments).
+    let mut rest = Found::default();
     let range = c.object(|c, key| {
         let src = c.src();
-        if key.is(src, "role") {
+        if key.is(src, "role") && c.kind()? == Kind::String {
             let s = c.string()?;
             role = match s.raw(src) {
                 b"user" => Role::User,
@@ -249,60 +268,64 @@ fn message(c: &mut Cursor<'_>, shape: Shape) -> Result<Element> {
                 _ => Role::Other,
             };
         } else if key.is(src, "content") {
-            content = Some(c.skip()?);
-        } else {
+            blocks = content(c)?;
+        } else if key.is(src, "cache_control") {
+            rest.marked = true;
             c.skip()?;
+        } else {
+            walk(c, is_data_key(src, &key), 1, &mut rest)?;
         }
         Ok(())
     })?;
-    let blocks = match content {
-        Some(r) => content_blocks(body, r, shape)?,
-        None => Vec::new(),
-    };
     let raw = &body[range.clone()];
-    let marked = blocks.iter().any(|b| b.marked) || has_marker_key(raw);
+    let in_blocks: usize = blocks.iter().map(|b| b.range.len()).sum();
+    let tokens = blocks.iter().map(|b| b.tokens).sum::<u64>()
+        + rest.tokens(raw.len().saturating_sub(in_blocks));
+    let marked = rest.marked || blocks.iter().any(|b| b.marked);
     let hash = match marked {
         false => xxhash_rust::xxh3::xxh3_64(raw),
         true => unmarked_hash(raw),
     };
     Ok(Element {
         hash,
-        tokens: estimate_tokens(raw),
+        tokens,
         role,
-        blocks: mark_all(blocks, marked),
+        blocks: mark_all(blocks, rest.marked),
     })
 }
 
-/// A marker outside the blocks (on the message itself) marks it all.
-fn mark_all(blocks: Vec<Block>, marked: bool) -> Vec<Block> {
-    if marked && !blocks.iter().any(|b| b.marked) {
-        let mut blocks = blocks;
-        if let Some(last) = blocks.last_mut() {
-            last.marked = true;
-        }
-        return blocks;
+/// A marker outside the blocks (on the message itself) marks its last.
+fn mark_all(mut blocks: Vec<Block>, marked: bool) -> Vec<Block> {
+    if marked
+        && !blocks.iter().any(|b| b.marked)
+        && let Some(last) = blocks.last_mut()
+    {
+        last.marked = true;
     }
     blocks
 }
 
-/// `content` (or `system`): a string is one text block; an array, its
-/// elements.
-fn content(body: &[u8], r: Range<usize>, shape: Shape) -> Result<Vec<Block>> {
-    content_blocks(body, r, shape)
-}
-
-fn content_blocks(body: &[u8], r: Range<usize>, shape: Shape) -> Result<Vec<Block>> {
-    match body.get(r.start) {
-        Some(b'"') => Ok(vec![text_block(body, r)]),
-        Some(b'[') => {
+/// `content` (or `system`, `instructions`): a string is one text block; an
+/// array, its elements.
+fn content(c: &mut Cursor<'_>) -> Result<Vec<Block>> {
+    let body = c.src();
+    match c.kind()? {
+        Kind::String => {
+            let s = c.string()?;
+            Ok(vec![text_block(body, s.range)])
+        }
+        Kind::Array => {
             let mut blocks = Vec::new();
-            Cursor::at(body, r.start).array(|c, _| {
-                blocks.push(block_at(c, shape)?);
+            c.array(|c, _| {
+                blocks.push(block_at(c)?);
                 Ok(())
             })?;
             Ok(blocks)
         }
-        _ => Ok(Vec::new()),
+        _ => {
+            c.skip()?;
+            Ok(Vec::new())
+        }
     }
 }
 
@@ -313,7 +336,7 @@ fn text_block(body: &[u8], r: Range<usize>) -> Block {
         false => BlockKind::Text,
     };
     Block {
-        tokens: estimate_tokens(inner),
+        tokens: inner.len() as u64 / BYTES_PER_TOKEN,
         range: r,
         string: true,
         kind,
@@ -321,21 +344,75 @@ fn text_block(body: &[u8], r: Range<usize>) -> Block {
     }
 }
 
+/// What a walk of a value found: media bytes (an image's, a document's,
+/// audio's base64) and cache markers.
+#[derive(Default)]
+struct Found {
+    media: usize,
+    images: u64,
+    marked: bool,
+}
+
+impl Found {
+    /// The tokens of `len` bytes holding what was found.
+    fn tokens(&self, len: usize) -> u64 {
+        len.saturating_sub(self.media) as u64 / BYTES_PER_TOKEN + self.images * IMAGE_TOKENS
+    }
+}
+
+/// How deep [`walk`] looks for media and markers (deeper is skipped).
+const WALK_DEPTH: usize = 16;
+
+/// A key whose string value may be a file's bytes.
+fn is_data_key(src: &[u8], key: &crate::transform::json::Str) -> bool {
+    key.is(src, "data") || key.is(src, "file_data")
+}
+
+/// Walks the value at the cursor: long base64 strings (a `data` field, or a
+/// data URL) are media; a `cache_control` key anywhere marks it.
+fn walk(c: &mut Cursor<'_>, data: bool, depth: usize, f: &mut Found) -> Result<Range<usize>> {
+    if depth > WALK_DEPTH {
+        return c.skip();
+    }
+    match c.kind()? {
+        Kind::Object => c.object(|c, key| {
+            let src = c.src();
+            if key.is(src, "cache_control") {
+                f.marked = true;
+                c.skip()?;
+                return Ok(());
+            }
+            walk(c, is_data_key(src, &key), depth + 1, f).map(drop)
+        }),
+        Kind::Array => c.array(|c, _| walk(c, false, depth + 1, f).map(drop)),
+        Kind::String => {
+            let s = c.string()?;
+            let len = s.range.len();
+            if len >= BASE64_RUN && (data || c.src()[s.range.start + 1..].starts_with(b"data:")) {
+                f.media += len;
+                f.images += 1;
+            }
+            Ok(s.range)
+        }
+        Kind::Other => c.skip(),
+    }
+}
+
 /// A block object (or any other value) at the cursor.
-fn block_at(c: &mut Cursor<'_>, _shape: Shape) -> Result<Block> {
-    let body = c.src();
+fn block_at(c: &mut Cursor<'_>) -> Result<Block> {
     if c.kind()? != Kind::Object {
-        let r = c.skip()?;
+        let mut found = Found::default();
+        let r = walk(c, false, 1, &mut found)?;
         return Ok(Block {
-            tokens: estimate_tokens(&body[r.clone()]),
+            tokens: found.tokens(r.len()),
             range: r,
             string: false,
             kind: BlockKind::Other,
-            marked: false,
+            marked: found.marked,
         });
     }
     let mut kind = BlockKind::Other;
-    let mut marked = false;
+    let mut found = Found::default();
     let mut text_empty = None;
     let r = c.object(|c, key| {
         let src = c.src();
@@ -347,28 +424,25 @@ fn block_at(c: &mut Cursor<'_>, _shape: Shape) -> Result<Block> {
                 _ => BlockKind::Other,
             };
         } else if key.is(src, "cache_control") {
-            marked = true;
+            found.marked = true;
             c.skip()?;
         } else if key.is(src, "text") && c.kind()? == Kind::String {
             let s = c.string()?;
             text_empty = Some(s.raw(src).iter().all(|b| b.is_ascii_whitespace()));
         } else {
-            c.skip()?;
+            walk(c, is_data_key(src, &key), 1, &mut found)?;
         }
         Ok(())
     })?;
     if kind == BlockKind::Text && text_empty != Some(false) {
         kind = BlockKind::EmptyText;
     }
-    let raw = &body[r.clone()];
-    // A marker nested deeper (a tool result's own blocks) marks it too.
-    marked |= has_marker_key(raw);
     Ok(Block {
-        tokens: estimate_tokens(raw),
+        tokens: found.tokens(r.len()),
         range: r,
         string: false,
         kind,
-        marked,
+        marked: found.marked,
     })
 }
 
@@ -460,31 +534,50 @@ pub fn has_marker_key(raw: &[u8]) -> bool {
     })
 }
 
-/// Tokens of `raw`: its text at [`BYTES_PER_TOKEN`], each long run of
-/// base64 (an image's or a document's bytes) at [`IMAGE_TOKENS`].
+/// Tokens of `raw`: its text at [`BYTES_PER_TOKEN`], each image's or
+/// document's bytes at [`IMAGE_TOKENS`]. Such bytes are found where they
+/// are put, without reading every byte: a data URL's `;base64,` and a
+/// `"data"` field (Anthropic's `source`, audio), when the string that
+/// follows is at least [`BASE64_RUN`] long.
 pub fn estimate_tokens(raw: &[u8]) -> u64 {
-    let mut text = 0u64;
+    let mut media = 0usize;
     let mut images = 0u64;
-    let mut run = 0usize;
-    for &b in raw {
-        if b.is_ascii_alphanumeric() || b == b'+' || b == b'/' || b == b'=' {
-            run += 1;
+    let mut covered = 0usize;
+    let mut count = |start: usize, media: &mut usize, images: &mut u64, covered: &mut usize| {
+        if start < *covered {
+            return;
+        }
+        let len = memchr::memchr2(b'"', b'\\', &raw[start..]).unwrap_or(raw.len() - start);
+        if len >= BASE64_RUN {
+            *media += len;
+            *images += 1;
+        }
+        *covered = start + len;
+    };
+    for at in memchr::memmem::find_iter(raw, b";base64,") {
+        count(at + 8, &mut media, &mut images, &mut covered);
+    }
+    covered = 0;
+    for at in memchr::memmem::find_iter(raw, b"\"data\"") {
+        let rest = &raw[at + 6..];
+        let Some(colon) = rest.iter().position(|b| !b.is_ascii_whitespace()) else {
+            continue;
+        };
+        if rest[colon] != b':' {
             continue;
         }
-        if run >= BASE64_RUN {
-            images += 1;
-        } else {
-            text += run as u64;
+        let Some(quote) = rest[colon + 1..]
+            .iter()
+            .position(|b| !b.is_ascii_whitespace())
+        else {
+            continue;
+        };
+        let open = colon + 1 + quote;
+        if rest[open] == b'"' && !rest[open + 1..].starts_with(b"data:") {
+            count(at + 6 + open + 1, &mut media, &mut images, &mut covered);
         }
-        run = 0;
-        text += 1;
     }
-    if run >= BASE64_RUN {
-        images += 1;
-    } else {
-        text += run as u64;
-    }
-    text / BYTES_PER_TOKEN + images * IMAGE_TOKENS
+    (raw.len() - media) as u64 / BYTES_PER_TOKEN + images * IMAGE_TOKENS
 }
 
 #[cfg(test)]
@@ -590,10 +683,19 @@ mod tests {
     #[test]
     fn base64_counts_as_an_image_not_as_text() {
         let b64 = "A".repeat(100_000);
-        let raw = format!(r#"{{"type":"image","source":{{"data":"{b64}"}}}}"#);
-        let t = estimate_tokens(raw.as_bytes());
-        assert!((IMAGE_TOKENS..IMAGE_TOKENS + 20).contains(&t), "{t}");
-        assert_eq!(estimate_tokens(&[b'a'; 400]), 100);
+        for raw in [
+            format!(r#"{{"type":"image","source":{{"data":"{b64}"}}}}"#),
+            format!(r#"{{"type":"image","source":{{"data" : "{b64}"}}}}"#),
+            format!(
+                r#"{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}}"#
+            ),
+        ] {
+            let t = estimate_tokens(raw.as_bytes());
+            assert!((IMAGE_TOKENS..IMAGE_TOKENS + 20).contains(&t), "{t}");
+        }
+        // A short one is text; so is a long text without base64 markers.
+        assert_eq!(estimate_tokens(br#"{"data":"abcd"}"#), 3);
+        assert_eq!(estimate_tokens(&[b'a'; 4000]), 1000);
     }
 
     #[test]
