@@ -375,7 +375,7 @@ async fn each_miss_is_told_with_its_cause_and_counted() {
 
 #[tokio::test]
 async fn two_replicas_on_one_redis_follow_one_conversation() {
-    let Some(redis) = RedisServer::start() else {
+    let Some(mut redis) = RedisServer::start() else {
         return;
     };
     let store = format!(
@@ -399,4 +399,79 @@ async fn two_replicas_on_one_redis_follow_one_conversation() {
     let (_, h, _) = post_messages(&a, tool_loop(3, &system).to_string(), &[]).await;
     let again = cache_header(&h);
     assert!(readable(&again) > readable(&told), "{again} after {told}");
+    // Redis gone: the request is answered, judged against what this
+    // replica kept itself.
+    redis.stop();
+    let (status, h, _) = post_messages(&a, tool_loop(4, &system).to_string(), &[]).await;
+    assert_eq!(status, 200);
+    let alone = cache_header(&h);
+    assert!(
+        !alone.contains("miss") && readable(&alone) > readable(&told),
+        "{alone}"
+    );
+}
+
+/// A mock Anthropic API that streams, its cache usage in `message_start`.
+async fn anthropic_streaming(sim: Arc<CacheSim>) -> MockUpstream {
+    MockUpstream::start(move |req: &Recorded| {
+        let u = sim.request(&req.body);
+        let events = [
+            json!({"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+                   "model": "claude-test", "content": [], "usage": {"input_tokens": u.input, "output_tokens": 1,
+                   "cache_read_input_tokens": u.read, "cache_creation_input_tokens": u.written}}}),
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "ok"}}),
+            json!({"type": "content_block_stop", "index": 0}),
+            json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2}}),
+            json!({"type": "message_stop"}),
+        ];
+        Reply::sse_chunks(
+            events
+                .iter()
+                .map(|e| Chunk::Data(Bytes::from(format!("event: {}\ndata: {e}\n\n", e["type"].as_str().unwrap()))))
+                .collect(),
+        )
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_streamed_answer_says_what_the_provider_read_and_wrote() {
+    let mock = anthropic_streaming(Arc::new(CacheSim::default())).await;
+    let visor = visor_for(&mock, "").await;
+    let system = words(800);
+    for k in 1..=2 {
+        let mut body = tool_loop(k, &system);
+        body["stream"] = json!(true);
+        let (status, _, text) = post_messages(&visor, body.to_string(), &[]).await;
+        assert_eq!(status, 200);
+        assert!(String::from_utf8_lossy(&text).contains("message_stop"));
+    }
+    let written = wait_metric(
+        &visor,
+        "visor_cache_tokens_total",
+        &[("kind", "written")],
+        2000.0,
+    )
+    .await;
+    let read = wait_metric(
+        &visor,
+        "visor_cache_tokens_total",
+        &[("kind", "read")],
+        2000.0,
+    )
+    .await;
+    assert!(
+        written >= 2000.0 && read >= 2000.0,
+        "written {written}, read {read}"
+    );
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(&m, "visor_cache_misses_total", &[("cause", "provider")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&m, "visor_tokens_total", &[("kind", "cached_read")]),
+        Some(read)
+    );
 }
