@@ -319,13 +319,14 @@ fn caps_text(c: &Caps) -> String {
     let flag = |v: Option<bool>| v.map_or("?".to_owned(), |b| b.to_string());
     let num = |v: Option<u64>| v.map_or("?".to_owned(), |n| n.to_string());
     format!(
-        "vision={} audio={} pdf={} office={} max_images={} context_window={}",
+        "vision={} audio={} pdf={} office={} max_images={} context_window={} cache_min_tokens={}",
         flag(c.vision),
         flag(c.audio),
         flag(c.pdf),
         flag(c.office),
         num(c.max_images.map(u64::from)),
-        num(c.context_window)
+        num(c.context_window),
+        num(c.cache_min_tokens.map(u64::from))
     )
 }
 

@@ -243,7 +243,9 @@ impl PromptCache {
             &placed,
         ));
         let judging = Judging {
-            reads: match asked.anthropic_kind {
+            // An Anthropic-kind upstream's Messages API caches at breakpoints;
+            // everything else caches prefixes on its own.
+            reads: match asked.anthropic_kind && asked.shape == Shape::Messages {
                 true => Reads::AtBreakpoints,
                 false => Reads::Automatically,
             },
