@@ -75,8 +75,8 @@ pub fn place(a: &Anatomy, min_tokens: u64) -> Vec<Place> {
     }
     let continues = a.elements.len() > 2 || a.tools > 0;
     if continues
-        && a.total_tokens() >= min_tokens
         && let Some((element, block)) = last_markable_before(a, a.elements.len())
+        && through(a, element, block) >= min_tokens
     {
         places.push(Place {
             element,
@@ -107,16 +107,23 @@ fn look_back(a: &Anatomy, min_tokens: u64) -> Option<Place> {
             .iter()
             .map(|e| e.blocks.len())
             .sum::<usize>();
-    let tokens: u64 = a.elements[..element].iter().map(|e| e.tokens).sum::<u64>()
-        + a.elements[element].blocks[..=block]
-            .iter()
-            .map(|b| b.tokens)
-            .sum::<u64>();
-    (after > LOOKBACK && tokens >= min_tokens).then_some(Place {
+    (after > LOOKBACK && through(a, element, block) >= min_tokens).then_some(Place {
         element,
         block,
         why: Why::LookBack,
     })
+}
+
+/// The tokens of the prefix that ends with block `block` of element
+/// `element`: what a marker there caches (the provider caches nothing
+/// shorter than the minimum).
+fn through(a: &Anatomy, element: usize, block: usize) -> u64 {
+    let before: u64 = a.elements[..element].iter().map(|e| e.tokens).sum();
+    let within: u64 = a.elements[element].blocks[..=block]
+        .iter()
+        .map(|b| b.tokens)
+        .sum();
+    before + within.min(a.elements[element].tokens)
 }
 
 fn last_markable(blocks: &[Block]) -> Option<usize> {
@@ -302,6 +309,21 @@ mod tests {
         // Under the look-back, only head and end.
         let few = body.replace(&results[24], r#"{"type":"text","text":"x"}"#);
         assert!(place(&anatomy(&few), 1024).len() <= 3);
+    }
+
+    #[test]
+    fn the_end_is_marked_only_where_the_prefix_it_ends_reaches_the_minimum() {
+        // The request reaches 1024 tokens only with its last block, which
+        // is a thinking block: the block before it ends a shorter prefix.
+        let body = format!(
+            r#"{{"tools":[{{"name":"t"}}],"messages":[{{"role":"user","content":"{}"}},{{"role":"assistant","content":[{{"type":"text","text":"a"}},{{"type":"thinking","thinking":"{}","signature":"s"}}]}}]}}"#,
+            long(700),
+            long(200)
+        );
+        let a = anatomy(&body);
+        assert!(a.total_tokens() >= 1024);
+        assert!(place(&a, 1024).is_empty());
+        assert_eq!(place(&a, 512).len(), 1);
     }
 
     #[test]
