@@ -26,8 +26,11 @@
 //! - every `cache_control` removed; an assistant message with neither text
 //!   nor tool calls dropped.
 //!
-//! Each request then goes through visor's prompt-cache code as the proxy
-//! calls it: [`Anatomy::of`], [`breakpoints::place`] (the model's
+//! Each request then goes through what visor does to it, as the proxy
+//! does: the transforms first (`transform::rewrite` with the shipped
+//! config's rules and the model's row: dedup, images; `VISOR_CACHE_RAW=1`
+//! leaves them out), then the prompt-cache code: [`Anatomy::of`] of the
+//! request as received and as rewritten, [`breakpoints::place`] (the model's
 //! `cache_min_tokens` from the shipped table, else 1024;
 //! `VISOR_CACHE_MIN_TOKENS` overrides it), [`breakpoints::mark`] (5-minute
 //! markers), and [`ledger::judge`] against the previous turn's [`Record`]
@@ -73,7 +76,7 @@ use visor::prompt_cache::DEFAULT_MIN_TOKENS;
 use visor::prompt_cache::anatomy::{Anatomy, Role};
 use visor::prompt_cache::breakpoints::{self, LOOKBACK, Place};
 use visor::prompt_cache::ledger::{self, Cause, Judging, Point, Reads, Record, Verdict};
-use visor::transform::Shape;
+use visor::transform::{Plan, Rules, Shape, Takes, rewrite};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 /// Anthropic's prices of a token read from the cache and written to it,
@@ -387,7 +390,10 @@ impl Provider {
 #[derive(Default, Clone, Copy)]
 struct Figures {
     turns: usize,
+    /// The requests as sent (after visor's transforms), without caching.
     uncached: u64,
+    /// The requests as the agent sent them, without visor or caching.
+    received: u64,
     billed: f64,
     /// The bill of a perfect cache: every turn reads all of the previous
     /// request and writes the rest (no breakpoints, no minimum).
@@ -418,6 +424,7 @@ impl Figures {
     fn add(&mut self, o: &Figures) {
         self.turns += o.turns;
         self.uncached += o.uncached;
+        self.received += o.received;
         self.billed += o.billed;
         self.ideal += o.ideal;
         self.floor += o.floor;
@@ -443,6 +450,14 @@ impl Figures {
         match self.uncached {
             0 => 0.0,
             u => 100.0 * tokens / u as f64,
+        }
+    }
+
+    /// The bill against the requests as the agent sent them.
+    fn of_received(&self) -> f64 {
+        match self.received {
+            0 => 0.0,
+            r => 100.0 * self.billed / r as f64,
         }
     }
 
@@ -524,6 +539,7 @@ fn marks_ok(body: &[u8], a: &Anatomy, sent: &[u8], places: &[Place]) -> bool {
 fn conversation(
     chats: &[Value],
     min_of: &dyn Fn(&str) -> u64,
+    plan_of: &dyn Fn(&str) -> Option<Plan>,
     keep: bool,
     change: Option<usize>,
 ) -> (Figures, Vec<Verdict>) {
@@ -540,9 +556,17 @@ fn conversation(
             Some(at) if k >= at => TIMESTAMP,
             _ => "",
         };
-        let body = to_messages(chat, extra, keep);
+        let received = to_messages(chat, extra, keep);
         let model = chat["model"].as_str().unwrap_or("");
         let min = min_of(model);
+        // What visor's transforms make of it (the client's request: `received`).
+        let body = match plan_of(model) {
+            Some(plan) => rewrite(&received, &plan)
+                .body
+                .unwrap_or_else(|| received.clone()),
+            None => received.clone(),
+        };
+        let client = Anatomy::of(Shape::Messages, &received).expect("a Messages body");
         let a = Anatomy::of(Shape::Messages, &body).expect("a Messages body");
         let places = breakpoints::place(&a, min);
         let sent = match places.is_empty() {
@@ -561,7 +585,7 @@ fn conversation(
         }
         prev_sent = Some(now_sent);
 
-        let record = Record::new(k as u64 * TURN_MS, model, &a, &a, &places);
+        let record = Record::new(k as u64 * TURN_MS, model, &client, &a, &places);
         let judging = Judging {
             reads: Reads::AtBreakpoints,
             min_tokens: min,
@@ -592,6 +616,7 @@ fn conversation(
         let (read, written) = provider.request(&prefixes, &points, min);
         f.readable_differs += usize::from(verdict.readable != read);
         f.uncached += total;
+        f.received += client.total_tokens();
         f.read += read;
         f.written += written;
         let billed = READ * read as f64 + WRITE * written as f64 + (total - read - written) as f64;
@@ -654,6 +679,18 @@ fn main() {
         })
     };
     let keep = std::env::var_os("VISOR_CACHE_KEEP_ROLES").is_some();
+    let raw = std::env::var_os("VISOR_CACHE_RAW").is_some();
+    let plan_of = |model: &str| {
+        let resolved = table.resolve(model, None);
+        (!raw).then(|| Plan {
+            shape: Shape::Messages,
+            vision: resolved.vision,
+            describe: false,
+            rules: Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+            takes: Takes::ALL,
+            query_aware: false,
+        })
+    };
     let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -667,6 +704,13 @@ fn main() {
             "cache minimum: the model table's cache_min_tokens, else {DEFAULT_MIN_TOKENS} tokens"
         ),
     }
+    println!(
+        "visor's transforms: {}",
+        match raw {
+            true => "left out (VISOR_CACHE_RAW)",
+            false => "the shipped config's (dedup, images), then the breakpoints",
+        }
+    );
     println!(
         "consecutive messages of one role: {}",
         match keep {
@@ -699,7 +743,7 @@ fn main() {
     for d in &names {
         let name = d.file_name().unwrap().to_string_lossy().into_owned();
         let chats = turns(d);
-        let (f, verdicts) = conversation(&chats, &min_of, keep, None);
+        let (f, verdicts) = conversation(&chats, &min_of, &plan_of, keep, None);
         f.print(&name);
         total.add(&f);
         if f.ratio() > 100.0 {
@@ -726,6 +770,11 @@ fn main() {
     }
     total.print("overall");
     println!(
+        "overall against the requests as the agents sent them ({} tokens, no visor, no cache): billed {:.1} %",
+        total.received,
+        total.of_received()
+    );
+    println!(
         "ratio: billed with visor's breakpoints against uncached (read {READ}, written {WRITE}); floor: the same for a perfect cache (each turn reads all of the previous request if it reached the minimum, writes the rest if it reaches it); ideal: a perfect cache without the minimum; none: turns without a breakpoint; bps: most markers on a request; unstable: turns whose sent request (markers aside) or visor's element hashes of it are not a prefix of the next; visor / other: ledger misses blamed on visor / any cause but first; ≠ledg: turns where the ledger's readable is not what the simulated provider read; bad: requests whose markers are not where place put them"
     );
     if total.max_markers > 4 {
@@ -746,7 +795,7 @@ fn main() {
         None => println!("forensic: no conversation with a system prompt and 4 turns"),
         Some((name, chats, plain)) => {
             let at = chats.len() / 2;
-            let (f, verdicts) = conversation(&chats, &min_of, keep, Some(at));
+            let (f, verdicts) = conversation(&chats, &min_of, &plan_of, keep, Some(at));
             let v = verdicts[at];
             let ok = v.cause == Some(Cause::Client) && v.at == Some(0);
             let rest_ok = verdicts

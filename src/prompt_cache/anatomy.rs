@@ -520,66 +520,6 @@ fn markers_in(c: &mut Cursor<'_>, cut: &mut Vec<Range<usize>>, depth: usize) -> 
     Ok(())
 }
 
-/// A `"cache_control"` key somewhere in `raw` (a quote before it that is
-/// not escaped, a colon after it): a string that only mentions the word is
-/// not one.
-pub fn has_marker_key(raw: &[u8]) -> bool {
-    const KEY: &[u8] = b"\"cache_control\"";
-    memchr::memmem::find_iter(raw, KEY).any(|at| {
-        let before = raw[..at].iter().rev().take_while(|&&b| b == b'\\').count();
-        let after = raw[at + KEY.len()..]
-            .iter()
-            .find(|b| !b.is_ascii_whitespace());
-        before % 2 == 0 && after == Some(&b':')
-    })
-}
-
-/// Tokens of `raw`: its text at [`BYTES_PER_TOKEN`], each image's or
-/// document's bytes at [`IMAGE_TOKENS`]. Such bytes are found where they
-/// are put, without reading every byte: a data URL's `;base64,` and a
-/// `"data"` field (Anthropic's `source`, audio), when the string that
-/// follows is at least [`BASE64_RUN`] long.
-pub fn estimate_tokens(raw: &[u8]) -> u64 {
-    let mut media = 0usize;
-    let mut images = 0u64;
-    let mut covered = 0usize;
-    let mut count = |start: usize, media: &mut usize, images: &mut u64, covered: &mut usize| {
-        if start < *covered {
-            return;
-        }
-        let len = memchr::memchr2(b'"', b'\\', &raw[start..]).unwrap_or(raw.len() - start);
-        if len >= BASE64_RUN {
-            *media += len;
-            *images += 1;
-        }
-        *covered = start + len;
-    };
-    for at in memchr::memmem::find_iter(raw, b";base64,") {
-        count(at + 8, &mut media, &mut images, &mut covered);
-    }
-    covered = 0;
-    for at in memchr::memmem::find_iter(raw, b"\"data\"") {
-        let rest = &raw[at + 6..];
-        let Some(colon) = rest.iter().position(|b| !b.is_ascii_whitespace()) else {
-            continue;
-        };
-        if rest[colon] != b':' {
-            continue;
-        }
-        let Some(quote) = rest[colon + 1..]
-            .iter()
-            .position(|b| !b.is_ascii_whitespace())
-        else {
-            continue;
-        };
-        let open = colon + 1 + quote;
-        if rest[open] == b'"' && !rest[open + 1..].starts_with(b"data:") {
-            count(at + 6 + open + 1, &mut media, &mut images, &mut covered);
-        }
-    }
-    (raw.len() - media) as u64 / BYTES_PER_TOKEN + images * IMAGE_TOKENS
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -642,9 +582,11 @@ mod tests {
 
     #[test]
     fn a_text_that_mentions_the_marker_is_not_one() {
-        assert!(!has_marker_key(br#"{"text":"set \"cache_control\": on"}"#));
-        assert!(!has_marker_key(br#"{"text":"cache_control"}"#));
-        assert!(has_marker_key(br#"{"cache_control" : {}}"#));
+        let a = anatomy(
+            Shape::Messages,
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"set \"cache_control\": on"}]}]}"#,
+        );
+        assert!(!a.marked);
     }
 
     #[test]
@@ -683,19 +625,32 @@ mod tests {
     #[test]
     fn base64_counts_as_an_image_not_as_text() {
         let b64 = "A".repeat(100_000);
-        for raw in [
-            format!(r#"{{"type":"image","source":{{"data":"{b64}"}}}}"#),
+        for block in [
+            format!(r#"{{"type":"image","source":{{"type":"base64","data":"{b64}"}}}}"#),
             format!(r#"{{"type":"image","source":{{"data" : "{b64}"}}}}"#),
             format!(
                 r#"{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}}"#
             ),
         ] {
-            let t = estimate_tokens(raw.as_bytes());
-            assert!((IMAGE_TOKENS..IMAGE_TOKENS + 20).contains(&t), "{t}");
+            let body = format!(r#"{{"messages":[{{"role":"user","content":[{block}]}}]}}"#);
+            let t = anatomy(Shape::Chat, &body).elements[0].tokens;
+            assert!(
+                (IMAGE_TOKENS..IMAGE_TOKENS + 30).contains(&t),
+                "{t}: {}",
+                &block[..40]
+            );
         }
-        // A short one is text; so is a long text without base64 markers.
-        assert_eq!(estimate_tokens(br#"{"data":"abcd"}"#), 3);
-        assert_eq!(estimate_tokens(&[b'a'; 4000]), 1000);
+        // A short one is text; so is a long text that is not a file.
+        let short = anatomy(
+            Shape::Messages,
+            r#"{"messages":[{"role":"user","content":[{"type":"image","source":{"data":"abcd"}}]}]}"#,
+        );
+        assert!(short.elements[1].tokens < 20);
+        let text = format!(
+            r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "a".repeat(4000)
+        );
+        assert!((1000..1020).contains(&anatomy(Shape::Messages, &text).elements[1].tokens));
     }
 
     #[test]
