@@ -365,8 +365,9 @@ impl Provider {
         let mut read = 0;
         for p in points {
             let at = p.ordinal as usize;
-            for q in at.saturating_sub(LOOKBACK)..=at {
-                if let Some(&t) = self.cached.get(&(q, prefixes[q].0)) {
+            let from = at.saturating_sub(LOOKBACK);
+            for (q, prefix) in prefixes.iter().enumerate().take(at + 1).skip(from) {
+                if let Some(&t) = self.cached.get(&(q, prefix.0)) {
                     read = read.max(t);
                 }
             }
