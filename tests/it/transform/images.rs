@@ -185,12 +185,28 @@ async fn responses_and_anthropic_shapes() {
     assert_eq!(sent["messages"][2]["content"][0]["tool_use_id"], "toolu_01");
     assert_eq!(sent["messages"][1], orig["messages"][1]);
 
-    // A vision model on the same route: byte for byte.
+    // A vision model on the same route: nothing changed but visor's cache
+    // breakpoints (an Anthropic-kind upstream, a request without markers:
+    // tests/it/prompt_cache.rs); with them left out, byte for byte.
     let mut v = orig.clone();
     v["model"] = "claude-3-5-sonnet-20240620".into();
     let body = Bytes::from(serde_json::to_vec(&v).unwrap());
     let (_, headers, _) = send(post_json(&visor.url("/v1/messages"), body.clone())).await;
     assert_eq!(headers["x-visor-images-replaced"], "0");
+    let sent = mock.recorded().pop().unwrap().body;
+    assert!(String::from_utf8_lossy(&sent).contains("cache_control"));
+    let unmarked = |v: &Value| {
+        let b = crate::support::anthropic_cache::blocks(v);
+        b.into_iter().map(|(b, _)| b).collect::<Vec<_>>()
+    };
+    assert_eq!(unmarked(&json(&sent)), unmarked(&v));
+    assert_eq!(json(&sent)["model"], v["model"]);
+    let req = Request::post(visor.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .header("x-visor-transform", "off")
+        .body(Full::new(body.clone()))
+        .unwrap();
+    send(req).await;
     assert_eq!(mock.recorded().pop().unwrap().body, body);
 }
 
