@@ -69,7 +69,7 @@ pub fn build(
         life.tasks.clone(),
     );
     let retries = retries(&config, &metrics);
-    let cache = PromptCache::new(config.cache, store.clone(), metrics.clone());
+    let cache = PromptCache::new(config.cache, store.clone(), &metrics);
     // What the phases keep of the config itself: the server's bounds and
     // deadlines, and the upstreams to route to.
     let Config {

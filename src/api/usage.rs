@@ -12,7 +12,8 @@
 //! `usage.output_tokens` in `message_delta`). The provider's prompt-cache
 //! figures too: OpenAI `prompt_tokens_details.cached_tokens` (Responses
 //! `input_tokens_details.cached_tokens`), Anthropic
-//! `cache_read_input_tokens` and `cache_creation_input_tokens`.
+//! `cache_read_input_tokens` and `cache_creation_input_tokens`, DeepSeek
+//! `prompt_cache_hit_tokens`.
 
 use bytes::Bytes;
 
@@ -31,6 +32,9 @@ pub struct Usage {
     pub cached_read: u64,
     /// Prompt tokens the provider wrote to its cache (Anthropic).
     pub cache_write: u64,
+    /// The provider said what its cache read or wrote (a server that
+    /// reports no cache figure may have no cache).
+    pub cache_said: bool,
     /// Bytes of generated text a stream carried (its deltas' strings): what
     /// the answer cost when it ends before its `usage` does.
     pub text_bytes: u64,
@@ -89,6 +93,9 @@ struct Counts {
     cache_read_input_tokens: Option<u64>,
     #[serde(default)]
     cache_creation_input_tokens: Option<u64>,
+    /// DeepSeek's.
+    #[serde(default)]
+    prompt_cache_hit_tokens: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -124,12 +131,15 @@ impl Usage {
             .prompt_tokens_details
             .and_then(|d| d.cached_tokens)
             .or_else(|| u.input_tokens_details.and_then(|d| d.cached_tokens))
-            .or(u.cache_read_input_tokens);
+            .or(u.cache_read_input_tokens)
+            .or(u.prompt_cache_hit_tokens);
         if let Some(c) = cached {
             self.cached_read = self.cached_read.max(c);
+            self.cache_said = true;
         }
         if let Some(c) = u.cache_creation_input_tokens {
             self.cache_write = self.cache_write.max(c);
+            self.cache_said = true;
         }
     }
 }
@@ -492,6 +502,16 @@ mod tests {
         o.observe(&Bytes::from_static(both));
         let u = o.finish();
         assert_eq!((u.prompt, u.completion, u.cached_read), (50, 2, 32));
+        assert!(u.cache_said);
+        // DeepSeek's spelling; and a server that says nothing of a cache.
+        let deepseek = br#"{"usage":{"prompt_tokens":500,"completion_tokens":2,"prompt_cache_hit_tokens":448,"prompt_cache_miss_tokens":52}}"#;
+        let mut o = UsageObserver::for_response(&headers("application/json"));
+        o.observe(&Bytes::from_static(deepseek));
+        assert_eq!(o.finish().cached_read, 448);
+        let plain = br#"{"usage":{"prompt_tokens":500,"completion_tokens":2}}"#;
+        let mut o = UsageObserver::for_response(&headers("application/json"));
+        o.observe(&Bytes::from_static(plain));
+        assert!(!o.finish().cache_said);
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! A request as a provider's prompt cache sees it: a list of *elements* —
 //! the head (the tools and the system prompt) and then each message — each
-//! hashed without the cache markers it carries, with an estimate of its
-//! tokens and the content blocks it holds (their byte ranges, for placing
-//! breakpoints; their markers, for knowing where the provider may read).
+//! hashed as the provider reads it (cache markers left out, whitespace
+//! between tokens left out, a string content read as its one text block),
+//! with an estimate of its tokens and the content blocks it holds (their
+//! byte ranges, for placing breakpoints; their markers, for knowing where
+//! the provider may read).
 //!
 //! Element 0 is the head. In Messages and Responses, whose system prompt
 //! stands apart (`system`, `instructions`), element k ≥ 1 is message k − 1;
@@ -10,24 +12,28 @@
 //! `messages[0]` and element k is `messages[k]`. Either way "message 0" is
 //! where the system prompt is.
 //!
-//! One borrowed pass over the body ([`crate::transform::json`]): nothing is
-//! copied but a block that carries a marker (re-serialised without it, to
-//! hash).
+//! One borrowed pass over the body ([`crate::transform::json`]); a block
+//! that carries a marker is walked once more to cut it out of the hash. A
+//! body with more than [`MAX_ITEMS`] messages and blocks is not read (no
+//! request of a real agent comes near; a hostile one would make visor
+//! allocate for each).
 
 use std::ops::Range;
 
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::api::Shape;
-use crate::transform::json::{Cursor, Kind, Malformed, Result};
+use crate::transform::json::{Cursor, Kind, Malformed, Result, Str};
 
 /// Text is taken at 4 bytes a token.
 pub const BYTES_PER_TOKEN: u64 = 4;
 /// An image (its bytes are not text) is taken at 765 tokens.
 pub const IMAGE_TOKENS: u64 = 765;
-/// A run of base64 characters at least this long is an image's bytes, not
-/// text.
+/// A base64 string (a `data` field, a data URL) at least this long is a
+/// file's bytes, not text.
 const BASE64_RUN: usize = 512;
+/// Messages and blocks one request may have for its cache to be followed.
+pub const MAX_ITEMS: usize = 100_000;
 
 /// What a content block is, as far as a cache marker cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +48,9 @@ pub enum BlockKind {
     Thinking,
     /// A tool definition, an image, a tool call or result, a document…
     Other,
+    /// Not an object (a number, `null`, a bare string in an array): no
+    /// marker can go on it.
+    Value,
 }
 
 impl BlockKind {
@@ -77,7 +86,7 @@ pub enum Role {
 /// The head, or one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Element {
-    /// Of its bytes, without cache markers.
+    /// Of what the provider reads of it.
     pub hash: u64,
     pub tokens: u64,
     pub role: Role,
@@ -88,18 +97,18 @@ pub struct Element {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Anatomy {
     pub elements: Vec<Element>,
-    /// Some `cache_control` is set anywhere in the body (the client's
-    /// own markers: the request is then left as it came).
+    /// Some block (or tool, or the request itself) carries `cache_control`:
+    /// the client's own markers (the request is then left as it came).
     pub marked: bool,
     /// The request declares tools.
     pub tools: usize,
     /// A Responses request that continues a stored response
     /// (`previous_response_id`): its messages are not the conversation's.
     pub chained: bool,
-    /// The body has a `prompt_cache_key` of its own.
+    /// The body has a `prompt_cache_key` field of its own (even `null`).
     pub has_cache_key: bool,
-    /// The hash of the first user message (with the head when there is no
-    /// user message), naming the conversation.
+    /// The hash of the first user message (the head's when there is none),
+    /// naming the conversation.
     pub first_user: u64,
     /// Where the body's top-level object starts (`{`), for inserting a
     /// field.
@@ -108,7 +117,8 @@ pub struct Anatomy {
 
 impl Anatomy {
     /// The request's elements; `None` for a body that is not the object
-    /// its API expects.
+    /// its API expects, or one with more than [`MAX_ITEMS`] messages and
+    /// blocks.
     pub fn of(shape: Shape, body: &[u8]) -> Option<Anatomy> {
         read(shape, body).ok()
     }
@@ -120,6 +130,16 @@ impl Anatomy {
     /// The elements' hashes, in order.
     pub fn hashes(&self) -> Vec<u64> {
         self.elements.iter().map(|e| e.hash).collect()
+    }
+}
+
+/// The bound on what one walk makes.
+struct Budget(usize);
+
+impl Budget {
+    fn take(&mut self) -> Result<()> {
+        self.0 = self.0.checked_sub(1).ok_or(Malformed)?;
+        Ok(())
     }
 }
 
@@ -145,20 +165,22 @@ fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
         Shape::Responses => "input",
         Shape::Chat | Shape::Messages => "messages",
     };
+    let mut budget = Budget(MAX_ITEMS);
     let mut top = Top::default();
     let whole = c.object(|c, key| {
         let src = c.src();
         if key.is(src, "tools") && c.kind()? == Kind::Array {
             c.array(|c, _| {
+                budget.take()?;
                 top.tools.push(block_at(c)?);
                 Ok(())
             })?;
         } else if key.is(src, "system") && shape == Shape::Messages
             || key.is(src, "instructions") && shape == Shape::Responses
         {
-            top.system = content(c)?;
+            top.system = content(c, &mut budget)?;
         } else if key.is(src, items) {
-            top.messages = Some(messages(c)?);
+            top.messages = Some(messages(c, &mut budget)?);
         } else {
             let at = c.skip()?;
             if key.is(src, "cache_control") {
@@ -166,17 +188,25 @@ fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
             } else if key.is(src, "previous_response_id") {
                 top.chained = &src[at] != b"null";
             } else if key.is(src, "prompt_cache_key") {
-                top.has_cache_key = &src[at] != b"null";
+                top.has_cache_key = true;
             }
         }
         Ok(())
     })?;
+    let mut messages = top.messages.unwrap_or_default();
     let mut a = Anatomy {
-        marked: top.marked,
+        marked: top.marked
+            || top.tools.iter().chain(&top.system).any(|b| b.marked)
+            || messages.iter().any(|m| m.blocks.iter().any(|b| b.marked)),
         chained: top.chained,
         has_cache_key: top.has_cache_key,
         tools: top.tools.len(),
         open: whole.start,
+        // Before Chat's first message joins the head.
+        first_user: messages
+            .iter()
+            .find(|m| m.role == Role::User)
+            .map_or(0, |m| m.hash),
         ..Anatomy::default()
     };
     let mut head = Element {
@@ -188,10 +218,9 @@ fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
     head.blocks.extend(top.system);
     let mut h = Xxh3::new();
     for b in &head.blocks {
-        hash_block(&mut h, body, b);
+        hash_block(&mut h, body, b)?;
         head.tokens += b.tokens;
     }
-    let mut messages = top.messages.unwrap_or_default();
     if shape == Shape::Chat && !messages.is_empty() {
         // Chat's system prompt is its first message: the head holds it.
         let first = messages.remove(0);
@@ -200,12 +229,9 @@ fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
         head.blocks.extend(first.blocks);
     }
     head.hash = h.digest();
-    a.marked |= head.blocks.iter().any(|b| b.marked);
-    a.marked |= messages.iter().any(|m| m.blocks.iter().any(|b| b.marked));
-    a.first_user = messages
-        .iter()
-        .find(|m| m.role == Role::User)
-        .map_or(head.hash, |m| m.hash);
+    if a.first_user == 0 {
+        a.first_user = head.hash;
+    }
     a.elements.push(head);
     a.elements.extend(messages);
     Ok(a)
@@ -213,15 +239,17 @@ fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
 
 /// The messages (or Responses input): an array of them, or a string that
 /// is one user message.
-fn messages(c: &mut Cursor<'_>) -> Result<Vec<Element>> {
+fn messages(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Vec<Element>> {
     let body = c.src();
     let mut out = Vec::new();
     match c.kind()? {
         Kind::String => {
             let s = c.string()?;
-            let block = text_block(body, s.range.clone());
+            let block = text_block(body, &s);
+            let mut h = Xxh3::new();
+            hash_block(&mut h, body, &block)?;
             out.push(Element {
-                hash: xxhash_rust::xxh3::xxh3_64(&body[s.range]),
+                hash: h.digest(),
                 tokens: block.tokens,
                 role: Role::User,
                 blocks: vec![block],
@@ -229,7 +257,8 @@ fn messages(c: &mut Cursor<'_>) -> Result<Vec<Element>> {
         }
         Kind::Array => {
             c.array(|c, _| {
-                out.push(message(c)?);
+                budget.take()?;
+                out.push(message(c, budget)?);
                 Ok(())
             })?;
         }
@@ -241,13 +270,15 @@ fn messages(c: &mut Cursor<'_>) -> Result<Vec<Element>> {
 }
 
 /// One message (or Responses item): its role, its content's blocks, its
-/// tokens, and its hash without markers.
-fn message(c: &mut Cursor<'_>) -> Result<Element> {
+/// tokens, and its hash as the provider reads it.
+fn message(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Element> {
     let body = c.src();
     if c.kind()? != Kind::Object {
         let r = c.skip()?;
+        let mut h = Xxh3::new();
+        feed(&mut h, body, r.clone(), &[]);
         return Ok(Element {
-            hash: xxhash_rust::xxh3::xxh3_64(&body[r.clone()]),
+            hash: h.digest(),
             tokens: r.len() as u64 / BYTES_PER_TOKEN,
             role: Role::Other,
             blocks: Vec::new(),
@@ -268,34 +299,52 @@ fn message(c: &mut Cursor<'_>) -> Result<Element> {
                 _ => Role::Other,
             };
         } else if key.is(src, "content") {
-            blocks = content(c)?;
+            blocks = content(c, budget)?;
         } else if key.is(src, "cache_control") {
             rest.marked = true;
             c.skip()?;
         } else {
-            walk(c, is_data_key(src, &key), 1, &mut rest)?;
+            walk(c, is_data_key(src, &key), 1, &mut rest, false)?;
         }
         Ok(())
     })?;
-    let raw = &body[range.clone()];
     let in_blocks: usize = blocks.iter().map(|b| b.range.len()).sum();
     let tokens = blocks.iter().map(|b| b.tokens).sum::<u64>()
-        + rest.tokens(raw.len().saturating_sub(in_blocks));
+        + rest.tokens(range.len().saturating_sub(in_blocks));
     let marked = rest.marked || blocks.iter().any(|b| b.marked);
-    let hash = match marked {
-        false => xxhash_rust::xxh3::xxh3_64(raw),
-        true => unmarked_hash(raw),
+    let cuts = match marked {
+        true => markers(body, range.clone())?,
+        false => Vec::new(),
     };
+    let mut h = Xxh3::new();
+    match blocks.first() {
+        // The content was a string (its one block).
+        Some(b) if b.string => {
+            let at = b.range.clone();
+            feed(&mut h, body, range.start..at.start, &cuts);
+            h.update(b"[");
+            h.update(TEXT_OPEN);
+            feed(&mut h, body, at.clone(), &cuts);
+            h.update(TEXT_CLOSE);
+            h.update(b"]");
+            feed(&mut h, body, at.end..range.end, &cuts);
+        }
+        _ => feed(&mut h, body, range.clone(), &cuts),
+    }
     Ok(Element {
-        hash,
+        hash: h.digest(),
         tokens,
         role,
-        blocks: mark_all(blocks, rest.marked),
+        blocks: mark_last(blocks, rest.marked),
     })
 }
 
-/// A marker outside the blocks (on the message itself) marks its last.
-fn mark_all(mut blocks: Vec<Block>, marked: bool) -> Vec<Block> {
+/// A string content is hashed as the one text block it stands for.
+const TEXT_OPEN: &[u8] = br#"{"type":"text","text":"#;
+const TEXT_CLOSE: &[u8] = b"}";
+
+/// A marker on the message itself marks its last block.
+fn mark_last(mut blocks: Vec<Block>, marked: bool) -> Vec<Block> {
     if marked
         && !blocks.iter().any(|b| b.marked)
         && let Some(last) = blocks.last_mut()
@@ -307,16 +356,17 @@ fn mark_all(mut blocks: Vec<Block>, marked: bool) -> Vec<Block> {
 
 /// `content` (or `system`, `instructions`): a string is one text block; an
 /// array, its elements.
-fn content(c: &mut Cursor<'_>) -> Result<Vec<Block>> {
+fn content(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Vec<Block>> {
     let body = c.src();
     match c.kind()? {
         Kind::String => {
             let s = c.string()?;
-            Ok(vec![text_block(body, s.range)])
+            Ok(vec![text_block(body, &s)])
         }
         Kind::Array => {
             let mut blocks = Vec::new();
             c.array(|c, _| {
+                budget.take()?;
                 blocks.push(block_at(c)?);
                 Ok(())
             })?;
@@ -329,19 +379,31 @@ fn content(c: &mut Cursor<'_>) -> Result<Vec<Block>> {
     }
 }
 
-fn text_block(body: &[u8], r: Range<usize>) -> Block {
-    let inner = &body[r.start + 1..r.end - 1];
-    let kind = match inner.iter().all(|b| b.is_ascii_whitespace()) {
+fn text_block(body: &[u8], s: &Str) -> Block {
+    let kind = match blank(s.raw(body)) {
         true => BlockKind::EmptyText,
         false => BlockKind::Text,
     };
     Block {
-        tokens: inner.len() as u64 / BYTES_PER_TOKEN,
-        range: r,
+        tokens: s.raw(body).len() as u64 / BYTES_PER_TOKEN,
+        range: s.range.clone(),
         string: true,
         kind,
         marked: false,
     }
+}
+
+/// A string's raw contents hold only whitespace (written or escaped).
+fn blank(raw: &[u8]) -> bool {
+    let mut i = 0;
+    while i < raw.len() {
+        match raw[i] {
+            b' ' | b'\t' | b'\n' | b'\r' => i += 1,
+            b'\\' if matches!(raw.get(i + 1), Some(b'n' | b't' | b'r')) => i += 2,
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// What a walk of a value found: media bytes (an image's, a document's,
@@ -364,27 +426,36 @@ impl Found {
 const WALK_DEPTH: usize = 16;
 
 /// A key whose string value may be a file's bytes.
-fn is_data_key(src: &[u8], key: &crate::transform::json::Str) -> bool {
+fn is_data_key(src: &[u8], key: &Str) -> bool {
     key.is(src, "data") || key.is(src, "file_data")
 }
 
 /// Walks the value at the cursor: long base64 strings (a `data` field, or a
-/// data URL) are media; a `cache_control` key anywhere marks it.
-fn walk(c: &mut Cursor<'_>, data: bool, depth: usize, f: &mut Found) -> Result<Range<usize>> {
+/// data URL) are media. `blocks`: an object here is a content block (or an
+/// array here holds them), whose `cache_control` is a marker; a key of that
+/// name anywhere else (a tool's schema, a tool call's input) is not.
+fn walk(
+    c: &mut Cursor<'_>,
+    data: bool,
+    depth: usize,
+    f: &mut Found,
+    blocks: bool,
+) -> Result<Range<usize>> {
     if depth > WALK_DEPTH {
         return c.skip();
     }
     match c.kind()? {
         Kind::Object => c.object(|c, key| {
             let src = c.src();
-            if key.is(src, "cache_control") {
+            if blocks && key.is(src, "cache_control") {
                 f.marked = true;
                 c.skip()?;
                 return Ok(());
             }
-            walk(c, is_data_key(src, &key), depth + 1, f).map(drop)
+            let nested = blocks && key.is(src, "content");
+            walk(c, is_data_key(src, &key), depth + 1, f, nested).map(drop)
         }),
-        Kind::Array => c.array(|c, _| walk(c, false, depth + 1, f).map(drop)),
+        Kind::Array => c.array(|c, _| walk(c, false, depth + 1, f, blocks).map(drop)),
         Kind::String => {
             let s = c.string()?;
             let len = s.range.len();
@@ -402,13 +473,13 @@ fn walk(c: &mut Cursor<'_>, data: bool, depth: usize, f: &mut Found) -> Result<R
 fn block_at(c: &mut Cursor<'_>) -> Result<Block> {
     if c.kind()? != Kind::Object {
         let mut found = Found::default();
-        let r = walk(c, false, 1, &mut found)?;
+        let r = walk(c, false, 1, &mut found, false)?;
         return Ok(Block {
             tokens: found.tokens(r.len()),
             range: r,
             string: false,
-            kind: BlockKind::Other,
-            marked: found.marked,
+            kind: BlockKind::Value,
+            marked: false,
         });
     }
     let mut kind = BlockKind::Other;
@@ -428,9 +499,11 @@ fn block_at(c: &mut Cursor<'_>) -> Result<Block> {
             c.skip()?;
         } else if key.is(src, "text") && c.kind()? == Kind::String {
             let s = c.string()?;
-            text_empty = Some(s.raw(src).iter().all(|b| b.is_ascii_whitespace()));
+            text_empty = Some(blank(s.raw(src)));
         } else {
-            walk(c, is_data_key(src, &key), 1, &mut found)?;
+            // A tool result's own blocks may carry markers.
+            let nested = key.is(src, "content");
+            walk(c, is_data_key(src, &key), 1, &mut found, nested)?;
         }
         Ok(())
     })?;
@@ -446,38 +519,90 @@ fn block_at(c: &mut Cursor<'_>) -> Result<Block> {
     })
 }
 
-fn hash_block(h: &mut Xxh3, body: &[u8], b: &Block) {
-    let raw = &body[b.range.clone()];
-    match b.marked {
-        false => h.update(&xxhash_rust::xxh3::xxh3_64(raw).to_le_bytes()),
-        true => h.update(&unmarked_hash(raw).to_le_bytes()),
+/// Feeds a head block to `h`: a string as the text block it stands for,
+/// an object without its markers.
+fn hash_block(h: &mut Xxh3, body: &[u8], b: &Block) -> Result<()> {
+    match (b.string, b.marked) {
+        (true, _) => {
+            h.update(TEXT_OPEN);
+            feed(h, body, b.range.clone(), &[]);
+            h.update(TEXT_CLOSE);
+        }
+        (false, false) => feed(h, body, b.range.clone(), &[]),
+        (false, true) => {
+            let cuts = markers(body, b.range.clone())?;
+            feed(h, body, b.range.clone(), &cuts);
+        }
     }
+    Ok(())
 }
 
-/// The hash of a value with every `cache_control` in it removed (the
-/// bytes between spliced out): moving a marker does not change what the
-/// provider caches.
-fn unmarked_hash(raw: &[u8]) -> u64 {
+/// Feeds `src[range]` to `h` as the provider reads it: the whitespace
+/// between tokens left out (a body visor rewrites goes out compact; the
+/// client may have sent it pretty), each cut (a marker with its comma)
+/// skipped. String literals go whole.
+fn feed(h: &mut Xxh3, src: &[u8], range: Range<usize>, cuts: &[Range<usize>]) {
+    let end = range.end;
+    let mut pos = range.start;
+    let mut run = pos;
+    let mut cuts = cuts.iter().peekable();
+    while pos < end {
+        if let Some(cut) = cuts.peek()
+            && pos >= cut.start
+        {
+            h.update(&src[run..pos]);
+            pos = pos.max(cut.end);
+            run = pos;
+            cuts.next();
+            continue;
+        }
+        match src[pos] {
+            b'"' => {
+                let mut i = pos + 1;
+                pos = loop {
+                    match memchr::memchr2(b'"', b'\\', &src[i.min(end)..end]) {
+                        None => break end,
+                        Some(k) if src[i + k] == b'\\' => i += k + 2,
+                        Some(k) => break i + k + 1,
+                    }
+                };
+            }
+            b' ' | b'\t' | b'\n' | b'\r' => {
+                h.update(&src[run..pos]);
+                pos += 1;
+                run = pos;
+            }
+            _ => pos += 1,
+        }
+    }
+    h.update(&src[run..end.max(run)]);
+}
+
+/// The ranges to cut from the value at `range` to leave out its markers:
+/// each block-level `"cache_control": …` member with one comma beside it,
+/// in order, never overlapping.
+fn markers(body: &[u8], range: Range<usize>) -> Result<Vec<Range<usize>>> {
     let mut cut = Vec::new();
-    if markers_in(&mut Cursor::new(raw), &mut cut, 0).is_err() {
-        return xxhash_rust::xxh3::xxh3_64(raw);
-    }
-    let mut h = Xxh3::new();
+    markers_in(&mut Cursor::at(body, range.start), &mut cut, 0, true)?;
+    // A key repeated: its cuts may touch; keep each after the one before.
     let mut at = 0;
-    for r in cut {
-        h.update(&raw[at..r.start]);
-        at = r.end;
-    }
-    h.update(&raw[at..]);
-    h.digest()
+    cut.retain_mut(|r| {
+        r.start = r.start.max(at);
+        at = r.end.max(at);
+        r.start < r.end
+    });
+    Ok(cut)
 }
 
 /// How deep [`markers_in`] looks.
 const MARKER_DEPTH: usize = 32;
 
-/// The ranges to cut to remove each `"cache_control": …` member of the
-/// value at the cursor, with one comma beside it.
-fn markers_in(c: &mut Cursor<'_>, cut: &mut Vec<Range<usize>>, depth: usize) -> Result<()> {
+fn markers_in(
+    c: &mut Cursor<'_>,
+    cut: &mut Vec<Range<usize>>,
+    depth: usize,
+    blocks: bool,
+) -> Result<()> {
     if depth > MARKER_DEPTH {
         c.skip()?;
         return Ok(());
@@ -486,38 +611,42 @@ fn markers_in(c: &mut Cursor<'_>, cut: &mut Vec<Range<usize>>, depth: usize) -> 
         Kind::Object => {
             c.object(|c, key| {
                 let src = c.src();
-                if !key.is(src, "cache_control") {
-                    return markers_in(c, cut, depth + 1);
+                if !(blocks && key.is(src, "cache_control")) {
+                    let nested = blocks && key.is(src, "content");
+                    return markers_in(c, cut, depth + 1, nested);
                 }
                 let value = c.skip()?;
-                let before = src[..key.range.start]
-                    .iter()
-                    .rposition(|b| !b.is_ascii_whitespace());
-                let r = match before {
-                    Some(i) if src[i] == b',' => i..value.end,
-                    _ => {
-                        let next = src[value.end..]
-                            .iter()
-                            .position(|b| !b.is_ascii_whitespace())
-                            .map(|k| value.end + k);
-                        match next {
-                            Some(k) if src[k] == b',' => key.range.start..k + 1,
-                            _ => key.range.start..value.end,
-                        }
-                    }
-                };
-                cut.push(r);
+                cut.push(member(src, key.range.start, value.end));
                 Ok(())
             })?;
         }
         Kind::Array => {
-            c.array(|c, _| markers_in(c, cut, depth + 1))?;
+            c.array(|c, _| markers_in(c, cut, depth + 1, blocks))?;
         }
         Kind::String | Kind::Other => {
             c.skip()?;
         }
     }
     Ok(())
+}
+
+/// The member from `key` to `end` with the comma before it (or, for an
+/// object's first member, the one after it).
+fn member(src: &[u8], key: usize, end: usize) -> Range<usize> {
+    let before = src[..key].iter().rposition(|b| !b.is_ascii_whitespace());
+    if let Some(i) = before
+        && src[i] == b','
+    {
+        return i..end;
+    }
+    let next = src[end..]
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .map(|k| end + k);
+    match next {
+        Some(k) if src[k] == b',' => key..k + 1,
+        _ => key..end,
+    }
 }
 
 #[cfg(test)]
@@ -563,14 +692,23 @@ mod tests {
         assert!(marked.elements[0].blocks[0].marked && marked.elements[1].blocks[0].marked);
     }
 
+    fn unmarked_hash(raw: &[u8]) -> u64 {
+        let cuts = markers(raw, 0..raw.len()).unwrap();
+        let mut h = Xxh3::new();
+        feed(&mut h, raw, 0..raw.len(), &cuts);
+        h.digest()
+    }
+
     #[test]
-    fn a_marker_anywhere_in_an_object_is_cut_with_one_comma() {
-        let plain = unmarked_hash(br#"{"a":1,"b":{"c":2}}"#);
+    fn a_marker_of_a_block_is_cut_with_one_comma() {
+        let plain = unmarked_hash(br#"{"a":1,"content":[{"c":2}]}"#);
         for marked in [
-            r#"{"cache_control":{"type":"ephemeral"},"a":1,"b":{"c":2}}"#,
-            r#"{"a":1, "cache_control" : {"type":"ephemeral","ttl":"1h"},"b":{"c":2}}"#,
-            r#"{"a":1,"b":{"c":2,"cache_control":{}}}"#,
-            r#"{"a":1,"b":{"cache_control":{},"c":2},"cache_control":{}}"#,
+            r#"{"cache_control":{"type":"ephemeral"},"a":1,"content":[{"c":2}]}"#,
+            r#"{"a":1, "cache_control" : {"type":"ephemeral","ttl":"1h"},"content":[{"c":2}]}"#,
+            r#"{"a":1,"content":[{"c":2,"cache_control":{}}]}"#,
+            r#"{"a":1,"content":[{"cache_control":{},"c":2}],"cache_control":{}}"#,
+            r#"{ "a": 1,
+                 "content": [ { "c": 2 } ] }"#,
         ] {
             assert_eq!(unmarked_hash(marked.as_bytes()), plain, "{marked}");
         }
@@ -578,6 +716,90 @@ mod tests {
             unmarked_hash(br#"{"cache_control":{}}"#),
             xxhash_rust::xxh3::xxh3_64(b"{}")
         );
+        // A key of that name in a tool's schema is the schema's.
+        assert_ne!(
+            unmarked_hash(br#"{"input":{"cache_control":1}}"#),
+            unmarked_hash(br#"{"input":{}}"#)
+        );
+    }
+
+    #[test]
+    fn a_repeated_marker_key_is_no_panic() {
+        for body in [
+            r#"{"messages":[{"cache_control":{},"cache_control":{},"role":"user","content":"hi"}]}"#,
+            r#"{"messages":[{"role":"user","content":[{"cache_control":{},"cache_control":{},"type":"text","text":"x"}]}]}"#,
+        ] {
+            let a = anatomy(Shape::Chat, body);
+            assert!(a.marked);
+        }
+    }
+
+    #[test]
+    fn what_the_provider_reads_the_same_hashes_the_same() {
+        let compact = anatomy(
+            Shape::Messages,
+            r#"{"system":"s","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":[{"type":"text","text":"yo"}]}]}"#,
+        );
+        let other = anatomy(
+            Shape::Messages,
+            r#"{ "system": [ {"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}} ],
+                 "messages": [ {"role": "user", "content": [{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]},
+                               {"role": "assistant", "content": "yo"} ] }"#,
+        );
+        assert_eq!(compact.hashes(), other.hashes());
+        // Inside strings, spaces count.
+        let spaced = anatomy(
+            Shape::Messages,
+            r#"{"system":"s","messages":[{"role":"user","content":"h i"}]}"#,
+        );
+        assert_ne!(spaced.elements[1].hash, compact.elements[1].hash);
+    }
+
+    #[test]
+    fn a_chat_without_a_system_message_keeps_its_first_user_message() {
+        let one = anatomy(
+            Shape::Chat,
+            r#"{"messages":[{"role":"user","content":"u1"}]}"#,
+        );
+        let three = anatomy(
+            Shape::Chat,
+            r#"{"messages":[{"role":"user","content":"u1"},{"role":"assistant","content":"a"},{"role":"user","content":"u2"}]}"#,
+        );
+        assert_eq!(one.first_user, three.first_user);
+        assert_eq!(one.elements[0].hash, three.elements[0].hash);
+    }
+
+    #[test]
+    fn blocks_that_are_not_objects_take_no_marker() {
+        let a = anatomy(
+            Shape::Messages,
+            r#"{"system":["text"],"messages":[{"role":"user","content":[1,null,"x",[]]}]}"#,
+        );
+        assert!(
+            a.elements
+                .iter()
+                .flat_map(|e| &e.blocks)
+                .all(|b| !b.kind.markable())
+        );
+    }
+
+    #[test]
+    fn a_null_key_is_the_clients_and_escaped_blanks_are_blank() {
+        let a = anatomy(Shape::Chat, r#"{"prompt_cache_key":null,"messages":[]}"#);
+        assert!(a.has_cache_key);
+        let b = anatomy(
+            Shape::Messages,
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"\n \t"}]}]}"#,
+        );
+        assert_eq!(b.elements[1].blocks[0].kind, BlockKind::EmptyText);
+    }
+
+    #[test]
+    fn too_many_messages_are_not_followed() {
+        let many = format!(r#"{{"messages":[{}0]}}"#, "0,".repeat(MAX_ITEMS));
+        assert!(Anatomy::of(Shape::Chat, many.as_bytes()).is_none());
+        let enough = format!(r#"{{"messages":[{}0]}}"#, "0,".repeat(1000));
+        assert!(Anatomy::of(Shape::Chat, enough.as_bytes()).is_some());
     }
 
     #[test]

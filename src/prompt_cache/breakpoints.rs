@@ -153,10 +153,19 @@ pub fn mark(body: &[u8], a: &Anatomy, places: &[Place], ttl: CacheTtl) -> Vec<u8
     let marker = marker(ttl);
     let mut edits: Vec<(Range<usize>, Vec<u8>)> = places
         .iter()
-        .map(|p| {
+        .filter_map(|p| {
             let b = &a.elements[p.element].blocks[p.block];
             let raw = &body[b.range.clone()];
-            match b.string {
+            // Only an object or a string takes a marker (`place` chooses
+            // no other).
+            let fits = match b.string {
+                true => raw.len() >= 2 && raw[0] == b'"',
+                false => raw.len() >= 2 && raw[0] == b'{' && raw[raw.len() - 1] == b'}',
+            };
+            if !fits {
+                return None;
+            }
+            Some(match b.string {
                 true => {
                     let mut s = Vec::with_capacity(raw.len() + 64);
                     s.extend_from_slice(br#"[{"type":"text","text":"#);
@@ -178,7 +187,7 @@ pub fn mark(body: &[u8], a: &Anatomy, places: &[Place], ttl: CacheTtl) -> Vec<u8
                     s.extend_from_slice(marker.as_bytes());
                     (close..close, s)
                 }
-            }
+            })
         })
         .collect();
     edits.sort_by_key(|(r, _)| r.start);

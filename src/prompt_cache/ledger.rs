@@ -309,16 +309,21 @@ pub struct Said {
 /// The end of the judging, once the provider said what it read: the
 /// readable tokens scaled by the provider's own count of the prompt
 /// against visor's estimate (`estimated`), and the `provider` cause when
-/// it read less than four fifths of them with no other cause.
+/// it read less than four fifths of them with no other cause (an
+/// `expired` it did not fall short of is no miss: the cache lived
+/// longer).
 pub fn settle(v: Verdict, estimated: u64, said: Said) -> (u64, Option<Cause>) {
     let scale = match (estimated, said.prompt) {
         (0, _) | (_, 0) => 1.0,
         (e, p) => (p as f64 / e as f64).clamp(0.25, 4.0),
     };
     let readable = ((v.readable as f64 * scale).round() as u64).min(said.prompt.max(v.readable));
+    let short = readable > 0 && said.read * 5 < readable * 4;
     let cause = match v.cause {
+        // The cache outlived the lifetime visor took it to have.
+        Some(Cause::Expired) if !short => None,
         Some(c) => Some(c),
-        None if readable > 0 && said.read * 5 < readable * 4 => Some(Cause::Provider),
+        None if short => Some(Cause::Provider),
         None => None,
     };
     (readable, cause)
@@ -457,9 +462,11 @@ mod tests {
         };
         assert_eq!(settle(v, 4010, said(4400)), (4400, None));
         assert_eq!(settle(v, 4010, said(0)), (4400, Some(Cause::Provider)));
-        // A cause known before the answer stays the cause.
+        // A cause known before the answer stays the cause, but `expired`
+        // only when the provider did read less.
         let late = judge(Some(&prev), &now, AT);
         assert_eq!(settle(late, 4010, said(0)).1, Some(Cause::Expired));
+        assert_eq!(settle(late, 4010, said(4400)).1, None);
     }
 
     #[test]

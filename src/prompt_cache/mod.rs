@@ -28,7 +28,7 @@ use http::HeaderValue;
 use crate::api::Shape;
 use crate::config::Cache;
 use crate::metrics::Metrics;
-use crate::store::{Store, Swapped};
+use crate::store::{Shared, Store};
 use anatomy::Anatomy;
 use ledger::{Cause, Judging, Reads, Record, Said, Verdict};
 
@@ -85,13 +85,28 @@ pub struct Applied {
     pub seen: Option<Seen>,
 }
 
-/// What is known of a request's caching before its answer.
-#[derive(Debug, Clone, Copy)]
+/// What is known of a request's caching before its answer, and what is
+/// kept of it once the answer comes.
+#[derive(Debug, Clone)]
 pub struct Seen {
     pub verdict: Verdict,
     /// visor's estimate of the prompt's tokens.
     pub estimated: u64,
     pub shape: Shape,
+    conversation: u64,
+    record: Arc<Record>,
+}
+
+/// What the answer's `usage` said of the prompt.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Answered {
+    /// Input tokens as the provider counts them (Anthropic's leave out
+    /// what it read and wrote).
+    pub prompt: u64,
+    pub read: u64,
+    pub written: u64,
+    /// It said a cache figure at all.
+    pub cache_said: bool,
 }
 
 impl Seen {
@@ -106,50 +121,46 @@ impl Seen {
         HeaderValue::from_str(&text).unwrap_or(HeaderValue::from_static("readable=0"))
     }
 
-    /// Once the answer said its usage (`prompt`: input tokens as the
-    /// provider counts them; Anthropic's exclude what it read and wrote):
-    /// counts the tokens and the miss, and returns them for the log line.
-    /// `said`: false when the answer never said its usage (then only a
-    /// cause known before the answer is counted).
-    pub fn settle(
-        &self,
-        metrics: &Metrics,
-        prompt: u64,
-        read: u64,
-        written: u64,
-        said: bool,
-    ) -> Settled {
-        if !said {
-            if let Some(c) = self.verdict.cause {
+    /// Once the answer ended: counts the tokens (when the provider said
+    /// its cache figures) and the miss, and returns them for the log line.
+    /// `answered`: `None` when the answer never said its usage; then only a
+    /// cause known before it is counted, as when the provider says nothing
+    /// of a cache (it may have none: no `provider` miss is made up).
+    pub fn settle(&self, metrics: &Metrics, answered: Option<Answered>) -> Settled {
+        let known = |cause: Option<Cause>| {
+            if let Some(c) = cause {
                 metrics.cache_misses.with_label_values(&[c.label()]).inc();
             }
-            return Settled {
+            Settled {
                 readable: None,
-                cause: self.verdict.cause,
+                cause,
                 at: self.verdict.at,
-            };
-        }
+            }
+        };
+        let Some(a) = answered.filter(|a| a.cache_said) else {
+            return known(self.verdict.cause);
+        };
         let total = match self.shape {
-            Shape::Messages => prompt + read + written,
-            Shape::Chat | Shape::Responses => prompt,
+            Shape::Messages => a.prompt + a.read + a.written,
+            Shape::Chat | Shape::Responses => a.prompt,
         };
         let said = Said {
             prompt: total,
-            read,
-            written,
+            read: a.read,
+            written: a.written,
         };
         let (readable, cause) = ledger::settle(self.verdict, self.estimated, said);
-        let kinds = [("readable", readable), ("read", read), ("written", written)];
+        let kinds = [
+            ("readable", readable),
+            ("read", a.read),
+            ("written", a.written),
+        ];
         for (kind, n) in kinds {
             metrics.cache_tokens.with_label_values(&[kind]).inc_by(n);
         }
-        if let Some(c) = cause {
-            metrics.cache_misses.with_label_values(&[c.label()]).inc();
-        }
         Settled {
             readable: Some(readable),
-            cause,
-            at: self.verdict.at,
+            ..known(cause)
         }
     }
 }
@@ -175,7 +186,7 @@ impl Settled {
 }
 
 impl PromptCache {
-    pub fn new(config: Cache, store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(config: Cache, store: Arc<Store>, metrics: &Metrics) -> Self {
         for c in Cause::ALL {
             metrics.cache_misses.with_label_values(&[c.label()]);
         }
@@ -195,17 +206,22 @@ impl PromptCache {
     }
 
     /// Adds visor's breakpoints (Messages, Anthropic kind, none set by the
-    /// client) or a `prompt_cache_key` (an upstream that opted in), judges
-    /// the request against the previous one of its conversation and keeps
-    /// it as that conversation's last.
+    /// client) or a `prompt_cache_key` (an upstream that opted in), and
+    /// judges the request against the previous one of its conversation.
+    /// Nothing is kept yet: [`PromptCache::keep`] does, once the provider
+    /// took the request.
     pub async fn apply(&self, asked: Asked<'_>) -> Applied {
         let Some(received) = Anatomy::of(asked.shape, asked.received) else {
             return Applied::default();
         };
+        let rewritten;
         let sent = match asked.prepared == asked.received {
-            true => received.clone(),
+            true => &received,
             false => match Anatomy::of(asked.shape, asked.prepared) {
-                Some(a) => a,
+                Some(a) => {
+                    rewritten = a;
+                    &rewritten
+                }
                 None => return Applied::default(),
             },
         };
@@ -221,9 +237,9 @@ impl PromptCache {
             && asked.may_change
             && self.config.breakpoints
         {
-            placed = breakpoints::place(&sent, min);
+            placed = breakpoints::place(sent, min);
             if !placed.is_empty() {
-                let body = breakpoints::mark(asked.prepared, &sent, &placed, self.config.ttl);
+                let body = breakpoints::mark(asked.prepared, sent, &placed, self.config.ttl);
                 applied.body = Some(Bytes::from(body));
                 applied.breakpoints = placed.len();
             }
@@ -233,13 +249,13 @@ impl PromptCache {
             && asked.may_change
             && !sent.has_cache_key
         {
-            applied.body = Some(with_cache_key(asked.prepared, &sent, conversation));
+            applied.body = Some(with_cache_key(asked.prepared, sent, conversation));
         }
         let record = Arc::new(Record::new(
             unix_ms(),
             asked.model,
             &received,
-            &sent,
+            sent,
             &placed,
         ));
         let judging = Judging {
@@ -252,32 +268,45 @@ impl PromptCache {
             min_tokens: min,
             expire_after_ms: self.config.expire_after.as_millis() as u64,
         };
-        let estimated = record.total_tokens();
-        let previous = self.swap(conversation, record.clone()).await;
+        let previous = self.previous(conversation).await;
         let verdict = ledger::judge(previous.as_deref(), &record, judging);
         applied.seen = Some(Seen {
             verdict,
-            estimated,
+            estimated: record.total_tokens(),
             shape: asked.shape,
+            conversation,
+            record,
         });
         applied
     }
 
-    /// Keeps `record` as the conversation's last request; returns the one
-    /// before it (from the shared store when there is one and it answers,
-    /// else from this process).
-    async fn swap(&self, conversation: u64, record: Arc<Record>) -> Option<Arc<Record>> {
-        let key = format!("{conversation:016x}");
+    /// The conversation's last request: from the shared store when there
+    /// is one and it answers, else from this process.
+    async fn previous(&self, conversation: u64) -> Option<Arc<Record>> {
         let local = self.recent.get(&conversation).await;
-        self.recent.insert(conversation, record.clone()).await;
-        match self
-            .store
-            .swap_record(&key, record.encode(), RECORD_TTL)
-            .await
-        {
-            Swapped::Was(Some(bytes)) => Record::decode(&bytes).map(Arc::new).or(local),
-            Swapped::Was(None) => None,
-            Swapped::NotShared | Swapped::Failed => local,
+        match self.store.record(&format!("{conversation:016x}")).await {
+            Shared::Done(Some(bytes)) => Record::decode(&bytes).map(Arc::new).or(local),
+            Shared::Done(None) => None,
+            Shared::NotShared | Shared::Failed => local,
+        }
+    }
+
+    /// Keeps `seen`'s request as its conversation's last, once the provider
+    /// answered it (a request refused, or never answered, wrote no cache:
+    /// the next is judged against the one before). In this process, and in
+    /// a shared store (one write, before the answer goes on: the client's
+    /// next request may reach another replica at once; a store that fails
+    /// is passed over as every store failure is).
+    pub async fn keep(&self, seen: &Seen) {
+        self.recent
+            .insert(seen.conversation, seen.record.clone())
+            .await;
+        if self.store.is_shared() {
+            let key = format!("{:016x}", seen.conversation);
+            let _ = self
+                .store
+                .put_record(&key, seen.record.encode(), RECORD_TTL)
+                .await;
         }
     }
 }

@@ -21,6 +21,7 @@ use tokio::time::{Instant, Sleep};
 use crate::api::usage::UsageObserver;
 use crate::failure::UpstreamFailure;
 use crate::metrics::Metrics;
+use crate::prompt_cache::Answered;
 use crate::proxy::coalesce::Coalesced;
 use crate::proxy::session_turn::{Recorder, Storing};
 use crate::upstream::{BoxError, ResponseBody};
@@ -263,8 +264,13 @@ impl ObservedBody {
         // tokens): a stream without `include_usage` is not "0 tokens".
         let said = usage.prompt > 0 || usage.completion > 0;
         let cache = f.cache.map(|seen| {
-            let whole = said && outcome == Outcome::Complete;
-            seen.settle(m, usage.prompt, usage.cached_read, usage.cache_write, whole)
+            let answered = (said && outcome == Outcome::Complete).then_some(Answered {
+                prompt: usage.prompt,
+                read: usage.cached_read,
+                written: usage.cache_write,
+                cache_said: usage.cache_said,
+            });
+            seen.settle(m, answered)
         });
         let cache_miss = cache.and_then(|c| c.miss());
         tracing::info!(

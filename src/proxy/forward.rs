@@ -889,6 +889,11 @@ async fn respond(
     for_the_client(&mut head);
     if let Some(seen) = &cache {
         head.headers.insert("x-visor-cache", seen.header());
+        // The provider took it: the next request of its conversation is
+        // judged against it (kept before the client can send that one).
+        if head.status.is_success() {
+            state.cache.keep(seen).await;
+        }
     }
     if let Some(v) = &grant.standing {
         write_standing(&mut head.headers, v);

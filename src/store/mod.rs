@@ -157,14 +157,19 @@ trait Backend: Send + Sync {
     }
 
     /// `None`: not shared (a conversation's last request is kept in the
-    /// process). Otherwise sets `key` to `value` (expiring after `ttl`) and
-    /// returns what it held, in one step.
-    fn swap_record<'a>(
+    /// process). Otherwise what `key` holds.
+    fn record<'a>(&'a self, _key: &'a str) -> Option<StoreFuture<'a, Option<Vec<u8>>>> {
+        None
+    }
+
+    /// `None`: not shared. Otherwise sets `key` to `value`, expiring after
+    /// `ttl`.
+    fn put_record<'a>(
         &'a self,
         _key: &'a str,
         _value: Vec<u8>,
         _ttl: Duration,
-    ) -> Option<StoreFuture<'a, Option<Vec<u8>>>> {
+    ) -> Option<StoreFuture<'a, ()>> {
         None
     }
 
@@ -204,15 +209,14 @@ impl Access {
     }
 }
 
-/// What [`Store::swap_record`] found.
+/// What an operation only a shared store does came to.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Swapped {
+pub enum Shared<T> {
     /// The store is not shared: the process keeps its own.
     NotShared,
     /// The store failed (counted and logged as any store failure).
     Failed,
-    /// What the store held before (`None`: nothing).
-    Was(Option<Vec<u8>>),
+    Done(T),
 }
 
 /// A down store: what took it down, and when to try again.
@@ -350,16 +354,27 @@ impl Store {
         self.guarded(Access::Put, op).await.map(|()| true)
     }
 
-    /// Keeps `value` as conversation `key`'s last request (for `ttl`) and
-    /// returns the one it replaces, in one step, so replicas sharing the
-    /// store follow one conversation ([`Swapped`]).
-    pub async fn swap_record(&self, key: &str, value: Vec<u8>, ttl: Duration) -> Swapped {
-        let Some(op) = self.backend.swap_record(key, value, ttl) else {
-            return Swapped::NotShared;
+    /// Conversation `key`'s last request, as kept by [`Store::put_record`]
+    /// on a shared store, so replicas follow one conversation
+    /// ([`Shared`]).
+    pub async fn record(&self, key: &str) -> Shared<Option<Vec<u8>>> {
+        let Some(op) = self.backend.record(key) else {
+            return Shared::NotShared;
+        };
+        match self.guarded(Access::Get, op).await {
+            Ok(v) => Shared::Done(v),
+            Err(_) => Shared::Failed,
+        }
+    }
+
+    /// Keeps `value` as conversation `key`'s last request (for `ttl`).
+    pub async fn put_record(&self, key: &str, value: Vec<u8>, ttl: Duration) -> Shared<()> {
+        let Some(op) = self.backend.put_record(key, value, ttl) else {
+            return Shared::NotShared;
         };
         match self.guarded(Access::Put, op).await {
-            Ok(old) => Swapped::Was(old),
-            Err(_) => Swapped::Failed,
+            Ok(()) => Shared::Done(()),
+            Err(_) => Shared::Failed,
         }
     }
 

@@ -234,20 +234,26 @@ impl Backend for Redis {
         None
     }
 
-    fn swap_record<'a>(
+    fn record<'a>(&'a self, key: &'a str) -> Option<StoreFuture<'a, Option<Vec<u8>>>> {
+        Some(Box::pin(async move {
+            self.query(::redis::cmd("GET").arg(self.key("cache:", key)))
+                .await
+        }))
+    }
+
+    fn put_record<'a>(
         &'a self,
         key: &'a str,
         value: Vec<u8>,
         ttl: Duration,
-    ) -> Option<StoreFuture<'a, Option<Vec<u8>>>> {
+    ) -> Option<StoreFuture<'a, ()>> {
         Some(Box::pin(async move {
             self.query(
                 ::redis::cmd("SET")
                     .arg(self.key("cache:", key))
                     .arg(value)
                     .arg("EX")
-                    .arg(ttl.as_secs().max(1))
-                    .arg("GET"),
+                    .arg(ttl.as_secs().max(1)),
             )
             .await
         }))

@@ -336,8 +336,10 @@ async fn each_miss_is_told_with_its_cause_and_counted() {
     let changed = format!("{system} Today is Tuesday.");
     let (_, h, _) = post_messages(&visor, turn(2, &changed), &[]).await;
     assert_eq!(header(&h), "readable=0; miss=client");
-    // Past the cache's lifetime (0.2 s here): `expired`.
+    // Past the cache's lifetime (0.2 s here), and the provider's cache is
+    // gone: `expired` (had it read all the same, no miss would be counted).
     tokio::time::sleep(Duration::from_millis(300)).await;
+    sim.forget.store(true, Ordering::SeqCst);
     let (_, h, _) = post_messages(&visor, turn(3, &changed), &[]).await;
     let told = header(&h);
     assert!(
@@ -346,7 +348,6 @@ async fn each_miss_is_told_with_its_cause_and_counted() {
     );
     // In time and stable, and the provider reads nothing: `provider`,
     // known only once the answer said its usage.
-    sim.forget.store(true, Ordering::SeqCst);
     let (_, h, _) = post_messages(&visor, turn(4, &changed), &[]).await;
     assert!(!header(&h).contains("miss"), "{h:?}");
     assert_eq!(
@@ -474,4 +475,124 @@ async fn a_streamed_answer_says_what_the_provider_read_and_wrote() {
         metric(&m, "visor_tokens_total", &[("kind", "cached_read")]),
         Some(read)
     );
+}
+
+#[tokio::test]
+async fn a_refused_request_is_not_what_the_next_is_judged_against() {
+    let sim = Arc::new(CacheSim::default());
+    let refuse = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (s, r) = (sim.clone(), refuse.clone());
+    let mock = MockUpstream::start(move |req: &Recorded| {
+        if r.swap(false, Ordering::SeqCst) {
+            return Reply::json(529, r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#);
+        }
+        let usage = s.request(&req.body);
+        Reply::json(200, json!({"id": "m", "type": "message", "role": "assistant", "content": [], "usage": usage.json()}).to_string())
+    })
+    .await;
+    let visor = visor_for(&mock, "").await;
+    let system = words(800);
+    post_messages(&visor, tool_loop(1, &system).to_string(), &[]).await;
+    refuse.store(true, Ordering::SeqCst);
+    let (status, _, _) = post_messages(&visor, tool_loop(4, &system).to_string(), &[]).await;
+    assert_eq!(status, 529);
+    // The agent sends it again: what is readable is what turn 1 wrote.
+    let (status, h, _) = post_messages(&visor, tool_loop(4, &system).to_string(), &[]).await;
+    assert_eq!(status, 200);
+    let told = cache_header(&h);
+    let turn1 = (words(800).len() as u64) / 4;
+    assert!(
+        readable(&told) < turn1 + 200,
+        "judged against turn 1, not the refused one: {told}"
+    );
+    assert_eq!(
+        wait_metric(&visor, "visor_cache_tokens_total", &[("kind", "read")], 1.0).await > 0.0,
+        true
+    );
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(&m, "visor_cache_misses_total", &[("cause", "provider")]),
+        Some(0.0)
+    );
+}
+
+#[tokio::test]
+async fn a_pretty_client_whose_request_visor_rewrites_is_no_visor_miss() {
+    let mock = anthropic(Arc::new(CacheSim::default())).await;
+    let visor = visor_for(&mock, "").await;
+    let system = words(800);
+    // The same long tool output twice from turn 3 on: dedup rewrites it.
+    let output = (0..12)
+        .map(|i| format!("line {i} of the same listing, long enough to count"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let turn = |k: usize| {
+        let mut v = tool_loop(k, &system);
+        for (i, m) in v["messages"].as_array_mut().unwrap().iter_mut().enumerate() {
+            if i >= 2 && m["role"] == "user" {
+                m["content"][0]["content"] = json!(output);
+            }
+        }
+        serde_json::to_string_pretty(&v).unwrap()
+    };
+    for k in 1..=4 {
+        let (status, h, _) = post_messages(&visor, turn(k), &[]).await;
+        assert_eq!(status, 200);
+        if k > 1 {
+            assert!(!cache_header(&h).contains("miss"), "turn {k}: {h:?}");
+        }
+    }
+    let sent = mock.recorded();
+    assert!(
+        String::from_utf8_lossy(&sent[3].body).contains("[omitted"),
+        "dedup rewrote turn 4"
+    );
+    let m = visor.metrics().await;
+    assert_eq!(
+        metric(&m, "visor_cache_misses_total", &[("cause", "visor")]),
+        Some(0.0)
+    );
+}
+
+#[tokio::test]
+async fn odd_bodies_are_forwarded_and_never_a_panic() {
+    let mock = anthropic(Arc::new(CacheSim::default())).await;
+    let visor = visor_for(&mock, "").await;
+    let system = words(800);
+    for body in [
+        json!({"model": "claude-test", "system": system, "tools": [{"name": "t"}], "messages": [{"role": "user", "content": [1, null, "x"]}]}).to_string(),
+        format!(r#"{{"model":"claude-test","system":"{system}","messages":[{{"cache_control":{{}},"cache_control":{{}},"role":"user","content":"hi"}}]}}"#),
+        json!({"model": "claude-test", "system": 7, "messages": "not a list"}).to_string(),
+        json!({"model": "claude-test", "system": system, "messages": [{"role": "user", "content": null}, {"role": "assistant", "content": {"odd": true}}, {"role": "user", "content": [{"type": "text", "text": "\n"}]}]}).to_string(),
+    ] {
+        let (status, h, _) = post_messages(&visor, body.clone(), &[]).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(h.contains_key("x-visor-cache"), "{body}");
+        let sent = mock.recorded().pop().unwrap();
+        let v: Value = serde_json::from_slice(&sent.body).expect("still JSON");
+        assert_eq!(v["model"], "claude-test");
+    }
+    let chat = openai().await;
+    let visor = Visor::start(&format!(
+        "{}prompt_cache_key = true\nmodels = [\"*\"]\n",
+        chat.upstream_toml("keyed")
+    ))
+    .await;
+    for body in [
+        r#"{ }"#,
+        r#"{"model":"m","prompt_cache_key":null,"messages":[]}"#,
+        r#"  {"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+    ] {
+        send(post_json(&visor.url("/v1/chat/completions"), body)).await;
+        let sent = chat.recorded().pop().unwrap();
+        let v: Value = serde_json::from_slice(&sent.body).expect("still JSON");
+        assert_eq!(
+            sent.body
+                .windows(16)
+                .filter(|w| w == b"prompt_cache_key")
+                .count(),
+            1,
+            "{v}"
+        );
+    }
 }

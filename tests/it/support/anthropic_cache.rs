@@ -77,8 +77,10 @@ pub fn blocks(body: &Value) -> Vec<(Value, bool)> {
                 for (i, b) in a.iter().enumerate() {
                     // The role is part of what is cached.
                     let mut b = b.clone();
-                    if i == 0 {
-                        b["role"] = m["role"].clone();
+                    if i == 0
+                        && let Some(o) = b.as_object_mut()
+                    {
+                        o.insert("role".into(), m["role"].clone());
                     }
                     push(&b);
                 }
