@@ -505,10 +505,8 @@ async fn a_refused_request_is_not_what_the_next_is_judged_against() {
         readable(&told) < turn1 + 200,
         "judged against turn 1, not the refused one: {told}"
     );
-    assert_eq!(
-        wait_metric(&visor, "visor_cache_tokens_total", &[("kind", "read")], 1.0).await > 0.0,
-        true
-    );
+    let read = wait_metric(&visor, "visor_cache_tokens_total", &[("kind", "read")], 1.0).await;
+    assert!(read > 0.0, "the retry read what turn 1 wrote: {read}");
     let m = visor.metrics().await;
     assert_eq!(
         metric(&m, "visor_cache_misses_total", &[("cause", "provider")]),
