@@ -72,6 +72,8 @@ pub struct Block {
     /// It carries `cache_control`.
     pub marked: bool,
     pub tokens: u64,
+    /// Written with whitespace between its tokens.
+    pub spaced: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,9 +276,10 @@ fn messages(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Vec<Element>> {
 fn message(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Element> {
     let body = c.src();
     if c.kind()? != Kind::Object {
+        let before = c.spaces();
         let r = c.skip()?;
         let mut h = Xxh3::new();
-        feed(&mut h, body, r.clone(), &[]);
+        feed(&mut h, body, r.clone(), &[], c.spaces() != before);
         return Ok(Element {
             hash: h.digest(),
             tokens: r.len() as u64 / BYTES_PER_TOKEN,
@@ -289,6 +292,7 @@ fn message(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Element> {
     // Media and markers outside the content (a Responses item's own image
     // fields, a tool call's arguments).
     let mut rest = Found::default();
+    let spaces = c.spaces();
     let range = c.object(|c, key| {
         let src = c.src();
         if key.is(src, "role") && c.kind()? == Kind::String {
@@ -316,20 +320,21 @@ fn message(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Element> {
         true => markers(body, range.clone())?,
         false => Vec::new(),
     };
+    let spaced = c.spaces() != spaces;
     let mut h = Xxh3::new();
     match blocks.first() {
         // The content was a string (its one block).
         Some(b) if b.string => {
             let at = b.range.clone();
-            feed(&mut h, body, range.start..at.start, &cuts);
+            feed(&mut h, body, range.start..at.start, &cuts, spaced);
             h.update(b"[");
             h.update(TEXT_OPEN);
-            feed(&mut h, body, at.clone(), &cuts);
+            feed(&mut h, body, at.clone(), &cuts, false);
             h.update(TEXT_CLOSE);
             h.update(b"]");
-            feed(&mut h, body, at.end..range.end, &cuts);
+            feed(&mut h, body, at.end..range.end, &cuts, spaced);
         }
-        _ => feed(&mut h, body, range.clone(), &cuts),
+        _ => feed(&mut h, body, range.clone(), &cuts, spaced),
     }
     Ok(Element {
         hash: h.digest(),
@@ -390,6 +395,7 @@ fn text_block(body: &[u8], s: &Str) -> Block {
         string: true,
         kind,
         marked: false,
+        spaced: false,
     }
 }
 
@@ -473,6 +479,7 @@ fn walk(
 fn block_at(c: &mut Cursor<'_>) -> Result<Block> {
     if c.kind()? != Kind::Object {
         let mut found = Found::default();
+        let spaces = c.spaces();
         let r = walk(c, false, 1, &mut found, false)?;
         return Ok(Block {
             tokens: found.tokens(r.len()),
@@ -480,11 +487,13 @@ fn block_at(c: &mut Cursor<'_>) -> Result<Block> {
             string: false,
             kind: BlockKind::Value,
             marked: false,
+            spaced: c.spaces() != spaces,
         });
     }
     let mut kind = BlockKind::Other;
     let mut found = Found::default();
     let mut text_empty = None;
+    let spaces = c.spaces();
     let r = c.object(|c, key| {
         let src = c.src();
         if key.is(src, "type") && c.kind()? == Kind::String {
@@ -516,6 +525,7 @@ fn block_at(c: &mut Cursor<'_>) -> Result<Block> {
         string: false,
         kind,
         marked: found.marked,
+        spaced: c.spaces() != spaces,
     })
 }
 
@@ -525,13 +535,13 @@ fn hash_block(h: &mut Xxh3, body: &[u8], b: &Block) -> Result<()> {
     match (b.string, b.marked) {
         (true, _) => {
             h.update(TEXT_OPEN);
-            feed(h, body, b.range.clone(), &[]);
+            feed(h, body, b.range.clone(), &[], false);
             h.update(TEXT_CLOSE);
         }
-        (false, false) => feed(h, body, b.range.clone(), &[]),
+        (false, false) => feed(h, body, b.range.clone(), &[], b.spaced),
         (false, true) => {
             let cuts = markers(body, b.range.clone())?;
-            feed(h, body, b.range.clone(), &cuts);
+            feed(h, body, b.range.clone(), &cuts, b.spaced);
         }
     }
     Ok(())
@@ -540,8 +550,22 @@ fn hash_block(h: &mut Xxh3, body: &[u8], b: &Block) -> Result<()> {
 /// Feeds `src[range]` to `h` as the provider reads it: the whitespace
 /// between tokens left out (a body visor rewrites goes out compact; the
 /// client may have sent it pretty), each cut (a marker with its comma)
-/// skipped. String literals go whole.
-fn feed(h: &mut Xxh3, src: &[u8], range: Range<usize>, cuts: &[Range<usize>]) {
+/// skipped. String literals go whole. `spaced`: false when the walk saw
+/// no whitespace between tokens there (then no byte is looked at).
+fn feed(h: &mut Xxh3, src: &[u8], range: Range<usize>, cuts: &[Range<usize>], spaced: bool) {
+    if !spaced {
+        // Compact already: the bytes between the cuts, as they are.
+        let mut at = range.start;
+        for c in cuts {
+            if c.end <= at || c.start >= range.end {
+                continue;
+            }
+            h.update(&src[at..c.start.max(at)]);
+            at = c.end;
+        }
+        h.update(&src[at.min(range.end)..range.end]);
+        return;
+    }
     let end = range.end;
     let mut pos = range.start;
     let mut run = pos;
@@ -695,7 +719,7 @@ mod tests {
     fn unmarked_hash(raw: &[u8]) -> u64 {
         let cuts = markers(raw, 0..raw.len()).unwrap();
         let mut h = Xxh3::new();
-        feed(&mut h, raw, 0..raw.len(), &cuts);
+        feed(&mut h, raw, 0..raw.len(), &cuts, true);
         h.digest()
     }
 

@@ -62,16 +62,33 @@ pub enum Kind {
 pub struct Cursor<'a> {
     src: &'a [u8],
     pos: usize,
+    /// Runs of whitespace between tokens passed so far (a compact body
+    /// has none).
+    spaces: usize,
 }
 
 impl<'a> Cursor<'a> {
     pub fn new(src: &'a [u8]) -> Self {
-        Self { src, pos: 0 }
+        Self {
+            src,
+            pos: 0,
+            spaces: 0,
+        }
     }
 
     /// A cursor on the value that starts at `pos` of `src`.
     pub fn at(src: &'a [u8], pos: usize) -> Self {
-        Self { src, pos }
+        Self {
+            src,
+            pos,
+            spaces: 0,
+        }
+    }
+
+    /// Runs of whitespace between tokens this cursor has passed: when it
+    /// did not change over a value, the value is written compact.
+    pub fn spaces(&self) -> usize {
+        self.spaces
     }
 
     pub fn src(&self) -> &'a [u8] {
@@ -79,6 +96,7 @@ impl<'a> Cursor<'a> {
     }
 
     fn ws(&mut self) {
+        let start = self.pos;
         while let Some(b) = self.src.get(self.pos) {
             if matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
                 self.pos += 1;
@@ -86,6 +104,7 @@ impl<'a> Cursor<'a> {
                 break;
             }
         }
+        self.spaces += usize::from(self.pos != start);
     }
 
     fn byte(&self) -> Result<u8> {
@@ -158,6 +177,7 @@ impl<'a> Cursor<'a> {
                             continue;
                         }
                         b'{' | b'[' => depth += 1,
+                        b' ' | b'\t' | b'\n' | b'\r' => self.spaces += 1,
                         b'}' | b']' => {
                             depth -= 1;
                             if depth == 0 {
