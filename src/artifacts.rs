@@ -70,6 +70,58 @@ impl Artifacts {
     }
 }
 
+/// How many hex digits of an artifact's SHA-256 the model sees
+/// (`sha256:7ae32ec79dcb`).
+pub const SHORT_ID: usize = 12;
+
+/// What a short id names among the saved artifacts.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Found {
+    /// Exactly one: its full id.
+    One(String),
+    None,
+    /// Several (the model's 12 digits do not tell them apart).
+    Many(usize),
+}
+
+impl Artifacts {
+    /// The saved artifact whose id begins with `short` ([`SHORT_ID`]
+    /// lower-case hex digits), when there is one.
+    pub fn find(&self, short: &str) -> std::io::Result<Found> {
+        if !is_short_id(short) {
+            return Ok(Found::None);
+        }
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Found::None),
+            Err(e) => return Err(e),
+        };
+        let mut found = Vec::new();
+        for entry in entries {
+            let name = entry?.file_name();
+            if let Some(name) = name.to_str()
+                && valid_id(name)
+                && name.starts_with(short)
+            {
+                found.push(name.to_owned());
+            }
+        }
+        Ok(match found.len() {
+            0 => Found::None,
+            1 => Found::One(found.remove(0)),
+            n => Found::Many(n),
+        })
+    }
+}
+
+/// [`SHORT_ID`] characters of `[0-9a-f]`.
+pub fn is_short_id(id: &str) -> bool {
+    id.len() == SHORT_ID
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 /// A full SHA-256 in lower-case hex: 64 characters of `[0-9a-f]`.
 pub fn valid_id(id: &str) -> bool {
     id.len() == 64
@@ -169,9 +221,25 @@ mod tests {
         assert_eq!(store.save_all(&[a.clone(), a.clone()]).unwrap(), 1);
         assert_eq!(store.save_all(&[a]).unwrap(), 0);
         let (bytes, mt) = store.read(&"0".repeat(64)).unwrap().unwrap();
-        assert_eq!((bytes, mt), (png, "image/png"));
+        assert_eq!((bytes, mt), (png.clone(), "image/png"));
         assert!(store.read(&"1".repeat(64)).unwrap().is_none());
         assert!(store.read("..").unwrap().is_none());
+        // The 12 digits the model sees find it; a prefix of two does not.
+        assert_eq!(
+            store.find(&"0".repeat(12)).unwrap(),
+            Found::One("0".repeat(64))
+        );
+        assert_eq!(store.find(&"1".repeat(12)).unwrap(), Found::None);
+        assert_eq!(store.find("../../etc/pa").unwrap(), Found::None);
+        let mut b = "0".repeat(63);
+        b.push('1');
+        let other = Artifact {
+            sha256: b,
+            bytes: png.clone().into(),
+        };
+        store.save_all(&[other]).unwrap();
+        assert_eq!(store.find(&"0".repeat(12)).unwrap(), Found::Many(2));
+        std::fs::remove_file(dir.join(format!("{}1", "0".repeat(63)))).unwrap();
         // No temp files are left behind.
         let names: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
         assert_eq!(names.len(), 1);

@@ -39,6 +39,8 @@ pub enum VisorError {
     WebSocketVersion(String),
     #[error("no saved image has the id `{0}`")]
     ArtifactNotFound(String),
+    #[error("{0}")]
+    AmbiguousArtifact(String),
     #[error("no session has the id `{0}`")]
     SessionNotFound(String),
     #[error(
@@ -124,6 +126,11 @@ impl VisorError {
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 "artifact_not_found",
+            ),
+            VisorError::AmbiguousArtifact(_) => (
+                StatusCode::CONFLICT,
+                "invalid_request_error",
+                "artifact_ambiguous",
             ),
             VisorError::SessionNotFound(_) => (
                 StatusCode::NOT_FOUND,

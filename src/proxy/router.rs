@@ -11,6 +11,7 @@ use super::AppState;
 use super::body::ProxyBody;
 use super::edge::{Edge, refuse};
 use super::{forward, websocket};
+use crate::artifacts::Found;
 use crate::error::VisorError;
 use crate::upstream::RequestBody;
 
@@ -170,12 +171,22 @@ fn without_body(resp: Response<ProxyBody>) -> Response<ProxyBody> {
 }
 
 /// `GET /visor/artifacts/<sha256>`: a replaced image, with its media type.
+/// The id is the full SHA-256, or the 12 digits the model sees
+/// (`sha256:7ae32ec79dcb`, the `sha256:` optional) when they name one.
 async fn artifact(state: &AppState, id: String) -> Response<ProxyBody> {
+    let id = id.strip_prefix("sha256:").unwrap_or(&id).to_owned();
+    let id = match crate::artifacts::is_short_id(&id) {
+        true => match find_artifact(state, &id).await {
+            Ok(full) => full,
+            Err(e) => return refuse(&state.metrics, e),
+        },
+        false => id,
+    };
     if !crate::artifacts::valid_id(&id) {
         return refuse(
             &state.metrics,
             VisorError::BadRequest(
-                "an artifact id is the full SHA-256 in lower-case hex (64 characters)",
+                "an artifact id is its SHA-256 in lower-case hex: all 64 digits, or the first 12 (as the model sees it)",
             ),
         );
     }
@@ -209,6 +220,21 @@ async fn artifact(state: &AppState, id: String) -> Response<ProxyBody> {
             refuse(&state.metrics, VisorError::ArtifactNotFound(id))
         }
         Err(_) => refuse(&state.metrics, VisorError::ArtifactNotFound(id)),
+    }
+}
+
+/// The full id of the one artifact whose id begins with `short`.
+async fn find_artifact(state: &AppState, short: &str) -> Result<String, VisorError> {
+    let store = state.rewrite.artifacts.clone();
+    let key = short.to_owned();
+    match tokio::task::spawn_blocking(move || store.find(&key)).await {
+        Ok(Ok(Found::One(full))) => Ok(full),
+        Ok(Ok(Found::Many(n))) => Err(VisorError::AmbiguousArtifact(format!(
+            "{n} saved artifacts begin with {short}: ask for one by its full SHA-256"
+        ))),
+        Ok(Ok(Found::None)) | Ok(Err(_)) | Err(_) => {
+            Err(VisorError::ArtifactNotFound(short.to_owned()))
+        }
     }
 }
 

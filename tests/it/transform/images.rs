@@ -98,6 +98,16 @@ async fn chat_images_replaced_saved_and_served_back() {
     assert_eq!(got, png);
     let file = visor.data_dir().join("artifacts").join(&sha);
     assert_eq!(std::fs::read(file).unwrap(), png);
+    // By the 12 digits the model sees, as it sees them or bare.
+    for short in [format!("sha256:{}", &sha[..12]), sha[..12].to_owned()] {
+        let (status, _, got) = send(
+            Request::get(visor.url(&format!("/visor/artifacts/{short}")))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!((status.as_u16(), got.len()), (200, png.len()), "{short}");
+    }
 
     let m = visor.metrics().await;
     assert_eq!(
@@ -123,6 +133,20 @@ async fn artifact_ids_are_checked() {
     let (status, _, body) = send(get(format!("/visor/artifacts/{}", "ab".repeat(32)))).await;
     assert_eq!(status, 404);
     assert_eq!(error_code(&body), "artifact_not_found");
+    // Two saved images that the model's 12 digits do not tell apart.
+    let dir = visor.data_dir().join("artifacts");
+    std::fs::create_dir_all(&dir).unwrap();
+    for last in ["1", "2"] {
+        std::fs::write(dir.join(format!("{}{last}", "c".repeat(63))), b"x").unwrap();
+    }
+    let (status, _, body) = send(get(format!("/visor/artifacts/{}", "c".repeat(12)))).await;
+    assert_eq!(status, 409);
+    assert_eq!(error_code(&body), "artifact_ambiguous");
+    let (status, _, body) = send(get(format!("/visor/artifacts/{}", "d".repeat(12)))).await;
+    assert_eq!(
+        (status.as_u16(), error_code(&body).as_str()),
+        (404, "artifact_not_found")
+    );
     for bad in [
         "nothex",
         "ABCDEF",
