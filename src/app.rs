@@ -12,12 +12,14 @@
 //!        ─► sessions (store, proxy keys)        ─► proxy::Sessions
 //!        ─► retry budget and breakers, upstreams ─► proxy::Routes
 //!        ─► [cache] (store)                     ─► prompt_cache::PromptCache
+//!        ─► [inspector] (listen, proxy keys)     ─► inspector::Inspector
 //! ```
 
 use std::sync::Arc;
 
 use crate::artifacts::Artifacts;
 use crate::config::Config;
+use crate::inspector::Inspector;
 use crate::limits::Limiter;
 use crate::media_text::MediaText;
 use crate::media_text::describe::Describer;
@@ -70,6 +72,11 @@ pub fn build(
     );
     let retries = retries(&config, &metrics);
     let cache = PromptCache::new(config.cache, store.clone(), &metrics);
+    let inspector = Arc::new(Inspector::new(
+        &config.inspector,
+        Some(config.server.listen),
+        gate.keys.is_set(),
+    ));
     // What the phases keep of the config itself: the server's bounds and
     // deadlines, and the upstreams to route to.
     let Config {
@@ -95,6 +102,7 @@ pub fn build(
         rewrite,
         sessions,
         cache,
+        inspector,
         store,
         life,
     })

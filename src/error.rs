@@ -41,6 +41,14 @@ pub enum VisorError {
     ArtifactNotFound(String),
     #[error("{0}")]
     AmbiguousArtifact(String),
+    #[error(
+        "the inspector is not open here: set [inspector] admin_keys and send one as `Authorization: Bearer` (it is open without a key only on a loopback address without proxy keys)"
+    )]
+    InspectorClosed,
+    #[error("a filter of /visor/api/requests is wrong: {0}")]
+    BadFilter(String),
+    #[error("no kept request has the id `{0}` (the inspector keeps the newest [inspector] keep)")]
+    RequestNotKept(String),
     #[error("no session has the id `{0}`")]
     SessionNotFound(String),
     #[error(
@@ -126,6 +134,21 @@ impl VisorError {
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 "artifact_not_found",
+            ),
+            VisorError::InspectorClosed => (
+                StatusCode::FORBIDDEN,
+                "invalid_request_error",
+                "inspector_closed",
+            ),
+            VisorError::BadFilter(_) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_request",
+            ),
+            VisorError::RequestNotKept(_) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "request_not_found",
             ),
             VisorError::AmbiguousArtifact(_) => (
                 StatusCode::CONFLICT,

@@ -31,6 +31,7 @@ pub mod config;
 pub mod connections;
 pub mod error;
 pub mod failure;
+pub mod inspector;
 pub mod limits;
 pub mod media;
 pub mod media_text;

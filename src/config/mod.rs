@@ -14,7 +14,7 @@
 //! (`[[upstream]]`, routing globs, fallback chains), [`models`]
 //! (`[[model]]`), [`images`], [`describer`] (and `[transcriber]`),
 //! [`documents`], [`dedup`], [`sessions`], [`store`], [`retries`],
-//! [`cache`]; and
+//! [`cache`], [`inspector`]; and
 //! `mistakes`, the warnings a valid config can still earn. The config
 //! depends on no other part of the crate.
 
@@ -29,6 +29,7 @@ pub mod dedup;
 pub mod describer;
 pub mod documents;
 pub mod images;
+pub mod inspector;
 pub mod keys;
 mod mistakes;
 pub mod models;
@@ -47,6 +48,7 @@ pub use dedup::{Dedup, RawDedup};
 pub use describer::{Describer, OnMiss, RawDescriber, RawTranscriber, Transcriber};
 pub use documents::{Documents, RawDocuments};
 pub use images::{Images, NonVision, RawImages, default_refusal_phrases};
+pub use inspector::{Inspector, RawInspector};
 pub use keys::{Key, RawKey};
 pub use models::{Model, RawModel, model_glob};
 pub use retries::{RawRetries, Retries};
@@ -191,6 +193,8 @@ pub struct RawConfig {
     pub key: Vec<RawKey>,
     #[serde(default)]
     pub cache: RawCache,
+    #[serde(default)]
+    pub inspector: RawInspector,
 }
 
 // ------------------------------------------------------------ runtime phase
@@ -213,6 +217,8 @@ pub struct Config {
     pub retries: Retries,
     /// `[cache]`: prompt-cache breakpoints and how misses are explained.
     pub cache: Cache,
+    /// `[inspector]`: the page of recent requests.
+    pub inspector: Inspector,
     /// `[[key]]`: each entry's limits and models, and its key when it has
     /// one.
     pub keys: Vec<Key>,
@@ -284,6 +290,7 @@ impl RawConfig {
         let sessions = self.sessions.validate(&mut p);
         let store = self.store.validate(&mut p);
         let cache = self.cache.validate(&mut p);
+        let inspector = self.inspector.validate(&mut p);
         if !p.is_empty() {
             return Err(p.0);
         }
@@ -307,6 +314,7 @@ impl RawConfig {
             store,
             retries,
             cache,
+            inspector,
             keys,
             warnings,
         })

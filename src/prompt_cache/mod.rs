@@ -110,6 +110,11 @@ pub struct Answered {
 }
 
 impl Seen {
+    /// The conversation it belongs to.
+    pub fn conversation(&self) -> u64 {
+        self.conversation
+    }
+
     /// `x-visor-cache`: `readable=M`, and `; miss=CAUSE` when a cause is
     /// known before the answer.
     pub fn header(&self) -> HeaderValue {

@@ -112,6 +112,12 @@ impl Drop for InflightGuard {
 /// provider said them, completion tokens).
 pub type Charge = Box<dyn FnOnce(Option<u64>, u64) + Send + Sync>;
 
+/// A request's summary on its way to the inspector.
+pub struct Inspected {
+    pub inspector: Arc<crate::inspector::Inspector>,
+    pub summary: crate::inspector::Summary,
+}
+
 /// What is recorded when the body ends.
 pub struct Finish {
     pub metrics: Arc<Metrics>,
@@ -131,6 +137,9 @@ pub struct Finish {
     pub bytes_saved: i64,
     /// Cache breakpoints visor placed.
     pub breakpoints: usize,
+    /// The inspector's summary of the request, finished and kept when the
+    /// body ends.
+    pub inspected: Option<Inspected>,
     /// The request's cache as judged before the answer: settled by the
     /// answer's usage (metrics, the log line).
     pub cache: Option<crate::prompt_cache::Seen>,
@@ -156,6 +165,8 @@ pub struct ObservedBody {
     deadline: Instant,
     last_data: Instant,
     first_byte: bool,
+    /// When the first body byte came.
+    first_byte_at: Instant,
     usage: UsageObserver,
     finish: Option<Finish>,
     /// The session turn this response completes, if any.
@@ -193,6 +204,7 @@ impl ObservedBody {
             deadline,
             last_data: now,
             first_byte: false,
+            first_byte_at: now,
             usage,
             finish: Some(finish),
             session: None,
@@ -212,6 +224,7 @@ impl ObservedBody {
     fn stamp_first_byte(&mut self) {
         if !self.first_byte {
             self.first_byte = true;
+            self.first_byte_at = Instant::now();
             if let Some(f) = &self.finish {
                 f.metrics
                     .first_byte
@@ -273,6 +286,32 @@ impl ObservedBody {
             seen.settle(m, answered)
         });
         let cache_miss = cache.and_then(|c| c.miss());
+        if let Some(Inspected {
+            inspector,
+            mut summary,
+        }) = f.inspected
+        {
+            summary.upstream = f.upstream.to_string();
+            summary.status = f.status;
+            summary.outcome = outcome.label().to_owned();
+            summary.first_byte_ms = self.first_byte.then(|| {
+                self.first_byte_at
+                    .saturating_duration_since(f.sent)
+                    .as_millis() as u64
+            });
+            summary.total_ms = elapsed.as_millis() as u64;
+            summary.tokens = said.then_some(crate::inspector::Tokens {
+                prompt: usage.prompt,
+                cached_read: usage.cached_read,
+                cache_written: usage.cache_write,
+                completion: usage.completion,
+            });
+            summary.cache = cache.map(|c| crate::inspector::CacheSeen {
+                readable: c.readable,
+                miss: cache_miss.clone(),
+            });
+            inspector.record(summary);
+        }
         tracing::info!(
             request_id = f.request_id.to_str().unwrap_or_default(),
             upstream = %f.upstream,

@@ -56,7 +56,7 @@ use bytes::Bytes;
 use tokio::time::Sleep;
 
 use super::admission::{Asking, Gate, Grant, write_standing};
-use super::body::{Finish, InflightGuard, ObservedBody, ProxyBody};
+use super::body::{Finish, InflightGuard, Inspected, ObservedBody, ProxyBody};
 use super::edge::{Counts, Edge, Stop};
 use super::headers::{Caller, for_the_client, upstream_request_headers};
 use super::prepare::{self, Options, Prepared, Rewriter};
@@ -67,6 +67,7 @@ use crate::api::usage::UsageObserver;
 use crate::config::{AuthMode, Server};
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
+use crate::inspector::{Changes, Summary};
 use crate::metrics::Metrics;
 use crate::prompt_cache::{Asked, Seen};
 use crate::transform::Shape;
@@ -177,6 +178,8 @@ struct Call {
     model: Option<String>,
     /// The routed upstream (phase 3).
     index: usize,
+    /// The body's size as the client sent it (when known).
+    bytes_in: u64,
 }
 
 impl Call {
@@ -222,6 +225,7 @@ impl Call {
             exceeded: Arc::new(BodyState::default()),
             model: None,
             index: 0,
+            bytes_in: content_length(&parts.headers).unwrap_or(0),
         };
         Ok((call, parts, body))
     }
@@ -247,6 +251,9 @@ async fn read_body(
 ) -> Result<Held, Stop> {
     let (model, held) = read_model_and_body(state, call, parts, body).await?;
     call.model = model;
+    if let Held::Whole(b) = &held {
+        call.bytes_in = b.len() as u64;
+    }
     Ok(held)
 }
 
@@ -547,10 +554,12 @@ async fn prompt_cache(
         may_change,
     };
     let applied = state.cache.apply(asked).await;
+    p.report.breakpoints = applied.breakpoints;
     if let Some(body) = applied.body {
+        // Not a Messages request: what was added is a prompt_cache_key.
+        p.report.cache_key = shape != crate::api::Shape::Messages;
         p.body = body;
     }
-    p.report.breakpoints = applied.breakpoints;
     applied.seen
 }
 
@@ -912,6 +921,10 @@ async fn respond(
     if let Some(rec) = recorder.as_mut() {
         rec.head(head.status, &head.headers);
     }
+    let inspected = state.inspector.enabled.then(|| Inspected {
+        inspector: state.inspector.clone(),
+        summary: summary(state, &call, &grant, prepared.as_ref(), cache.as_ref()),
+    });
     let finish = Finish {
         metrics: state.metrics.clone(),
         upstream,
@@ -925,6 +938,7 @@ async fn respond(
         media_replaced: counts.map_or(0, |c| c.media_replaced),
         bytes_saved: counts.map_or(0, |c| c.bytes_saved),
         breakpoints: prepared.as_ref().map_or(0, |p| p.report.breakpoints),
+        inspected,
         cache,
         on_usage: grant.key.map(|i| charge_usage(state, i, grant.estimate)),
     };
@@ -935,6 +949,46 @@ async fn respond(
         observed = observed.with_session(rec);
     }
     Response::from_parts(head, ProxyBody::Upstream(Box::new(observed)))
+}
+
+/// What the inspector keeps of a request, as far as it is known at its
+/// response head (the rest when its body ends).
+fn summary(
+    state: &AppState,
+    call: &Call,
+    grant: &Grant,
+    prepared: Option<&Prepared>,
+    cache: Option<&Seen>,
+) -> Summary {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let changes = prepared.map_or(Changes::default(), |p| {
+        let r = &p.report;
+        Changes {
+            images_replaced: r.images_replaced,
+            images_described: r.images_described,
+            media_replaced: r.media_replaced,
+            lines_omitted: r.lines_omitted,
+            items_omitted: r.items_omitted,
+            bytes_saved: r.bytes_saved,
+            history_used: r.history_used,
+            breakpoints: r.breakpoints,
+            prompt_cache_key: r.cache_key,
+        }
+    });
+    Summary {
+        id: call.request_id.to_str().unwrap_or_default().to_owned(),
+        time_ms: now_ms.saturating_sub(call.started.elapsed().as_millis() as u64),
+        replica: state.inspector.replica.clone(),
+        key: grant.label.clone(),
+        model: call.model.clone().unwrap_or_default(),
+        bytes_in: call.bytes_in,
+        bytes_out: prepared.map_or(call.bytes_in, |p| p.body.len() as u64),
+        changes,
+        conversation: cache.map(|c| format!("{:016x}", c.conversation())),
+        ..Summary::default()
+    }
 }
 
 /// What key `i` is charged once the provider says what a request used (the

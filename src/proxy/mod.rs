@@ -57,6 +57,8 @@ pub struct AppState {
     /// Cache breakpoints and keys, and each request's cache judged (phase
     /// 5c; settled when its answer ends).
     pub cache: crate::prompt_cache::PromptCache,
+    /// What visor did to recent requests (`/visor/ui`, `/visor/api/…`).
+    pub inspector: Arc<crate::inspector::Inspector>,
     /// Descriptions, learned models, sessions and shared counts beyond one
     /// request (`[store]`): `/readyz`, the sweeps.
     pub store: Arc<Store>,
@@ -252,10 +254,13 @@ where
 
     fn call(&mut self, req: Request<RequestBody>) -> BoxFut {
         let path = req.uri().path();
-        let guarded = path == "/v1"
-            || path.starts_with("/v1/")
-            || path == "/visor"
-            || path.starts_with("/visor/");
+        // The inspector asks for its own (admin) keys.
+        let inspector = path == "/visor/ui" || path.starts_with("/visor/api/");
+        let guarded = !inspector
+            && (path == "/v1"
+                || path.starts_with("/v1/")
+                || path == "/visor"
+                || path.starts_with("/visor/"));
         let caller = self.state.gate.keys.caller(req.headers());
         if guarded && caller.is_none() {
             let resp = edge::refuse(&self.state.metrics, VisorError::Unauthorized);

@@ -41,7 +41,10 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
         return proxy(&state, req).await;
     }
     let head = req.method() == Method::HEAD;
-    let Some(endpoint) = Own::of(path) else {
+    let endpoint = Own::of(path).filter(|e| {
+        state.inspector.enabled || !matches!(e, Own::Ui | Own::Requests | Own::Request(_))
+    });
+    let Some(endpoint) = endpoint else {
         let resp = refuse(&state.metrics, VisorError::NotFound(truncate(path, 200)));
         return if head { without_body(resp) } else { resp };
     };
@@ -93,6 +96,7 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
             resp
         }
         Own::Artifact(id) => artifact(&state, id.to_owned()).await,
+        Own::Ui | Own::Requests | Own::Request(_) => inspect(&state, &endpoint, &req),
         Own::Session(id) => {
             let id = id.to_owned();
             session_endpoint(&state, method == Method::DELETE, req.headers(), id).await
@@ -122,6 +126,12 @@ enum Own<'a> {
     Artifact(&'a str),
     /// `/visor/sessions/<id>`
     Session(&'a str),
+    /// `/visor/ui`: the inspector's page.
+    Ui,
+    /// `/visor/api/requests`
+    Requests,
+    /// `/visor/api/requests/<id>`
+    Request(&'a str),
 }
 
 impl<'a> Own<'a> {
@@ -130,7 +140,12 @@ impl<'a> Own<'a> {
             "/healthz" => Some(Own::Healthz),
             "/readyz" => Some(Own::Readyz),
             "/metrics" => Some(Own::Metrics),
+            "/visor/ui" => Some(Own::Ui),
+            "/visor/api/requests" => Some(Own::Requests),
             _ => {
+                if let Some(id) = path.strip_prefix("/visor/api/requests/") {
+                    return Some(Own::Request(id));
+                }
                 if let Some(id) = path.strip_prefix("/visor/artifacts/") {
                     Some(Own::Artifact(id))
                 } else {
@@ -221,6 +236,62 @@ async fn artifact(state: &AppState, id: String) -> Response<ProxyBody> {
         }
         Err(_) => refuse(&state.metrics, VisorError::ArtifactNotFound(id)),
     }
+}
+
+/// The inspector's page and JSON, for an admin (or anyone, when it is
+/// open).
+fn inspect(
+    state: &AppState,
+    endpoint: &Own<'_>,
+    req: &Request<RequestBody>,
+) -> Response<ProxyBody> {
+    use crate::inspector::{Access, Filter, page};
+    let inspector = &state.inspector;
+    match inspector.access(req.headers()) {
+        Access::Granted => {}
+        Access::Unauthorized => return refuse(&state.metrics, VisorError::Unauthorized),
+        Access::NotConfigured => return refuse(&state.metrics, VisorError::InspectorClosed),
+    }
+    let filter = match Filter::parse(req.uri().query()) {
+        Ok(f) => f,
+        Err(why) => return refuse(&state.metrics, VisorError::BadFilter(why)),
+    };
+    let mut resp = match endpoint {
+        Own::Ui => {
+            let html = page::requests(&inspector.requests(&filter), &filter, &inspector.replica);
+            let mut resp = Response::new(ProxyBody::from(Bytes::from(html)));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/html; charset=utf-8"),
+            );
+            resp.headers_mut().insert(
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static("default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'"),
+            );
+            resp
+        }
+        Own::Request(id) => match inspector.request(id) {
+            Some(s) => json_owned(
+                StatusCode::OK,
+                serde_json::to_string(&*s).unwrap_or_default(),
+            ),
+            None => {
+                return refuse(
+                    &state.metrics,
+                    VisorError::RequestNotKept(truncate(id, 100)),
+                );
+            }
+        },
+        _ => {
+            let list = inspector.requests(&filter);
+            let list: Vec<&crate::inspector::Summary> = list.iter().map(|s| &**s).collect();
+            let body = serde_json::json!({"replica": inspector.replica, "requests": list});
+            json_owned(StatusCode::OK, body.to_string())
+        }
+    };
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
 }
 
 /// The full id of the one artifact whose id begins with `short`.

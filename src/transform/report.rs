@@ -64,6 +64,9 @@ pub struct Report {
     /// Prompt-cache breakpoints added (set by the proxy).
     #[serde(skip)]
     pub breakpoints: usize,
+    /// A `prompt_cache_key` added (set by the proxy).
+    #[serde(skip)]
+    pub cache_key: bool,
     pub images: Vec<ImageNote>,
     /// Set when the body could not be walked and was left unchanged.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -23,6 +23,8 @@ mod sdk_openai;
 mod connections;
 /// `src/media_text/describe.rs`: the describer.
 mod describe;
+/// `src/inspector/`: the page and JSON of recent requests.
+mod inspector;
 /// `src/limits.rs`: `[[key]]` limits.
 mod limits;
 /// `src/prompt_cache/`: breakpoints, keys and the cache judged.
