@@ -4,7 +4,7 @@ scripts/data/model-capabilities.tsv (public capability facts from litellm)
 plus hand-written rows for well-known text-only families the source leaves
 blank.
 
-    python3 scripts/gen_models.py [TSV] > config/models.toml
+    python3 scripts/gen_models.py [TSV [PRICES_TSV]] > config/models.toml
 
 Names are normalised the way visor normalises a requested model (see
 `src/models.rs`, `candidates`): lower case, provider path and dotted vendor
@@ -29,12 +29,31 @@ provider's prompt caching documentation. Every field is taken from the
 first row that states it, so these rows decide nothing else wherever they
 sit; among themselves the first match wins, and the script checks a few
 real names (CACHE_CHECKS) against them the way visor matches a name.
+
+PRICE rows come after them and state only prices per million tokens
+(`input`, `cached_input`, `cache_write`, `output`), from
+scripts/data/model-prices.tsv: litellm's per-token costs
+(`input_cost_per_token`, `cache_read_input_token_cost`,
+`cache_creation_input_token_cost`, `output_cost_per_token`) for its chat
+and responses models, extracted from the model map bundled in a litellm
+release on PyPI by
+
+    python3 scripts/gen_models.py --extract-prices \
+        .../litellm/model_prices_and_context_window_backup.json \
+        > scripts/data/model-prices.tsv
+
+(scripts/data/README.md says which release and how). Each row is an exact
+normalised name, never a family glob: the members of a family cost
+different amounts (gpt-4o, gpt-4o-mini). How one price is chosen where
+several entries normalise to one name is said beside `price_rows`.
 """
 import csv
 import fnmatch
+import json
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
+from decimal import Decimal
 
 SEPS = "-._:@"
 REGION = re.compile(r"^(us|eu|apac|global|jp|au|ca|us-gov)\.")
@@ -204,6 +223,217 @@ CACHE_CHECKS = [
     ("claude-instant-1.2", None), ("gemini-2.5-flash-lite", None), ("llama3.1:8b", None),
 ]
 
+# The four prices, as litellm names its per-token costs, and as visor's
+# table names them (per million tokens).
+PRICE_FIELDS = [
+    ("input_cost_per_token", "input"),
+    ("cache_read_input_token_cost", "cached_input"),
+    ("cache_creation_input_token_cost", "cache_write"),
+    ("output_cost_per_token", "output"),
+]
+
+# litellm providers that are the model's own publisher (its maker's API):
+# where one of these prices a name, a reseller's price does not count.
+PUBLISHERS = {
+    "openai", "anthropic", "gemini", "vertex_ai-language-models", "deepseek",
+    "mistral", "codestral", "xai", "cohere_chat", "ai21", "amazon_nova",
+    "dashscope", "moonshot", "zai", "bigmodel", "minimax", "meta_llama",
+    "perplexity", "xiaomi_mimo", "volcengine", "tencent",
+}
+
+# Real names, as clients send them, and the litellm entry whose prices each
+# must resolve to through the finished table (checked at every run, field
+# by field, the way visor merges rows).
+PRICE_CHECKS = [
+    ("gpt-4o", "gpt-4o"), ("openai/gpt-4o-2024-08-06", "gpt-4o-2024-08-06"),
+    ("gpt-4o-mini", "gpt-4o-mini"),
+    ("openrouter/openai/gpt-4o-mini", "gpt-4o-mini"),
+    ("gpt-4o-mini-2024-07-18", "gpt-4o-mini"), ("gpt-4.1", "gpt-4.1"),
+    ("o3-mini-2025-01-31", "o3-mini"),
+    ("claude-sonnet-4-5", "claude-sonnet-4-5"),
+    ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5"),
+    ("anthropic/claude-sonnet-4.5", "vercel_ai_gateway/anthropic/claude-sonnet-4.5"),
+    ("claude-haiku-4-5-20251001", "claude-haiku-4-5"),
+    ("claude-3-5-haiku-20241022", "anthropic.claude-3-5-haiku-20241022-v1:0"),
+    ("us.anthropic.claude-3-5-haiku-20241022-v1:0", "anthropic.claude-3-5-haiku-20241022-v1:0"),
+    ("deepseek-chat", "deepseek-chat"), ("deepseek/deepseek-chat", "deepseek-chat"),
+    ("gemini-2.5-flash", "gemini/gemini-2.5-flash"),
+    ("google/gemini-2.5-flash", "gemini/gemini-2.5-flash"),
+    ("gemini-2.5-pro", "gemini/gemini-2.5-pro"),
+]
+
+
+def extract_prices(path):
+    """scripts/data/model-prices.tsv from litellm's bundled model map: one
+    line per chat or responses entry that states at least one of the four
+    costs, the costs per token exactly as the map writes them."""
+    with open(path) as f:
+        data = json.load(f)
+    print("# Model prices as published in the litellm package (version in README.md beside this file),")
+    print("# per token, as the model map writes them. Empty cell = not stated by the source.")
+    print("\t".join(["model", "provider", "mode"] + [f for f, _ in PRICE_FIELDS]))
+    n = 0
+    for key in sorted(data):
+        e = data[key]
+        if not isinstance(e, dict) or e.get("mode") not in ("chat", "responses"):
+            continue
+        costs = [e.get(f) for f, _ in PRICE_FIELDS]
+        if all(c is None for c in costs):
+            continue
+        if any(c is not None and not isinstance(c, (int, float)) for c in costs):
+            print(f"skipped {key}: a cost is not a number: {costs}", file=sys.stderr)
+            continue
+        cells = ["" if c is None else repr(c) for c in costs]
+        print("\t".join([key, e.get("litellm_provider", ""), e["mode"]] + cells))
+        n += 1
+    print(f"{n} entries", file=sys.stderr)
+
+
+def per_million(cell):
+    """A per-token cost cell as a price per million tokens, to six
+    significant digits (the map carries float noise: 2.9999900000000002e-06),
+    written plain (`2.5`, `0.075`, `10`)."""
+    if cell == "":
+        return None
+    d = Decimal(cell) * 1_000_000
+    if d < 0:
+        sys.exit(f"negative price in the data: {cell}")
+    if d == 0:
+        return "0"
+    d = d.quantize(Decimal(1).scaleb(d.adjusted() - 5))
+    return format(d.normalize(), "f")
+
+
+def load_prices(path):
+    """(key, provider, prices) per entry; prices a tuple of four
+    per-million strings or None, in PRICE_FIELDS order."""
+    with open(path) as f:
+        rows = [r for r in csv.reader(f, delimiter="\t") if r and not r[0].startswith("#")]
+    return [(r[0], r[1], tuple(per_million(c) for c in r[3:7])) for r in rows[1:]]
+
+
+def price_rows(entries):
+    """The price rows: one per normalised name, exact, and one per dated
+    name of a publisher's whose price differs from its name's.
+
+    Several litellm entries normalise to one name (dated versions, every
+    host's listing, regional endpoints), often at different prices. One
+    entry's four prices are taken whole, never mixed; deterministically:
+
+    1. An entry whose prices are all 0 (a free tier, a subscription, a local
+       runtime) counts only where no other entry prices the name: it says
+       nothing of what the model costs elsewhere. A name only such entries
+       price gets no row (visor then shows tokens, not money).
+    2. The best-ranked entries decide: first litellm's own key equal to the
+       name (`gpt-4o`, `claude-sonnet-4-5`, `deepseek-chat`), then a
+       publisher's API (PUBLISHERS: `gemini/gemini-2.5-flash`), then any
+       key without a provider path (Bedrock's model ids:
+       `anthropic.claude-3-5-haiku-20241022-v1:0`), then every other host.
+    3. Among those, the prices most of them carry; on a tie, those stating
+       the most of the four fields, then those of the alphabetically first
+       key.
+
+    A name is normalised until it no longer changes (`in.moonshotai.kimi-k3`
+    is `kimi-k3`, not `moonshotai.kimi-k3`): a row for a name that visor
+    would normalise further is one no request reaches.
+
+    A dated name a publisher prices differently from its name
+    (`gpt-4o-2024-05-13`) gets an exact row of its own, placed before the
+    names: visor matches the name as sent before its normalised form. It
+    states what its entry states; as with every row, a field it leaves out
+    comes from the next matching row, its name's (`gpt-4o-2024-05-13` has no
+    cache price and takes gpt-4o's, which a model that caches nothing never
+    uses).
+
+    OpenAI's fine-tuned models (`ft:…`) get no row: visor's normalisation
+    drops everything after the first `:`, so all of them would share one.
+    """
+    def rank(key, provider, name):
+        k = key.lower()
+        if k == name:
+            return 0
+        if provider in PUBLISHERS:
+            return 1
+        if "/" not in k:
+            return 2
+        return 3
+
+    def choose(group):
+        """group: [(rank, key, prices)] -> prices, by rules 2 and 3."""
+        best = min(r for r, _, _ in group)
+        top = sorted((k, p) for r, k, p in group if r == best)
+        counts = Counter(p for _, p in top)
+        stated = lambda p: sum(v is not None for v in p)
+        return min(top, key=lambda kp: (-counts[kp[1]], -stated(kp[1]), kp[0]))[1]
+
+    def fixpoint(name):
+        while normalise(name) != name:
+            name = normalise(name)
+        return name
+
+    free = lambda p: all(v in (None, "0") for v in p)
+    by_name = defaultdict(list)
+    for key, provider, prices in entries:
+        if all(v is None for v in prices):
+            continue
+        # A fine-tuned model (`ft:gpt-4o-2024-08-06:org::id`) normalises to
+        # `ft` whatever its base: no row could price one apart from another.
+        if key.lower().startswith("ft:"):
+            continue
+        # A row is an exact name; one holding a glob's metacharacters
+        # (none does today) would match more than itself.
+        if any(c in normalise(key) for c in "*?[]{}\\"):
+            print("no price row for a name with glob characters:", key, file=sys.stderr)
+            continue
+        by_name[fixpoint(normalise(key))].append((key, provider, prices))
+
+    names, dated, inherits = {}, {}, []
+    for name, es in by_name.items():
+        paid = [e for e in es if not free(e[2])]
+        if not paid:
+            continue
+        chosen = choose([(rank(k, pv, name), k, p) for k, pv, p in paid])
+        names[name] = chosen
+        # Dated names as the publisher lists them (its own API only).
+        forms = defaultdict(list)
+        for k, pv, p in paid:
+            r = rank(k, pv, name)
+            if r > 1:
+                continue
+            form = VENDOR.sub("", REGION.sub("", k.lower().rsplit("/", 1)[-1]))
+            if form != name:
+                forms[form].append((r, k, p))
+        for form, group in forms.items():
+            p = choose(group)
+            if p == chosen:
+                continue
+            dated[form] = p
+            if any(c is None and n is not None for c, n in zip(p, chosen)):
+                inherits.append((form, p, name, chosen))
+
+    def row(match, p):
+        out = {"match": match}
+        for (_, field), v in zip(PRICE_FIELDS, p):
+            if v is not None:
+                out[field] = v
+        return out
+
+    rows = [row(n, dated[n]) for n in sorted(dated)] + [row(n, names[n]) for n in sorted(names)]
+    return rows, inherits
+
+
+def prices_of(name, rows):
+    """The four prices `name` resolves to through `rows`, field by field
+    (each from the first row matching any of the name's forms)."""
+    forms = candidates(name)
+    out = [None] * len(PRICE_FIELDS)
+    for r in rows:
+        if any(glob_match(r["match"], f) for f in forms):
+            for i, (_, field) in enumerate(PRICE_FIELDS):
+                if out[i] is None and field in r:
+                    out[i] = r[field]
+    return tuple(out)
+
 
 def marker(name):
     """The vision marker in a name, as `vision_marker` in src/models.rs."""
@@ -277,7 +507,11 @@ def cache_min_tokens(name, rows):
 
 
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--extract-prices":
+        extract_prices(sys.argv[2])
+        return
     path = sys.argv[1] if len(sys.argv) > 1 else "scripts/data/model-capabilities.tsv"
+    prices_path = sys.argv[2] if len(sys.argv) > 2 else "scripts/data/model-prices.tsv"
     by_name = defaultdict(lambda: {"vision": [], "audio": [], "pdf": [], "ctx": []})
     with open(path) as f:
         rows = [r for r in csv.reader(f, delimiter="\t") if r and not r[0].startswith("#")]
@@ -378,6 +612,28 @@ def main():
             print("cache_min_tokens (name, got, documented):", w, file=sys.stderr)
         sys.exit(1)
 
+    entries = load_prices(prices_path)
+    prices, inherits = price_rows(entries)
+    for k in inherits:
+        print("dated row takes a field it does not state from its name's row:", k, file=sys.stderr)
+    by_key = {k: p for k, _, p in entries}
+    wrong = [(n, prices_of(n, prices), by_key.get(k)) for n, k in PRICE_CHECKS
+             if prices_of(n, prices) != by_key.get(k)]
+    # Every name and dated name resolves to the prices chosen for it (a
+    # dated one: to those it states).
+    for r in prices:
+        got = prices_of(r["match"], prices)
+        want = tuple(r.get(f) for _, f in PRICE_FIELDS)
+        if any(w is not None and g != w for g, w in zip(got, want)) or (
+                normalise(r["match"]) == r["match"] and got != want):
+            wrong.append((r["match"], got, want))
+    if wrong:
+        for w in wrong:
+            print("price (name, got, want):", w, file=sys.stderr)
+        sys.exit(1)
+    if prices:
+        prices[0]["source"] = "prices"
+
     for o in overridden:
         print("documented fact over the data:", o, file=sys.stderr)
     bad = []
@@ -409,9 +665,16 @@ def main():
     print("# date/version suffix. A missing field means \"not stated\".")
     print(f"# {len(stated)} names with a stated vision flag -> {len(table)} rows;")
     print(f"# then {len(cache_rows)} rows with the providers' documented cache_min_tokens")
-    print("# (the shortest prefix they cache; 1024 where no row says).")
-    for r in table + cache_rows:
-        if r.get("source"):
+    print("# (the shortest prefix they cache; 1024 where no row says);")
+    print(f"# then {len(prices)} rows with prices in US dollars per million tokens from")
+    print("# litellm's map too (input, cached_input, cache_write, output; exact names,")
+    print("# dated ones first; the release is named in scripts/data/README.md).")
+    for r in table + cache_rows + prices:
+        if r.get("source") == "prices":
+            print()
+            print("# Prices per million tokens, litellm's model map (scripts/data/model-prices.tsv);")
+            print("# one entry's prices per name, chosen as scripts/gen_models.py says.")
+        elif r.get("source"):
             print()
             print(f"# cache_min_tokens, {r['source']}")
         print()
@@ -420,6 +683,9 @@ def main():
             if k in r:
                 v = r[k]
                 print(f"{k} = " + (f'"{v}"' if isinstance(v, str) else str(v).lower()))
+        for _, k in PRICE_FIELDS:
+            if k in r:
+                print(f"{k} = {r[k]}")
 
 
 main()

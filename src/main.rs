@@ -318,7 +318,7 @@ fn offline(cfg: &Config, network: bool) -> Option<Offline> {
 fn caps_text(c: &Caps) -> String {
     let flag = |v: Option<bool>| v.map_or("?".to_owned(), |b| b.to_string());
     let num = |v: Option<u64>| v.map_or("?".to_owned(), |n| n.to_string());
-    format!(
+    let mut text = format!(
         "vision={} audio={} pdf={} office={} max_images={} context_window={} cache_min_tokens={}",
         flag(c.vision),
         flag(c.audio),
@@ -327,7 +327,20 @@ fn caps_text(c: &Caps) -> String {
         num(c.max_images.map(u64::from)),
         num(c.context_window),
         num(c.cache_min_tokens.map(u64::from))
-    )
+    );
+    // Prices per million tokens, only when a row states one of them.
+    let prices = [c.input, c.cached_input, c.cache_write, c.output];
+    if prices.iter().any(Option::is_some) {
+        let price = |v: Option<f64>| v.map_or("?".to_owned(), |p| p.to_string());
+        text.push_str(&format!(
+            " price/M: input={} cached_input={} cache_write={} output={}",
+            price(c.input),
+            price(c.cached_input),
+            price(c.cache_write),
+            price(c.output)
+        ));
+    }
+    text
 }
 
 /// A duration in seconds as its config key was written (`1.14`, `20`):

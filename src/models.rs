@@ -1,5 +1,6 @@
-//! The model-spec table: which models accept images (and, later, audio and
-//! documents), how many, and how large a context they take.
+//! The model-spec table: which models accept images, documents and audio,
+//! how many images, how large a context they take, the shortest prefix
+//! their provider caches, and their prices per million tokens.
 //!
 //! Resolution for a request: the `x-visor-vision` header, then the user's
 //! `[[model]]` rows, then a vision marker in the name ([`vision_marker`]:
@@ -20,7 +21,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::path::Path;
-use std::sync::RwLock;
+use std::sync::{Arc, OnceLock, RwLock};
 
 use globset::{GlobSet, GlobSetBuilder};
 use serde::Deserialize;
@@ -31,7 +32,7 @@ use crate::config::{Model, RawModel};
 const BUILT_IN: &str = include_str!("../config/models.toml");
 
 /// What a table says about one model. `None` means "not stated".
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Caps {
     pub vision: Option<bool>,
     pub audio: Option<bool>,
@@ -41,6 +42,13 @@ pub struct Caps {
     pub context_window: Option<u64>,
     /// The shortest prefix the provider caches, in tokens.
     pub cache_min_tokens: Option<u32>,
+    /// Prices per million tokens: prompt tokens at the full price, prompt
+    /// tokens read from the provider's cache, prompt tokens written to it,
+    /// completion tokens. Each from the first row that states it.
+    pub input: Option<f64>,
+    pub cached_input: Option<f64>,
+    pub cache_write: Option<f64>,
+    pub output: Option<f64>,
 }
 
 impl Caps {
@@ -53,6 +61,10 @@ impl Caps {
             max_images: m.max_images,
             context_window: m.context_window,
             cache_min_tokens: m.cache_min_tokens,
+            input: m.input,
+            cached_input: m.cached_input,
+            cache_write: m.cache_write,
+            output: m.output,
         }
     }
 }
@@ -89,7 +101,7 @@ impl fmt::Display for Source {
 }
 
 /// The table's answer for one model.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Resolved {
     pub caps: Caps,
     /// Whether images may be sent: the stated flag, else true (unknown).
@@ -298,7 +310,7 @@ struct LearnedFile {
 
 pub struct ModelTable {
     user: Layer,
-    builtin: Layer,
+    builtin: Arc<Layer>,
     pub learned: Learned,
     cache: RwLock<HashMap<String, (Caps, Source)>>,
 }
@@ -308,23 +320,36 @@ struct BuiltInFile {
     model: Vec<RawModel>,
 }
 
+/// The built-in rows, parsed and their globs built once per process (the
+/// table holds some 1,600 rows, most of them prices; a test process builds
+/// many tables).
+fn builtin_layer() -> Result<Arc<Layer>, TableError> {
+    static LAYER: OnceLock<Result<Arc<Layer>, String>> = OnceLock::new();
+    LAYER
+        .get_or_init(|| {
+            let file: BuiltInFile = toml::from_str(BUILT_IN).map_err(|e| e.to_string())?;
+            let rows = file
+                .model
+                .into_iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    let pattern = r.pattern.clone();
+                    Model::new(r).map_err(|e| format!("row {i} match = {pattern:?}: {e}"))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Layer::new(&rows).map(Arc::new).map_err(|e| match e {
+                TableError::BuiltIn(m) => m,
+            })
+        })
+        .clone()
+        .map_err(TableError::BuiltIn)
+}
+
 impl ModelTable {
     pub fn new(user: &[Model], learned: Learned) -> Result<Self, TableError> {
-        let file: BuiltInFile =
-            toml::from_str(BUILT_IN).map_err(|e| TableError::BuiltIn(e.to_string()))?;
-        let builtin = file
-            .model
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let pattern = r.pattern.clone();
-                Model::new(r)
-                    .map_err(|e| TableError::BuiltIn(format!("row {i} match = {pattern:?}: {e}")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             user: Layer::new(user)?,
-            builtin: Layer::new(&builtin)?,
+            builtin: builtin_layer()?,
             learned,
             cache: RwLock::new(HashMap::new()),
         })
@@ -430,6 +455,10 @@ impl ModelTable {
                 caps.max_images = caps.max_images.or(row.max_images);
                 caps.context_window = caps.context_window.or(row.context_window);
                 caps.cache_min_tokens = caps.cache_min_tokens.or(row.cache_min_tokens);
+                caps.input = caps.input.or(row.input);
+                caps.cached_input = caps.cached_input.or(row.cached_input);
+                caps.cache_write = caps.cache_write.or(row.cache_write);
+                caps.output = caps.output.or(row.output);
             }
         }
         // A model known to see only by a marker in its name (a local VL
@@ -1030,6 +1059,104 @@ mod tests {
         let t = ModelTable::new(&[user], Learned::default()).unwrap();
         let r = t.resolve("anthropic/claude-3-5-haiku-20241022", None);
         assert_eq!(r.caps.cache_min_tokens, Some(1024));
+    }
+
+    /// Prices per million tokens from litellm's model map
+    /// (`scripts/data/model-prices.tsv`), through provider paths, vendor
+    /// prefixes and date suffixes; the four fields stated or not as the
+    /// chosen entry states them.
+    #[test]
+    fn built_in_prices_resolve_real_names() {
+        let t = table();
+        type Prices = [Option<f64>; 4];
+        let prices = |m: &str| -> Prices {
+            let c = t.caps(m);
+            [c.input, c.cached_input, c.cache_write, c.output]
+        };
+        let gpt_4o = [Some(2.5), Some(1.25), None, Some(10.0)];
+        let gpt_4o_mini = [Some(0.15), Some(0.075), None, Some(0.6)];
+        let sonnet_4_5 = [Some(3.0), Some(0.3), Some(3.75), Some(15.0)];
+        let haiku_3_5 = [Some(0.8), Some(0.08), Some(1.0), Some(4.0)];
+        let deepseek_chat = [Some(0.28), Some(0.028), None, Some(0.42)];
+        let gemini_2_5_flash = [Some(0.3), Some(0.03), None, Some(2.5)];
+        let cases: &[(&str, Prices)] = &[
+            ("gpt-4o", gpt_4o),
+            ("openai/gpt-4o-2024-08-06", gpt_4o),
+            ("GPT-4o", gpt_4o),
+            // A snapshot its publisher prices differently has its own row;
+            // the cache price it does not state is gpt-4o's.
+            (
+                "gpt-4o-2024-05-13",
+                [Some(5.0), Some(1.25), None, Some(15.0)],
+            ),
+            ("gpt-4o-mini", gpt_4o_mini),
+            ("gpt-4o-mini-2024-07-18", gpt_4o_mini),
+            ("openrouter/openai/gpt-4o-mini", gpt_4o_mini),
+            ("claude-sonnet-4-5", sonnet_4_5),
+            ("claude-sonnet-4-5-20250929", sonnet_4_5),
+            ("anthropic/claude-sonnet-4.5", sonnet_4_5),
+            ("claude-3-5-haiku-20241022", haiku_3_5),
+            ("us.anthropic.claude-3-5-haiku-20241022-v1:0", haiku_3_5),
+            ("deepseek-chat", deepseek_chat),
+            ("deepseek/deepseek-chat", deepseek_chat),
+            ("gemini-2.5-flash", gemini_2_5_flash),
+            ("google/gemini-2.5-flash", gemini_2_5_flash),
+            // No price anywhere: none stated (tokens only).
+            ("my-own-finetune-7b", [None; 4]),
+        ];
+        let wrong: Vec<String> = cases
+            .iter()
+            .filter_map(|&(m, want)| {
+                let got = prices(m);
+                (got != want).then(|| format!("{m}: want {want:?}, got {got:?}"))
+            })
+            .collect();
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+        // A family's members are priced apart: no glob row carries a price.
+        assert_ne!(prices("gpt-4o-mini"), prices("gpt-4o"));
+        // The price rows state nothing else: gpt-4o's capabilities are as
+        // before.
+        let r = t.resolve("gpt-4o", None);
+        assert!(r.vision);
+        assert_eq!(r.caps.context_window, Some(128_000));
+        assert_eq!(r.caps.cache_min_tokens, Some(1024));
+    }
+
+    /// A user row's price comes first, field by field: the fields it does
+    /// not state still come from the built-in row.
+    #[test]
+    fn a_user_row_overrides_a_built_in_price() {
+        let user = Model::new(RawModel {
+            pattern: "gpt-4o".into(),
+            input: Some(2.0),
+            output: Some(8.0),
+            ..RawModel::default()
+        })
+        .unwrap();
+        let t = ModelTable::new(&[user], Learned::default()).unwrap();
+        let c = t.caps("openai/gpt-4o-2024-08-06");
+        assert_eq!(c.input, Some(2.0));
+        assert_eq!(c.output, Some(8.0));
+        assert_eq!(c.cached_input, Some(1.25), "from the built-in row");
+        assert_eq!(c.cache_write, None);
+        // Other models keep the built-in prices.
+        assert_eq!(t.caps("gpt-4o-mini").input, Some(0.15));
+        // A house model gets prices only from a row of its own.
+        let user = Model::new(RawModel {
+            pattern: "house-*".into(),
+            input: Some(0.0),
+            cached_input: Some(0.0),
+            cache_write: Some(0.0),
+            output: Some(0.0),
+            ..RawModel::default()
+        })
+        .unwrap();
+        let t = ModelTable::new(&[user], Learned::default()).unwrap();
+        let c = t.caps("house-llm-70b");
+        assert_eq!(
+            [c.input, c.cached_input, c.cache_write, c.output],
+            [Some(0.0); 4]
+        );
     }
 
     #[test]

@@ -30,6 +30,17 @@ pub struct RawModel {
     /// The shortest prefix, in tokens, the provider caches.
     #[serde(default)]
     pub cache_min_tokens: Option<u32>,
+    /// Prices in money per million tokens: prompt tokens read at the full
+    /// price, prompt tokens read from the provider's cache, prompt tokens
+    /// written to it, and completion tokens.
+    #[serde(default)]
+    pub input: Option<f64>,
+    #[serde(default)]
+    pub cached_input: Option<f64>,
+    #[serde(default)]
+    pub cache_write: Option<f64>,
+    #[serde(default)]
+    pub output: Option<f64>,
 }
 
 /// One row, its glob built.
@@ -46,6 +57,11 @@ pub struct Model {
     pub max_images: Option<u32>,
     pub context_window: Option<u64>,
     pub cache_min_tokens: Option<u32>,
+    /// Prices per million tokens ([`RawModel`]).
+    pub input: Option<f64>,
+    pub cached_input: Option<f64>,
+    pub cache_write: Option<f64>,
+    pub output: Option<f64>,
 }
 
 impl Model {
@@ -61,6 +77,10 @@ impl Model {
             max_images: raw.max_images,
             context_window: raw.context_window,
             cache_min_tokens: raw.cache_min_tokens,
+            input: raw.input,
+            cached_input: raw.cached_input,
+            cache_write: raw.cache_write,
+            output: raw.output,
         })
     }
 }
@@ -74,10 +94,26 @@ pub fn model_glob(pattern: &str) -> Result<Glob, globset::Error> {
 }
 
 /// Every `[[model]]` row, its glob built (a row whose glob is not one is a
-/// problem).
+/// problem, and so is a price that is not a finite number ≥ 0).
 pub(super) fn validate(rows: Vec<RawModel>, p: &mut Problems) -> Vec<Model> {
     let mut models = Vec::with_capacity(rows.len());
     for (i, row) in rows.into_iter().enumerate() {
+        for (key, price) in [
+            ("input", row.input),
+            ("cached_input", row.cached_input),
+            ("cache_write", row.cache_write),
+            ("output", row.output),
+        ] {
+            if let Some(v) = price
+                && !(v.is_finite() && v >= 0.0)
+            {
+                p.bad(
+                    format_args!("model[{i}].{key}"),
+                    v,
+                    "must be a price per million tokens: a number, 0 or more",
+                );
+            }
+        }
         let pattern = row.pattern.clone();
         match Model::new(row) {
             Ok(m) => models.push(m),
@@ -106,6 +142,28 @@ mod tests {
         assert!(e.contains("model[0].match: \"[Z-a]\""), "{e}");
         let e = problems(&format!(
             "{up}[[model]]\nmatch = \"GPT-[A-Z]*\"\nvision = false\n"
+        ));
+        assert_eq!(e, "(valid)");
+    }
+
+    #[test]
+    fn model_prices_are_finite_and_not_negative() {
+        let up = "[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\n";
+        let e = problems(&format!(
+            "{up}[[model]]\nmatch = \"gpt-4o\"\ninput = -2.5\noutput = 10\n\
+             [[model]]\nmatch = \"x\"\ncached_input = inf\ncache_write = nan\n"
+        ));
+        assert!(
+            e.contains("model[0].input: -2.5 — must be a price per million tokens"),
+            "{e}"
+        );
+        assert!(!e.contains("model[0].output"), "{e}");
+        assert!(e.contains("model[1].cached_input: inf"), "{e}");
+        assert!(e.contains("model[1].cache_write: NaN"), "{e}");
+        // Integers are prices too; 0 is one (a free model).
+        let e = problems(&format!(
+            "{up}[[model]]\nmatch = \"gpt-4o\"\ninput = 0\ncached_input = 1.25\n\
+             cache_write = 0.0\noutput = 10\n"
         ));
         assert_eq!(e, "(valid)");
     }

@@ -214,7 +214,8 @@ fn check_prints_the_model_table_and_resolves_a_model() {
     let cfg = temp_config(
         "models",
         "[[upstream]]\nname = \"local\"\nbase_url = \"http://127.0.0.1:9/v1\"\nmodels = [\"*\"]\n\
-         [[model]]\nmatch = \"house-*\"\nvision = false\nmax_images = 2\n",
+         [[model]]\nmatch = \"house-*\"\nvision = false\nmax_images = 2\n\
+         [[model]]\nmatch = \"gpt-4o-mini\"\ninput = 0.1\n",
     );
     let check_model = |model: &str| {
         let out = check(&cfg).args(["--model", model]).output().unwrap();
@@ -222,7 +223,7 @@ fn check_prints_the_model_table_and_resolves_a_model() {
         String::from_utf8(out.stdout).unwrap()
     };
     let text = check_model("openrouter/acme/house-7b");
-    assert!(text.contains("model table: 1 user rows, "), "{text}");
+    assert!(text.contains("model table: 2 user rows, "), "{text}");
     assert!(
         text.contains("  user     \"house-*\"  vision=false"),
         "{text}"
@@ -234,9 +235,33 @@ fn check_prints_the_model_table_and_resolves_a_model() {
     assert!(text.contains("max_images=2"), "{text}");
     assert!(text.contains("decided by user row model[0]"), "{text}");
 
+    // No row prices a house model: no prices shown (the user row listed
+    // above it states one for another model).
+    assert!(
+        text.contains("  user     \"gpt-4o-mini\"  vision=? ")
+            && text.contains(" price/M: input=0.1 cached_input=? cache_write=? output=?\n"),
+        "{text}"
+    );
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("model \"openrouter/acme/house-7b\""))
+        .unwrap();
+    assert!(!line.contains("price/M"), "{line}");
+
     let text = check_model("deepseek-chat");
     assert!(
         text.contains("images replaced — decided by built-in row"),
+        "{text}"
+    );
+    // Prices per million tokens, from the built-in rows; a user row's
+    // field first.
+    assert!(
+        text.contains("price/M: input=0.28 cached_input=0.028 cache_write=? output=0.42\n"),
+        "{text}"
+    );
+    let text = check_model("openai/gpt-4o-mini-2024-07-18");
+    assert!(
+        text.contains("price/M: input=0.1 cached_input=0.075 cache_write=? output=0.6\n"),
         "{text}"
     );
     let text = check_model("my-unknown-model");
