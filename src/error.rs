@@ -86,95 +86,45 @@ pub enum VisorError {
     ModelNotAllowed { key: String, model: String },
 }
 
+/// A client's mistake: `invalid_request_error` with `code`.
+const fn bad(status: StatusCode, code: &'static str) -> (StatusCode, &'static str, &'static str) {
+    (status, "invalid_request_error", code)
+}
+
 impl VisorError {
     /// (status, OpenAI `type`, `code`) — the exhaustive mapping.
     fn parts(&self) -> (StatusCode, &'static str, &'static str) {
         match self {
-            VisorError::InvalidJson(_) => (
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "invalid_json",
-            ),
-            VisorError::BadRequest(_) => (
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "invalid_request",
-            ),
-            VisorError::Unroutable(_) => (
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "model_unreadable",
-            ),
+            VisorError::InvalidJson(_) => bad(StatusCode::BAD_REQUEST, "invalid_json"),
+            VisorError::BadRequest(_) => bad(StatusCode::BAD_REQUEST, "invalid_request"),
+            VisorError::Unroutable(_) => bad(StatusCode::BAD_REQUEST, "model_unreadable"),
             VisorError::Unauthorized => (
                 StatusCode::UNAUTHORIZED,
                 "authentication_error",
                 "invalid_api_key",
             ),
-            VisorError::NoRoute(_) => (
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "model_not_found",
-            ),
-            VisorError::NotFound(_) => (
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "unknown_url",
-            ),
-            VisorError::MethodNotAllowed { .. } => (
-                StatusCode::METHOD_NOT_ALLOWED,
-                "invalid_request_error",
-                "method_not_allowed",
-            ),
-            VisorError::WebSocketVersion(_) => (
+            VisorError::NoRoute(_) => bad(StatusCode::NOT_FOUND, "model_not_found"),
+            VisorError::NotFound(_) => bad(StatusCode::NOT_FOUND, "unknown_url"),
+            VisorError::MethodNotAllowed { .. } => {
+                bad(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed")
+            }
+            VisorError::WebSocketVersion(_) => bad(
                 StatusCode::UPGRADE_REQUIRED,
-                "invalid_request_error",
                 "unsupported_websocket_version",
             ),
-            VisorError::ArtifactNotFound(_) => (
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "artifact_not_found",
-            ),
-            VisorError::InspectorClosed => (
-                StatusCode::FORBIDDEN,
-                "invalid_request_error",
-                "inspector_closed",
-            ),
-            VisorError::BadFilter(_) => (
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "invalid_request",
-            ),
-            VisorError::RequestNotKept(_) => (
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "request_not_found",
-            ),
-            VisorError::AmbiguousArtifact(_) => (
-                StatusCode::CONFLICT,
-                "invalid_request_error",
-                "artifact_ambiguous",
-            ),
-            VisorError::SessionNotFound(_) => (
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "session_not_found",
-            ),
+            VisorError::ArtifactNotFound(_) => bad(StatusCode::NOT_FOUND, "artifact_not_found"),
+            VisorError::InspectorClosed => bad(StatusCode::FORBIDDEN, "inspector_closed"),
+            VisorError::BadFilter(_) => bad(StatusCode::BAD_REQUEST, "invalid_request"),
+            VisorError::RequestNotKept(_) => bad(StatusCode::NOT_FOUND, "request_not_found"),
+            VisorError::AmbiguousArtifact(_) => bad(StatusCode::CONFLICT, "artifact_ambiguous"),
+            VisorError::SessionNotFound(_) => bad(StatusCode::NOT_FOUND, "session_not_found"),
             VisorError::StoreUnavailable(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",
                 "store_unavailable",
             ),
-            VisorError::BodyTooLarge { .. } => (
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "body_too_large",
-            ),
-            VisorError::BodyTimeout => (
-                StatusCode::REQUEST_TIMEOUT,
-                "invalid_request_error",
-                "request_timeout",
-            ),
+            VisorError::BodyTooLarge { .. } => bad(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
+            VisorError::BodyTimeout => bad(StatusCode::REQUEST_TIMEOUT, "request_timeout"),
             VisorError::UpstreamUnreachable { .. } => (
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
