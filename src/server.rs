@@ -54,8 +54,11 @@ pub struct Server {
 impl Server {
     /// Builds the shared state and binds `listen` (or `server.listen`) once
     /// per worker.
-    pub async fn bind(config: Config, listen: Option<SocketAddr>) -> io::Result<Self> {
+    pub async fn bind(mut config: Config, listen: Option<SocketAddr>) -> io::Result<Self> {
         let addr = listen.unwrap_or(config.server.listen);
+        // The address served is the one the parts see (the inspector is
+        // open without a key only on a loopback one).
+        config.server.listen = addr;
         let workers = match config.server.workers {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,

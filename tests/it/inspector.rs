@@ -219,3 +219,31 @@ async fn off_is_not_there() {
         assert_eq!(status, 404, "{path}");
     }
 }
+
+#[tokio::test]
+async fn it_goes_by_the_address_served_not_the_one_configured() {
+    // The config says every address; `serve --listen` (here: bind) chose
+    // loopback: open. (The other way round is the unit test's: a server of
+    // the tests never listens beyond loopback.)
+    let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
+    let mut cfg = visor::config::Config::from_toml(
+        &format!(
+            "[server]\nlisten = \"0.0.0.0:8787\"\n{}models = [\"*\"]\n",
+            mock.upstream_toml("mock")
+        ),
+        std::path::Path::new("t.toml"),
+        &|_| None,
+    )
+    .unwrap();
+    cfg.server.data_dir = temp_dir("inspector-listen");
+    let server = visor::server::Server::bind(cfg, Some("127.0.0.1:0".parse().unwrap()))
+        .await
+        .unwrap();
+    let state = server.state();
+    assert!(state.server.listen.ip().is_loopback());
+    let h = http::HeaderMap::new();
+    assert_eq!(
+        state.inspector.access(&h),
+        visor::inspector::Access::Granted
+    );
+}
