@@ -25,8 +25,8 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::api::Shape;
 use crate::transform::json::{Cursor, Kind, Malformed, Result, Str};
 
-/// Text is taken at 4 bytes a token.
-pub const BYTES_PER_TOKEN: u64 = 4;
+/// Text is taken at 4 bytes a token (as the key limits count it).
+pub const BYTES_PER_TOKEN: u64 = crate::limits::BYTES_PER_TOKEN;
 /// An image (its bytes are not text) is taken at 765 tokens.
 pub const IMAGE_TOKENS: u64 = 765;
 /// A base64 string (a `data` field, a data URL) at least this long is a
