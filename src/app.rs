@@ -12,7 +12,7 @@
 //!        ─► sessions (store, proxy keys)        ─► proxy::Sessions
 //!        ─► retry budget and breakers, upstreams ─► proxy::Routes
 //!        ─► [cache] (store)                     ─► prompt_cache::PromptCache
-//!        ─► [inspector] (listen, proxy keys)     ─► inspector::Inspector
+//!        ─► [inspector] (listen, proxy keys, store) ─► inspector::Inspector
 //! ```
 
 use std::sync::Arc;
@@ -76,7 +76,9 @@ pub fn build(
         &config.inspector,
         Some(config.server.listen),
         gate.keys.is_set(),
+        &config.describer.model,
     ));
+    inspector.start(store.clone());
     // What the phases keep of the config itself: the server's bounds and
     // deadlines, and the upstreams to route to.
     let Config {

@@ -30,6 +30,7 @@ pub mod artifacts;
 pub mod config;
 pub mod connections;
 pub mod error;
+pub mod explain;
 pub mod failure;
 pub mod inspector;
 pub mod limits;

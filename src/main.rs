@@ -25,12 +25,12 @@ use std::sync::Arc;
 use std::time::Duration;
 use visor::config::{Config, StoreBackend};
 
-use visor::media_text::describe::{PROMPT_VERSION, description_key};
+use visor::media_text::describe::PROMPT_VERSION;
 use visor::metrics::Metrics;
-use visor::models::{Caps, Learned, Medium, ModelTable, Resolved, legacy_learned};
+use visor::models::{Caps, Learned, Medium, ModelTable, legacy_learned};
 use visor::server::{Server, shutdown_signal};
 use visor::store::Store;
-use visor::transform::{self, Plan, Rewrite, Shape, Takes};
+use visor::transform::Shape;
 
 #[derive(Parser)]
 #[command(
@@ -645,7 +645,17 @@ fn explain(
         Endpoint::Messages => Shape::Messages,
     };
     let resolved = off.table.resolve(model, None);
-    let rewrite = rewrite_offline(&cfg, &off, &body, &explain_plan(&cfg, shape, &resolved));
+    let plan = visor::explain::plan(
+        shape,
+        &resolved,
+        cfg.images.non_vision == visor::config::NonVision::Describe,
+        visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+        cfg.describer.query_aware,
+    );
+    let texts = visor::explain::Texts::Store(off.store.as_ref(), &cfg.describer.model);
+    let rewrite = off
+        .rt
+        .block_on(visor::explain::rewrite(&body, &plan, &texts));
     let sent = rewrite.body.as_deref().unwrap_or(&body);
     if raw {
         return write_raw(sent);
@@ -668,7 +678,7 @@ fn explain(
     };
     let out = serde_json::json!({
         "request": request,
-        "report": explain_report(model, shape, &resolved, &rewrite, store),
+        "report": visor::explain::report(model, shape, &resolved, &rewrite, store),
     });
     print_explained(&out, verbatim.as_deref())
 }
@@ -688,59 +698,6 @@ fn request_body(file: Option<&std::path::Path>) -> Result<Vec<u8>, String> {
     }
 }
 
-/// `explain`: the transform plan for the model, as `serve` would make it.
-fn explain_plan(cfg: &Config, shape: Shape, resolved: &Resolved) -> Plan {
-    Plan {
-        shape,
-        vision: resolved.vision,
-        describe: cfg.images.non_vision == visor::config::NonVision::Describe,
-        rules: visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
-        takes: Takes {
-            pdf: resolved.pdf,
-            office: resolved.office,
-            audio: resolved.audio,
-        },
-        query_aware: cfg.describer.query_aware,
-    }
-}
-
-/// `explain`: the rewrite, offline. Descriptions come from the store only:
-/// explain never calls the describer; an image without a cached one shows
-/// its placeholder. Documents are read here (their figures not described);
-/// audio is not transcribed.
-fn rewrite_offline(cfg: &Config, off: &Offline, body: &[u8], plan: &Plan) -> Rewrite {
-    let scanned = match transform::scan(body, plan) {
-        Err(done) => return *done,
-        Ok(scanned) => scanned,
-    };
-    let mut descriptions = Vec::new();
-    if let Some(store) = &off.store {
-        for (_, s) in scanned.subjects(body) {
-            let id = transform::subject_key(&s.sha256, s.query.as_deref());
-            let key = description_key(&id, &cfg.describer.model);
-            if let Ok(Some(text)) = off.rt.block_on(store.description(&key)) {
-                descriptions.push((id, Arc::from(text)));
-            }
-        }
-    }
-    let made: Vec<_> = scanned
-        .media(body)
-        .iter()
-        .map(visor::media_text::offline)
-        .collect();
-    let failed: Vec<String> = made
-        .iter()
-        .filter(|m| m.action == "stripped")
-        .map(|m| m.sha256.clone())
-        .collect();
-    descriptions.extend(made.into_iter().map(|m| (m.sha256, m.text)));
-    let mut rewrite = scanned.finish(body, &descriptions);
-    for sha in &failed {
-        rewrite.report.not_converted(sha);
-    }
-    rewrite
-}
-
 /// `explain --raw`: the exact bytes, as visor sends them (the body itself
 /// when nothing changed).
 fn write_raw(sent: &[u8]) -> ExitCode {
@@ -754,37 +711,6 @@ fn write_raw(sent: &[u8]) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// `explain`: the report of what the rewrite changed, and why.
-fn explain_report(
-    model: &str,
-    shape: Shape,
-    resolved: &Resolved,
-    rewrite: &Rewrite,
-    store: String,
-) -> serde_json::Value {
-    serde_json::json!({
-        "model": model,
-        "endpoint": shape,
-        "vision": resolved.vision,
-        "vision_decided_by": resolved.vision_from.to_string(),
-        "changed": rewrite.body.is_some(),
-        "images_found": rewrite.report.images_found,
-        "images_replaced": rewrite.report.images_replaced,
-        "images_described": rewrite.report.images_described,
-        "pdf": resolved.pdf,
-        "office": resolved.office,
-        "audio": resolved.audio,
-        "media_replaced": rewrite.report.media_replaced,
-        "store": store,
-        "bytes_saved": rewrite.report.bytes_saved,
-        "bytes_saved_dedup": rewrite.report.bytes_saved_dedup,
-        "lines_omitted": rewrite.report.lines_omitted,
-        "items_omitted": rewrite.report.items_omitted,
-        "images": rewrite.report.images,
-        "skipped": rewrite.report.skipped,
-    })
 }
 
 /// `explain`: the request and its report as pretty JSON; a request too

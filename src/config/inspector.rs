@@ -1,6 +1,7 @@
 //! `[inspector]`: the page at `/visor/ui` and the JSON at `/visor/api/…`
 //! that show what visor did to recent requests — whether it is on, how many
-//! requests it keeps, and the keys that may open it.
+//! requests and how many bytes of their bodies it keeps, and the keys that
+//! may open it.
 
 use serde::Deserialize;
 
@@ -13,6 +14,8 @@ pub struct RawInspector {
     pub enabled: bool,
     #[serde(default = "default_keep")]
     pub keep: usize,
+    #[serde(default = "default_body_bytes")]
+    pub body_bytes: usize,
     #[serde(default)]
     pub admin_keys: Vec<Secret>,
 }
@@ -22,6 +25,7 @@ impl Default for RawInspector {
         Self {
             enabled: default_enabled(),
             keep: default_keep(),
+            body_bytes: default_body_bytes(),
             admin_keys: Vec::new(),
         }
     }
@@ -33,6 +37,9 @@ fn default_enabled() -> bool {
 fn default_keep() -> usize {
     1000
 }
+fn default_body_bytes() -> usize {
+    64 * 1024 * 1024
+}
 
 /// The most request summaries one replica keeps.
 pub const MAX_KEEP: usize = 100_000;
@@ -43,6 +50,9 @@ pub struct Inspector {
     pub enabled: bool,
     /// Request summaries kept, newest first (1 to [`MAX_KEEP`]).
     pub keep: usize,
+    /// Bytes of the newest requests' bodies kept (as the inspector keeps
+    /// them: without image or document bytes); 0 keeps none.
+    pub body_bytes: usize,
     /// Keys that open the inspector (never a proxy key).
     pub admin_keys: Vec<Secret>,
 }
@@ -68,6 +78,7 @@ impl RawInspector {
         Inspector {
             enabled: self.enabled,
             keep: self.keep.clamp(1, MAX_KEEP),
+            body_bytes: self.body_bytes,
             admin_keys: self.admin_keys,
         }
     }
@@ -81,6 +92,7 @@ mod tests {
     fn on_by_default_keeping_a_thousand() {
         let c = load(&ups(&[("a", "")])).unwrap().inspector;
         assert!(c.enabled && c.keep == 1000 && c.admin_keys.is_empty());
+        assert_eq!(c.body_bytes, 64 << 20);
     }
 
     #[test]

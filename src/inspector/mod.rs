@@ -1,22 +1,41 @@
-//! The inspector: what visor did to each recent request, kept as a
-//! summary in a bounded ring (`[inspector] keep`, newest first) and shown as
-//! JSON at `/visor/api/requests` and as a page at `/visor/ui` (readable
-//! without JavaScript). Recording is one short lock and a push, at the end
-//! of a response; nothing of a request's body, and never a credential, is
-//! kept.
+//! The inspector: what visor did to each recent request. A request's
+//! summary is kept in a bounded ring (`[inspector] keep`, newest first;
+//! with a shared store also in the replicas' stream), its bodies without
+//! their media bytes up to `[inspector] body_bytes`; shown as JSON at
+//! `/visor/api/…` and as pages at `/visor/ui` (readable without
+//! JavaScript). Recording is one send on a bounded queue at the end of a
+//! response; a task does the rest. Never a credential is kept.
 
+pub mod access;
+pub mod bodies;
+pub mod chart;
+pub mod detail;
+pub mod filter;
 pub mod page;
+pub mod savings;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use serde::Serialize;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{broadcast, mpsc};
 
-use crate::config::{Inspector as Config, Secret};
+pub use access::Access;
+use access::Gate;
+use bodies::{Bodies, Kept};
+pub use filter::Filter;
+pub use savings::{Prices, Saving};
+
+use crate::config::Inspector as Config;
+use crate::store::{Shared, Store};
+use crate::transform::Report;
 
 /// What one request was and what visor did to it.
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(default)]
 pub struct Summary {
     /// Its `x-request-id`.
     pub id: String,
@@ -26,6 +45,8 @@ pub struct Summary {
     pub replica: String,
     /// The caller's key name (`none` without one).
     pub key: String,
+    /// `/v1/chat/completions`…
+    pub endpoint: String,
     pub model: String,
     pub upstream: String,
     pub status: u16,
@@ -42,9 +63,17 @@ pub struct Summary {
     pub cache: Option<CacheSeen>,
     /// The conversation (as the prompt cache follows it), 16 hex digits.
     pub conversation: Option<String>,
+    /// The model's prices per million tokens, when the table has them.
+    pub prices: Option<Prices>,
+    /// What visor saved it.
+    pub saving: Saving,
+    /// What the provider billed, in dollars (with prices and usage).
+    pub cost: Option<f64>,
+    /// Whether the replica that served it keeps its bodies.
+    pub bodies_kept: bool,
 }
 
-#[derive(Debug, Clone, Copy, Serialize, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq)]
 pub struct Tokens {
     pub prompt: u64,
     pub cached_read: u64,
@@ -53,7 +82,8 @@ pub struct Tokens {
 }
 
 /// What visor changed.
-#[derive(Debug, Clone, Copy, Serialize, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq)]
+#[serde(default)]
 pub struct Changes {
     pub images_replaced: usize,
     pub images_described: usize,
@@ -73,214 +103,279 @@ impl Changes {
 }
 
 /// The prompt cache as judged and settled.
-#[derive(Debug, Clone, Serialize, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq, Eq)]
 pub struct CacheSeen {
     pub readable: Option<u64>,
     /// `client at message 3`, `expired`…
     pub miss: Option<String>,
 }
 
-/// The recent requests of this replica.
+/// A finished request on its way to the inspector: its summary, and what
+/// the detail is read from later.
+pub struct Record {
+    pub summary: Summary,
+    /// The body as the client sent it (a transformed endpoint's).
+    pub client: Option<Bytes>,
+    /// The body sent upstream, when visor changed it.
+    pub upstream: Option<Bytes>,
+    /// What the transforms did.
+    pub report: Option<Report>,
+}
+
+/// The recording queue's length: past it, a record is dropped (counted),
+/// never waited for.
+pub const QUEUE: usize = 1024;
+
+/// The recent requests: this replica's, and with a shared store every
+/// replica's summaries.
 pub struct Inspector {
     pub enabled: bool,
     keep: usize,
-    admin_keys: Vec<Secret>,
-    /// Open without a key: a loopback listener and no proxy keys.
-    open: bool,
+    gate: Gate,
     /// This replica's name (`HOSTNAME`, else `local`).
     pub replica: String,
+    /// The `[describer]` model, for `described by …`.
+    describer: String,
     recent: Mutex<VecDeque<Arc<Summary>>>,
-}
-
-/// Who may read it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    Granted,
-    /// No admin key sent, or a wrong one.
-    Unauthorized,
-    /// Not open, and no admin key configured.
-    NotConfigured,
+    bodies: Mutex<Bodies>,
+    events: broadcast::Sender<Arc<Summary>>,
+    queue: OnceLock<mpsc::Sender<Record>>,
+    /// Records dropped because the queue was full.
+    pub dropped: AtomicU64,
+    /// The store the replicas share (`redis://`).
+    fleet: OnceLock<Arc<Store>>,
 }
 
 impl Inspector {
     /// `listen`: where visor listens; `proxy_keys`: whether clients need a
     /// key (then the inspector does too, an admin one).
-    pub fn new(config: &Config, listen: Option<SocketAddr>, proxy_keys: bool) -> Self {
+    pub fn new(
+        config: &Config,
+        listen: Option<SocketAddr>,
+        proxy_keys: bool,
+        describer: &str,
+    ) -> Self {
         let loopback = listen.is_some_and(|a| a.ip().is_loopback());
         Inspector {
             enabled: config.enabled,
             keep: config.keep,
-            admin_keys: config.admin_keys.clone(),
-            open: loopback && !proxy_keys,
+            gate: Gate {
+                admin_keys: config.admin_keys.clone(),
+                open: loopback && !proxy_keys,
+            },
             replica: std::env::var("HOSTNAME")
                 .ok()
                 .filter(|h| !h.is_empty())
                 .unwrap_or_else(|| "local".to_owned()),
+            describer: describer.to_owned(),
             recent: Mutex::new(VecDeque::new()),
+            bodies: Mutex::new(Bodies::new(config.body_bytes)),
+            events: broadcast::channel(256).0,
+            queue: OnceLock::new(),
+            dropped: AtomicU64::new(0),
+            fleet: OnceLock::new(),
         }
     }
 
-    /// Keeps `s` as the newest (the oldest goes past `keep`).
-    pub fn record(&self, s: Summary) {
+    /// Starts the task that keeps what is recorded (inside a Tokio
+    /// runtime); with a shared store, summaries also go to (and lists come
+    /// from) the replicas' stream.
+    pub fn start(self: &Arc<Self>, store: Arc<Store>) {
         if !self.enabled {
             return;
         }
-        let s = Arc::new(s);
+        if store.is_shared() {
+            let _ = self.fleet.set(store);
+        }
+        let (tx, mut rx) = mpsc::channel::<Record>(QUEUE);
+        if self.queue.set(tx).is_err() {
+            return;
+        }
+        let me = Arc::downgrade(self);
+        // Not a tracked task: it holds nothing to finish at shutdown.
+        tokio::spawn(async move {
+            while let Some(r) = rx.recv().await {
+                let Some(me) = me.upgrade() else { return };
+                let s = me.keep_record(r);
+                if let Some(store) = me.fleet.get()
+                    && let Ok(json) = serde_json::to_vec(&*s)
+                {
+                    let _ = store.publish_summary(json, me.keep).await;
+                }
+            }
+        });
+    }
+
+    /// Records a finished request: one send on a bounded queue (kept at
+    /// once when no task was started).
+    pub fn record(&self, r: Record) {
+        if !self.enabled {
+            return;
+        }
+        match self.queue.get() {
+            Some(q) => {
+                if q.try_send(r).is_err() {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            None => {
+                self.keep_record(r);
+            }
+        }
+    }
+
+    /// The work recording defers: the saving, the bodies without their
+    /// media, the summary kept and sent to whoever watches the events.
+    fn keep_record(&self, r: Record) -> Arc<Summary> {
+        let Record {
+            mut summary,
+            client,
+            upstream,
+            report,
+        } = r;
+        let report = report.unwrap_or_default();
+        let visor_cached = report.breakpoints > 0 || report.cache_key;
+        summary.saving = savings::saving(
+            &report.images,
+            report.bytes_saved_dedup,
+            visor_cached,
+            &summary,
+        );
+        summary.cost = savings::cost(&summary);
+        let kept = client.as_deref().and_then(bodies::without_media).map(|c| {
+            let u = upstream.as_deref().and_then(bodies::without_media);
+            let mut k = Kept::new(Some(c), u);
+            k.notes = report.images;
+            k.history_used = report.history_used;
+            k
+        });
+        if let Some(k) = kept
+            && let Ok(mut b) = self.bodies.lock()
+        {
+            summary.bodies_kept = b.keep(summary.id.clone(), k);
+        }
+        let s = Arc::new(summary);
         if let Ok(mut r) = self.recent.lock() {
             if r.len() >= self.keep {
                 r.pop_back();
             }
-            r.push_front(s);
+            r.push_front(s.clone());
         }
+        let _ = self.events.send(s.clone());
+        s
     }
 
     /// Whether a request with these headers may read the inspector: open,
-    /// or `Authorization: Bearer <admin key>` (or the sign-in cookie).
+    /// or an admin key as a Bearer token or the sign-in cookie.
     pub fn access(&self, headers: &http::HeaderMap) -> Access {
-        if self.open {
-            return Access::Granted;
-        }
-        if self.admin_keys.is_empty() {
-            return Access::NotConfigured;
-        }
-        let bearer = headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        let granted = bearer.is_some_and(|b| {
-            self.admin_keys
+        self.gate.access(headers, unix_secs())
+    }
+
+    /// The sign-in cookie's value for `key`, when it is an admin key.
+    pub fn sign_in(&self, key: &str) -> Option<String> {
+        self.gate.sign_in(key, unix_secs())
+    }
+
+    /// Whether the inspector needs no key here.
+    pub fn is_open(&self) -> bool {
+        self.gate.open
+    }
+
+    /// New summaries as they are kept.
+    pub fn events(&self) -> broadcast::Receiver<Arc<Summary>> {
+        self.events.subscribe()
+    }
+
+    /// The kept summaries, newest first: every replica's through the
+    /// shared store, else (or when it fails) this replica's. `bool`: the
+    /// fleet's.
+    pub async fn all(&self) -> (Vec<Arc<Summary>>, bool) {
+        if let Some(store) = self.fleet.get()
+            && let Shared::Done(list) = store.recent_summaries(self.keep).await
+        {
+            let list = list
                 .iter()
-                .any(|k| constant_time_eq(k.expose().as_bytes(), b.as_bytes()))
-        });
-        match granted {
-            true => Access::Granted,
-            false => Access::Unauthorized,
+                .filter_map(|j| serde_json::from_slice::<Summary>(j).ok())
+                .map(Arc::new)
+                .collect();
+            return (list, true);
         }
+        let list = self
+            .recent
+            .lock()
+            .map(|r| r.iter().cloned().collect())
+            .unwrap_or_default();
+        (list, false)
     }
 
     /// The kept summaries that pass `filter`, newest first, at most
-    /// `filter.limit`.
-    pub fn requests(&self, filter: &Filter) -> Vec<Arc<Summary>> {
-        let Ok(r) = self.recent.lock() else {
-            return Vec::new();
-        };
-        r.iter()
+    /// `filter.limit`; `bool`: every replica's.
+    pub async fn requests(&self, filter: &Filter) -> (Vec<Arc<Summary>>, bool) {
+        let (all, fleet) = self.all().await;
+        let list = all
+            .into_iter()
             .filter(|s| filter.passes(s))
             .take(filter.limit)
-            .cloned()
-            .collect()
+            .collect();
+        (list, fleet)
     }
 
-    /// The summary of request `id`, if it is still kept.
-    pub fn request(&self, id: &str) -> Option<Arc<Summary>> {
-        let r = self.recent.lock().ok()?;
-        r.iter().find(|s| s.id == id).cloned()
-    }
-}
-
-/// Compares two secrets in time that does not depend on where they differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// `/visor/api/requests?key=&model=&upstream=&conversation=&status=&changed=&limit=`
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Filter {
-    pub key: Option<String>,
-    pub model: Option<String>,
-    pub upstream: Option<String>,
-    pub conversation: Option<String>,
-    pub status: Option<u16>,
-    /// Only requests visor changed.
-    pub changed: bool,
-    pub limit: usize,
-}
-
-/// The most summaries one answer lists.
-pub const MAX_LIMIT: usize = 1000;
-
-impl Filter {
-    /// From a query string; `Err` names the parameter that is wrong.
-    pub fn parse(query: Option<&str>) -> Result<Filter, String> {
-        let mut f = Filter {
-            limit: 100,
-            ..Filter::default()
-        };
-        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            let v = percent_decode(v).ok_or_else(|| format!("{k}: not valid percent-encoding"))?;
-            match k {
-                "key" => f.key = Some(v),
-                "model" => f.model = Some(v),
-                "upstream" => f.upstream = Some(v),
-                "conversation" => f.conversation = Some(v),
-                "status" => {
-                    f.status = Some(
-                        v.parse()
-                            .map_err(|_| format!("status: {v:?} is not a status code"))?,
-                    )
-                }
-                "changed" => f.changed = matches!(v.as_str(), "" | "true" | "1"),
-                "limit" => {
-                    let n: usize = v
-                        .parse()
-                        .map_err(|_| format!("limit: {v:?} is not a number"))?;
-                    f.limit = n.clamp(1, MAX_LIMIT);
-                }
-                _ => {
-                    return Err(format!(
-                        "{k}: not a filter (key, model, upstream, conversation, status, changed, limit)"
-                    ));
-                }
-            }
-        }
-        Ok(f)
-    }
-
-    fn passes(&self, s: &Summary) -> bool {
-        let is = |want: &Option<String>, have: &str| want.as_deref().is_none_or(|w| w == have);
-        is(&self.key, &s.key)
-            && is(&self.model, &s.model)
-            && is(&self.upstream, &s.upstream)
-            && self
-                .conversation
-                .as_deref()
-                .is_none_or(|c| s.conversation.as_deref() == Some(c))
-            && self.status.is_none_or(|st| st == s.status)
-            && (!self.changed || s.changes.any())
-    }
-}
-
-/// `%XX` and `+` decoded; `None` for a broken escape or bytes that are not
-/// UTF-8.
-fn percent_decode(v: &str) -> Option<String> {
-    let b = v.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' => {
-                let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
-                i += 3;
-            }
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            c => {
-                out.push(c);
-                i += 1;
-            }
+    /// The summary of request `id`, if it is still kept (by any replica).
+    pub async fn request(&self, id: &str) -> Option<Arc<Summary>> {
+        let local = self
+            .recent
+            .lock()
+            .ok()
+            .and_then(|r| r.iter().find(|s| s.id == id).cloned());
+        match local {
+            Some(s) => Some(s),
+            None => self.all().await.0.into_iter().find(|s| s.id == id),
         }
     }
-    String::from_utf8(out).ok()
+
+    /// Request `id`'s messages side by side, when this replica keeps its
+    /// bodies.
+    pub fn detail(&self, s: &Summary) -> Option<Vec<detail::Pair>> {
+        let kept = self.bodies.lock().ok()?.get(&s.id)?;
+        let shape = crate::api::Shape::of_path(s.endpoint.strip_prefix("/v1")?)?;
+        Some(detail::pairs(&detail::Sides {
+            shape,
+            client: kept.client.as_ref()?,
+            upstream: kept.upstream.as_ref(),
+            notes: &kept.notes,
+            history_used: kept.history_used,
+            describer: &self.describer,
+        }))
+    }
+
+    /// Conversation `id`'s requests, oldest first.
+    pub async fn conversation(&self, id: &str) -> Vec<Arc<Summary>> {
+        let (all, _) = self.all().await;
+        let mut list: Vec<_> = all
+            .into_iter()
+            .filter(|s| s.conversation.as_deref() == Some(id))
+            .collect();
+        list.reverse();
+        list
+    }
+
+    /// The savings over the kept window.
+    pub async fn savings(&self) -> savings::Savings {
+        let (all, _) = self.all().await;
+        savings::savings(all.iter().map(|s| &**s))
+    }
+}
+
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Secret;
 
     fn summary(id: &str, key: &str, changed: bool) -> Summary {
         Summary {
@@ -296,70 +391,84 @@ mod tests {
         }
     }
 
-    fn inspector(keep: usize, open: bool, admin: &[&str]) -> Inspector {
+    fn record(s: Summary) -> Record {
+        Record {
+            summary: s,
+            client: None,
+            upstream: None,
+            report: None,
+        }
+    }
+
+    fn inspector(keep: usize, body_bytes: usize, listen: [u8; 4], admin: &[&str]) -> Inspector {
         let config = Config {
             enabled: true,
             keep,
+            body_bytes,
             admin_keys: admin.iter().map(|k| Secret::new(*k)).collect(),
         };
-        let listen = Some(SocketAddr::from(([127, 0, 0, 1], 8787)));
-        Inspector::new(&config, listen, !open)
+        Inspector::new(&config, Some(SocketAddr::from((listen, 8787))), false, "d")
     }
 
-    #[test]
-    fn keeps_the_newest_first_and_no_more_than_keep() {
-        let i = inspector(3, true, &[]);
+    #[tokio::test]
+    async fn keeps_the_newest_first_and_no_more_than_keep() {
+        let i = inspector(3, 0, [127, 0, 0, 1], &[]);
         for n in 0..5 {
-            i.record(summary(&n.to_string(), "a", n % 2 == 0));
+            i.record(record(summary(&n.to_string(), "a", n % 2 == 0)));
         }
         let ids: Vec<String> = i
             .requests(&Filter::parse(None).unwrap())
+            .await
+            .0
             .iter()
             .map(|s| s.id.clone())
             .collect();
         assert_eq!(ids, ["4", "3", "2"]);
-        assert!(i.request("1").is_none() && i.request("3").is_some());
-        let changed = i.requests(&Filter::parse(Some("changed=true&limit=1")).unwrap());
+        assert!(i.request("1").await.is_none() && i.request("3").await.is_some());
+        let changed = i
+            .requests(&Filter::parse(Some("changed=true&limit=1")).unwrap())
+            .await
+            .0;
         assert_eq!(changed.len(), 1);
         assert_eq!(changed[0].id, "4");
     }
 
-    #[test]
-    fn filters_read_from_the_query() {
-        let f = Filter::parse(Some("key=team%20a&status=200&limit=99999&changed")).unwrap();
-        assert_eq!(f.key.as_deref(), Some("team a"));
-        assert_eq!((f.status, f.limit, f.changed), (Some(200), MAX_LIMIT, true));
-        assert!(
-            Filter::parse(Some("status=abc"))
-                .unwrap_err()
-                .starts_with("status")
+    #[tokio::test]
+    async fn bodies_are_kept_without_media_and_read_side_by_side() {
+        let i = inspector(10, 1 << 20, [127, 0, 0, 1], &[]);
+        let png = "iVBORw0KGgo".repeat(100);
+        let client = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{png}"}}}}]}}]}}"#
         );
+        let upstream = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"[image sha256:7ae32ec79dcb: a chart]"}]}]}"#;
+        let mut report = Report::default();
+        report.images.push(detail::tests_note("described"));
+        let mut s = summary("r1", "a", true);
+        s.endpoint = "/v1/chat/completions".to_owned();
+        i.record(Record {
+            summary: s,
+            client: Some(Bytes::from(client)),
+            upstream: Some(Bytes::from_static(upstream.as_bytes())),
+            report: Some(report),
+        });
+        let s = i.request("r1").await.unwrap();
+        assert!(s.bodies_kept);
+        let pairs = i.detail(&s).unwrap();
+        assert_eq!(pairs.len(), 1);
+        assert!(pairs[0].changed);
+        assert_eq!(pairs[0].labels[0].rule, "images");
+        let kept = pairs[0].client.as_ref().unwrap().to_string();
         assert!(
-            Filter::parse(Some("colour=red"))
-                .unwrap_err()
-                .starts_with("colour")
+            kept.contains("[base64: ") && !kept.contains(&png[..64]),
+            "{kept}"
         );
-        assert!(Filter::parse(Some("key=%zz")).is_err());
     }
 
     #[test]
-    fn open_on_loopback_without_keys_else_an_admin_key() {
-        let mut h = http::HeaderMap::new();
-        assert_eq!(inspector(1, true, &[]).access(&h), Access::Granted);
-        assert_eq!(inspector(1, false, &[]).access(&h), Access::NotConfigured);
-        let closed = inspector(1, false, &["adm-1"]);
-        assert_eq!(closed.access(&h), Access::Unauthorized);
-        h.insert(http::header::AUTHORIZATION, "Bearer adm-2".parse().unwrap());
-        assert_eq!(closed.access(&h), Access::Unauthorized);
-        h.insert(http::header::AUTHORIZATION, "Bearer adm-1".parse().unwrap());
-        assert_eq!(closed.access(&h), Access::Granted);
-        // Listening on every address is not open.
-        let config = Config {
-            enabled: true,
-            keep: 1,
-            admin_keys: Vec::new(),
-        };
-        let any = Inspector::new(&config, Some(SocketAddr::from(([0, 0, 0, 0], 8787))), false);
+    fn listening_on_every_address_is_not_open() {
+        let any = inspector(1, 0, [0, 0, 0, 0], &[]);
+        assert!(!any.is_open());
         assert_eq!(any.access(&http::HeaderMap::new()), Access::NotConfigured);
+        assert!(inspector(1, 0, [127, 0, 0, 1], &[]).is_open());
     }
 }

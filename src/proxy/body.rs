@@ -31,6 +31,8 @@ use tokio_util::task::TaskTracker;
 pub enum ProxyBody {
     Full(Full<Bytes>),
     Upstream(Box<ObservedBody>),
+    /// Chunks made by a task of visor's own (the inspector's events).
+    Events(tokio::sync::mpsc::Receiver<Bytes>),
 }
 
 impl From<Bytes> for ProxyBody {
@@ -50,6 +52,7 @@ impl Body for ProxyBody {
         match self.get_mut() {
             ProxyBody::Full(f) => Pin::new(f).poll_frame(cx).map_err(|e| match e {}),
             ProxyBody::Upstream(o) => Pin::new(o.as_mut()).poll_frame(cx),
+            ProxyBody::Events(rx) => rx.poll_recv(cx).map(|c| c.map(|b| Ok(Frame::data(b)))),
         }
     }
 
@@ -57,6 +60,7 @@ impl Body for ProxyBody {
         match self {
             ProxyBody::Full(f) => f.is_end_stream(),
             ProxyBody::Upstream(o) => o.inner.is_end_stream(),
+            ProxyBody::Events(_) => false,
         }
     }
 
@@ -64,6 +68,7 @@ impl Body for ProxyBody {
         match self {
             ProxyBody::Full(f) => f.size_hint(),
             ProxyBody::Upstream(o) => o.inner.size_hint(),
+            ProxyBody::Events(_) => SizeHint::default(),
         }
     }
 }
@@ -116,6 +121,11 @@ pub type Charge = Box<dyn FnOnce(Option<u64>, u64) + Send + Sync>;
 pub struct Inspected {
     pub inspector: Arc<crate::inspector::Inspector>,
     pub summary: crate::inspector::Summary,
+    /// The body as the client sent it (a transformed endpoint's).
+    pub client_body: Option<Bytes>,
+    /// The body sent upstream, when it differs.
+    pub upstream_body: Option<Bytes>,
+    pub report: Option<crate::transform::Report>,
 }
 
 /// What is recorded when the body ends.
@@ -289,6 +299,9 @@ impl ObservedBody {
         if let Some(Inspected {
             inspector,
             mut summary,
+            client_body,
+            upstream_body,
+            report,
         }) = f.inspected
         {
             summary.upstream = f.upstream.to_string();
@@ -310,7 +323,12 @@ impl ObservedBody {
                 readable: c.readable,
                 miss: cache_miss.clone(),
             });
-            inspector.record(summary);
+            inspector.record(crate::inspector::Record {
+                summary,
+                client: client_body,
+                upstream: upstream_body,
+                report,
+            });
         }
         tracing::info!(
             request_id = f.request_id.to_str().unwrap_or_default(),

@@ -83,6 +83,11 @@ pub async fn handle(
 ) -> Result<Response<ProxyBody>, Stop> {
     let (mut call, parts, body) = Call::new(state, req)?; // 1. limit
     let held = read_body(state, &mut call, &parts, body).await?; // 2. body
+    // The inspector keeps the body as the client sent it (one reference).
+    let client_body = match (&held, state.inspector.enabled) {
+        (Held::Whole(b), true) => Some(b.clone()),
+        _ => None,
+    };
     edge.model_read(call.model.as_deref());
     call.index = state.routes.route(call.model.as_deref())?; // 3. route
     edge.routed(call.index, call.model.as_deref());
@@ -156,6 +161,7 @@ pub async fn handle(
         recorder: session.recorder,
         grant,
         cache,
+        client_body,
     };
     Ok(respond(state, call, &exchange, edge, outgoing, answer).await) // 8. respond
 }
@@ -869,6 +875,8 @@ struct Outgoing {
     grant: Grant,
     /// The request's cache, as judged before the answer.
     cache: Option<Seen>,
+    /// The body as the client sent it, for the inspector.
+    client_body: Option<Bytes>,
 }
 
 /// Phase 8: status and headers passed through (plus the `x-visor-*`
@@ -887,6 +895,7 @@ async fn respond(
         mut recorder,
         grant,
         cache,
+        client_body,
     } = out;
     let upstream = exchange.upstream.clone();
     let (mut head, incoming) = answer.resp.into_parts();
@@ -921,9 +930,16 @@ async fn respond(
     if let Some(rec) = recorder.as_mut() {
         rec.head(head.status, &head.headers);
     }
+    let breakpoints = prepared.as_ref().map_or(0, |p| p.report.breakpoints);
     let inspected = state.inspector.enabled.then(|| Inspected {
         inspector: state.inspector.clone(),
         summary: summary(state, &call, &grant, prepared.as_ref(), cache.as_ref()),
+        upstream_body: prepared
+            .as_ref()
+            .filter(|p| client_body.as_ref() != Some(&p.body))
+            .map(|p| p.body.clone()),
+        client_body,
+        report: prepared.as_mut().map(|p| std::mem::take(&mut p.report)),
     });
     let finish = Finish {
         metrics: state.metrics.clone(),
@@ -937,7 +953,7 @@ async fn respond(
         images_replaced: counts.map_or(0, |c| c.images_replaced),
         media_replaced: counts.map_or(0, |c| c.media_replaced),
         bytes_saved: counts.map_or(0, |c| c.bytes_saved),
-        breakpoints: prepared.as_ref().map_or(0, |p| p.report.breakpoints),
+        breakpoints,
         inspected,
         cache,
         on_usage: grant.key.map(|i| charge_usage(state, i, grant.estimate)),
@@ -977,8 +993,19 @@ fn summary(
             prompt_cache_key: r.cache_key,
         }
     });
+    let caps = call.model.as_deref().map(|m| state.rewrite.models.caps(m));
+    let prices = caps.and_then(|c| {
+        Some(crate::inspector::Prices {
+            input: c.input?,
+            cached_input: c.cached_input,
+            cache_write: c.cache_write,
+            output: c.output?,
+        })
+    });
     Summary {
         id: call.request_id.to_str().unwrap_or_default().to_owned(),
+        endpoint: format!("/v1{}", call.rest),
+        prices,
         time_ms: now_ms.saturating_sub(call.started.elapsed().as_millis() as u64),
         replica: state.inspector.replica.clone(),
         key: grant.label.clone(),

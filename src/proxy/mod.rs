@@ -4,8 +4,10 @@ mod admission;
 pub mod body;
 pub mod coalesce;
 mod edge;
+mod explain;
 mod forward;
 pub mod headers;
+mod inspect;
 mod prepare;
 pub mod request_body;
 mod router;
@@ -254,8 +256,12 @@ where
 
     fn call(&mut self, req: Request<RequestBody>) -> BoxFut {
         let path = req.uri().path();
-        // The inspector asks for its own (admin) keys.
-        let inspector = path == "/visor/ui" || path.starts_with("/visor/api/");
+        // The inspector asks for its own (admin) keys; an artifact is also
+        // shown to whoever may read the inspector (its thumbnails).
+        let inspector = inspect::is_inspector(path)
+            || (path.starts_with("/visor/artifacts/")
+                && self.state.inspector.enabled
+                && self.state.inspector.access(req.headers()) == crate::inspector::Access::Granted);
         let guarded = !inspector
             && (path == "/v1"
                 || path.starts_with("/v1/")

@@ -10,7 +10,7 @@ use http_body::Body as _;
 use super::AppState;
 use super::body::ProxyBody;
 use super::edge::{Edge, refuse};
-use super::{forward, websocket};
+use super::{forward, inspect, websocket};
 use crate::artifacts::Found;
 use crate::error::VisorError;
 use crate::upstream::RequestBody;
@@ -41,9 +41,11 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
         return proxy(&state, req).await;
     }
     let head = req.method() == Method::HEAD;
-    let endpoint = Own::of(path).filter(|e| {
-        state.inspector.enabled || !matches!(e, Own::Ui | Own::Requests | Own::Request(_))
-    });
+    if inspect::is_inspector(path) && state.inspector.enabled {
+        let resp = inspect::handle(&state, req).await;
+        return if head { without_body(resp) } else { resp };
+    }
+    let endpoint = Own::of(path);
     let Some(endpoint) = endpoint else {
         let resp = refuse(&state.metrics, VisorError::NotFound(truncate(path, 200)));
         return if head { without_body(resp) } else { resp };
@@ -96,7 +98,6 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
             resp
         }
         Own::Artifact(id) => artifact(&state, id.to_owned()).await,
-        Own::Ui | Own::Requests | Own::Request(_) => inspect(&state, &endpoint, &req),
         Own::Session(id) => {
             let id = id.to_owned();
             session_endpoint(&state, method == Method::DELETE, req.headers(), id).await
@@ -126,12 +127,6 @@ enum Own<'a> {
     Artifact(&'a str),
     /// `/visor/sessions/<id>`
     Session(&'a str),
-    /// `/visor/ui`: the inspector's page.
-    Ui,
-    /// `/visor/api/requests`
-    Requests,
-    /// `/visor/api/requests/<id>`
-    Request(&'a str),
 }
 
 impl<'a> Own<'a> {
@@ -140,12 +135,7 @@ impl<'a> Own<'a> {
             "/healthz" => Some(Own::Healthz),
             "/readyz" => Some(Own::Readyz),
             "/metrics" => Some(Own::Metrics),
-            "/visor/ui" => Some(Own::Ui),
-            "/visor/api/requests" => Some(Own::Requests),
             _ => {
-                if let Some(id) = path.strip_prefix("/visor/api/requests/") {
-                    return Some(Own::Request(id));
-                }
                 if let Some(id) = path.strip_prefix("/visor/artifacts/") {
                     Some(Own::Artifact(id))
                 } else {
@@ -238,62 +228,6 @@ async fn artifact(state: &AppState, id: String) -> Response<ProxyBody> {
     }
 }
 
-/// The inspector's page and JSON, for an admin (or anyone, when it is
-/// open).
-fn inspect(
-    state: &AppState,
-    endpoint: &Own<'_>,
-    req: &Request<RequestBody>,
-) -> Response<ProxyBody> {
-    use crate::inspector::{Access, Filter, page};
-    let inspector = &state.inspector;
-    match inspector.access(req.headers()) {
-        Access::Granted => {}
-        Access::Unauthorized => return refuse(&state.metrics, VisorError::Unauthorized),
-        Access::NotConfigured => return refuse(&state.metrics, VisorError::InspectorClosed),
-    }
-    let filter = match Filter::parse(req.uri().query()) {
-        Ok(f) => f,
-        Err(why) => return refuse(&state.metrics, VisorError::BadFilter(why)),
-    };
-    let mut resp = match endpoint {
-        Own::Ui => {
-            let html = page::requests(&inspector.requests(&filter), &filter, &inspector.replica);
-            let mut resp = Response::new(ProxyBody::from(Bytes::from(html)));
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("text/html; charset=utf-8"),
-            );
-            resp.headers_mut().insert(
-                header::CONTENT_SECURITY_POLICY,
-                HeaderValue::from_static("default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'"),
-            );
-            resp
-        }
-        Own::Request(id) => match inspector.request(id) {
-            Some(s) => json_owned(
-                StatusCode::OK,
-                serde_json::to_string(&*s).unwrap_or_default(),
-            ),
-            None => {
-                return refuse(
-                    &state.metrics,
-                    VisorError::RequestNotKept(truncate(id, 100)),
-                );
-            }
-        },
-        _ => {
-            let list = inspector.requests(&filter);
-            let list: Vec<&crate::inspector::Summary> = list.iter().map(|s| &**s).collect();
-            let body = serde_json::json!({"replica": inspector.replica, "requests": list});
-            json_owned(StatusCode::OK, body.to_string())
-        }
-    };
-    resp.headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    resp
-}
-
 /// The full id of the one artifact whose id begins with `short`.
 async fn find_artifact(state: &AppState, short: &str) -> Result<String, VisorError> {
     let store = state.rewrite.artifacts.clone();
@@ -362,7 +296,7 @@ fn json(status: StatusCode, body: &'static str) -> Response<ProxyBody> {
     json_owned(status, body)
 }
 
-fn json_owned(status: StatusCode, body: impl Into<Bytes>) -> Response<ProxyBody> {
+pub(super) fn json_owned(status: StatusCode, body: impl Into<Bytes>) -> Response<ProxyBody> {
     let mut resp = Response::new(ProxyBody::from(body.into()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
@@ -372,7 +306,7 @@ fn json_owned(status: StatusCode, body: impl Into<Bytes>) -> Response<ProxyBody>
     resp
 }
 
-fn truncate(s: &str, max: usize) -> String {
+pub(super) fn truncate(s: &str, max: usize) -> String {
     match s.char_indices().nth(max) {
         Some((i, _)) => format!("{}…", &s[..i]),
         None => s.to_owned(),

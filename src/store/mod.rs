@@ -173,6 +173,18 @@ trait Backend: Send + Sync {
         None
     }
 
+    /// `None`: not shared. Otherwise appends `entry` to the inspector's
+    /// stream of request summaries, trimmed to about `keep` entries.
+    fn publish_summary<'a>(&'a self, _entry: Vec<u8>, _keep: usize) -> Option<StoreFuture<'a, ()>> {
+        None
+    }
+
+    /// `None`: not shared. Otherwise the newest `n` entries of the
+    /// inspector's stream, newest first.
+    fn recent_summaries(&self, _n: usize) -> Option<StoreFuture<'_, Vec<Vec<u8>>>> {
+        None
+    }
+
     /// `None`: not shared.
     fn uncount_window<'a>(
         &'a self,
@@ -374,6 +386,29 @@ impl Store {
         };
         match self.guarded(Access::Put, op).await {
             Ok(()) => Shared::Done(()),
+            Err(_) => Shared::Failed,
+        }
+    }
+
+    /// Appends a request summary to the replicas' shared stream (the
+    /// inspector's fleet view).
+    pub async fn publish_summary(&self, entry: Vec<u8>, keep: usize) -> Shared<()> {
+        let Some(op) = self.backend.publish_summary(entry, keep) else {
+            return Shared::NotShared;
+        };
+        match self.guarded(Access::Put, op).await {
+            Ok(()) => Shared::Done(()),
+            Err(_) => Shared::Failed,
+        }
+    }
+
+    /// The newest `n` summaries of every replica, newest first.
+    pub async fn recent_summaries(&self, n: usize) -> Shared<Vec<Vec<u8>>> {
+        let Some(op) = self.backend.recent_summaries(n) else {
+            return Shared::NotShared;
+        };
+        match self.guarded(Access::Get, op).await {
+            Ok(v) => Shared::Done(v),
             Err(_) => Shared::Failed,
         }
     }

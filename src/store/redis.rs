@@ -104,6 +104,9 @@ fn failure(e: ::redis::RedisError) -> StoreError {
     }
 }
 
+/// One entry of a Redis stream as XREVRANGE gives it: its id, its fields.
+type StreamEntry = (String, Vec<(String, Vec<u8>)>);
+
 impl Backend for Redis {
     fn traits(&self) -> Traits {
         Traits {
@@ -256,6 +259,45 @@ impl Backend for Redis {
                     .arg(ttl.as_secs().max(1)),
             )
             .await
+        }))
+    }
+
+    fn publish_summary<'a>(&'a self, entry: Vec<u8>, keep: usize) -> Option<StoreFuture<'a, ()>> {
+        Some(Box::pin(async move {
+            let _: ::redis::Value = self
+                .query(
+                    ::redis::cmd("XADD")
+                        .arg(self.key("inspector:", "requests"))
+                        .arg("MAXLEN")
+                        .arg("~")
+                        .arg(keep.max(1))
+                        .arg("*")
+                        .arg("s")
+                        .arg(entry),
+                )
+                .await?;
+            Ok(())
+        }))
+    }
+
+    fn recent_summaries(&self, n: usize) -> Option<StoreFuture<'_, Vec<Vec<u8>>>> {
+        Some(Box::pin(async move {
+            let entries: Vec<StreamEntry> = self
+                .query(
+                    ::redis::cmd("XREVRANGE")
+                        .arg(self.key("inspector:", "requests"))
+                        .arg("+")
+                        .arg("-")
+                        .arg("COUNT")
+                        .arg(n.max(1)),
+                )
+                .await?;
+            Ok(entries
+                .into_iter()
+                .filter_map(|(_, fields)| {
+                    fields.into_iter().find(|(k, _)| k == "s").map(|(_, v)| v)
+                })
+                .collect())
         }))
     }
 

@@ -1243,7 +1243,7 @@ pub fn is_document_text(text: &str) -> bool {
 }
 
 /// One of the notes this module writes.
-fn is_note(line: &str) -> bool {
+pub fn is_note(line: &str) -> bool {
     let Some(inner) = line
         .trim_end()
         .strip_prefix('[')

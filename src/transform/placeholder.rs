@@ -26,7 +26,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    fn words(self) -> &'static str {
+    pub fn words(self) -> &'static str {
         match self {
             Reason::NonVision => "this model cannot see images",
             Reason::AgedOut => "an older tool result",

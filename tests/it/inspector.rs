@@ -122,7 +122,7 @@ async fn a_changed_request_is_listed_with_what_visor_did_and_found_by_its_id() {
     let (status, _, one) = get(&visor, "/visor/api/requests/req-inspect-1", None).await;
     assert_eq!(status, 200);
     assert_eq!(
-        serde_json::from_slice::<Value>(&one).unwrap()["changes"]["images_replaced"],
+        serde_json::from_slice::<Value>(&one).unwrap()["request"]["changes"]["images_replaced"],
         1
     );
     let (status, _, body) = get(&visor, "/visor/api/requests/nope", None).await;
@@ -145,12 +145,18 @@ async fn a_changed_request_is_listed_with_what_visor_did_and_found_by_its_id() {
         "{page}"
     );
     assert!(!page.contains("gpt-4o"), "filtered by model");
-    assert!(!page.contains("<script") && !page.contains("https://"));
+    // Its one script is its own (it only adds live rows).
+    assert_eq!(page.matches("<script").count(), 1);
+    assert!(page.contains("<script src=/visor/ui/live.js defer>"));
+    assert!(!page.contains("https://") && !page.contains("http://"));
     // No credential anywhere.
     for path in [
         "/visor/api/requests",
         "/visor/api/requests/req-inspect-1",
         "/visor/ui",
+        "/visor/ui/requests/req-inspect-1",
+        "/visor/api/savings",
+        "/visor/ui/savings",
     ] {
         let (_, _, body) = get(&visor, path, None).await;
         assert!(!String::from_utf8_lossy(&body).contains("SECRET"), "{path}");
@@ -214,7 +220,13 @@ async fn with_keys_only_an_admin_key_opens_it_and_never_a_proxy_key() {
 async fn off_is_not_there() {
     let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
     let visor = Visor::for_mock(&mock, "[inspector]\nenabled = false\n").await;
-    for path in ["/visor/ui", "/visor/api/requests"] {
+    for path in [
+        "/visor/ui",
+        "/visor/api/requests",
+        "/visor/ui/savings",
+        "/visor/api/events",
+        "/visor/ui/sign-in",
+    ] {
         let (status, _, _) = get(&visor, path, None).await;
         assert_eq!(status, 404, "{path}");
     }
