@@ -259,3 +259,359 @@ async fn it_goes_by_the_address_served_not_the_one_configured() {
         visor::inspector::Access::Granted
     );
 }
+
+/// GET with extra headers.
+async fn get_with(
+    visor: &Visor,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> (StatusCode, http::HeaderMap, Bytes) {
+    let mut req = Request::get(visor.url(path));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    send(req.body(Full::new(Bytes::new())).unwrap()).await
+}
+
+/// Waits (bounded) until request `id` is kept; its detail.
+async fn detail(visor: &Visor, id: &str, bearer: Option<&str>) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let (status, _, body) = get(visor, &format!("/visor/api/requests/{id}"), bearer).await;
+        if status == 200 || std::time::Instant::now() > deadline {
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            return serde_json::from_slice(&body).unwrap();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+fn with_id(path: &str, visor: &Visor, id: &str, body: String) -> Request<Full<Bytes>> {
+    Request::post(visor.url(path))
+        .header("content-type", "application/json")
+        .header("x-request-id", id)
+        .body(Full::new(Bytes::from(body)))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn one_request_side_by_side_with_its_rules_and_the_original_image() {
+    let mock = MockUpstream::start(|_: &Recorded| answered()).await;
+    let visor = Visor::for_mock(&mock, TEXT_ONLY).await;
+    send(with_id(
+        "/v1/chat/completions",
+        &visor,
+        "req-side",
+        with_image(),
+    ))
+    .await;
+    let d = detail(&visor, "req-side", None).await;
+    assert_eq!(d["request"]["bodies_kept"], true);
+    let m = &d["messages"][0];
+    assert_eq!(
+        (m["at"].as_str(), m["changed"].as_bool()),
+        (Some("0"), Some(true))
+    );
+    let label = &m["labels"][0];
+    assert_eq!(label["rule"], "images");
+    assert_eq!(label["reason"], "not shown: this model cannot see images");
+    // The client's side keeps no image bytes: a reference the artifacts
+    // answer to, whose bytes are the original.
+    let png = std::fs::read(fixtures().join("chart.png")).unwrap();
+    let b64 = base64_encode(&png);
+    let client = m["client"].to_string();
+    assert!(!client.contains(&b64[..80]), "{client}");
+    let hex = label["artifact"].as_str().unwrap();
+    assert!(client.contains(&format!("sha256:{hex}")), "{client}");
+    let (status, h, bytes) = get(&visor, &format!("/visor/artifacts/{hex}"), None).await;
+    assert_eq!(
+        (status, h["content-type"].to_str().unwrap()),
+        (StatusCode::OK, "image/png")
+    );
+    assert_eq!(bytes.as_ref(), png.as_slice());
+    // The upstream's side is what the provider got.
+    let sent: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
+    assert_eq!(m["upstream"], sent["messages"][0]);
+    // The page: both sides, the label, the thumbnail.
+    let (_, _, page) = get(&visor, "/visor/ui/requests/req-side", None).await;
+    let page = String::from_utf8(page.to_vec()).unwrap();
+    assert!(page.contains("images: not shown: this model cannot see images"));
+    assert!(page.contains(&format!("<img src=\"/visor/artifacts/{hex}\"")));
+    assert!(!page.contains(&b64[..80]));
+}
+
+#[tokio::test]
+async fn a_dedup_note_is_labelled_with_its_source() {
+    let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let block = (0..6)
+        .map(|i| format!("[10:0{i}] member {i}: the retention policy needs a tax branch first, see section {i}"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what changed in the channel?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "fetch", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": block}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "fetch", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": format!("{block}\na new line from the tool")}]},
+    ]});
+    send(with_id(
+        "/v1/messages",
+        &visor,
+        "req-dedup",
+        body.to_string(),
+    ))
+    .await;
+    let d = detail(&visor, "req-dedup", None).await;
+    let m = d["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["at"] == "4")
+        .unwrap();
+    assert_eq!(
+        m["labels"],
+        json!([{"rule": "dedup", "reason": "omitted: message 3 lines 1-6"}])
+    );
+    assert!(d["request"]["saving"]["dedup"].as_u64().unwrap() > 0);
+    // Unchanged messages are marked so.
+    assert!(
+        d["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["changed"] == false)
+    );
+}
+
+#[tokio::test]
+async fn a_conversation_in_order_and_the_savings_in_money() {
+    let mock = MockUpstream::start(|_: &Recorded| answered()).await;
+    let prices = "[[model]]\nmatch = \"priced\"\ninput = 2.5\ncached_input = 1.25\noutput = 10.0\n";
+    let visor = Visor::for_mock(&mock, prices).await;
+    for (i, key) in ["req-c1", "req-c2"].iter().enumerate() {
+        let mut messages = vec![json!({"role": "user", "content": "plan the trip"})];
+        if i == 1 {
+            messages.push(json!({"role": "assistant", "content": "ok"}));
+            messages.push(json!({"role": "user", "content": "and the hotel"}));
+        }
+        let body = json!({"model": "priced", "messages": messages}).to_string();
+        send(with_id("/v1/chat/completions", &visor, key, body)).await;
+    }
+    listed(&visor, 2, None).await;
+    let d = detail(&visor, "req-c2", None).await;
+    let conversation = d["request"]["conversation"].as_str().unwrap().to_owned();
+    // Prompt 120 of which 64 cached, completion 7: (56·2.5 + 64·1.25 + 7·10) / 1e6.
+    let cost = d["request"]["cost"].as_f64().unwrap();
+    assert!(
+        (cost - (56.0 * 2.5 + 64.0 * 1.25 + 70.0) / 1e6).abs() < 1e-12,
+        "{cost}"
+    );
+    let (status, _, body) = get(
+        &visor,
+        &format!("/visor/api/conversations/{conversation}"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let c: Value = serde_json::from_slice(&body).unwrap();
+    let ids: Vec<&str> = c["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["req-c1", "req-c2"], "oldest first");
+    let (_, _, page) = get(
+        &visor,
+        &format!("/visor/ui/conversations/{conversation}"),
+        None,
+    )
+    .await;
+    let page = String::from_utf8(page.to_vec()).unwrap();
+    assert!(
+        page.contains("<svg class=chart") && page.contains("request 2: sent: "),
+        "{page}"
+    );
+    let (_, _, body) = get(&visor, "/visor/api/savings", None).await;
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    let sums = &v["by_model"]["priced"];
+    assert_eq!(sums["requests"], 2);
+    assert!((sums["cost"].as_f64().unwrap() - 2.0 * cost).abs() < 1e-12);
+    assert_eq!(v["by_key"]["none"]["requests"], 2);
+    let (_, _, page) = get(&visor, "/visor/ui/savings", None).await;
+    assert!(String::from_utf8_lossy(&page).contains("<h2>Per model</h2>"));
+}
+
+#[tokio::test]
+async fn events_stream_each_request_as_it_is_kept() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let url = visor.url("/");
+    let addr = url.trim_start_matches("http://").trim_end_matches('/');
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(format!("GET /visor/api/events HTTP/1.1\r\nhost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    async fn read_until(conn: &mut tokio::net::TcpStream, seen: &mut Vec<u8>, what: &str) {
+        let fut = async {
+            let mut buf = [0u8; 4096];
+            while !String::from_utf8_lossy(seen).contains(what) {
+                let n = conn.read(&mut buf).await.unwrap();
+                assert!(n > 0, "the stream ended");
+                seen.extend_from_slice(&buf[..n]);
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(10), fut)
+            .await
+            .unwrap_or_else(|_| panic!("no {what:?} within 10 s"));
+    }
+    read_until(&mut conn, &mut seen, ": visor inspector events").await;
+    assert!(String::from_utf8_lossy(&seen).contains("text/event-stream"));
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    send(with_id("/v1/chat/completions", &visor, "req-live", body)).await;
+    read_until(&mut conn, &mut seen, "\"id\":\"req-live\"").await;
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.contains("data: {"), "{text}");
+}
+
+#[tokio::test]
+async fn explain_runs_in_the_proxy_with_its_caches() {
+    let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, TEXT_ONLY).await;
+    let req = Request::post(visor.url("/visor/api/explain?endpoint=chat"))
+        .body(Full::new(Bytes::from(with_image())))
+        .unwrap();
+    let (status, _, body) = send(req).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["report"]["images_replaced"], 1);
+    assert_eq!(v["report"]["model"], "text-only");
+    assert!(!v["request"].to_string().contains("base64,"));
+    assert!(mock.recorded().is_empty(), "nothing sent upstream");
+    for (q, code) in [("?endpoint=soap", 400), ("?colour=red", 400)] {
+        let req = Request::post(visor.url(&format!("/visor/api/explain{q}")))
+            .body(Full::new(Bytes::from(with_image())))
+            .unwrap();
+        assert_eq!(send(req).await.0.as_u16(), code, "{q}");
+    }
+    let req = Request::post(visor.url("/visor/api/explain"))
+        .body(Full::new(Bytes::from_static(b"{not json")))
+        .unwrap();
+    let (status, _, body) = send(req).await;
+    assert_eq!(status, 400);
+    assert_eq!(error_code(&body), "invalid_json");
+}
+
+#[tokio::test]
+async fn a_browser_signs_in_with_an_admin_key_and_gets_an_http_only_cookie() {
+    let mock = MockUpstream::start(|_: &Recorded| answered()).await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("[server]\napi_keys = [\"vk-proxy\"]\n[inspector]\nadmin_keys = [\"adm-1\"]\n{TEXT_ONLY}"),
+    )
+    .await;
+    // The page offers the form; the API says 401 in the error shape.
+    let (status, _, page) = get(&visor, "/visor/ui", None).await;
+    assert_eq!(status, 401);
+    assert!(String::from_utf8_lossy(&page).contains("action=/visor/ui/sign-in"));
+    let sign_in = |key: &str| {
+        Request::post(visor.url("/visor/ui/sign-in"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(Full::new(Bytes::from(format!("key={key}"))))
+            .unwrap()
+    };
+    let (status, h, _) = send(sign_in("vk-proxy")).await;
+    assert_eq!(status, 401, "a proxy key does not sign in");
+    assert!(h.get("set-cookie").is_none());
+    let (status, h, _) = send(sign_in("adm-1")).await;
+    assert_eq!(status, 303);
+    assert_eq!(h["location"], "/visor/ui");
+    let cookie = h["set-cookie"].to_str().unwrap().to_owned();
+    assert!(
+        cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
+        "{cookie}"
+    );
+    assert!(!cookie.contains("adm-1"), "the cookie holds no key");
+    let pair = cookie.split(';').next().unwrap().to_owned();
+    let (status, _, _) = get_with(&visor, "/visor/ui", &[("cookie", &pair)]).await;
+    assert_eq!(status, 200);
+    // The thumbnails load with the cookie alone.
+    let req = Request::post(visor.url("/v1/chat/completions"))
+        .header("authorization", "Bearer vk-proxy")
+        .header("x-request-id", "req-signed")
+        .body(Full::new(Bytes::from(with_image())))
+        .unwrap();
+    assert_eq!(send(req).await.0, 200);
+    let d = detail(&visor, "req-signed", Some("adm-1")).await;
+    let hex = d["messages"][0]["labels"][0]["artifact"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let artifact = format!("/visor/artifacts/{hex}");
+    assert_eq!(
+        get_with(&visor, &artifact, &[("cookie", &pair)]).await.0,
+        200
+    );
+    assert_eq!(get_with(&visor, &artifact, &[]).await.0, 401);
+    assert_eq!(
+        get_with(&visor, "/visor/ui", &[("cookie", "visor_inspector=1.abc")])
+            .await
+            .0,
+        401
+    );
+}
+
+#[tokio::test]
+async fn body_bytes_bounds_what_is_kept() {
+    let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "[inspector]\nbody_bytes = 300\n").await;
+    let small = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let large = json!({"model": "m", "messages": [{"role": "user", "content": "x ".repeat(400)}]})
+        .to_string();
+    send(with_id("/v1/chat/completions", &visor, "req-small", small)).await;
+    send(with_id("/v1/chat/completions", &visor, "req-large", large)).await;
+    let d = detail(&visor, "req-large", None).await;
+    assert_eq!(d["request"]["bodies_kept"], false);
+    assert!(d["messages"].is_null());
+    let d = detail(&visor, "req-small", None).await;
+    assert_eq!(d["request"]["bodies_kept"], true);
+    assert_eq!(d["messages"][0]["client"]["content"], "hi");
+    let (_, _, page) = get(&visor, "/visor/ui/requests/req-large", None).await;
+    assert!(String::from_utf8_lossy(&page).contains("bodies are not kept"));
+}
+
+#[tokio::test]
+async fn two_replicas_on_one_redis_are_listed_together() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
+    let store = format!(
+        "[store]\nbackend = \"{}\"\nprefix = \"visor-inspector-test:\"\n",
+        redis.url()
+    );
+    let a = Visor::for_mock(&mock, &store).await;
+    let b = Visor::for_mock(&mock, &store).await;
+    let body =
+        |m: &str| json!({"model": m, "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    send(with_id("/v1/chat/completions", &a, "req-on-a", body("ma"))).await;
+    send(with_id("/v1/chat/completions", &b, "req-on-b", body("mb"))).await;
+    for v in [&a, &b] {
+        let list = listed(v, 2, None).await;
+        let mut ids: Vec<&str> = list.iter().map(|s| s["id"].as_str().unwrap()).collect();
+        ids.sort();
+        assert_eq!(ids, ["req-on-a", "req-on-b"]);
+        let (_, _, body) = get(v, "/visor/api/requests", None).await;
+        assert_eq!(
+            serde_json::from_slice::<Value>(&body).unwrap()["fleet"],
+            true
+        );
+    }
+    // The detail of a request served by the other replica says so.
+    let d = detail(&a, "req-on-b", None).await;
+    assert_eq!(d["request"]["id"], "req-on-b");
+    assert!(d["messages"].is_null());
+}
