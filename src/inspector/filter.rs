@@ -29,6 +29,19 @@ impl Filter {
         for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
             let v = percent_decode(v).ok_or_else(|| format!("{k}: not valid percent-encoding"))?;
+            // The page's form sends every field, the empty ones too: an
+            // empty field filters nothing.
+            let named = [
+                "key",
+                "model",
+                "upstream",
+                "conversation",
+                "status",
+                "limit",
+            ];
+            if v.is_empty() && named.contains(&k) {
+                continue;
+            }
             match k {
                 "key" => f.key = Some(v),
                 "model" => f.model = Some(v),
@@ -117,5 +130,12 @@ mod tests {
                 .starts_with("colour")
         );
         assert!(Filter::parse(Some("key=%zz")).is_err());
+        // As the page's form sends it: empty fields filter nothing.
+        let f = Filter::parse(Some("key=&model=m&upstream=&conversation=&status=")).unwrap();
+        assert_eq!(
+            (f.key, f.model.as_deref(), f.upstream, f.status, f.changed),
+            (None, Some("m"), None, None, false)
+        );
+        assert!(Filter::parse(Some("colour=")).is_err());
     }
 }
