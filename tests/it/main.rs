@@ -25,6 +25,8 @@ mod connections;
 mod describe;
 /// `src/inspector/`: the page and JSON of recent requests.
 mod inspector;
+/// The inspector page in a real browser (headless Chromium, WebDriver).
+mod inspector_browser;
 /// `src/limits.rs`: `[[key]]` limits.
 mod limits;
 /// `src/prompt_cache/`: breakpoints, keys and the cache judged.

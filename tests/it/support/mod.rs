@@ -4,6 +4,7 @@
 
 pub mod anthropic_cache;
 pub mod pdf_build;
+pub mod webdriver;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
