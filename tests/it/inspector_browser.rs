@@ -1,6 +1,9 @@
 //! The inspector page in a real browser (headless Chromium over WebDriver,
 //! `support::webdriver`): a request visor changed is listed, the filter
-//! form works from the keyboard, and the page loads nothing from elsewhere.
+//! form works from the keyboard, and the page loads nothing from elsewhere;
+//! one request side by side with its image's thumbnail (the original's
+//! bytes) and its dedup note, its conversation, the savings; the sign-in
+//! form where a key is needed.
 //! Screenshots for a person to look at: `target/inspector-screens/`.
 //! Without Chromium installed these skip (printed), except under `CI=true`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -111,21 +114,21 @@ async fn the_page_lists_a_changed_request_and_filters_by_keyboard() {
     send_image_request(&visor, "text-only", "req-browser-1").await;
 
     browser.goto(&visor.url("/visor/ui")).await;
-    assert!(browser.title().await.contains("requests"));
+    assert!(browser.title().await.contains("Requests"));
     let rows = browser.find_all("table tbody tr").await;
     assert_eq!(rows.len(), 1);
     let cells = rows[0].find_all("td").await;
-    assert_eq!(cells[2].text().await, "text-only → mock");
-    assert_eq!(cells[3].text().await, "200");
+    assert_eq!(cells[3].text().await, "text-only → mock");
+    assert_eq!(cells[4].text().await, "200");
     assert!(
-        cells[7].text().await.contains("images replaced"),
+        cells[8].text().await.contains("images replaced"),
         "{}",
-        cells[7].text().await
+        cells[8].text().await
     );
     let link = cells[0].find("a").await;
     assert_eq!(
         link.attr("href").await.as_deref(),
-        Some("/visor/api/requests/req-browser-1")
+        Some("/visor/ui/requests/req-browser-1")
     );
     assert_only_own_requests(&browser, &visor).await;
     browser.screenshot("requests.png").await;
@@ -153,7 +156,7 @@ async fn the_page_lists_a_changed_request_and_filters_by_keyboard() {
         .await;
     browser.wait_for_url("model=no-such-model", BOUND).await;
     browser.wait_for_text("No request yet.", BOUND).await;
-    assert!(browser.try_find("table").await.is_none());
+    assert!(browser.find_all("table tbody tr").await.is_empty());
     browser.screenshot("filtered-empty.png").await;
 
     // The harness's cookies and clicks (for the tests to come).
@@ -168,11 +171,144 @@ async fn the_page_lists_a_changed_request_and_filters_by_keyboard() {
     assert!(browser.cookie("absent").await.is_none());
     assert_eq!(browser.cookies().await.len(), 1);
     browser
-        .find("a[href='/visor/api/requests']")
+        .find("nav a[href='/visor/api/requests']")
         .await
         .click()
         .await;
     browser.wait_for_url("/visor/api/requests", BOUND).await;
     browser.wait_for_text("req-browser-1", BOUND).await;
     browser.quit().await;
+}
+
+/// A chat whose screenshot a text-only model gets described, and whose
+/// second tool result repeats the first (a dedup note).
+fn described_and_deduped(url: &str) -> String {
+    let block = (0..6)
+        .map(|i| format!("[10:0{i}] member {i}: the retention policy needs a tax branch first, see section {i}"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let call = |id: &str| {
+        json!({"role": "assistant", "content": null, "tool_calls": [
+        {"id": id, "type": "function", "function": {"name": "fetch", "arguments": "{}"}}]})
+    };
+    json!({"model": "text-only", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what changed?"},
+            {"type": "image_url", "image_url": {"url": url}}]},
+        call("t1"),
+        {"role": "tool", "tool_call_id": "t1", "content": block},
+        call("t2"),
+        {"role": "tool", "tool_call_id": "t2", "content": format!("{block}\na new line from the tool")},
+    ]})
+    .to_string()
+}
+
+#[tokio::test]
+async fn one_request_its_thumbnail_its_note_its_conversation_and_savings() {
+    let Some(browser) = Browser::start().await else {
+        return;
+    };
+    let config = "[images]\nnon_vision = \"describe\"\n[describer]\nmodel = \"vision-mini\"\n\
+                  [[model]]\nmatch = \"text-only\"\nvision = false\ninput = 1.0\noutput = 2.0\n";
+    let (_mock, visor) = visor_with(config).await;
+    let (url, png) = png_data_url("journey");
+    let req = Request::post(visor.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-request-id", "req-journey")
+        .body(Full::new(Bytes::from(described_and_deduped(&url))))
+        .unwrap();
+    assert_eq!(send(req).await.0, 200);
+    wait_listed(&visor, "req-journey").await;
+
+    browser.goto(&visor.url("/visor/ui")).await;
+    browser
+        .find("a[href='/visor/ui/requests/req-journey']")
+        .await
+        .click()
+        .await;
+    browser
+        .wait_for_url("/visor/ui/requests/req-journey", BOUND)
+        .await;
+    let text = browser.body_text().await;
+    assert!(
+        text.contains("images: described by vision-mini (this model cannot see images)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("dedup: omitted: message 3 lines 1-6"),
+        "{text}"
+    );
+    // The description the provider got is on the upstream side.
+    assert!(text.contains("upstream"), "{text}");
+    // The thumbnail loaded from the artifacts, with the original's bytes.
+    let img = browser.wait_for("figure img", BOUND).await;
+    let src = img.prop("src").await.as_str().unwrap().to_owned();
+    assert!(src.starts_with(&visor.url("/visor/artifacts/")), "{src}");
+    let loaded = browser
+        .execute(
+            "const i = arguments[0]; const e = performance.getEntriesByName(i.src)[0];\
+             return [i.complete, i.naturalWidth, e ? e.responseStatus : 0, e ? e.decodedBodySize : 0];",
+            vec![img.json()],
+        )
+        .await;
+    assert_eq!(loaded[0], true, "{loaded}");
+    assert!(loaded[1].as_u64().unwrap() > 0, "{loaded}");
+    assert_eq!(loaded[2], 200, "{loaded}");
+    assert_eq!(loaded[3].as_u64().unwrap() as usize, png.len(), "{loaded}");
+    assert_only_own_requests(&browser, &visor).await;
+    browser.screenshot("request.png").await;
+
+    // Its conversation, with the chart.
+    browser
+        .find("dd a[href^='/visor/ui/conversations/']")
+        .await
+        .click()
+        .await;
+    browser
+        .wait_for_url("/visor/ui/conversations/", BOUND)
+        .await;
+    browser.wait_for("svg.chart", BOUND).await;
+    assert!(browser.find_all("table tbody tr").await.len() == 1);
+    browser.screenshot("conversation.png").await;
+
+    // The savings, reached from the navigation by keyboard.
+    browser.tab_to("nav a[href='/visor/ui/savings']", 5).await;
+    browser.press(keys::ENTER).await;
+    browser.wait_for_url("/visor/ui/savings", BOUND).await;
+    browser.wait_for_text("Per model", BOUND).await;
+    assert!(browser.body_text().await.contains("text-only"));
+    browser.screenshot("savings.png").await;
+}
+
+#[tokio::test]
+async fn where_a_key_is_needed_the_page_asks_for_one() {
+    let Some(browser) = Browser::start().await else {
+        return;
+    };
+    let (_mock, visor) = visor_with(
+        "[server]\napi_keys = [\"vk-proxy\"]\n[inspector]\nadmin_keys = [\"adm-browser\"]\n",
+    )
+    .await;
+    browser.goto(&visor.url("/visor/ui")).await;
+    browser.wait_for("input[name=key]", BOUND).await;
+    assert!(
+        browser.try_find("table").await.is_none(),
+        "nothing shown without a key"
+    );
+    browser.screenshot("sign-in.png").await;
+    // A proxy key is refused.
+    let key = browser.find("input[name=key]").await;
+    key.send_keys(&format!("vk-proxy{}", keys::ENTER)).await;
+    browser
+        .wait_for_text("not an inspector admin key", BOUND)
+        .await;
+    assert!(browser.cookie("visor_inspector").await.is_none());
+    // The admin key signs in: back to the list, with an HttpOnly cookie.
+    let key = browser.find("input[name=key]").await;
+    key.send_keys(&format!("adm-browser{}", keys::ENTER)).await;
+    browser.wait_for("table#requests", BOUND).await;
+    assert!(browser.current_url().await.ends_with("/visor/ui"));
+    let cookie = browser.cookie("visor_inspector").await.unwrap();
+    assert_eq!(cookie["httpOnly"], true);
+    assert!(!cookie["value"].as_str().unwrap().contains("adm-browser"));
+    browser.screenshot("signed-in.png").await;
 }
