@@ -131,6 +131,13 @@ pub struct Edge<'a> {
     transport: Transport,
 }
 
+/// What an edge has seen of a request.
+pub struct Seen {
+    pub model: Option<String>,
+    pub upstream: Option<String>,
+    pub started: Instant,
+}
+
 /// How a request came: its log lines say so.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {
@@ -220,6 +227,16 @@ impl<'a> Edge<'a> {
             .requests
             .with_label_values(&[upstream, model, status.as_str()])
             .inc();
+    }
+
+    /// What is known of the request so far: the model read, the upstream
+    /// routed to, when it arrived.
+    pub fn seen(&self) -> Seen {
+        Seen {
+            model: self.model.clone(),
+            upstream: self.routed.as_ref().map(|(u, _)| u.to_string()),
+            started: self.started,
+        }
     }
 
     /// Visor's answer to a request that stopped.

@@ -111,11 +111,75 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
 /// itself.
 async fn proxy(state: &Arc<AppState>, req: Request<RequestBody>) -> Response<ProxyBody> {
     let mut edge = Edge::new(&state.metrics, &state.routes.names);
+    // What the inspector keeps of a request visor answers itself.
+    let asked = state.inspector.enabled.then(|| Asked {
+        id: super::RequestIdExt::of(req.extensions()),
+        endpoint: req.uri().path().to_owned(),
+        caller: req.extensions().get::<super::headers::Caller>().copied(),
+        bytes_in: req.body().size_hint().exact().unwrap_or(0),
+    });
     let result = match websocket::is_upgrade(&req) {
         true => websocket::upgrade(state, req, &mut edge).await,
         false => forward::handle(state, req, &mut edge).await,
     };
-    result.unwrap_or_else(|stop| edge.answer(stop))
+    match result {
+        Ok(resp) => resp,
+        Err(stop) => {
+            let seen = edge.seen();
+            let resp = edge.answer(stop);
+            if let Some(a) = asked {
+                record_refusal(state, a, seen, &resp);
+            }
+            resp
+        }
+    }
+}
+
+/// A request as it arrived, for the inspector.
+struct Asked {
+    id: HeaderValue,
+    endpoint: String,
+    caller: Option<super::headers::Caller>,
+    bytes_in: u64,
+}
+
+/// Keeps a request visor answered itself (a refusal, an upstream that
+/// could not be reached): its status, what it was for, and visor's error
+/// code as its outcome.
+fn record_refusal(state: &AppState, a: Asked, seen: super::edge::Seen, resp: &Response<ProxyBody>) {
+    let key = match a.caller {
+        Some(super::headers::Caller::Key(i)) => state
+            .gate
+            .limits
+            .key(i)
+            .map_or_else(|| "none".to_owned(), |k| k.name.clone()),
+        Some(super::headers::Caller::Unlimited) => "api_keys".to_owned(),
+        _ => "none".to_owned(),
+    };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let elapsed = seen.started.elapsed().as_millis() as u64;
+    let summary = crate::inspector::Summary {
+        id: a.id.to_str().unwrap_or_default().to_owned(),
+        time_ms: now_ms.saturating_sub(elapsed),
+        replica: state.inspector.replica.clone(),
+        key,
+        endpoint: a.endpoint,
+        model: seen.model.unwrap_or_default(),
+        upstream: seen.upstream.unwrap_or_else(|| "visor".to_owned()),
+        status: resp.status().as_u16(),
+        outcome: "answered by visor".to_owned(),
+        total_ms: elapsed,
+        bytes_in: a.bytes_in,
+        ..Default::default()
+    };
+    state.inspector.record(crate::inspector::Record {
+        summary,
+        client: None,
+        upstream: None,
+        report: None,
+    });
 }
 
 /// One of visor's own endpoints (outside `/v1`).

@@ -615,3 +615,39 @@ async fn two_replicas_on_one_redis_are_listed_together() {
     assert_eq!(d["request"]["id"], "req-on-b");
     assert!(d["messages"].is_null());
 }
+
+#[tokio::test]
+async fn what_visor_answers_itself_is_listed_too() {
+    // The quick start without a network: the upstream cannot be reached,
+    // visor answers 502 — and the inspector says so.
+    let mock = MockUpstream::builder()
+        .fault(Fault::RefuseConnect)
+        .start()
+        .await;
+    let visor = Visor::start(&mock.upstream_toml("dead")).await;
+    let body =
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let (status, _, _) = send(with_id("/v1/chat/completions", &visor, "req-dead", body)).await;
+    assert_eq!(status, 502);
+    let d = detail(&visor, "req-dead", None).await;
+    let s = &d["request"];
+    assert_eq!(
+        (
+            s["status"].as_u64(),
+            s["upstream"].as_str(),
+            s["outcome"].as_str()
+        ),
+        (Some(502), Some("dead"), Some("answered by visor"))
+    );
+    assert_eq!(s["endpoint"], "/v1/chat/completions");
+    let (status, _, _) = send(with_id(
+        "/v1/chat/completions",
+        &visor,
+        "req-bad",
+        "{oops".into(),
+    ))
+    .await;
+    assert_eq!(status, 400);
+    let d = detail(&visor, "req-bad", None).await;
+    assert_eq!(d["request"]["status"], 400);
+}
