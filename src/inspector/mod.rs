@@ -86,7 +86,12 @@ pub struct Tokens {
 #[serde(default)]
 pub struct Changes {
     pub images_replaced: usize,
+    /// Of the replaced images, by what became of each.
     pub images_described: usize,
+    pub images_stripped: usize,
+    pub images_aged_out: usize,
+    pub images_capped: usize,
+    pub images_deduped: usize,
     pub media_replaced: usize,
     pub lines_omitted: usize,
     pub items_omitted: usize,
@@ -99,6 +104,31 @@ pub struct Changes {
 impl Changes {
     pub fn any(&self) -> bool {
         *self != Changes::default()
+    }
+
+    /// The counts of `report`.
+    pub fn of(r: &Report) -> Changes {
+        let images = |action: &str| {
+            r.images
+                .iter()
+                .filter(|n| n.medium == "image" && n.action == action)
+                .count()
+        };
+        Changes {
+            images_replaced: r.images_replaced,
+            images_described: r.images_described,
+            images_stripped: images("stripped"),
+            images_aged_out: images("aged_out"),
+            images_capped: images("capped"),
+            images_deduped: images("deduped"),
+            media_replaced: r.media_replaced,
+            lines_omitted: r.lines_omitted,
+            items_omitted: r.items_omitted,
+            bytes_saved: r.bytes_saved,
+            history_used: r.history_used,
+            breakpoints: r.breakpoints,
+            prompt_cache_key: r.cache_key,
+        }
     }
 }
 

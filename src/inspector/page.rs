@@ -52,6 +52,10 @@ pub fn changes_text(s: &Summary) -> String {
     };
     say(c.images_replaced, "images replaced");
     say(c.images_described, "described");
+    say(c.images_stripped, "stripped");
+    say(c.images_aged_out, "aged out");
+    say(c.images_capped, "capped");
+    say(c.images_deduped, "deduped");
     say(c.media_replaced, "documents/audio read");
     say(c.lines_omitted, "lines omitted");
     say(c.items_omitted, "items omitted");

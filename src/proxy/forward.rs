@@ -979,20 +979,7 @@ fn summary(
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let changes = prepared.map_or(Changes::default(), |p| {
-        let r = &p.report;
-        Changes {
-            images_replaced: r.images_replaced,
-            images_described: r.images_described,
-            media_replaced: r.media_replaced,
-            lines_omitted: r.lines_omitted,
-            items_omitted: r.items_omitted,
-            bytes_saved: r.bytes_saved,
-            history_used: r.history_used,
-            breakpoints: r.breakpoints,
-            prompt_cache_key: r.cache_key,
-        }
-    });
+    let changes = prepared.map_or(Changes::default(), |p| Changes::of(&p.report));
     let caps = call.model.as_deref().map(|m| state.rewrite.models.caps(m));
     let prices = caps.and_then(|c| {
         Some(crate::inspector::Prices {

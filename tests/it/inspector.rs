@@ -111,6 +111,7 @@ async fn a_changed_request_is_listed_with_what_visor_did_and_found_by_its_id() {
         (Some("text-only"), Some("mock"), Some(200))
     );
     assert_eq!(s["changes"]["images_replaced"], 1);
+    assert_eq!(s["changes"]["images_stripped"], 1);
     assert!(s["bytes_in"].as_u64().unwrap() > s["bytes_out"].as_u64().unwrap());
     assert_eq!(
         s["tokens"],
@@ -141,7 +142,7 @@ async fn a_changed_request_is_listed_with_what_visor_did_and_found_by_its_id() {
     assert!(h["content-type"].to_str().unwrap().starts_with("text/html"));
     let page = String::from_utf8(page.to_vec()).unwrap();
     assert!(
-        page.contains("1 images replaced") && page.contains("text-only → mock"),
+        page.contains("1 images replaced, 1 stripped") && page.contains("text-only → mock"),
         "{page}"
     );
     assert!(!page.contains("gpt-4o"), "filtered by model");

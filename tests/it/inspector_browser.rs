@@ -133,6 +133,15 @@ async fn the_page_lists_a_changed_request_and_filters_by_keyboard() {
     assert_only_own_requests(&browser, &visor).await;
     browser.screenshot("requests.png").await;
 
+    // Live: a request that ends while the page is open is added to it.
+    browser.wait_for_text("Live.", BOUND).await;
+    send_image_request(&visor, "text-only", "req-browser-live").await;
+    browser
+        .wait_for("a[href='/visor/ui/requests/req-browser-live']", BOUND)
+        .await;
+    assert_eq!(browser.find_all("table tbody tr").await.len(), 2);
+    browser.goto(&visor.url("/visor/ui")).await;
+
     // The filter from the keyboard: Tab to the model field, type, Enter.
     let model = browser.tab_to("input[name=model]", 10).await;
     assert_eq!(model.attr("name").await.as_deref(), Some("model"));
@@ -141,7 +150,7 @@ async fn the_page_lists_a_changed_request_and_filters_by_keyboard() {
     assert!(url.starts_with(&visor.url("/visor/ui?")), "{url}");
     browser.wait_for("table tbody tr", BOUND).await;
     let rows = browser.find_all("table tbody tr").await;
-    assert_eq!(rows.len(), 1);
+    assert_eq!(rows.len(), 2);
     assert!(rows[0].text().await.contains("text-only → mock"));
     // The field keeps what was filtered by.
     let model = browser.find("input[name=model]").await;
