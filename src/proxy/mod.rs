@@ -255,7 +255,13 @@ where
     }
 
     fn call(&mut self, req: Request<RequestBody>) -> BoxFut {
-        let path = req.uri().path();
+        // Guarded as the router reads it: `//v1/…` and `/%76%31/…` are
+        // `/v1/…` (a path the router refuses is guarded as it came).
+        let canonical = router::canonical_path(req.uri().path(), router::plain_get(&req));
+        let path = match &canonical {
+            Ok(Some(p)) => p.as_str(),
+            _ => req.uri().path(),
+        };
         // The inspector asks for its own (admin) keys; an artifact is also
         // shown to whoever may read the inspector (its thumbnails).
         let inspector = inspect::is_inspector(path)

@@ -426,7 +426,7 @@ pub fn path_problem(path: &str) -> Option<&'static str> {
 
 /// A GET or HEAD that is not a WebSocket upgrade: reads only, nothing
 /// transformed or charged by its path.
-fn plain_get<B>(req: &Request<B>) -> bool {
+pub(super) fn plain_get<B>(req: &Request<B>) -> bool {
     (req.method() == Method::GET || req.method() == Method::HEAD)
         && !req.headers().contains_key(header::UPGRADE)
 }

@@ -241,6 +241,22 @@ async fn proxy_keys_guard_v1_and_visor_but_not_health_or_metrics() {
     assert_eq!(status, 401, "a key without Bearer is not accepted");
     let (status, _, _) = send(with("x-api-key", "vk-1", "/visor/sessions/abc")).await;
     assert_ne!(status, 401);
+    // Other spellings of a guarded path are guarded too (the router reads
+    // them as the one spelling).
+    for path in [
+        "//v1/chat/completions",
+        "/v1//chat/completions",
+        "/%76%31/chat/completions",
+        "//visor/sessions/abc",
+        "/%76isor/sessions/abc",
+    ] {
+        let (status, _, body) = send(post_json(&visor.url(path), chat())).await;
+        assert!(
+            status == 401 || status == 400,
+            "{path}: {status} {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
     assert_eq!(
         mock.count(),
         0,
