@@ -45,6 +45,8 @@ pub enum VisorError {
         "the inspector is not open here: set [inspector] admin_keys and send one as `Authorization: Bearer` (it is open without a key only on a loopback address without proxy keys)"
     )]
     InspectorClosed,
+    #[error("the inspector is busy: {0}; try again shortly")]
+    InspectorBusy(&'static str),
     #[error("a filter of /visor/api/requests is wrong: {0}")]
     BadFilter(String),
     #[error("no kept request has the id `{0}` (the inspector keeps the newest [inspector] keep)")]
@@ -114,6 +116,11 @@ impl VisorError {
             ),
             VisorError::ArtifactNotFound(_) => bad(StatusCode::NOT_FOUND, "artifact_not_found"),
             VisorError::InspectorClosed => bad(StatusCode::FORBIDDEN, "inspector_closed"),
+            VisorError::InspectorBusy(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "inspector_busy",
+            ),
             VisorError::BadFilter(_) => bad(StatusCode::BAD_REQUEST, "invalid_request"),
             VisorError::RequestNotKept(_) => bad(StatusCode::NOT_FOUND, "request_not_found"),
             VisorError::AmbiguousArtifact(_) => bad(StatusCode::CONFLICT, "artifact_ambiguous"),
@@ -270,6 +277,7 @@ mod tests {
             (VisorError::BodyTooLarge { limit: 1 }, 413),
             (VisorError::BodyTimeout, 408),
             (VisorError::TransformTimeout, 504),
+            (VisorError::InspectorBusy("x"), 503),
             (
                 VisorError::RateLimited {
                     key: "team-a".into(),

@@ -7,6 +7,7 @@
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 
+use bytes::Bytes;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -14,13 +15,20 @@ use sha2::{Digest, Sha256};
 /// icons are text a reader wants to see).
 pub const MIN_RUN: usize = 512;
 
-/// `body` as the inspector keeps it: parsed, every base64 run of at least
-/// [`MIN_RUN`] characters in its strings replaced by a reference; `None`
-/// when it is not JSON.
-pub fn without_media(body: &[u8]) -> Option<Value> {
+/// An array of this many byte values or more (Node's `Buffer.toJSON`) is
+/// kept as its count.
+pub const MIN_BYTE_ARRAY: usize = 256;
+
+/// `body` as the inspector keeps it, compact JSON: every base64 payload
+/// (a `data:…;base64,` URL's, or a run of [`MIN_RUN`] base64 characters,
+/// escaped slashes and line breaks included) replaced by a reference, byte
+/// arrays by their count, credentials (`authorization`, `api_key`,
+/// `token`, `password`, a tool's `headers`, a signed URL's query) by
+/// `[redacted]`. `None` when it is not JSON.
+pub fn without_media(body: &[u8]) -> Option<Bytes> {
     let mut v: Value = serde_json::from_slice(body).ok()?;
     strip(&mut v, 0);
-    Some(v)
+    serde_json::to_vec(&v).ok().map(Bytes::from)
 }
 
 fn strip(v: &mut Value, depth: usize) {
@@ -29,40 +37,115 @@ fn strip(v: &mut Value, depth: usize) {
         return;
     }
     match v {
-        Value::String(s) if s.len() >= MIN_RUN => {
-            if let Some(r) = replace_runs(s) {
+        Value::String(s) => {
+            if let Some(r) = redact_url(s).or_else(|| replace_runs(s)) {
                 *s = r;
             }
         }
+        Value::Array(a) if a.len() >= MIN_BYTE_ARRAY && a.iter().all(is_byte) => {
+            *v = Value::String(format!("[{} byte values]", a.len()));
+        }
         Value::Array(a) => a.iter_mut().for_each(|x| strip(x, depth + 1)),
-        Value::Object(o) => o.values_mut().for_each(|x| strip(x, depth + 1)),
+        Value::Object(o) => {
+            for (k, x) in o.iter_mut() {
+                if is_secret_key(k) && !x.is_null() {
+                    *x = Value::String("[redacted]".to_owned());
+                } else if k.eq_ignore_ascii_case("headers") && x.is_object() {
+                    if let Value::Object(h) = x {
+                        h.values_mut()
+                            .for_each(|h| *h = Value::String("[redacted]".to_owned()));
+                    }
+                } else {
+                    strip(x, depth + 1);
+                }
+            }
+        }
         _ => {}
     }
+}
+
+fn is_byte(v: &Value) -> bool {
+    v.as_u64().is_some_and(|n| n <= 255)
+}
+
+/// A field that holds a credential.
+fn is_secret_key(k: &str) -> bool {
+    let k = k.to_ascii_lowercase().replace('-', "_");
+    matches!(
+        k.as_str(),
+        "authorization"
+            | "authorization_token"
+            | "proxy_authorization"
+            | "api_key"
+            | "apikey"
+            | "x_api_key"
+            | "token"
+            | "access_token"
+            | "refresh_token"
+            | "id_token"
+            | "bearer"
+            | "secret"
+            | "client_secret"
+            | "password"
+            | "passwd"
+            | "cookie"
+            | "set_cookie"
+    )
+}
+
+/// An `http(s)` URL whose query carries a signature, token or key
+/// (a presigned link): its query replaced.
+fn redact_url(s: &str) -> Option<String> {
+    if !(s.starts_with("https://") || s.starts_with("http://")) || s.len() > 8192 {
+        return None;
+    }
+    let (base, query) = s.split_once('?')?;
+    let signed = query.split('&').any(|p| {
+        let name = p.split('=').next().unwrap_or("").to_ascii_lowercase();
+        [
+            "sig",
+            "signature",
+            "token",
+            "key",
+            "credential",
+            "auth",
+            "secret",
+            "password",
+        ]
+        .iter()
+        .any(|w| name.contains(w))
+    });
+    signed.then(|| format!("{base}?[redacted]"))
 }
 
 fn is_b64(c: u8) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, b'+' | b'/' | b'-' | b'_' | b'=')
 }
 
-/// `s` with each base64 run of [`MIN_RUN`] or more characters replaced;
-/// `None` when it has none.
+/// `s` with each base64 payload replaced; `None` when it has none.
 fn replace_runs(s: &str) -> Option<String> {
+    if s.len() < MIN_RUN {
+        return None;
+    }
     let b = s.as_bytes();
     let mut out: Option<String> = None;
     let (mut i, mut copied) = (0, 0);
     while i < b.len() {
+        // Whatever follows `;base64,` is the payload, to the string's end
+        // or the first character base64 never holds.
+        let data_url = b[..i].ends_with(b";base64,");
         if !is_b64(b[i]) {
             i += 1;
             continue;
         }
         let start = i;
-        while i < b.len() && (is_b64(b[i]) || matches!(b[i], b'\n' | b'\r')) {
+        while i < b.len() && (is_b64(b[i]) || continues_run(b, i)) {
             i += 1;
         }
         let run = &s[start..i];
         // A run of letters alone is prose, not base64.
-        let looks = run.len() >= MIN_RUN && run.bytes().any(|c| c.is_ascii_digit() || c == b'/');
-        if looks {
+        let long = run.len() >= MIN_RUN || (data_url && run.len() >= 64);
+        if long && run.bytes().any(|c| c.is_ascii_digit() || c == b'/') {
             let o = out.get_or_insert_with(|| String::with_capacity(s.len().min(4096)));
             o.push_str(&s[copied..start]);
             o.push_str(&reference(run));
@@ -74,18 +157,41 @@ fn replace_runs(s: &str) -> Option<String> {
     Some(o)
 }
 
+/// Inside a run: a line break (real, or written `\n` / `\r\n` by a JSON
+/// encoded twice) or an escaped slash (`\/`).
+fn continues_run(b: &[u8], i: usize) -> bool {
+    match b[i] {
+        b'\n' | b'\r' => true,
+        b'\\' => matches!(b.get(i + 1), Some(b'/' | b'n' | b'r')),
+        _ => false,
+    }
+}
+
 /// `[base64: 12345 bytes, sha256:7ae32ec79dcb]` (the bytes it decodes to),
 /// or `[base64: 4000 characters]` when it does not decode.
 fn reference(run: &str) -> String {
-    let clean: Vec<u8> = run
-        .bytes()
-        .filter(|c| !c.is_ascii_whitespace())
-        .map(|c| match c {
-            b'-' => b'+',
-            b'_' => b'/',
-            c => c,
-        })
-        .collect();
+    let mut clean: Vec<u8> = Vec::with_capacity(run.len());
+    let b = run.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'\\' if matches!(b.get(i + 1), Some(b'n' | b'r')) => i += 2,
+            b'\\' => i += 1,
+            b'\n' | b'\r' => i += 1,
+            b'-' => {
+                clean.push(b'+');
+                i += 1;
+            }
+            b'_' => {
+                clean.push(b'/');
+                i += 1;
+            }
+            c => {
+                clean.push(c);
+                i += 1;
+            }
+        }
+    }
     let trimmed = clean
         .iter()
         .rposition(|&c| c != b'=')
@@ -103,45 +209,50 @@ fn reference(run: &str) -> String {
     }
 }
 
-/// The kept bodies of the newest requests, by request id, at most
+/// The kept bodies of the newest requests, by the inspector's own number
+/// for each request (ids are the client's, and may repeat), at most
 /// `budget` bytes in all.
 pub struct Bodies {
     budget: usize,
     used: usize,
-    newest_last: VecDeque<(String, std::sync::Arc<Kept>)>,
+    newest_last: VecDeque<(u64, std::sync::Arc<Kept>)>,
 }
 
-/// One request's bodies as kept.
+/// One request's bodies as kept (compact JSON, as [`without_media`] made
+/// them).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Kept {
     /// What the client sent.
-    pub client: Option<Value>,
-    /// What went upstream (the same as the client's when visor changed
-    /// nothing: then `None`).
-    pub upstream: Option<Value>,
+    pub client: Bytes,
+    /// What went upstream, when visor changed it.
+    pub upstream: Option<Bytes>,
     /// What the transforms did to each image, document and audio.
     pub notes: Vec<crate::transform::ImageNote>,
-    /// Stored session messages put before the client's.
+    /// Stored session messages put among the client's: how many, and
+    /// before which of the client's messages.
     pub history_used: usize,
-    /// The bytes this takes of the budget.
-    pub size: usize,
+    pub history_at: usize,
 }
 
 impl Kept {
-    pub fn new(client: Option<Value>, upstream: Option<Value>) -> Kept {
-        let len = |v: &Option<Value>| {
-            v.as_ref()
-                .and_then(|v| serde_json::to_vec(v).ok())
-                .map_or(0, |b| b.len())
-        };
-        let size = len(&client) + len(&upstream);
+    pub fn new(client: Bytes, upstream: Option<Bytes>) -> Kept {
         Kept {
             client,
             upstream,
             notes: Vec::new(),
             history_used: 0,
-            size,
+            history_at: 0,
         }
+    }
+
+    /// The bytes this takes of the budget.
+    pub fn size(&self) -> usize {
+        let notes: usize = self
+            .notes
+            .iter()
+            .map(|n| 128 + n.path.len() + n.sha256.len() + n.url.as_ref().map_or(0, String::len))
+            .sum();
+        self.client.len() + self.upstream.as_ref().map_or(0, Bytes::len) + notes
     }
 }
 
@@ -154,28 +265,29 @@ impl Bodies {
         }
     }
 
-    /// Keeps `kept` for request `id`, dropping the oldest past the budget;
-    /// a body larger than the whole budget is not kept (`false`).
-    pub fn keep(&mut self, id: String, kept: Kept) -> bool {
-        if kept.size > self.budget {
+    /// Keeps `kept` for request number `seq`, dropping the oldest past the
+    /// budget; a body larger than the whole budget is not kept (`false`).
+    pub fn keep(&mut self, seq: u64, kept: Kept) -> bool {
+        let size = kept.size();
+        if size > self.budget {
             return false;
         }
-        self.used += kept.size;
-        self.newest_last.push_back((id, std::sync::Arc::new(kept)));
+        self.used += size;
+        self.newest_last.push_back((seq, std::sync::Arc::new(kept)));
         while self.used > self.budget {
             let Some((_, old)) = self.newest_last.pop_front() else {
                 break;
             };
-            self.used -= old.size;
+            self.used -= old.size();
         }
         true
     }
 
-    pub fn get(&self, id: &str) -> Option<std::sync::Arc<Kept>> {
+    pub fn get(&self, seq: u64) -> Option<std::sync::Arc<Kept>> {
         self.newest_last
             .iter()
             .rev()
-            .find(|(i, _)| i == id)
+            .find(|(i, _)| *i == seq)
             .map(|(_, k)| k.clone())
     }
 
@@ -194,16 +306,26 @@ mod tests {
         base64_simd::STANDARD.encode_to_string(bytes)
     }
 
+    fn kept(body: &Value) -> Value {
+        serde_json::from_slice(&without_media(body.to_string().as_bytes()).unwrap()).unwrap()
+    }
+
+    fn hex12(bytes: &[u8]) -> String {
+        Sha256::digest(bytes)[..6]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     #[test]
     fn image_bytes_become_a_reference_the_artifacts_answer_to() {
         let png: Vec<u8> = (0..3000u32).map(|i| (i * 7 % 251) as u8).collect();
-        let digest = Sha256::digest(&png);
-        let hex12: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
+        let hex12 = hex12(&png);
         let body = json!({"messages": [{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", b64(&png))}},
             {"type": "text", "text": format!("tool said: {{\"png\": \"{}\"}} end", b64(&png))}]}]});
-        let kept = without_media(body.to_string().as_bytes()).unwrap();
+        let kept = kept(&body);
         let url = kept["messages"][0]["content"][1]["image_url"]["url"]
             .as_str()
             .unwrap();
@@ -221,31 +343,76 @@ mod tests {
     }
 
     #[test]
+    fn base64_broken_by_escapes_and_lines_and_byte_arrays_are_caught() {
+        let png: Vec<u8> = (0..6000u32).map(|i| (i * 13 % 251) as u8).collect();
+        let enc = b64(&png);
+        // JSON encoded twice, with escaped slashes; MIME lines written `\r\n`.
+        let escaped = enc.replace('/', "\\/");
+        let mime: Vec<String> = enc
+            .as_bytes()
+            .chunks(76)
+            .map(|c| String::from_utf8(c.to_vec()).unwrap())
+            .collect();
+        let body = json!({
+            "a": format!("{{\"image\":\"{escaped}\"}}"),
+            "b": mime.join("\\r\\n"),
+            "c": mime.join("\n"),
+            "d": {"type": "Buffer", "data": png.iter().take(400).copied().collect::<Vec<u8>>()},
+        });
+        let k = kept(&body).to_string();
+        assert!(!k.contains(&enc[..40]) && !k.contains(&mime[3]), "{k}");
+        assert_eq!(k.matches("[base64: 6000 bytes").count(), 3, "{k}");
+        assert!(k.contains("[400 byte values]"), "{k}");
+    }
+
+    #[test]
+    fn credentials_are_never_kept() {
+        let body = json!({"model": "m",
+            "tools": [{"type": "mcp", "server_url": "https://mcp.example/x", "headers": {"Authorization": "Bearer sk-live-1"}, "authorization": "tok-2"}],
+            "mcp_servers": [{"url": "https://h", "authorization_token": "tok-3"}],
+            "api_key": "sk-4", "metadata": {"x-api-key": "sk-5", "note": "kept"},
+            "image": "https://bucket.s3.example/a.png?X-Amz-Signature=abc&X-Amz-Credential=def",
+            "plain": "https://example.com/a.png?size=2"});
+        let k = kept(&body);
+        let text = k.to_string();
+        for secret in [
+            "sk-live-1",
+            "tok-2",
+            "tok-3",
+            "sk-4",
+            "sk-5",
+            "X-Amz-Signature=abc",
+        ] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+        assert_eq!(k["metadata"]["note"], "kept");
+        assert_eq!(k["image"], "https://bucket.s3.example/a.png?[redacted]");
+        assert_eq!(k["plain"], "https://example.com/a.png?size=2");
+        assert_eq!(k["tools"][0]["server_url"], "https://mcp.example/x");
+    }
+
+    #[test]
     fn prose_and_short_strings_stay() {
         let prose = "word ".repeat(400);
         let long_letters = "a".repeat(2000);
-        let body = json!({"a": prose, "b": long_letters, "c": "abc123"});
-        let kept = without_media(body.to_string().as_bytes()).unwrap();
-        assert_eq!(kept, body);
+        let body = json!({"a": prose, "b": long_letters, "c": "abc123", "n": [1, 2, 300]});
+        assert_eq!(kept(&body), body);
         assert!(without_media(b"not json").is_none());
     }
 
     #[test]
     fn the_budget_drops_the_oldest() {
         let mut b = Bodies::new(100);
-        let k = |n: usize| Kept {
-            size: n,
-            ..Kept::new(None, None)
-        };
-        b.keep("a".into(), k(40));
-        b.keep("b".into(), k(40));
-        b.keep("c".into(), k(40));
-        assert!(b.get("a").is_none() && b.get("b").is_some() && b.get("c").is_some());
+        let k = |n: usize| Kept::new(Bytes::from(vec![b'x'; n]), None);
+        b.keep(1, k(40));
+        b.keep(2, k(40));
+        b.keep(3, k(40));
+        assert!(b.get(1).is_none() && b.get(2).is_some() && b.get(3).is_some());
         assert_eq!(b.used(), 80);
-        assert!(!b.keep("huge".into(), k(101)));
-        assert!(b.get("huge").is_none() && b.used() == 80);
+        assert!(!b.keep(4, k(101)));
+        assert!(b.get(4).is_none() && b.used() == 80);
         let mut none = Bodies::new(0);
-        none.keep("x".into(), k(1));
-        assert!(none.get("x").is_none());
+        none.keep(5, k(1));
+        assert!(none.get(5).is_none());
     }
 }

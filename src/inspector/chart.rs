@@ -23,7 +23,7 @@ pub fn stacked(title: &str, labels: &[String], series: &[Series<'_>]) -> String 
             series
                 .iter()
                 .map(|s| s.values.get(i).copied().unwrap_or(0))
-                .sum()
+                .fold(0u64, u64::saturating_add)
         })
         .collect();
     let top = totals.iter().copied().max().unwrap_or(0).max(1);
@@ -43,11 +43,11 @@ pub fn stacked(title: &str, labels: &[String], series: &[Series<'_>]) -> String 
         for (k, s) in series.iter().enumerate() {
             let v = s.values.get(i).copied().unwrap_or(0);
             words.push(format!("{}: {v}", s.name));
-            let h = v * HEIGHT / top;
+            let h = ((u128::from(v) * u128::from(HEIGHT)) / u128::from(top)) as u64;
             if h == 0 {
                 continue;
             }
-            y -= h;
+            y = y.saturating_sub(h);
             let _ = write!(
                 svg,
                 "<rect x={x} y={y} width={w} height={h} fill=\"{c}\"/>",

@@ -45,8 +45,11 @@ pub struct Sides<'a> {
     /// `None`: sent as the client sent it.
     pub upstream: Option<&'a Value>,
     pub notes: &'a [ImageNote],
-    /// Stored session messages put before the client's.
+    /// Stored session messages put among the client's: how many, and
+    /// before which of the client's messages (after its leading system
+    /// and developer messages).
     pub history_used: usize,
+    pub history_at: usize,
     /// The describer's model, for `described by …`.
     pub describer: &'a str,
 }
@@ -72,11 +75,15 @@ pub fn pairs(s: &Sides<'_>) -> Vec<Pair> {
     let n = sent.len().max(client.len() + s.history_used);
     for i in 0..n {
         let up = sent.get(i).cloned();
-        let cl = i
-            .checked_sub(s.history_used)
-            .and_then(|j| client.get(j).cloned());
+        let (at, h) = (s.history_at, s.history_used);
+        let added = (at..at + h).contains(&i);
+        let cl = match i < at {
+            true => client.get(i).cloned(),
+            false if added => None,
+            false => client.get(i - h).cloned(),
+        };
         let mut labels = Vec::new();
-        if i < s.history_used {
+        if added {
             labels.push(label("session", "stored history added (x-visor-session)"));
         }
         for note in s
@@ -317,6 +324,7 @@ mod tests {
             upstream: Some(&upstream),
             notes: &notes,
             history_used: 1,
+            history_at: 0,
             describer: "gpt-4o-mini",
         });
         assert_eq!(p.len(), 5);
@@ -340,6 +348,41 @@ mod tests {
     }
 
     #[test]
+    fn history_goes_after_the_leading_system_message() {
+        let client = json!({"messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "and now?"}]});
+        let upstream = json!({"messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "before"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "and now?"}]});
+        let p = pairs(&Sides {
+            shape: Shape::Chat,
+            client: &client,
+            upstream: Some(&upstream),
+            notes: &[],
+            history_used: 2,
+            history_at: 1,
+            describer: "d",
+        });
+        let shown: Vec<(bool, bool, usize)> = p
+            .iter()
+            .map(|x| (x.client.is_some(), x.changed, x.labels.len()))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                (true, false, 0),
+                (false, true, 1),
+                (false, true, 1),
+                (true, false, 0)
+            ]
+        );
+        assert_eq!(p[3].client.as_ref(), Some(&client["messages"][1]));
+    }
+
+    #[test]
     fn unchanged_and_odd_bodies() {
         let client = json!({"input": "hello", "instructions": "x"});
         let p = pairs(&Sides {
@@ -348,6 +391,7 @@ mod tests {
             upstream: None,
             notes: &[],
             history_used: 0,
+            history_at: 0,
             describer: "d",
         });
         assert_eq!(p.len(), 2);
@@ -358,6 +402,7 @@ mod tests {
             upstream: Some(&json!({"messages": 3})),
             notes: &[],
             history_used: 0,
+            history_at: 0,
             describer: "d",
         });
         assert!(p.is_empty());

@@ -84,9 +84,19 @@ impl Filter {
     }
 }
 
+/// A path segment's `%XX` decoded (`+` stays `+`); `None` for a broken
+/// escape or bytes that are not UTF-8.
+pub fn percent_decode_path(v: &str) -> Option<String> {
+    decode(v, false)
+}
+
 /// `%XX` and `+` decoded; `None` for a broken escape or bytes that are not
 /// UTF-8.
 pub fn percent_decode(v: &str) -> Option<String> {
+    decode(v, true)
+}
+
+fn decode(v: &str, plus_is_space: bool) -> Option<String> {
     let b = v.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -97,7 +107,7 @@ pub fn percent_decode(v: &str) -> Option<String> {
                 out.push(u8::from_str_radix(hex, 16).ok()?);
                 i += 3;
             }
-            b'+' => {
+            b'+' if plus_is_space => {
                 out.push(b' ');
                 i += 1;
             }

@@ -16,7 +16,7 @@ pub mod savings;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
@@ -71,6 +71,11 @@ pub struct Summary {
     pub cost: Option<f64>,
     /// Whether the replica that served it keeps its bodies.
     pub bodies_kept: bool,
+    /// The inspector's own number for it, on the replica that served it
+    /// (ids are the client's and may repeat).
+    pub seq: u64,
+    /// That replica's process.
+    pub instance: u64,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq, Eq)]
@@ -140,14 +145,50 @@ pub struct CacheSeen {
     pub miss: Option<String>,
 }
 
+/// A body held for the inspector until its request ends: as it came
+/// (small), or already being stripped of its media on a blocking thread
+/// (large: its bytes are let go as soon as that is done, not held while
+/// the response streams).
+pub enum Held {
+    Raw(Bytes),
+    Stripping(tokio::task::JoinHandle<Option<Bytes>>),
+}
+
+/// A body up to this size is held as it came.
+pub const RAW_MAX: usize = 256 * 1024;
+
+/// Raw bytes the recording queue may hold in all; past it a record keeps
+/// its summary and drops its bodies.
+pub const QUEUE_BYTES: usize = 32 * 1024 * 1024;
+
+impl Held {
+    fn raw_len(&self) -> usize {
+        match self {
+            Held::Raw(b) => b.len(),
+            Held::Stripping(_) => 0,
+        }
+    }
+
+    /// The body without its media (on a blocking thread).
+    async fn stripped(self) -> Option<Bytes> {
+        match self {
+            Held::Raw(b) => tokio::task::spawn_blocking(move || bodies::without_media(&b))
+                .await
+                .ok()
+                .flatten(),
+            Held::Stripping(h) => h.await.ok().flatten(),
+        }
+    }
+}
+
 /// A finished request on its way to the inspector: its summary, and what
 /// the detail is read from later.
 pub struct Record {
     pub summary: Summary,
     /// The body as the client sent it (a transformed endpoint's).
-    pub client: Option<Bytes>,
+    pub client: Option<Held>,
     /// The body sent upstream, when visor changed it.
-    pub upstream: Option<Bytes>,
+    pub upstream: Option<Held>,
     /// What the transforms did.
     pub report: Option<Report>,
 }
@@ -156,24 +197,69 @@ pub struct Record {
 /// never waited for.
 pub const QUEUE: usize = 1024;
 
+/// The replicas' list as last read, and when.
+type FleetRead = (std::time::Instant, Arc<Vec<Arc<Summary>>>);
+
+/// How long a list read from the replicas' stream is reused.
+const FLEET_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The recent requests: this replica's, and with a shared store every
 /// replica's summaries.
 pub struct Inspector {
     pub enabled: bool,
     keep: usize,
+    body_bytes: usize,
     gate: Gate,
     /// This replica's name (`HOSTNAME`, else `local`).
     pub replica: String,
+    /// This process, among replicas that may share a name.
+    instance: u64,
     /// The `[describer]` model, for `described by …`.
     describer: String,
+    next: AtomicU64,
     recent: Mutex<VecDeque<Arc<Summary>>>,
     bodies: Mutex<Bodies>,
     events: broadcast::Sender<Arc<Summary>>,
     queue: OnceLock<mpsc::Sender<Record>>,
+    /// Raw body bytes waiting in the queue.
+    queued: AtomicUsize,
     /// Records dropped because the queue was full.
     pub dropped: AtomicU64,
-    /// The store the replicas share (`redis://`).
-    fleet: OnceLock<Arc<Store>>,
+    /// The store the replicas share (`redis://`), and where summaries go
+    /// to it.
+    fleet: OnceLock<(Arc<Store>, mpsc::Sender<Arc<Summary>>)>,
+    fleet_read: Mutex<Option<FleetRead>>,
+    /// Event streams open now.
+    watchers: Arc<AtomicUsize>,
+    /// One explain at a time (it reads documents).
+    pub explaining: Arc<tokio::sync::Semaphore>,
+    /// Failed sign-ins in the current minute: (minute, count).
+    failures: Mutex<(u64, u32)>,
+}
+
+/// Event streams open at once, at most.
+pub const MAX_WATCHERS: usize = 64;
+
+/// Failed sign-ins a minute, at most (then each is refused until the
+/// minute ends).
+pub const MAX_FAILED_SIGN_INS: u32 = 20;
+
+/// Why a sign-in did not set a cookie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SignIn {
+    /// Not an admin key.
+    Wrong,
+    /// Too many wrong keys this minute.
+    TooMany,
+}
+
+/// An open event stream, counted until it is dropped.
+pub struct Watching(Arc<AtomicUsize>);
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Inspector {
@@ -189,6 +275,7 @@ impl Inspector {
         Inspector {
             enabled: config.enabled,
             keep: config.keep,
+            body_bytes: config.body_bytes,
             gate: Gate {
                 admin_keys: config.admin_keys.clone(),
                 open: loopback && !proxy_keys,
@@ -197,92 +284,153 @@ impl Inspector {
                 .ok()
                 .filter(|h| !h.is_empty())
                 .unwrap_or_else(|| "local".to_owned()),
+            instance: {
+                use std::hash::{BuildHasher, Hasher};
+                let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                h.write_u128(
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_nanos()),
+                );
+                h.finish()
+            },
             describer: describer.to_owned(),
+            next: AtomicU64::new(1),
             recent: Mutex::new(VecDeque::new()),
             bodies: Mutex::new(Bodies::new(config.body_bytes)),
             events: broadcast::channel(256).0,
             queue: OnceLock::new(),
+            queued: AtomicUsize::new(0),
             dropped: AtomicU64::new(0),
             fleet: OnceLock::new(),
+            fleet_read: Mutex::new(None),
+            watchers: Arc::new(AtomicUsize::new(0)),
+            explaining: Arc::new(tokio::sync::Semaphore::new(1)),
+            failures: Mutex::new((0, 0)),
         }
     }
 
-    /// Starts the task that keeps what is recorded (inside a Tokio
-    /// runtime); with a shared store, summaries also go to (and lists come
-    /// from) the replicas' stream.
+    /// Starts the tasks that keep what is recorded (inside a Tokio
+    /// runtime): one strips bodies (on blocking threads) and keeps
+    /// summaries; with a shared store another appends them to the
+    /// replicas' stream (from which the lists then come).
     pub fn start(self: &Arc<Self>, store: Arc<Store>) {
         if !self.enabled {
             return;
         }
         if store.is_shared() {
-            let _ = self.fleet.set(store);
+            let (tx, mut rx) = mpsc::channel::<Arc<Summary>>(QUEUE);
+            let keep = self.keep;
+            let shared = store.clone();
+            // Not tracked tasks: they hold nothing to finish at shutdown.
+            tokio::spawn(async move {
+                while let Some(s) = rx.recv().await {
+                    if let Ok(json) = serde_json::to_vec(&*s) {
+                        let _ = shared.publish_summary(json, keep).await;
+                    }
+                }
+            });
+            let _ = self.fleet.set((store, tx));
         }
         let (tx, mut rx) = mpsc::channel::<Record>(QUEUE);
         if self.queue.set(tx).is_err() {
             return;
         }
         let me = Arc::downgrade(self);
-        // Not a tracked task: it holds nothing to finish at shutdown.
         tokio::spawn(async move {
             while let Some(r) = rx.recv().await {
                 let Some(me) = me.upgrade() else { return };
-                let s = me.keep_record(r);
-                if let Some(store) = me.fleet.get()
-                    && let Ok(json) = serde_json::to_vec(&*s)
-                {
-                    let _ = store.publish_summary(json, me.keep).await;
+                let raw = r.client.as_ref().map_or(0, Held::raw_len)
+                    + r.upstream.as_ref().map_or(0, Held::raw_len);
+                let client = match r.client {
+                    Some(h) => h.stripped().await,
+                    None => None,
+                };
+                let upstream = match r.upstream {
+                    Some(h) => h.stripped().await,
+                    None => None,
+                };
+                me.queued.fetch_sub(raw, Ordering::Relaxed);
+                let s = me.keep_record(r.summary, client, upstream, r.report);
+                if let Some((_, publish)) = me.fleet.get() {
+                    let _ = publish.try_send(s);
                 }
             }
         });
+    }
+
+    /// A body to hold for the inspector while its request runs (`None`:
+    /// bodies are not kept, or this one is larger than they may be).
+    pub fn hold(&self, body: &Bytes) -> Option<Held> {
+        if !self.enabled || body.len() > self.body_bytes.saturating_mul(4) || self.body_bytes == 0 {
+            return None;
+        }
+        if body.len() <= RAW_MAX || tokio::runtime::Handle::try_current().is_err() {
+            return Some(Held::Raw(body.clone()));
+        }
+        let b = body.clone();
+        Some(Held::Stripping(tokio::task::spawn_blocking(move || {
+            bodies::without_media(&b)
+        })))
     }
 
     /// Records a finished request: one send on a bounded queue (kept at
     /// once when no task was started).
-    pub fn record(&self, r: Record) {
+    pub fn record(&self, mut r: Record) {
         if !self.enabled {
             return;
         }
-        match self.queue.get() {
-            Some(q) => {
-                if q.try_send(r).is_err() {
-                    self.dropped.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            None => {
-                self.keep_record(r);
-            }
+        let Some(q) = self.queue.get() else {
+            let strip = |h: Option<Held>| match h {
+                Some(Held::Raw(b)) => bodies::without_media(&b),
+                _ => None,
+            };
+            let (c, u) = (strip(r.client), strip(r.upstream));
+            self.keep_record(r.summary, c, u, r.report);
+            return;
+        };
+        let mut raw = r.client.as_ref().map_or(0, Held::raw_len)
+            + r.upstream.as_ref().map_or(0, Held::raw_len);
+        // Counted back when the task takes it.
+        if self.queued.fetch_add(raw, Ordering::Relaxed) + raw > QUEUE_BYTES {
+            r.client = None;
+            r.upstream = None;
+            self.queued.fetch_sub(raw, Ordering::Relaxed);
+            raw = 0;
+        }
+        if q.try_send(r).is_err() {
+            self.queued.fetch_sub(raw, Ordering::Relaxed);
+            self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    /// The work recording defers: the saving, the bodies without their
-    /// media, the summary kept and sent to whoever watches the events.
-    fn keep_record(&self, r: Record) -> Arc<Summary> {
-        let Record {
-            mut summary,
-            client,
-            upstream,
-            report,
-        } = r;
+    /// What recording leaves to later: the saving, the bodies kept, the
+    /// summary kept and sent to whoever watches the events.
+    fn keep_record(
+        &self,
+        mut summary: Summary,
+        client: Option<Bytes>,
+        upstream: Option<Bytes>,
+        report: Option<Report>,
+    ) -> Arc<Summary> {
         let report = report.unwrap_or_default();
-        let visor_cached = report.breakpoints > 0 || report.cache_key;
         summary.saving = savings::saving(
             &report.images,
             report.bytes_saved_dedup,
-            visor_cached,
+            report.breakpoints > 0,
             &summary,
         );
         summary.cost = savings::cost(&summary);
-        let kept = client.as_deref().and_then(bodies::without_media).map(|c| {
-            let u = upstream.as_deref().and_then(bodies::without_media);
-            let mut k = Kept::new(Some(c), u);
-            k.notes = report.images;
-            k.history_used = report.history_used;
-            k
-        });
-        if let Some(k) = kept
+        summary.seq = self.next.fetch_add(1, Ordering::Relaxed);
+        summary.instance = self.instance;
+        if let Some(c) = client
             && let Ok(mut b) = self.bodies.lock()
         {
-            summary.bodies_kept = b.keep(summary.id.clone(), k);
+            let mut k = Kept::new(c, upstream);
+            k.notes = report.images;
+            k.history_used = report.history_used;
+            k.history_at = report.history_at;
+            summary.bodies_kept = b.keep(summary.seq, k);
         }
         let s = Arc::new(summary);
         if let Ok(mut r) = self.recent.lock() {
@@ -297,13 +445,36 @@ impl Inspector {
 
     /// Whether a request with these headers may read the inspector: open,
     /// or an admin key as a Bearer token or the sign-in cookie.
-    pub fn access(&self, headers: &http::HeaderMap) -> Access {
-        self.gate.access(headers, unix_secs())
+    pub fn access(&self, headers: &http::HeaderMap, uri: &http::Uri) -> Access {
+        self.gate.access(headers, uri, unix_secs())
     }
 
-    /// The sign-in cookie's value for `key`, when it is an admin key.
-    pub fn sign_in(&self, key: &str) -> Option<String> {
-        self.gate.sign_in(key, unix_secs())
+    /// The sign-in cookie's value for `key`, when it is an admin key and
+    /// fewer than [`MAX_FAILED_SIGN_INS`] wrong keys came this minute.
+    pub fn sign_in(&self, key: &str) -> Result<String, SignIn> {
+        let now = unix_secs();
+        let minute = now / 60;
+        let mut f = self.failures.lock().map_err(|_| SignIn::TooMany)?;
+        if f.0 != minute {
+            *f = (minute, 0);
+        }
+        if f.1 >= MAX_FAILED_SIGN_INS {
+            return Err(SignIn::TooMany);
+        }
+        match self.gate.sign_in(key, now) {
+            Some(c) => Ok(c),
+            None => {
+                f.1 += 1;
+                Err(SignIn::Wrong)
+            }
+        }
+    }
+
+    /// A new event stream, when fewer than [`MAX_WATCHERS`] are open.
+    pub fn watch(&self) -> Option<Watching> {
+        let n = self.watchers.fetch_add(1, Ordering::Relaxed);
+        let w = Watching(self.watchers.clone());
+        (n < MAX_WATCHERS).then_some(w)
     }
 
     /// Whether the inspector needs no key here.
@@ -317,18 +488,29 @@ impl Inspector {
     }
 
     /// The kept summaries, newest first: every replica's through the
-    /// shared store, else (or when it fails) this replica's. `bool`: the
-    /// fleet's.
+    /// shared store (read at most once a second), else (or when it fails)
+    /// this replica's. `bool`: the fleet's.
     pub async fn all(&self) -> (Vec<Arc<Summary>>, bool) {
-        if let Some(store) = self.fleet.get()
-            && let Shared::Done(list) = store.recent_summaries(self.keep).await
-        {
-            let list = list
-                .iter()
-                .filter_map(|j| serde_json::from_slice::<Summary>(j).ok())
-                .map(Arc::new)
-                .collect();
-            return (list, true);
+        if let Some((store, _)) = self.fleet.get() {
+            let fresh = self.fleet_read.lock().ok().and_then(|r| {
+                r.as_ref()
+                    .filter(|(at, _)| at.elapsed() < FLEET_FRESH)
+                    .map(|(_, l)| l.clone())
+            });
+            if let Some(list) = fresh {
+                return (list.to_vec(), true);
+            }
+            if let Shared::Done(list) = store.recent_summaries(self.keep).await {
+                let list: Vec<Arc<Summary>> = list
+                    .iter()
+                    .filter_map(|j| serde_json::from_slice::<Summary>(j).ok())
+                    .map(Arc::new)
+                    .collect();
+                if let Ok(mut r) = self.fleet_read.lock() {
+                    *r = Some((std::time::Instant::now(), Arc::new(list.clone())));
+                }
+                return (list, true);
+            }
         }
         let list = self
             .recent
@@ -366,16 +548,30 @@ impl Inspector {
     /// Request `id`'s messages side by side, when this replica keeps its
     /// bodies.
     pub fn detail(&self, s: &Summary) -> Option<Vec<detail::Pair>> {
-        let kept = self.bodies.lock().ok()?.get(&s.id)?;
+        if s.instance != self.instance {
+            return None;
+        }
+        let kept = self.bodies.lock().ok()?.get(s.seq)?;
         let shape = crate::api::Shape::of_path(s.endpoint.strip_prefix("/v1")?)?;
+        let client: serde_json::Value = serde_json::from_slice(&kept.client).ok()?;
+        let upstream: Option<serde_json::Value> = kept
+            .upstream
+            .as_ref()
+            .and_then(|u| serde_json::from_slice(u).ok());
         Some(detail::pairs(&detail::Sides {
             shape,
-            client: kept.client.as_ref()?,
-            upstream: kept.upstream.as_ref(),
+            client: &client,
+            upstream: upstream.as_ref(),
             notes: &kept.notes,
             history_used: kept.history_used,
+            history_at: kept.history_at,
             describer: &self.describer,
         }))
+    }
+
+    /// Whether this replica kept request `s` (its bodies may be here).
+    pub fn served(&self, s: &Summary) -> bool {
+        s.instance == self.instance
     }
 
     /// Conversation `id`'s requests, oldest first.
@@ -477,8 +673,8 @@ mod tests {
         s.endpoint = "/v1/chat/completions".to_owned();
         i.record(Record {
             summary: s,
-            client: Some(Bytes::from(client)),
-            upstream: Some(Bytes::from_static(upstream.as_bytes())),
+            client: Some(Held::Raw(Bytes::from(client))),
+            upstream: Some(Held::Raw(Bytes::from_static(upstream.as_bytes()))),
             report: Some(report),
         });
         let s = i.request("r1").await.unwrap();
@@ -498,7 +694,11 @@ mod tests {
     fn listening_on_every_address_is_not_open() {
         let any = inspector(1, 0, [0, 0, 0, 0], &[]);
         assert!(!any.is_open());
-        assert_eq!(any.access(&http::HeaderMap::new()), Access::NotConfigured);
+        let uri: http::Uri = "/visor/ui".parse().unwrap();
+        assert_eq!(
+            any.access(&http::HeaderMap::new(), &uri),
+            Access::NotConfigured
+        );
         assert!(inspector(1, 0, [127, 0, 0, 1], &[]).is_open());
     }
 }

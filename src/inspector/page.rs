@@ -41,6 +41,20 @@ pub fn esc(s: &str) -> String {
     out
 }
 
+/// Text for a URL path segment: every byte but the unreserved ones
+/// percent-encoded (safe in an attribute as it is).
+pub fn pct(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
 /// The changes as words (`2 images replaced, 14 lines omitted, …`).
 pub fn changes_text(s: &Summary) -> String {
     let c = &s.changes;
@@ -182,7 +196,7 @@ fn row(h: &mut String, s: &Summary) {
     let conversation = s.conversation.as_deref().map_or(String::new(), |c| {
         format!(
             " <a href=\"/visor/ui/conversations/{c}\" title=\"its conversation\">conversation</a>",
-            c = esc(c)
+            c = pct(c)
         )
     });
     let _ = write!(
@@ -190,7 +204,7 @@ fn row(h: &mut String, s: &Summary) {
         "<tr><td><a href=\"/visor/ui/requests/{id}\">{time}</a>{conversation}</td><td>{replica}</td><td>{key}</td>\
          <td>{model} → {upstream}</td><td class=n>{status}</td><td class=n>{fb} / {total}</td><td class=n>{tokens}</td>\
          <td class=n>{bin} → {bout}</td><td{cls}>{changes}</td><td class=n>{saved}</td><td>{cache}</td></tr>",
-        id = esc(&s.id),
+        id = pct(&s.id),
         time = time_text(s.time_ms),
         replica = esc(&s.replica),
         key = esc(&s.key),
@@ -255,7 +269,8 @@ pub fn request(s: &Summary, pairs: Option<&[Pair]>, replica: &str) -> String {
         sc = s.saving.cache,
         cache = cache_text(s),
         conv = s.conversation.as_deref().map_or(String::new(), |c| format!(
-            "<dt>conversation</dt><dd><a href=\"/visor/ui/conversations/{c}\">{c}</a></dd>",
+            "<dt>conversation</dt><dd><a href=\"/visor/ui/conversations/{p}\">{c}</a></dd>",
+            p = pct(c),
             c = esc(c)
         )),
     );
@@ -290,6 +305,7 @@ fn side_by_side(h: &mut String, pairs: &[Pair]) {
                 reason = esc(&l.reason)
             );
             if let Some(a) = &l.artifact {
+                let a = pct(a);
                 let _ = write!(
                     labels,
                     "<figure><a href=\"/visor/artifacts/{a}\"><img src=\"/visor/artifacts/{a}\" alt=\"the original, sha256:{a}\" loading=lazy></a>\
@@ -362,7 +378,7 @@ pub fn conversation(id: &str, list: &[Arc<Summary>]) -> String {
             "<tr><td>{n}</td><td><a href=\"/visor/ui/requests/{id}\">{time}</a></td><td>{model}</td><td class=n>{status}</td>\
              <td class=n>{tokens}</td><td class=n>{readable}</td><td class=miss>{miss}</td><td>{changes}</td><td class=n>{saved}</td></tr>",
             n = i + 1,
-            id = esc(&s.id),
+            id = pct(&s.id),
             time = time_text(s.time_ms),
             model = esc(&s.model),
             status = s.status,
@@ -517,6 +533,7 @@ mod tests {
         let page = requests(&[Arc::new(s)], &Filter::default(), "r1", false);
         assert!(page.contains("2 images replaced, 14 lines omitted, 2 cache breakpoints added"));
         assert!(page.contains("&lt;script&gt;") && !page.contains("<script>"));
+        assert_eq!(pct("a b/\"<x>?#%"), "a%20b%2F%22%3Cx%3E%3F%23%25");
         assert!(
             !page.contains("http://") && !page.contains("https://"),
             "no external request"

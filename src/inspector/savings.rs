@@ -8,8 +8,10 @@
 //!   that cannot see them are fitted, not saved: it could not take them.
 //! - `dedup`: the bytes dedup removed, at 4 bytes a token.
 //! - `cache`: prompt tokens read from the provider's cache when visor
-//!   placed the breakpoints (or the `prompt_cache_key`) — saved at the
-//!   difference between the input and the cached-input price.
+//!   placed the breakpoints (the client had set none: without them nothing
+//!   was cached) — saved at the difference between the input and the
+//!   cached-input price. OpenAI-kind caches read on their own, so a
+//!   `prompt_cache_key` visor adds is not counted as a saving.
 //!
 //! Money needs the model's prices (the model table's `input`,
 //! `cached_input`, `cache_write`, `output` per million tokens); a model
@@ -63,7 +65,7 @@ pub fn saving(notes: &[ImageNote], dedup_bytes: i64, visor_cached: bool, s: &Sum
         .iter()
         .filter(|n| matches!(n.action, "aged_out" | "capped" | "deduped") && n.medium == "image")
         .map(image_tokens)
-        .sum();
+        .fold(0u64, u64::saturating_add);
     let dedup = dedup_bytes.max(0) as u64 / BYTES_PER_TOKEN;
     let cache = match (visor_cached, s.tokens) {
         (true, Some(t)) => t.cached_read,
@@ -74,7 +76,7 @@ pub fn saving(notes: &[ImageNote], dedup_bytes: i64, visor_cached: bool, s: &Sum
         ((images + dedup) as f64 * p.input + cache as f64 * read_discount) / 1e6
     });
     Saving {
-        tokens: images + dedup + cache,
+        tokens: images.saturating_add(dedup).saturating_add(cache),
         images,
         dedup,
         cache,
@@ -93,7 +95,8 @@ pub fn cost(s: &Summary) -> Option<f64> {
         false => t.prompt.saturating_sub(t.cached_read),
     };
     let read = t.cached_read as f64 * p.cached_input.unwrap_or(p.input);
-    let written = t.cache_written as f64 * p.cache_write.unwrap_or(p.input);
+    // Without a cache-write price: Anthropic's 1.25 times the input's.
+    let written = t.cache_written as f64 * p.cache_write.unwrap_or(p.input * 1.25);
     Some((uncached as f64 * p.input + read + written + t.completion as f64 * p.output) / 1e6)
 }
 
@@ -101,7 +104,10 @@ pub fn cost(s: &Summary) -> Option<f64> {
 pub fn prompt_total(s: &Summary) -> u64 {
     let Some(t) = s.tokens else { return 0 };
     match s.endpoint == "/v1/messages" {
-        true => t.prompt + t.cached_read + t.cache_written,
+        true => t
+            .prompt
+            .saturating_add(t.cached_read)
+            .saturating_add(t.cache_written),
         false => t.prompt,
     }
 }
@@ -123,15 +129,17 @@ pub struct Sums {
 
 impl Sums {
     fn add(&mut self, s: &Summary) {
-        self.requests += 1;
-        self.prompt_tokens += prompt_total(s);
-        self.cached_read += s.tokens.map_or(0, |t| t.cached_read);
-        self.completion_tokens += s.tokens.map_or(0, |t| t.completion);
+        let t = s.tokens.unwrap_or_default();
+        let plus = |a: &mut u64, b: u64| *a = a.saturating_add(b);
+        plus(&mut self.requests, 1);
+        plus(&mut self.prompt_tokens, prompt_total(s));
+        plus(&mut self.cached_read, t.cached_read);
+        plus(&mut self.completion_tokens, t.completion);
         let v = &s.saving;
-        self.saved.tokens += v.tokens;
-        self.saved.images += v.images;
-        self.saved.dedup += v.dedup;
-        self.saved.cache += v.cache;
+        plus(&mut self.saved.tokens, v.tokens);
+        plus(&mut self.saved.images, v.images);
+        plus(&mut self.saved.dedup, v.dedup);
+        plus(&mut self.saved.cache, v.cache);
         if let Some(m) = v.money {
             *self.saved.money.get_or_insert(0.0) += m;
         }

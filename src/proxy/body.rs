@@ -122,10 +122,53 @@ pub struct Inspected {
     pub inspector: Arc<crate::inspector::Inspector>,
     pub summary: crate::inspector::Summary,
     /// The body as the client sent it (a transformed endpoint's).
-    pub client_body: Option<Bytes>,
+    pub client_body: Option<crate::inspector::Held>,
     /// The body sent upstream, when it differs.
-    pub upstream_body: Option<Bytes>,
+    pub upstream_body: Option<crate::inspector::Held>,
     pub report: Option<crate::transform::Report>,
+}
+
+/// How a response ended, as the inspector keeps it.
+struct Ended<'a> {
+    upstream: &'a str,
+    status: u16,
+    outcome: Outcome,
+    first_byte_ms: Option<u64>,
+    total_ms: u64,
+    /// The provider's usage, when it said it.
+    usage: Option<crate::api::usage::Usage>,
+    cache: Option<crate::inspector::CacheSeen>,
+}
+
+impl Inspected {
+    /// The summary finished with how the response ended, and recorded.
+    fn finish(self, e: Ended<'_>) {
+        let Inspected {
+            inspector,
+            mut summary,
+            client_body,
+            upstream_body,
+            report,
+        } = self;
+        summary.upstream = e.upstream.to_owned();
+        summary.status = e.status;
+        summary.outcome = e.outcome.label().to_owned();
+        summary.first_byte_ms = e.first_byte_ms;
+        summary.total_ms = e.total_ms;
+        summary.tokens = e.usage.map(|u| crate::inspector::Tokens {
+            prompt: u.prompt,
+            cached_read: u.cached_read,
+            cache_written: u.cache_write,
+            completion: u.completion,
+        });
+        summary.cache = e.cache;
+        inspector.record(crate::inspector::Record {
+            summary,
+            client: client_body,
+            upstream: upstream_body,
+            report,
+        });
+    }
 }
 
 /// What is recorded when the body ends.
@@ -296,39 +339,25 @@ impl ObservedBody {
             seen.settle(m, answered)
         });
         let cache_miss = cache.and_then(|c| c.miss());
-        if let Some(Inspected {
-            inspector,
-            mut summary,
-            client_body,
-            upstream_body,
-            report,
-        }) = f.inspected
-        {
-            summary.upstream = f.upstream.to_string();
-            summary.status = f.status;
-            summary.outcome = outcome.label().to_owned();
-            summary.first_byte_ms = self.first_byte.then(|| {
+        if let Some(inspected) = f.inspected {
+            let first_byte_ms = self.first_byte.then(|| {
                 self.first_byte_at
                     .saturating_duration_since(f.sent)
                     .as_millis() as u64
             });
-            summary.total_ms = elapsed.as_millis() as u64;
-            summary.tokens = said.then_some(crate::inspector::Tokens {
-                prompt: usage.prompt,
-                cached_read: usage.cached_read,
-                cache_written: usage.cache_write,
-                completion: usage.completion,
-            });
-            summary.cache = cache.map(|c| crate::inspector::CacheSeen {
-                readable: c.readable,
-                miss: cache_miss.clone(),
-            });
-            inspector.record(crate::inspector::Record {
-                summary,
-                client: client_body,
-                upstream: upstream_body,
-                report,
-            });
+            let ended = Ended {
+                upstream: &f.upstream,
+                status: f.status,
+                outcome,
+                first_byte_ms,
+                total_ms: elapsed.as_millis() as u64,
+                usage: said.then_some(usage),
+                cache: cache.map(|c| crate::inspector::CacheSeen {
+                    readable: c.readable,
+                    miss: cache_miss.clone(),
+                }),
+            };
+            inspected.finish(ended);
         }
         tracing::info!(
             request_id = f.request_id.to_str().unwrap_or_default(),

@@ -3,7 +3,9 @@
 //! messages`, default chat; `?model=` overrides the body's), the answer
 //! `{"request": what would be sent, "report": why}` as `visor explain`
 //! prints it, with the describer's live caches and the model table as it
-//! has learned. Nothing is sent upstream and no describer is called.
+//! has learned. Nothing is sent upstream and no describer is called. One
+//! runs at a time (another meanwhile: 503 `inspector_busy`), on a blocking
+//! thread, under `server.request_timeout_secs`.
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -74,8 +76,29 @@ pub async fn answer(state: &AppState, req: Request<RequestBody>) -> Response<Pro
         rw.rules.for_model(resolved.caps.max_images),
         rw.query_aware,
     );
-    let describer = rw.media.describer();
-    let rewrite = explain::rewrite(&body, &plan, &Texts::Describer(describer)).await;
+    // One at a time, on a blocking thread (documents are read), under the
+    // request timeout; the thread keeps the permit until it is done.
+    let Ok(permit) = state.inspector.explaining.clone().try_acquire_owned() else {
+        return refuse(
+            &state.metrics,
+            VisorError::InspectorBusy("an explain is already running"),
+        );
+    };
+    let describer = rw.media.describer().clone();
+    let runtime = tokio::runtime::Handle::current();
+    let input = body.clone();
+    let work = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        runtime.block_on(explain::rewrite(
+            &input,
+            &plan,
+            &Texts::Describer(&describer),
+        ))
+    });
+    let rewrite = match tokio::time::timeout(state.server.request_timeout, work).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) | Err(_) => return refuse(&state.metrics, VisorError::TransformTimeout),
+    };
     let sent = rewrite.body.as_deref().unwrap_or(&body);
     let request: serde_json::Value = serde_json::from_slice(sent).unwrap_or_default();
     let out = serde_json::json!({

@@ -84,9 +84,9 @@ pub async fn handle(
     let (mut call, parts, body) = Call::new(state, req)?; // 1. limit
     let held = read_body(state, &mut call, &parts, body).await?; // 2. body
     // The inspector keeps the body as the client sent it (one reference).
-    let client_body = match (&held, state.inspector.enabled) {
-        (Held::Whole(b), true) => Some(b.clone()),
-        _ => None,
+    let client_body = match &held {
+        Held::Whole(b) => state.inspector.hold(b),
+        Held::Streamed(_) => None,
     };
     edge.model_read(call.model.as_deref());
     call.index = state.routes.route(call.model.as_deref())?; // 3. route
@@ -426,6 +426,7 @@ async fn send<'s>(
 #[derive(Default)]
 struct Session {
     history_used: usize,
+    history_at: usize,
     recorder: Option<Recorder>,
     /// The body, when it is streamed (no session applies then).
     streamed: Option<UpstreamBody>,
@@ -492,6 +493,7 @@ async fn open_session(
     let opened = sessions.open(shape, &parts.headers, &id, &bytes).await?;
     let s = Session {
         history_used: opened.history_used,
+        history_at: opened.history_at,
         recorder: Some(opened.recorder),
         streamed: None,
     };
@@ -520,6 +522,7 @@ async fn transform(
         .prepare_by(shape, model, bytes, opts, asker, deadline)
         .await?;
     p.report.history_used = session.history_used;
+    p.report.history_at = session.history_at;
     Ok(Some(p))
 }
 
@@ -855,9 +858,10 @@ async fn learn(
     *req.method_mut() = method;
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
-    let history_used = p.report.history_used;
+    let (history_used, history_at) = (p.report.history_used, p.report.history_at);
     *p = retry;
     p.report.history_used = history_used;
+    p.report.history_at = history_at;
     edge.prepared(Some(Counts::of(&p.report)));
     let answer = exchange.run(req, &call.exceeded, Instant::now()).await?;
     if answer.resp.status().is_success() {
@@ -876,7 +880,7 @@ struct Outgoing {
     /// The request's cache, as judged before the answer.
     cache: Option<Seen>,
     /// The body as the client sent it, for the inspector.
-    client_body: Option<Bytes>,
+    client_body: Option<crate::inspector::Held>,
 }
 
 /// Phase 8: status and headers passed through (plus the `x-visor-*`
@@ -936,8 +940,8 @@ async fn respond(
         summary: summary(state, &call, &grant, prepared.as_ref(), cache.as_ref()),
         upstream_body: prepared
             .as_ref()
-            .filter(|p| client_body.as_ref() != Some(&p.body))
-            .map(|p| p.body.clone()),
+            .filter(|p| p.body.len() as u64 != call.bytes_in || Changes::of(&p.report).any())
+            .and_then(|p| state.inspector.hold(&p.body)),
         client_body,
         report: prepared.as_mut().map(|p| std::mem::take(&mut p.report)),
     });

@@ -12,7 +12,7 @@ use super::edge::refuse;
 use super::router::{json_owned, truncate};
 use crate::error::VisorError;
 use crate::inspector::access::{COOKIE, SIGN_IN_SECS};
-use crate::inspector::{Access, Filter, page};
+use crate::inspector::{Access, Filter, SignIn, page};
 use crate::upstream::RequestBody;
 
 /// Whether `path` is the inspector's.
@@ -23,7 +23,8 @@ pub fn is_inspector(path: &str) -> bool {
 /// The methods a path of the inspector answers.
 pub fn allow(path: &str) -> &'static str {
     match path {
-        "/visor/ui/sign-in" | "/visor/api/explain" => "GET, HEAD, POST",
+        "/visor/ui/sign-in" => "GET, HEAD, POST",
+        "/visor/ui/sign-out" | "/visor/api/explain" => "POST",
         _ => "GET, HEAD",
     }
 }
@@ -55,7 +56,12 @@ pub async fn handle(state: &AppState, req: Request<RequestBody>) -> Response<Pro
     if path == "/visor/ui/sign-in" {
         return sign_in(state, req).await;
     }
-    match state.inspector.access(req.headers()) {
+    if path == "/visor/ui/sign-out" {
+        // The cookie goes; the key it was made with still opens it.
+        let gone = format!("{COOKIE}=; Path=/visor; HttpOnly; SameSite=Strict; Max-Age=0");
+        return redirect("/visor/ui/sign-in", Some(gone));
+    }
+    match state.inspector.access(req.headers(), req.uri()) {
         Access::Granted => {}
         Access::NotConfigured => return refuse(&state.metrics, VisorError::InspectorClosed),
         Access::Unauthorized if is_page => {
@@ -86,8 +92,7 @@ async fn answer(state: &AppState, path: &str, req: Request<RequestBody>) -> Resp
                 );
             }
             let list: Vec<&crate::inspector::Summary> = list.iter().map(|s| &**s).collect();
-            let body =
-                serde_json::json!({"replica": inspector.replica, "fleet": fleet, "requests": list});
+            let body = serde_json::json!({"replica": inspector.replica, "fleet": fleet, "dropped": inspector.dropped.load(std::sync::atomic::Ordering::Relaxed), "requests": list});
             json_owned(StatusCode::OK, body.to_string())
         }
         "/visor/ui/savings" => html(StatusCode::OK, page::savings(&inspector.savings().await)),
@@ -104,6 +109,8 @@ async fn answer(state: &AppState, path: &str, req: Request<RequestBody>) -> Resp
 async fn by_id(state: &AppState, path: &str) -> Response<ProxyBody> {
     let inspector = &state.inspector;
     let bad = |e| refuse(&state.metrics, e);
+    let decoded = crate::inspector::filter::percent_decode_path(path);
+    let path = decoded.as_deref().unwrap_or(path);
     if let Some((api, id)) = path
         .strip_prefix("/visor/ui/requests/")
         .map(|id| (false, id))
@@ -180,6 +187,10 @@ async fn sign_in(state: &AppState, req: Request<RequestBody>) -> Response<ProxyB
     if req.method() != Method::POST {
         return html(StatusCode::OK, page::sign_in(false));
     }
+    let https = req
+        .headers()
+        .get("x-forwarded-proto")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"https"));
     let body = match http_body_util::Limited::new(req.into_body(), 4096)
         .collect()
         .await
@@ -193,15 +204,27 @@ async fn sign_in(state: &AppState, req: Request<RequestBody>) -> Response<ProxyB
         .flat_map(|b| b.split('&'))
         .filter_map(|p| p.strip_prefix("key="))
         .find_map(crate::inspector::filter::percent_decode);
-    let cookie = key.and_then(|k| state.inspector.sign_in(k.trim()));
-    match cookie {
-        Some(v) => {
+    let signed = match key {
+        Some(k) => state.inspector.sign_in(k.trim()),
+        None => Err(SignIn::Wrong),
+    };
+    match signed {
+        Ok(v) => {
+            // Behind a TLS terminator the cookie is sent over TLS only.
+            let secure = match https {
+                true => "; Secure",
+                false => "",
+            };
             let c = format!(
-                "{COOKIE}={v}; Path=/visor; HttpOnly; SameSite=Strict; Max-Age={SIGN_IN_SECS}"
+                "{COOKIE}={v}; Path=/visor; HttpOnly; SameSite=Strict; Max-Age={SIGN_IN_SECS}{secure}"
             );
             redirect("/visor/ui", Some(c))
         }
-        None => html(StatusCode::UNAUTHORIZED, page::sign_in(true)),
+        Err(SignIn::Wrong) => html(StatusCode::UNAUTHORIZED, page::sign_in(true)),
+        Err(SignIn::TooMany) => refuse(
+            &state.metrics,
+            VisorError::InspectorBusy("too many wrong admin keys this minute"),
+        ),
     }
 }
 
@@ -221,14 +244,26 @@ fn redirect(to: &'static str, cookie: Option<String>) -> Response<ProxyBody> {
 /// idle connections open. A watcher too slow for the stream misses events
 /// (it is told with a `lagged` event), never slows the proxy.
 fn events(state: &AppState) -> Response<ProxyBody> {
+    let Some(watching) = state.inspector.watch() else {
+        return refuse(
+            &state.metrics,
+            VisorError::InspectorBusy("too many event streams are open"),
+        );
+    };
     let mut rx = state.inspector.events();
+    let shutdown = state.life.shutdown.clone();
     let (tx, out) = tokio::sync::mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
+        let _watching = watching;
         let _ = tx
             .send(Bytes::from_static(b": visor inspector events\n\n"))
             .await;
         loop {
-            let next = tokio::time::timeout(std::time::Duration::from_secs(15), rx.recv()).await;
+            let next = tokio::select! {
+                // Shutdown: the stream ends, so draining does not wait on it.
+                () = shutdown.cancelled() => return,
+                n = tokio::time::timeout(std::time::Duration::from_secs(15), rx.recv()) => n,
+            };
             let frame = match next {
                 Err(_) => Bytes::from_static(b": keep-alive\n\n"),
                 Ok(Ok(s)) => match serde_json::to_string(&*s) {

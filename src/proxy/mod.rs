@@ -267,7 +267,8 @@ where
         let inspector = inspect::is_inspector(path)
             || (path.starts_with("/visor/artifacts/")
                 && self.state.inspector.enabled
-                && self.state.inspector.access(req.headers()) == crate::inspector::Access::Granted);
+                && self.state.inspector.access(req.headers(), req.uri())
+                    == crate::inspector::Access::Granted);
         let guarded = !inspector
             && (path == "/v1"
                 || path.starts_with("/v1/")

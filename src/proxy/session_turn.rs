@@ -38,6 +38,8 @@ pub struct Opened {
     /// The request body with the history in it.
     pub body: Bytes,
     pub history_used: usize,
+    /// Before which of the client's messages the history went.
+    pub history_at: usize,
     pub recorder: Recorder,
 }
 
@@ -185,6 +187,7 @@ async fn open(
     Ok(Opened {
         body,
         history_used: merged.history_used,
+        history_at: merged.at,
         recorder: Recorder {
             state: state.clone(),
             shape,

@@ -61,6 +61,9 @@ pub struct Report {
     /// Stored session messages prepended (set by the proxy).
     #[serde(skip)]
     pub history_used: usize,
+    /// Where they were put: before the client's message at this index.
+    #[serde(skip)]
+    pub history_at: usize,
     /// Prompt-cache breakpoints added (set by the proxy).
     #[serde(skip)]
     pub breakpoints: usize,

@@ -256,7 +256,7 @@ async fn it_goes_by_the_address_served_not_the_one_configured() {
     assert!(state.server.listen.ip().is_loopback());
     let h = http::HeaderMap::new();
     assert_eq!(
-        state.inspector.access(&h),
+        state.inspector.access(&h, &"/visor/ui".parse().unwrap()),
         visor::inspector::Access::Granted
     );
 }
@@ -651,4 +651,43 @@ async fn what_visor_answers_itself_is_listed_too() {
     assert_eq!(status, 400);
     let d = detail(&visor, "req-bad", None).await;
     assert_eq!(d["request"]["status"], 400);
+}
+
+#[tokio::test]
+async fn open_means_open_to_this_machine_and_bodies_keep_no_credential() {
+    let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let body = json!({"model": "m", "api_key": "sk-body-SECRET",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}, "headers": {"Authorization": "Bearer sk-tool-SECRET"}}],
+        "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    send(with_id("/v1/chat/completions", &visor, "req-creds", body)).await;
+    let d = detail(&visor, "req-creds", None).await;
+    let text = d.to_string();
+    assert!(!text.contains("SECRET"), "{text}");
+    assert!(text.contains("[redacted]"), "{text}");
+    // A page that rebinds its own name to 127.0.0.1 is not this machine.
+    for (host, want) in [("evil.example", 403), ("localhost", 200)] {
+        let (status, _, _) = get_with(&visor, "/visor/api/requests", &[("host", host)]).await;
+        assert_eq!(status.as_u16(), want, "{host}");
+    }
+    let (status, _, _) = get_with(
+        &visor,
+        "/visor/api/requests",
+        &[("sec-fetch-site", "cross-site")],
+    )
+    .await;
+    assert_eq!(status, 403);
+    // Explain is a POST; sign-out clears the cookie.
+    let (status, h, _) = get(&visor, "/visor/api/explain", None).await;
+    assert_eq!(
+        (status.as_u16(), h["allow"].to_str().unwrap()),
+        (405, "POST")
+    );
+    let req = Request::post(visor.url("/visor/ui/sign-out"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let (status, h, _) = send(req).await;
+    assert_eq!(status, 303);
+    assert!(h["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
 }
