@@ -297,6 +297,11 @@ fn offline(cfg: &Config, network: bool) -> Option<Offline> {
             Ok(store) => {
                 match rt.block_on(store.learned()) {
                     Ok(n) => names.extend(n),
+                    Err(e @ visor::store::StoreError::InUse(_)) => {
+                        note = Some(format!(
+                            "unavailable: {e} (a running visor holds it: POST the request to its /visor/api/explain for the descriptions it has)"
+                        ))
+                    }
                     Err(e) => note = Some(format!("unavailable: {e}")),
                 }
                 Some(store)

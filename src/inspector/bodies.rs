@@ -25,10 +25,41 @@ pub const MIN_BYTE_ARRAY: usize = 256;
 /// arrays by their count, credentials (`authorization`, `api_key`,
 /// `token`, `password`, a tool's `headers`, a signed URL's query) by
 /// `[redacted]`. `None` when it is not JSON.
-pub fn without_media(body: &[u8]) -> Option<Bytes> {
+pub fn without_media(body: &Bytes) -> Option<Bytes> {
+    // Most requests hold nothing to strip: kept as they came (one
+    // reference, no copy), once one pass says so.
+    if !may_hold_media_or_secrets(body) {
+        return Some(body.clone());
+    }
     let mut v: Value = serde_json::from_slice(body).ok()?;
     strip(&mut v, 0);
     serde_json::to_vec(&v).ok().map(Bytes::from)
+}
+
+/// Words that name a credential field or a signed URL's parameter (lower
+/// case); a body without any of them holds none.
+const SECRET_WORDS: [&[u8]; 9] = [
+    b"auth", b"key", b"token", b"secret", b"passw", b"cookie", b"headers", b"sig", b"credential",
+];
+
+/// Whether `body` may hold something [`without_media`] replaces: a long
+/// run of base64 (or of digits and commas: a byte array), a `data:` URL,
+/// or a word of [`SECRET_WORDS`]. False positives only cost the full
+/// read.
+fn may_hold_media_or_secrets(body: &[u8]) -> bool {
+    let (mut b64, mut digits) = (0usize, 0usize);
+    for &c in body {
+        b64 = if is_b64(c) || c == b'\\' { b64 + 1 } else { 0 };
+        digits = if c.is_ascii_digit() || c == b',' || c == b' ' { digits + 1 } else { 0 };
+        if b64 >= MIN_RUN || digits >= MIN_BYTE_ARRAY * 2 {
+            return true;
+        }
+    }
+    let lower = body.to_ascii_lowercase();
+    memchr::memmem::find(&lower, b";base64,").is_some()
+        || SECRET_WORDS
+            .iter()
+            .any(|w| memchr::memmem::find(&lower, w).is_some())
 }
 
 fn strip(v: &mut Value, depth: usize) {
@@ -307,7 +338,7 @@ mod tests {
     }
 
     fn kept(body: &Value) -> Value {
-        serde_json::from_slice(&without_media(body.to_string().as_bytes()).unwrap()).unwrap()
+        serde_json::from_slice(&without_media(&Bytes::from(body.to_string())).unwrap()).unwrap()
     }
 
     fn hex12(bytes: &[u8]) -> String {
@@ -397,7 +428,11 @@ mod tests {
         let long_letters = "a".repeat(2000);
         let body = json!({"a": prose, "b": long_letters, "c": "abc123", "n": [1, 2, 300]});
         assert_eq!(kept(&body), body);
-        assert!(without_media(b"not json").is_none());
+        assert!(without_media(&Bytes::from_static(b"{\"auth\": not json")).is_none());
+        // Nothing to strip: kept as it came, not copied.
+        let plain = Bytes::from_static(b"{\"model\": \"m\",  \"messages\": []}");
+        let kept = without_media(&plain).unwrap();
+        assert_eq!(kept.as_ptr(), plain.as_ptr());
     }
 
     #[test]

@@ -168,17 +168,6 @@ impl Held {
             Held::Stripping(_) => 0,
         }
     }
-
-    /// The body without its media (on a blocking thread).
-    async fn stripped(self) -> Option<Bytes> {
-        match self {
-            Held::Raw(b) => tokio::task::spawn_blocking(move || bodies::without_media(&b))
-                .await
-                .ok()
-                .flatten(),
-            Held::Stripping(h) => h.await.ok().flatten(),
-        }
-    }
 }
 
 /// A finished request on its way to the inspector: its summary, and what
@@ -220,7 +209,7 @@ pub struct Inspector {
     recent: Mutex<VecDeque<Arc<Summary>>>,
     bodies: Mutex<Bodies>,
     events: broadcast::Sender<Arc<Summary>>,
-    queue: OnceLock<mpsc::Sender<Record>>,
+    queue: OnceLock<std::sync::mpsc::SyncSender<Record>>,
     /// Raw body bytes waiting in the queue.
     queued: AtomicUsize,
     /// Records dropped because the queue was full.
@@ -332,31 +321,42 @@ impl Inspector {
             });
             let _ = self.fleet.set((store, tx));
         }
-        let (tx, mut rx) = mpsc::channel::<Record>(QUEUE);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Record>(QUEUE);
         if self.queue.set(tx).is_err() {
             return;
         }
+        // A thread of its own: what recording defers never runs on a
+        // runtime that serves connections.
         let me = Arc::downgrade(self);
-        tokio::spawn(async move {
-            while let Some(r) = rx.recv().await {
-                let Some(me) = me.upgrade() else { return };
-                let raw = r.client.as_ref().map_or(0, Held::raw_len)
-                    + r.upstream.as_ref().map_or(0, Held::raw_len);
-                let client = match r.client {
-                    Some(h) => h.stripped().await,
-                    None => None,
-                };
-                let upstream = match r.upstream {
-                    Some(h) => h.stripped().await,
-                    None => None,
-                };
-                me.queued.fetch_sub(raw, Ordering::Relaxed);
-                let s = me.keep_record(r.summary, client, upstream, r.report);
-                if let Some((_, publish)) = me.fleet.get() {
-                    let _ = publish.try_send(s);
+        let runtime = tokio::runtime::Handle::current();
+        let started = std::thread::Builder::new()
+            .name("visor-inspector".to_owned())
+            .spawn(move || {
+                while let Ok(r) = rx.recv() {
+                    let Some(me) = me.upgrade() else { return };
+                    me.take(r, &runtime);
                 }
-            }
-        });
+            });
+        if let Err(e) = started {
+            tracing::warn!(error = %e, "the inspector's thread did not start: requests are kept as they end");
+        }
+    }
+
+    /// What the recording thread does with one record.
+    fn take(&self, r: Record, runtime: &tokio::runtime::Handle) {
+        let raw = r.client.as_ref().map_or(0, Held::raw_len)
+            + r.upstream.as_ref().map_or(0, Held::raw_len);
+        let strip = |h: Option<Held>| match h {
+            Some(Held::Raw(b)) => bodies::without_media(&b),
+            Some(Held::Stripping(h)) => runtime.block_on(h).ok().flatten(),
+            None => None,
+        };
+        let (client, upstream) = (strip(r.client), strip(r.upstream));
+        self.queued.fetch_sub(raw, Ordering::Relaxed);
+        let s = self.keep_record(r.summary, client, upstream, r.report);
+        if let Some((_, publish)) = self.fleet.get() {
+            let _ = publish.try_send(s);
+        }
     }
 
     /// A body to hold for the inspector while its request runs (`None`:

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use support::{Serving, temp_config, visor};
+use support::{Serving, temp_config, temp_dir, visor};
 
 #[test]
 fn check_accepts_the_shipped_config_and_prints_routes() {
@@ -743,4 +743,42 @@ fn explain_reads_the_model_from_the_body_and_prints_raw_bytes() {
     let out = child.wait_with_output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--model"));
+}
+
+#[tokio::test]
+async fn explain_says_where_to_ask_while_a_running_visor_holds_the_store() {
+    let dir = temp_dir("explain-in-use");
+    let cfg = dir.join("visor.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\ndata_dir = \"{}\"\n[store]\nbackend = \"disk\"\n[[upstream]]\nname = \"x\"\nbase_url = \"http://127.0.0.1:9/v1\"\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    // Another process's store, open (as `serve` holds it).
+    let metrics = std::sync::Arc::new(visor::metrics::Metrics::new().unwrap());
+    let store = visor::store::Store::open(
+        &visor::config::StoreBackend::Disk,
+        "visor:",
+        &dir,
+        metrics,
+    )
+    .unwrap();
+    store.learn("some-model").await.unwrap();
+    let fixture = support::fixtures().join("chat-image-nonvision.json");
+    let out = visor()
+        .arg("explain")
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--model", "text-only-model"])
+        .arg(&fixture)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let said = v["report"]["store"].as_str().unwrap();
+    assert!(said.contains("/visor/api/explain"), "{said}");
+    drop(store);
 }
