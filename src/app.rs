@@ -44,7 +44,8 @@ pub fn build(
     if config.upstreams.is_empty() {
         return Err("no upstream configured".to_owned());
     }
-    let models = ModelTable::new(&config.models, Learned::default()).map_err(|e| e.to_string())?;
+    let models =
+        Arc::new(ModelTable::new(&config.models, Learned::default()).map_err(|e| e.to_string())?);
     let upstreams = Arc::new(upstreams);
     let store = Arc::new(Store::open(
         &config.store.backend,
@@ -78,7 +79,7 @@ pub fn build(
         gate.keys.is_set(),
         &config.describer.model,
     ));
-    inspector.start(store.clone());
+    inspector.start(store.clone(), rewrite.models.clone());
     // What the phases keep of the config itself: the server's bounds and
     // deadlines, and the upstreams to route to.
     let Config {
@@ -134,7 +135,7 @@ fn media_text(
 fn rewriter(
     config: &Config,
     gate: &Gate,
-    models: ModelTable,
+    models: Arc<ModelTable>,
     media: Arc<MediaText>,
     store: Arc<Store>,
     metrics: Arc<Metrics>,

@@ -26,8 +26,8 @@ pub const MIN_BYTE_ARRAY: usize = 256;
 /// `token`, `password`, a tool's `headers`, a signed URL's query) by
 /// `[redacted]`. `None` when it is not JSON.
 pub fn without_media(body: &Bytes) -> Option<Bytes> {
-    // Most requests hold nothing to strip: kept as they came (one
-    // reference, no copy), once one pass says so.
+    // Most requests hold nothing to strip: kept as they came, once one
+    // pass says so (the caller's own copy: see `Inspector::hold`).
     if !may_hold_media_or_secrets(body) {
         return Some(body.clone());
     }
@@ -38,28 +38,57 @@ pub fn without_media(body: &Bytes) -> Option<Bytes> {
 
 /// Words that name a credential field or a signed URL's parameter (lower
 /// case); a body without any of them holds none.
-const SECRET_WORDS: [&[u8]; 9] = [
-    b"auth", b"key", b"token", b"secret", b"passw", b"cookie", b"headers", b"sig", b"credential",
+const SECRET_WORDS: [&str; 9] = [
+    "auth",
+    "key",
+    "token",
+    "secret",
+    "passw",
+    "cookie",
+    "headers",
+    "sig",
+    "credential",
 ];
+
+/// The searchers for [`SECRET_WORDS`] and `;base64,`, built once.
+static FINDERS: std::sync::LazyLock<Vec<memchr::memmem::Finder<'static>>> =
+    std::sync::LazyLock::new(|| {
+        SECRET_WORDS
+            .iter()
+            .chain([";base64,"].iter())
+            .map(|w| memchr::memmem::Finder::new(w.as_bytes()))
+            .collect()
+    });
 
 /// Whether `body` may hold something [`without_media`] replaces: a long
 /// run of base64 (or of digits and commas: a byte array), a `data:` URL,
-/// or a word of [`SECRET_WORDS`]. False positives only cost the full
-/// read.
+/// or a word of [`SECRET_WORDS`] in any case. False positives only cost
+/// the full read.
 fn may_hold_media_or_secrets(body: &[u8]) -> bool {
+    // A large body is read in full (it nearly always holds media).
+    if body.len() > super::RAW_MAX {
+        return true;
+    }
     let (mut b64, mut digits) = (0usize, 0usize);
     for &c in body {
         b64 = if is_b64(c) || c == b'\\' { b64 + 1 } else { 0 };
-        digits = if c.is_ascii_digit() || c == b',' || c == b' ' { digits + 1 } else { 0 };
+        digits = if c.is_ascii_digit() || c == b',' || c == b' ' {
+            digits + 1
+        } else {
+            0
+        };
         if b64 >= MIN_RUN || digits >= MIN_BYTE_ARRAY * 2 {
             return true;
         }
     }
-    let lower = body.to_ascii_lowercase();
-    memchr::memmem::find(&lower, b";base64,").is_some()
-        || SECRET_WORDS
-            .iter()
-            .any(|w| memchr::memmem::find(&lower, w).is_some())
+    thread_local! {
+        static LOWER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    LOWER.with_borrow_mut(|lower| {
+        lower.clear();
+        lower.extend(body.iter().map(u8::to_ascii_lowercase));
+        FINDERS.iter().any(|f| f.find(lower).is_some())
+    })
 }
 
 fn strip(v: &mut Value, depth: usize) {
@@ -245,6 +274,9 @@ fn reference(run: &str) -> String {
 /// `budget` bytes in all.
 pub struct Bodies {
     budget: usize,
+    /// At most this many (the summaries kept: older bodies are never
+    /// looked at).
+    most: usize,
     used: usize,
     newest_last: VecDeque<(u64, std::sync::Arc<Kept>)>,
 }
@@ -288,9 +320,10 @@ impl Kept {
 }
 
 impl Bodies {
-    pub fn new(budget: usize) -> Bodies {
+    pub fn new(budget: usize, most: usize) -> Bodies {
         Bodies {
             budget,
+            most,
             used: 0,
             newest_last: VecDeque::new(),
         }
@@ -305,7 +338,7 @@ impl Bodies {
         }
         self.used += size;
         self.newest_last.push_back((seq, std::sync::Arc::new(kept)));
-        while self.used > self.budget {
+        while self.used > self.budget || self.newest_last.len() > self.most {
             let Some((_, old)) = self.newest_last.pop_front() else {
                 break;
             };
@@ -429,15 +462,14 @@ mod tests {
         let body = json!({"a": prose, "b": long_letters, "c": "abc123", "n": [1, 2, 300]});
         assert_eq!(kept(&body), body);
         assert!(without_media(&Bytes::from_static(b"{\"auth\": not json")).is_none());
-        // Nothing to strip: kept as it came, not copied.
+        // Nothing to strip: kept as it came.
         let plain = Bytes::from_static(b"{\"model\": \"m\",  \"messages\": []}");
-        let kept = without_media(&plain).unwrap();
-        assert_eq!(kept.as_ptr(), plain.as_ptr());
+        assert_eq!(without_media(&plain).unwrap(), plain);
     }
 
     #[test]
     fn the_budget_drops_the_oldest() {
-        let mut b = Bodies::new(100);
+        let mut b = Bodies::new(100, 10);
         let k = |n: usize| Kept::new(Bytes::from(vec![b'x'; n]), None);
         b.keep(1, k(40));
         b.keep(2, k(40));
@@ -446,8 +478,13 @@ mod tests {
         assert_eq!(b.used(), 80);
         assert!(!b.keep(4, k(101)));
         assert!(b.get(4).is_none() && b.used() == 80);
-        let mut none = Bodies::new(0);
+        let mut none = Bodies::new(0, 10);
         none.keep(5, k(1));
         assert!(none.get(5).is_none());
+        let mut two = Bodies::new(100, 2);
+        for i in 0..4 {
+            two.keep(i, k(1));
+        }
+        assert!(two.get(1).is_none() && two.get(2).is_some() && two.used() == 2);
     }
 }

@@ -30,6 +30,7 @@ pub use filter::Filter;
 pub use savings::{Prices, Saving};
 
 use crate::config::Inspector as Config;
+use crate::models::ModelTable;
 use crate::store::{Shared, Store};
 use crate::transform::Report;
 
@@ -184,7 +185,53 @@ pub struct Record {
 
 /// The recording queue's length: past it, a record is dropped (counted),
 /// never waited for.
-pub const QUEUE: usize = 1024;
+pub const QUEUE: usize = 4096;
+
+/// Records that wake the recording thread at once.
+pub const BATCH: usize = 256;
+
+/// The longest a record waits for the recording thread.
+pub const BATCH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Records waiting for the recording thread.
+#[derive(Default)]
+struct Pending {
+    records: Mutex<Vec<Record>>,
+    ready: std::sync::Condvar,
+}
+
+impl Pending {
+    /// `false`: full (the record is let go).
+    fn push(&self, r: Record) -> bool {
+        let Ok(mut q) = self.records.lock() else {
+            return false;
+        };
+        if q.len() >= QUEUE {
+            return false;
+        }
+        q.push(r);
+        if q.len() == BATCH {
+            self.ready.notify_one();
+        }
+        true
+    }
+
+    /// The records waiting, once a batch is full or [`BATCH_WAIT`] passed.
+    fn next_batch(&self) -> Vec<Record> {
+        let Ok(q) = self.records.lock() else {
+            std::thread::sleep(BATCH_WAIT);
+            return Vec::new();
+        };
+        let mut q = match self
+            .ready
+            .wait_timeout_while(q, BATCH_WAIT, |q| q.len() < BATCH)
+        {
+            Ok((q, _)) => q,
+            Err(_) => return Vec::new(),
+        };
+        std::mem::replace(&mut *q, Vec::with_capacity(BATCH))
+    }
+}
 
 /// The replicas' list as last read, and when.
 type FleetRead = (std::time::Instant, Arc<Vec<Arc<Summary>>>);
@@ -209,7 +256,11 @@ pub struct Inspector {
     recent: Mutex<VecDeque<Arc<Summary>>>,
     bodies: Mutex<Bodies>,
     events: broadcast::Sender<Arc<Summary>>,
-    queue: OnceLock<std::sync::mpsc::SyncSender<Record>>,
+    /// Records waiting for the recording thread (at most [`QUEUE`]); it
+    /// takes them in batches, so a request wakes no thread.
+    pending: Arc<Pending>,
+    /// Whether the recording thread runs (else records are kept at once).
+    threaded: std::sync::atomic::AtomicBool,
     /// Raw body bytes waiting in the queue.
     queued: AtomicUsize,
     /// Records dropped because the queue was full.
@@ -218,6 +269,8 @@ pub struct Inspector {
     /// to it.
     fleet: OnceLock<(Arc<Store>, mpsc::Sender<Arc<Summary>>)>,
     fleet_read: Mutex<Option<FleetRead>>,
+    /// The model table, for prices (read off the request's path).
+    models: OnceLock<Arc<ModelTable>>,
     /// Event streams open now.
     watchers: Arc<AtomicUsize>,
     /// One explain at a time (it reads documents).
@@ -286,13 +339,15 @@ impl Inspector {
             describer: describer.to_owned(),
             next: AtomicU64::new(1),
             recent: Mutex::new(VecDeque::new()),
-            bodies: Mutex::new(Bodies::new(config.body_bytes)),
+            bodies: Mutex::new(Bodies::new(config.body_bytes, config.keep)),
             events: broadcast::channel(256).0,
-            queue: OnceLock::new(),
+            pending: Arc::new(Pending::default()),
+            threaded: std::sync::atomic::AtomicBool::new(false),
             queued: AtomicUsize::new(0),
             dropped: AtomicU64::new(0),
             fleet: OnceLock::new(),
             fleet_read: Mutex::new(None),
+            models: OnceLock::new(),
             watchers: Arc::new(AtomicUsize::new(0)),
             explaining: Arc::new(tokio::sync::Semaphore::new(1)),
             failures: Mutex::new((0, 0)),
@@ -303,10 +358,11 @@ impl Inspector {
     /// runtime): one strips bodies (on blocking threads) and keeps
     /// summaries; with a shared store another appends them to the
     /// replicas' stream (from which the lists then come).
-    pub fn start(self: &Arc<Self>, store: Arc<Store>) {
+    pub fn start(self: &Arc<Self>, store: Arc<Store>, models: Arc<ModelTable>) {
         if !self.enabled {
             return;
         }
+        let _ = self.models.set(models);
         if store.is_shared() {
             let (tx, mut rx) = mpsc::channel::<Arc<Summary>>(QUEUE);
             let keep = self.keep;
@@ -321,23 +377,28 @@ impl Inspector {
             });
             let _ = self.fleet.set((store, tx));
         }
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Record>(QUEUE);
-        if self.queue.set(tx).is_err() {
+        if self.threaded.swap(true, Ordering::AcqRel) {
             return;
         }
         // A thread of its own: what recording defers never runs on a
-        // runtime that serves connections.
+        // runtime that serves connections. It wakes when a batch is full
+        // or every [`BATCH_WAIT`], whichever comes first.
         let me = Arc::downgrade(self);
+        let pending = self.pending.clone();
         let runtime = tokio::runtime::Handle::current();
         let started = std::thread::Builder::new()
             .name("visor-inspector".to_owned())
             .spawn(move || {
-                while let Ok(r) = rx.recv() {
+                loop {
+                    let batch = pending.next_batch();
                     let Some(me) = me.upgrade() else { return };
-                    me.take(r, &runtime);
+                    for r in batch {
+                        me.take(r, &runtime);
+                    }
                 }
             });
         if let Err(e) = started {
+            self.threaded.store(false, Ordering::Release);
             tracing::warn!(error = %e, "the inspector's thread did not start: requests are kept as they end");
         }
     }
@@ -366,7 +427,9 @@ impl Inspector {
             return None;
         }
         if body.len() <= RAW_MAX || tokio::runtime::Handle::try_current().is_err() {
-            return Some(Held::Raw(body.clone()));
+            // Copied: the body may be a slice of the connection's read
+            // buffer, which holding would keep from being reused.
+            return Some(Held::Raw(Bytes::copy_from_slice(body)));
         }
         let b = body.clone();
         Some(Held::Stripping(tokio::task::spawn_blocking(move || {
@@ -374,13 +437,13 @@ impl Inspector {
         })))
     }
 
-    /// Records a finished request: one send on a bounded queue (kept at
-    /// once when no task was started).
+    /// Records a finished request: one short lock and a push (kept at
+    /// once when no thread was started).
     pub fn record(&self, mut r: Record) {
         if !self.enabled {
             return;
         }
-        let Some(q) = self.queue.get() else {
+        if !self.threaded.load(Ordering::Acquire) {
             let strip = |h: Option<Held>| match h {
                 Some(Held::Raw(b)) => bodies::without_media(&b),
                 _ => None,
@@ -388,17 +451,17 @@ impl Inspector {
             let (c, u) = (strip(r.client), strip(r.upstream));
             self.keep_record(r.summary, c, u, r.report);
             return;
-        };
+        }
         let mut raw = r.client.as_ref().map_or(0, Held::raw_len)
             + r.upstream.as_ref().map_or(0, Held::raw_len);
-        // Counted back when the task takes it.
+        // Counted back when the thread takes it.
         if self.queued.fetch_add(raw, Ordering::Relaxed) + raw > QUEUE_BYTES {
             r.client = None;
             r.upstream = None;
             self.queued.fetch_sub(raw, Ordering::Relaxed);
             raw = 0;
         }
-        if q.try_send(r).is_err() {
+        if !self.pending.push(r) {
             self.queued.fetch_sub(raw, Ordering::Relaxed);
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
@@ -414,6 +477,17 @@ impl Inspector {
         report: Option<Report>,
     ) -> Arc<Summary> {
         let report = report.unwrap_or_default();
+        if summary.prices.is_none()
+            && let Some(models) = self.models.get()
+        {
+            let c = models.caps(&summary.model);
+            summary.prices = c.input.zip(c.output).map(|(input, output)| Prices {
+                input,
+                cached_input: c.cached_input,
+                cache_write: c.cache_write,
+                output,
+            });
+        }
         summary.saving = savings::saving(
             &report.images,
             report.bytes_saved_dedup,

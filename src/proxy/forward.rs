@@ -984,19 +984,9 @@ fn summary(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
     let changes = prepared.map_or(Changes::default(), |p| Changes::of(&p.report));
-    let caps = call.model.as_deref().map(|m| state.rewrite.models.caps(m));
-    let prices = caps.and_then(|c| {
-        Some(crate::inspector::Prices {
-            input: c.input?,
-            cached_input: c.cached_input,
-            cache_write: c.cache_write,
-            output: c.output?,
-        })
-    });
     Summary {
         id: call.request_id.to_str().unwrap_or_default().to_owned(),
         endpoint: format!("/v1{}", call.rest),
-        prices,
         time_ms: now_ms.saturating_sub(call.started.elapsed().as_millis() as u64),
         replica: state.inspector.replica.clone(),
         key: grant.label.clone(),

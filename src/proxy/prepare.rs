@@ -31,7 +31,7 @@ const INLINE_LIMIT: usize = 256 * 1024;
 /// text, and where replaced originals go.
 pub struct Rewriter {
     /// The model-spec table (user, built-in and learned rows).
-    pub models: ModelTable,
+    pub models: Arc<ModelTable>,
     /// The `[images]` and `[dedup]` rules, built at load (a model's own
     /// `max_images` narrows them per request).
     pub rules: Rules,

@@ -759,13 +759,9 @@ async fn explain_says_where_to_ask_while_a_running_visor_holds_the_store() {
     .unwrap();
     // Another process's store, open (as `serve` holds it).
     let metrics = std::sync::Arc::new(visor::metrics::Metrics::new().unwrap());
-    let store = visor::store::Store::open(
-        &visor::config::StoreBackend::Disk,
-        "visor:",
-        &dir,
-        metrics,
-    )
-    .unwrap();
+    let store =
+        visor::store::Store::open(&visor::config::StoreBackend::Disk, "visor:", &dir, metrics)
+            .unwrap();
     store.learn("some-model").await.unwrap();
     let fixture = support::fixtures().join("chat-image-nonvision.json");
     let out = visor()
@@ -776,7 +772,11 @@ async fn explain_says_where_to_ask_while_a_running_visor_holds_the_store() {
         .arg(&fixture)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let said = v["report"]["store"].as_str().unwrap();
     assert!(said.contains("/visor/api/explain"), "{said}");
