@@ -79,7 +79,11 @@ pub fn build(
         gate.keys.is_set(),
         &config.describer.model,
     ));
-    inspector.start(store.clone(), rewrite.models.clone());
+    inspector.start(
+        store.clone(),
+        rewrite.models.clone(),
+        metrics.inspector_dropped.clone(),
+    );
     // What the phases keep of the config itself: the server's bounds and
     // deadlines, and the upstreams to route to.
     let Config {

@@ -47,6 +47,8 @@ pub struct Metrics {
     pub capability_learned: IntCounter,
     pub transform_duration: Histogram,
     pub artifact_errors: IntCounter,
+    /// `visor_inspector_dropped_total`.
+    pub inspector_dropped: IntCounter,
     pub describe: IntCounterVec,
     /// `visor_credential_refused_total{role, upstream}`
     pub credential_refused: IntCounterVec,
@@ -96,6 +98,7 @@ impl Metrics {
             capability_learned: transforms.capability_learned,
             transform_duration: transforms.transform_duration,
             artifact_errors: transforms.artifact_errors,
+            inspector_dropped: transforms.inspector_dropped,
             describe: describer.describe,
             credential_refused: describer.credential_refused,
             describe_duration: describer.describe_duration,
@@ -257,6 +260,7 @@ struct Transforms {
     capability_learned: IntCounter,
     transform_duration: Histogram,
     artifact_errors: IntCounter,
+    inspector_dropped: IntCounter,
 }
 
 impl Transforms {
@@ -326,6 +330,11 @@ impl Transforms {
                 registry,
                 "visor_artifact_write_errors_total",
                 "Replaced images that could not be saved under artifacts_dir (the request still went on)",
+            )?,
+            inspector_dropped: counter(
+                registry,
+                "visor_inspector_dropped_total",
+                "Requests the inspector let go because its recording queue was full (the requests were served)",
             )?,
         })
     }

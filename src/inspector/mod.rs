@@ -263,8 +263,9 @@ pub struct Inspector {
     threaded: std::sync::atomic::AtomicBool,
     /// Raw body bytes waiting in the queue.
     queued: AtomicUsize,
-    /// Records dropped because the queue was full.
+    /// Records dropped because the queue was full (and the metric).
     pub dropped: AtomicU64,
+    dropped_metric: OnceLock<prometheus::IntCounter>,
     /// The store the replicas share (`redis://`), and where summaries go
     /// to it.
     fleet: OnceLock<(Arc<Store>, mpsc::Sender<Arc<Summary>>)>,
@@ -345,6 +346,7 @@ impl Inspector {
             threaded: std::sync::atomic::AtomicBool::new(false),
             queued: AtomicUsize::new(0),
             dropped: AtomicU64::new(0),
+            dropped_metric: OnceLock::new(),
             fleet: OnceLock::new(),
             fleet_read: Mutex::new(None),
             models: OnceLock::new(),
@@ -358,11 +360,17 @@ impl Inspector {
     /// runtime): one strips bodies (on blocking threads) and keeps
     /// summaries; with a shared store another appends them to the
     /// replicas' stream (from which the lists then come).
-    pub fn start(self: &Arc<Self>, store: Arc<Store>, models: Arc<ModelTable>) {
+    pub fn start(
+        self: &Arc<Self>,
+        store: Arc<Store>,
+        models: Arc<ModelTable>,
+        dropped: prometheus::IntCounter,
+    ) {
         if !self.enabled {
             return;
         }
         let _ = self.models.set(models);
+        let _ = self.dropped_metric.set(dropped);
         if store.is_shared() {
             let (tx, mut rx) = mpsc::channel::<Arc<Summary>>(QUEUE);
             let keep = self.keep;
@@ -427,9 +435,8 @@ impl Inspector {
             return None;
         }
         if body.len() <= RAW_MAX || tokio::runtime::Handle::try_current().is_err() {
-            // Copied: the body may be a slice of the connection's read
-            // buffer, which holding would keep from being reused.
-            return Some(Held::Raw(Bytes::copy_from_slice(body)));
+            // One reference: the recording thread copies what it keeps.
+            return Some(Held::Raw(body.clone()));
         }
         let b = body.clone();
         Some(Held::Stripping(tokio::task::spawn_blocking(move || {
@@ -464,6 +471,9 @@ impl Inspector {
         if !self.pending.push(r) {
             self.queued.fetch_sub(raw, Ordering::Relaxed);
             self.dropped.fetch_add(1, Ordering::Relaxed);
+            if let Some(m) = self.dropped_metric.get() {
+                m.inc();
+            }
         }
     }
 
