@@ -47,7 +47,7 @@ pub struct Summary {
     /// The caller's key name (`none` without one).
     pub key: String,
     /// `/v1/chat/completions`…
-    pub endpoint: String,
+    pub endpoint: std::borrow::Cow<'static, str>,
     pub model: String,
     pub upstream: String,
     pub status: u16,
@@ -64,6 +64,10 @@ pub struct Summary {
     pub cache: Option<CacheSeen>,
     /// The conversation (as the prompt cache follows it), 16 hex digits.
     pub conversation: Option<String>,
+    /// The same as a number, as the request's path leaves it (written out
+    /// off that path).
+    #[serde(skip)]
+    pub conversation_id: Option<u64>,
     /// The model's prices per million tokens, when the table has them.
     pub prices: Option<Prices>,
     /// What visor saved it.
@@ -270,8 +274,10 @@ pub struct Inspector {
     /// to it.
     fleet: OnceLock<(Arc<Store>, mpsc::Sender<Arc<Summary>>)>,
     fleet_read: Mutex<Option<FleetRead>>,
-    /// The model table, for prices (read off the request's path).
+    /// The model table, for prices (read off the request's path), and
+    /// the prices read so far by model name.
     models: OnceLock<Arc<ModelTable>>,
+    prices_seen: Mutex<std::collections::HashMap<String, Option<Prices>>>,
     /// Event streams open now.
     watchers: Arc<AtomicUsize>,
     /// One explain at a time (it reads documents).
@@ -350,6 +356,7 @@ impl Inspector {
             fleet: OnceLock::new(),
             fleet_read: Mutex::new(None),
             models: OnceLock::new(),
+            prices_seen: Mutex::new(std::collections::HashMap::new()),
             watchers: Arc::new(AtomicUsize::new(0)),
             explaining: Arc::new(tokio::sync::Semaphore::new(1)),
             failures: Mutex::new((0, 0)),
@@ -487,16 +494,14 @@ impl Inspector {
         report: Option<Report>,
     ) -> Arc<Summary> {
         let report = report.unwrap_or_default();
-        if summary.prices.is_none()
-            && let Some(models) = self.models.get()
-        {
-            let c = models.caps(&summary.model);
-            summary.prices = c.input.zip(c.output).map(|(input, output)| Prices {
-                input,
-                cached_input: c.cached_input,
-                cache_write: c.cache_write,
-                output,
-            });
+        if summary.replica.is_empty() {
+            summary.replica.clone_from(&self.replica);
+        }
+        if let Some(c) = summary.conversation_id.take() {
+            summary.conversation = Some(format!("{c:016x}"));
+        }
+        if summary.prices.is_none() {
+            summary.prices = self.prices(&summary.model);
         }
         summary.saving = savings::saving(
             &report.images,
@@ -525,6 +530,30 @@ impl Inspector {
         }
         let _ = self.events.send(s.clone());
         s
+    }
+
+    /// Model `model`'s prices (the table's rows read once per model name).
+    fn prices(&self, model: &str) -> Option<Prices> {
+        let models = self.models.get()?;
+        if let Ok(seen) = self.prices_seen.lock()
+            && let Some(p) = seen.get(model)
+        {
+            return *p;
+        }
+        let c = models.caps(model);
+        let p = c.input.zip(c.output).map(|(input, output)| Prices {
+            input,
+            cached_input: c.cached_input,
+            cache_write: c.cache_write,
+            output,
+        });
+        if let Ok(mut seen) = self.prices_seen.lock() {
+            if seen.len() >= 4096 {
+                seen.clear();
+            }
+            seen.insert(model.to_owned(), p);
+        }
+        p
     }
 
     /// Whether a request with these headers may read the inspector: open,
@@ -754,7 +783,7 @@ mod tests {
         let mut report = Report::default();
         report.images.push(detail::tests_note("described"));
         let mut s = summary("r1", "a", true);
-        s.endpoint = "/v1/chat/completions".to_owned();
+        s.endpoint = "/v1/chat/completions".into();
         i.record(Record {
             summary: s,
             client: Some(Held::Raw(Bytes::from(client))),

@@ -210,7 +210,7 @@ mod tests {
 
     fn priced(endpoint: &str, t: Tokens) -> Summary {
         Summary {
-            endpoint: endpoint.to_owned(),
+            endpoint: endpoint.to_owned().into(),
             tokens: Some(t),
             prices: Some(Prices {
                 input: 3.0,

@@ -937,7 +937,7 @@ async fn respond(
     let breakpoints = prepared.as_ref().map_or(0, |p| p.report.breakpoints);
     let inspected = state.inspector.enabled.then(|| Inspected {
         inspector: state.inspector.clone(),
-        summary: summary(state, &call, &grant, prepared.as_ref(), cache.as_ref()),
+        summary: summary(&call, &grant, prepared.as_ref(), cache.as_ref()),
         upstream_body: prepared
             .as_ref()
             .filter(|p| p.body.len() as u64 != call.bytes_in || Changes::of(&p.report).any())
@@ -974,7 +974,6 @@ async fn respond(
 /// What the inspector keeps of a request, as far as it is known at its
 /// response head (the rest when its body ends).
 fn summary(
-    state: &AppState,
     call: &Call,
     grant: &Grant,
     prepared: Option<&Prepared>,
@@ -986,15 +985,19 @@ fn summary(
     let changes = prepared.map_or(Changes::default(), |p| Changes::of(&p.report));
     Summary {
         id: call.request_id.to_str().unwrap_or_default().to_owned(),
-        endpoint: format!("/v1{}", call.rest),
+        endpoint: match call.shape {
+            Some(crate::api::Shape::Chat) => "/v1/chat/completions".into(),
+            Some(crate::api::Shape::Responses) => "/v1/responses".into(),
+            Some(crate::api::Shape::Messages) => "/v1/messages".into(),
+            None => format!("/v1{}", call.rest).into(),
+        },
         time_ms: now_ms.saturating_sub(call.started.elapsed().as_millis() as u64),
-        replica: state.inspector.replica.clone(),
         key: grant.label.clone(),
         model: call.model.clone().unwrap_or_default(),
         bytes_in: call.bytes_in,
         bytes_out: prepared.map_or(call.bytes_in, |p| p.body.len() as u64),
         changes,
-        conversation: cache.map(|c| format!("{:016x}", c.conversation())),
+        conversation_id: cache.map(|c| c.conversation()),
         ..Summary::default()
     }
 }

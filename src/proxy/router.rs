@@ -163,9 +163,8 @@ fn record_refusal(state: &AppState, a: Asked, seen: super::edge::Seen, resp: &Re
     let summary = crate::inspector::Summary {
         id: a.id.to_str().unwrap_or_default().to_owned(),
         time_ms: now_ms.saturating_sub(elapsed),
-        replica: state.inspector.replica.clone(),
         key,
-        endpoint: a.endpoint,
+        endpoint: a.endpoint.into(),
         model: seen.model.unwrap_or_default(),
         upstream: seen.upstream.unwrap_or_else(|| "visor".to_owned()),
         status: resp.status().as_u16(),
