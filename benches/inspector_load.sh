@@ -2,8 +2,9 @@
 # The inspector's cost on the hot path: small chat requests at c=32 through
 # two visors on one machine, one with the inspector on (the default: every
 # request's summary and bodies recorded) and one with it off, run in turn
-# (on, off, on, off, …) so drift hits both alike. Prints each run's req/s
-# and p50, and the median of "on" against the median of "off".
+# in turn so drift hits both alike. Prints each run's req/s
+# and p50, and the median of "on" against the median of "off". With
+# BODY_BYTES=0 the "on" side keeps summaries only.
 #
 #   benches/inspector_load.sh               # 5 rounds of 5 s each way
 #   ROUNDS=3 DURATION=10 benches/inspector_load.sh
@@ -53,6 +54,7 @@ listen = "127.0.0.1:$port"
 data_dir = "$WORK/var-$side"
 [inspector]
 enabled = $enabled
+body_bytes = ${BODY_BYTES:-67108864}
 [[upstream]]
 name = "mock"
 base_url = "http://127.0.0.1:$MOCK_PORT/v1"
@@ -72,9 +74,16 @@ run() { # port → "req/s p50"
 DURATION=2 run $ON_PORT >/dev/null; DURATION=2 run $OFF_PORT >/dev/null
 
 on=(); off=()
+# The order flips every round (on, off, off, on, …): a first slot that
+# runs faster or slower favours neither.
 for i in $(seq 1 "$ROUNDS"); do
-  r=$(run $ON_PORT); on+=("${r%% *}"); echo "round $i  on:  $r"
-  r=$(run $OFF_PORT); off+=("${r%% *}"); echo "round $i  off: $r"
+  for side in $( [ $((i % 2)) = 1 ] && echo "on off" || echo "off on" ); do
+    if [ "$side" = on ]; then
+      r=$(run $ON_PORT); on+=("${r%% *}"); echo "round $i  on:  $r"
+    else
+      r=$(run $OFF_PORT); off+=("${r%% *}"); echo "round $i  off: $r"
+    fi
+  done
 done
 median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 m_on=$(median "${on[@]}"); m_off=$(median "${off[@]}")
