@@ -2,7 +2,7 @@
 # The inspector's cost on the hot path: small chat requests at c=32 through
 # two visors on one machine, one with the inspector on (the default: every
 # request's summary and bodies recorded) and one with it off, run in turn
-# in turn so drift hits both alike. Prints each run's req/s
+# so drift hits both alike. Prints each run's req/s
 # and p50, and the median of "on" against the median of "off". With
 # BODY_BYTES=0 the "on" side keeps summaries only.
 #
