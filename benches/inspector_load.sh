@@ -87,6 +87,6 @@ for i in $(seq 1 "$ROUNDS"); do
 done
 median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 m_on=$(median "${on[@]}"); m_off=$(median "${off[@]}")
-kept=$(curl -s "http://127.0.0.1:$ON_PORT/visor/api/requests?limit=1" | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["requests"]))' 2>/dev/null || echo "?")
+kept=$(curl -s "http://127.0.0.1:$ON_PORT/visor/api/requests?limit=1000" | python3 -c 'import json,sys; v=json.load(sys.stdin); print(len(v["requests"]), "summaries kept,", v["dropped"], "dropped")' 2>/dev/null || echo "?")
 echo
-echo "small requests, c=$CONNS, ${ROUNDS}×${DURATION}s each way: inspector on ${m_on} req/s, off ${m_off} req/s, on/off = $(awk -v a="$m_on" -v b="$m_off" 'BEGIN {printf "%.3f", a/b}') (the on side kept summaries: $kept listed at limit=1)"
+echo "small requests, c=$CONNS, ${ROUNDS}×${DURATION}s each way: inspector on ${m_on} req/s, off ${m_off} req/s, on/off = $(awk -v a="$m_on" -v b="$m_off" 'BEGIN {printf "%.3f", a/b}') (the on side: $kept)"
