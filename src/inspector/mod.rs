@@ -179,12 +179,39 @@ impl Held {
 /// the detail is read from later.
 pub struct Record {
     pub summary: Summary,
+    /// Text fields of the summary, passed as they are (shared or static)
+    /// and written out on the recording thread.
+    pub names: Names,
     /// The body as the client sent it (a transformed endpoint's).
     pub client: Option<Held>,
     /// The body sent upstream, when visor changed it.
     pub upstream: Option<Held>,
     /// What the transforms did.
     pub report: Option<Report>,
+}
+
+/// The summary's `id`, `upstream` and `outcome` as the request's path has
+/// them: no allocation there, and none freed by another thread.
+#[derive(Debug, Default)]
+pub struct Names {
+    pub id: Option<http::HeaderValue>,
+    pub upstream: Option<Arc<str>>,
+    pub outcome: Option<&'static str>,
+}
+
+impl Names {
+    /// Writes them into `s`.
+    fn write(self, s: &mut Summary) {
+        if let Some(id) = self.id {
+            s.id = id.to_str().unwrap_or_default().to_owned();
+        }
+        if let Some(u) = self.upstream {
+            s.upstream = u.to_string();
+        }
+        if let Some(o) = self.outcome {
+            s.outcome = o.to_owned();
+        }
+    }
 }
 
 /// The recording queue's length: past it, a record is dropped (counted),
@@ -429,7 +456,9 @@ impl Inspector {
         };
         let (client, upstream) = (strip(r.client), strip(r.upstream));
         self.queued.fetch_sub(raw, Ordering::Relaxed);
-        let s = self.keep_record(r.summary, client, upstream, r.report);
+        let mut summary = r.summary;
+        r.names.write(&mut summary);
+        let s = self.keep_record(summary, client, upstream, r.report);
         if let Some((_, publish)) = self.fleet.get() {
             let _ = publish.try_send(s);
         }
@@ -463,7 +492,9 @@ impl Inspector {
                 _ => None,
             };
             let (c, u) = (strip(r.client), strip(r.upstream));
-            self.keep_record(r.summary, c, u, r.report);
+            let mut summary = r.summary;
+            r.names.write(&mut summary);
+            self.keep_record(summary, c, u, r.report);
             return;
         }
         let mut raw = r.client.as_ref().map_or(0, Held::raw_len)
@@ -733,6 +764,7 @@ mod tests {
     fn record(s: Summary) -> Record {
         Record {
             summary: s,
+            names: Names::default(),
             client: None,
             upstream: None,
             report: None,
@@ -786,6 +818,7 @@ mod tests {
         s.endpoint = "/v1/chat/completions".into();
         i.record(Record {
             summary: s,
+            names: Names::default(),
             client: Some(Held::Raw(Bytes::from(client))),
             upstream: Some(Held::Raw(Bytes::from_static(upstream.as_bytes()))),
             report: Some(report),

@@ -121,6 +121,8 @@ pub type Charge = Box<dyn FnOnce(Option<u64>, u64) + Send + Sync>;
 pub struct Inspected {
     pub inspector: Arc<crate::inspector::Inspector>,
     pub summary: crate::inspector::Summary,
+    /// The request's id.
+    pub id: http::HeaderValue,
     /// The body as the client sent it (a transformed endpoint's).
     pub client_body: Option<crate::inspector::Held>,
     /// The body sent upstream, when it differs.
@@ -129,8 +131,8 @@ pub struct Inspected {
 }
 
 /// How a response ended, as the inspector keeps it.
-struct Ended<'a> {
-    upstream: &'a str,
+struct Ended {
+    upstream: Arc<str>,
     status: u16,
     outcome: Outcome,
     first_byte_ms: Option<u64>,
@@ -142,17 +144,21 @@ struct Ended<'a> {
 
 impl Inspected {
     /// The summary finished with how the response ended, and recorded.
-    fn finish(self, e: Ended<'_>) {
+    fn finish(self, e: Ended) {
         let Inspected {
             inspector,
             mut summary,
+            id,
             client_body,
             upstream_body,
             report,
         } = self;
-        summary.upstream = e.upstream.to_owned();
+        let names = crate::inspector::Names {
+            id: Some(id),
+            upstream: Some(e.upstream),
+            outcome: Some(e.outcome.label()),
+        };
         summary.status = e.status;
-        summary.outcome = e.outcome.label().to_owned();
         summary.first_byte_ms = e.first_byte_ms;
         summary.total_ms = e.total_ms;
         summary.tokens = e.usage.map(|u| crate::inspector::Tokens {
@@ -164,6 +170,7 @@ impl Inspected {
         summary.cache = e.cache;
         inspector.record(crate::inspector::Record {
             summary,
+            names,
             client: client_body,
             upstream: upstream_body,
             report,
@@ -346,7 +353,7 @@ impl ObservedBody {
                     .as_millis() as u64
             });
             let ended = Ended {
-                upstream: &f.upstream,
+                upstream: f.upstream.clone(),
                 status: f.status,
                 outcome,
                 first_byte_ms,

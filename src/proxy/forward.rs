@@ -938,6 +938,7 @@ async fn respond(
     let inspected = state.inspector.enabled.then(|| Inspected {
         inspector: state.inspector.clone(),
         summary: summary(&call, &grant, prepared.as_ref(), cache.as_ref()),
+        id: call.request_id.clone(),
         upstream_body: prepared
             .as_ref()
             .filter(|p| p.body.len() as u64 != call.bytes_in || Changes::of(&p.report).any())
@@ -984,7 +985,6 @@ fn summary(
         .map_or(0, |d| d.as_millis() as u64);
     let changes = prepared.map_or(Changes::default(), |p| Changes::of(&p.report));
     Summary {
-        id: call.request_id.to_str().unwrap_or_default().to_owned(),
         endpoint: match call.shape {
             Some(crate::api::Shape::Chat) => "/v1/chat/completions".into(),
             Some(crate::api::Shape::Responses) => "/v1/responses".into(),

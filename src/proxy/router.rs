@@ -175,6 +175,7 @@ fn record_refusal(state: &AppState, a: Asked, seen: super::edge::Seen, resp: &Re
     };
     state.inspector.record(crate::inspector::Record {
         summary,
+        names: crate::inspector::Names::default(),
         client: None,
         upstream: None,
         report: None,
