@@ -471,8 +471,9 @@ impl Inspector {
             return None;
         }
         if body.len() <= RAW_MAX || tokio::runtime::Handle::try_current().is_err() {
-            // One reference: the recording thread copies what it keeps.
-            return Some(Held::Raw(body.clone()));
+            // Copied: the body may be a slice of the connection's read
+            // buffer, which holding would keep from being reused.
+            return Some(Held::Raw(Bytes::copy_from_slice(body)));
         }
         let b = body.clone();
         Some(Held::Stripping(tokio::task::spawn_blocking(move || {
