@@ -888,7 +888,7 @@ struct Outgoing {
 /// through an [`ObservedBody`] that counts the request when it ends.
 async fn respond(
     state: &Arc<AppState>,
-    call: Call,
+    mut call: Call,
     exchange: &Exchange<'_>,
     edge: &Edge<'_>,
     out: Outgoing,
@@ -897,7 +897,7 @@ async fn respond(
     let Outgoing {
         mut prepared,
         mut recorder,
-        grant,
+        mut grant,
         cache,
         client_body,
     } = out;
@@ -935,16 +935,20 @@ async fn respond(
         rec.head(head.status, &head.headers);
     }
     let breakpoints = prepared.as_ref().map_or(0, |p| p.report.breakpoints);
-    let inspected = state.inspector.enabled.then(|| Inspected {
-        inspector: state.inspector.clone(),
-        summary: summary(&call, &grant, prepared.as_ref(), cache.as_ref()),
-        id: call.request_id.clone(),
-        upstream_body: prepared
-            .as_ref()
-            .filter(|p| p.body.len() as u64 != call.bytes_in || Changes::of(&p.report).any())
-            .and_then(|p| state.inspector.hold(&p.body)),
-        client_body,
-        report: prepared.as_mut().map(|p| std::mem::take(&mut p.report)),
+    let inspected = state.inspector.enabled.then(|| {
+        let summary = summary(&mut call, &mut grant, prepared.as_ref(), cache.as_ref());
+        let changed = summary.changes.any();
+        Inspected {
+            inspector: state.inspector.clone(),
+            id: call.request_id.clone(),
+            upstream_body: prepared
+                .as_ref()
+                .filter(|p| p.body.len() as u64 != call.bytes_in || changed)
+                .and_then(|p| state.inspector.hold(&p.body)),
+            summary,
+            client_body,
+            report: prepared.as_mut().map(|p| std::mem::take(&mut p.report)),
+        }
     });
     let finish = Finish {
         metrics: state.metrics.clone(),
@@ -974,9 +978,11 @@ async fn respond(
 
 /// What the inspector keeps of a request, as far as it is known at its
 /// response head (the rest when its body ends).
+/// The key's name and the model are moved out of `grant` and `call`:
+/// neither is read after (no copy on the request's path).
 fn summary(
-    call: &Call,
-    grant: &Grant,
+    call: &mut Call,
+    grant: &mut Grant,
     prepared: Option<&Prepared>,
     cache: Option<&Seen>,
 ) -> Summary {
@@ -992,8 +998,8 @@ fn summary(
             None => format!("/v1{}", call.rest).into(),
         },
         time_ms: now_ms.saturating_sub(call.started.elapsed().as_millis() as u64),
-        key: grant.label.clone(),
-        model: call.model.clone().unwrap_or_default(),
+        key: std::mem::take(&mut grant.label),
+        model: call.model.take().unwrap_or_default(),
         bytes_in: call.bytes_in,
         bytes_out: prepared.map_or(call.bytes_in, |p| p.body.len() as u64),
         changes,
