@@ -83,7 +83,8 @@ pub async fn handle(
 ) -> Result<Response<ProxyBody>, Stop> {
     let (mut call, parts, body) = Call::new(state, req)?; // 1. limit
     let held = read_body(state, &mut call, &parts, body).await?; // 2. body
-    // The inspector keeps the body as the client sent it (one reference).
+    // The inspector keeps the body as the client sent it (a small one
+    // copied, a large one stripped of its media as soon as it is read).
     let client_body = match &held {
         Held::Whole(b) => state.inspector.hold(b),
         Held::Streamed(_) => None,
