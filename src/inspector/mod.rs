@@ -162,6 +162,33 @@ pub enum Held {
 /// A body up to this size is held as it came.
 pub const RAW_MAX: usize = 256 * 1024;
 
+/// Bodies up to this size are copied into a chunk of [`CHUNK`] bytes
+/// shared with the bodies held before them on the same thread.
+const SMALL: usize = 4 * 1024;
+const CHUNK: usize = 64 * 1024;
+
+thread_local! {
+    static CHUNKS: std::cell::RefCell<bytes::BytesMut> = std::cell::RefCell::new(bytes::BytesMut::new());
+}
+
+/// A copy of `body`. A small one is taken from this thread's current
+/// chunk: no allocation of its own, and none for the recording thread to
+/// free one by one (a chunk goes once every body in it has; bodies leave
+/// the inspector in the order they came, so few chunks live at a time).
+fn copy_small(body: &[u8]) -> Bytes {
+    if body.len() > SMALL {
+        return Bytes::copy_from_slice(body);
+    }
+    CHUNKS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.capacity() - c.len() < body.len() {
+            *c = bytes::BytesMut::with_capacity(CHUNK);
+        }
+        c.extend_from_slice(body);
+        c.split().freeze()
+    })
+}
+
 /// Raw bytes the recording queue may hold in all; past it a record keeps
 /// its summary and drops its bodies.
 pub const QUEUE_BYTES: usize = 32 * 1024 * 1024;
@@ -473,7 +500,7 @@ impl Inspector {
         if body.len() <= RAW_MAX || tokio::runtime::Handle::try_current().is_err() {
             // Copied: the body may be a slice of the connection's read
             // buffer, which holding would keep from being reused.
-            return Some(Held::Raw(Bytes::copy_from_slice(body)));
+            return Some(Held::Raw(copy_small(body)));
         }
         let b = body.clone();
         Some(Held::Stripping(tokio::task::spawn_blocking(move || {
@@ -747,6 +774,22 @@ fn unix_secs() -> u64 {
 mod tests {
     use super::*;
     use crate::config::Secret;
+
+    #[test]
+    fn small_copies_share_chunks_and_never_overlap() {
+        // Sizes that fill a chunk unevenly and cross into new ones, and
+        // one over the small bound.
+        let sources: Vec<Vec<u8>> = (0..400)
+            .map(|i| vec![(i % 251) as u8; (i * 37) % 3000 + usize::from(i == 7) * SMALL * 2])
+            .collect();
+        let copies: Vec<Bytes> = sources.iter().map(|s| copy_small(s)).collect();
+        for (s, c) in sources.iter().zip(&copies) {
+            assert_eq!(&c[..], &s[..]);
+        }
+        // Two small ones in a row sit side by side in one chunk.
+        let (a, b) = (copy_small(b"first"), copy_small(b"second"));
+        assert_eq!(a.as_ptr().wrapping_add(a.len()), b.as_ptr());
+    }
 
     fn summary(id: &str, key: &str, changed: bool) -> Summary {
         Summary {
