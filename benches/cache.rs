@@ -690,6 +690,7 @@ fn main() {
             rules: Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
             takes: Takes::ALL,
             query_aware: false,
+            fit: visor::transform::Limits::NONE,
         })
     };
     let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)

@@ -52,6 +52,7 @@ fn plan(vision: bool) -> Plan {
         rules: DEFAULTS,
         takes: Takes::ALL,
         query_aware: false,
+        fit: visor::transform::Limits::NONE,
     }
 }
 

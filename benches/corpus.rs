@@ -380,6 +380,7 @@ fn conversation(dir: &Path, cfg: &Config, table: &ModelTable) -> Figures {
             rules: Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
             takes: Takes::ALL,
             query_aware: false,
+            fit: visor::transform::Limits::NONE,
         };
         let r = rewrite(&body, &plan);
         let out = r.body.as_deref().unwrap_or(&body);

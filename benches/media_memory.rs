@@ -152,6 +152,7 @@ fn main() {
             audio: false,
         },
         query_aware: false,
+        fit: visor::transform::Limits::NONE,
     };
     let base = resident();
     reset_peak();

@@ -158,6 +158,16 @@ fn rewriter(
         media,
         store,
         metrics,
+        fit: crate::transform::Limits {
+            provider_size: config.images.provider_size,
+            diet_edge: config.images.max_edge,
+            diet_tokens: config.images.max_image_tokens,
+            ..crate::transform::Limits::NONE
+        },
+        fitter: Arc::new(crate::proxy::fit_images::Fitter::new(
+            Some(config.artifacts_dir().join("fitted")),
+            std::thread::available_parallelism().map_or(2, |n| n.get()),
+        )),
     }
 }
 

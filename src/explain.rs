@@ -39,6 +39,7 @@ pub fn plan(
     describe: bool,
     rules: Rules,
     query_aware: bool,
+    fit: crate::transform::Limits,
 ) -> Plan {
     Plan {
         shape,
@@ -51,6 +52,7 @@ pub fn plan(
             audio: resolved.audio,
         },
         query_aware,
+        fit,
     }
 }
 
@@ -58,10 +60,16 @@ pub fn plan(
 /// without one shows its placeholder); documents read here (their figures
 /// not described); audio not transcribed.
 pub async fn rewrite(body: &[u8], plan: &Plan, texts: &Texts<'_>) -> Rewrite {
-    let scanned = match transform::scan(body, plan) {
+    let mut scanned = match transform::scan(body, plan) {
         Err(done) => return *done,
         Ok(scanned) => scanned,
     };
+    // Kept images fitted here, as the proxy would (its cache aside).
+    for job in scanned.fit_jobs(body, 0) {
+        if let Ok(f) = crate::image_fit::fit(&job.bytes, job.size, job.max_base64) {
+            scanned.set_fitted(job.index, f);
+        }
+    }
     let mut descriptions = Vec::new();
     for (_, s) in scanned.subjects(body) {
         let id = transform::subject_key(&s.sha256, s.query.as_deref());
@@ -104,6 +112,7 @@ pub fn report(
         "images_found": rewrite.report.images_found,
         "images_replaced": rewrite.report.images_replaced,
         "images_described": rewrite.report.images_described,
+        "images_resized": rewrite.report.images_resized,
         "pdf": resolved.pdf,
         "office": resolved.office,
         "audio": resolved.audio,

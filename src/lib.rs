@@ -32,6 +32,7 @@ pub mod connections;
 pub mod error;
 pub mod explain;
 pub mod failure;
+pub mod image_fit;
 pub mod inspector;
 pub mod limits;
 pub mod media;

@@ -656,6 +656,15 @@ fn explain(
         cfg.images.non_vision == visor::config::NonVision::Describe,
         visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
         cfg.describer.query_aware,
+        visor::proxy::fit_limits(
+            &resolved.caps,
+            visor::transform::Limits {
+                provider_size: cfg.images.provider_size,
+                diet_edge: cfg.images.max_edge,
+                diet_tokens: cfg.images.max_image_tokens,
+                ..visor::transform::Limits::NONE
+            },
+        ),
     );
     let texts = visor::explain::Texts::Store(off.store.as_ref(), &cfg.describer.model);
     let rewrite = off

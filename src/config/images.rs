@@ -28,6 +28,20 @@ pub struct RawImages {
     pub prompt_cache: bool,
     #[serde(default)]
     pub artifacts_dir: Option<String>,
+    /// A model that can see: an image larger than the size its provider
+    /// reads it at (the table's `image_tokens` formula) is scaled down to
+    /// that size before it is sent. Nothing the model sees changes; bytes
+    /// and upload time are saved.
+    #[serde(default = "default_true")]
+    pub provider_size: bool,
+    /// Opt-in token diet: images sent to a model that can see are scaled
+    /// to at most this long edge.
+    #[serde(default)]
+    pub max_edge: Option<u32>,
+    /// Opt-in token diet: images are scaled until the provider's token
+    /// formula for the model says at most this many tokens.
+    #[serde(default)]
+    pub max_image_tokens: Option<u32>,
     /// Phrases (case-insensitive) that mark an upstream's 4xx answer as
     /// "this model does not take images": visor then retries once with the
     /// images replaced and learns the model.
@@ -44,6 +58,9 @@ impl Default for RawImages {
             dedupe: true,
             prompt_cache: true,
             artifacts_dir: None,
+            provider_size: true,
+            max_edge: None,
+            max_image_tokens: None,
             refusal_phrases: default_refusal_phrases(),
         }
     }
@@ -117,6 +134,11 @@ pub struct Images {
     /// See [`RawImages::prompt_cache`].
     pub prompt_cache: bool,
     pub artifacts_dir: Option<PathBuf>,
+    /// See [`RawImages::provider_size`].
+    pub provider_size: bool,
+    /// See [`RawImages::max_edge`] and [`RawImages::max_image_tokens`].
+    pub max_edge: Option<u32>,
+    pub max_image_tokens: Option<u32>,
     /// See [`RawImages::refusal_phrases`]; lower case, matched against an
     /// answer lower-cased.
     pub refusal_phrases: Vec<String>,
@@ -144,6 +166,12 @@ impl RawImages {
             }
         }
         p.at_least_one("images.max_per_request", self.max_per_request.into());
+        if let Some(e) = self.max_edge {
+            p.at_least_one("images.max_edge", e.into());
+        }
+        if let Some(t) = self.max_image_tokens {
+            p.at_least_one("images.max_image_tokens", t.into());
+        }
         Images {
             non_vision,
             keep_turns: self.keep_turns,
@@ -151,6 +179,9 @@ impl RawImages {
             dedupe: self.dedupe,
             prompt_cache: self.prompt_cache,
             artifacts_dir: self.artifacts_dir.map(PathBuf::from),
+            provider_size: self.provider_size,
+            max_edge: self.max_edge,
+            max_image_tokens: self.max_image_tokens,
             refusal_phrases: self
                 .refusal_phrases
                 .iter()

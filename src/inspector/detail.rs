@@ -290,6 +290,7 @@ fn note(
         action,
         reason,
         in_tool_result: false,
+        sent: None,
     }
 }
 

@@ -75,6 +75,7 @@ pub async fn answer(state: &AppState, req: Request<RequestBody>) -> Response<Pro
         rw.describes,
         rw.rules.for_model(resolved.caps.max_images),
         rw.query_aware,
+        super::prepare::fit_limits(&resolved.caps, rw.fit),
     );
     // One at a time, on a blocking thread (documents are read), under the
     // request timeout; the thread keeps the permit until it is done.

@@ -3,6 +3,7 @@
 mod admission;
 pub mod body;
 pub mod coalesce;
+pub mod fit_images;
 mod edge;
 mod explain;
 mod forward;
@@ -36,7 +37,7 @@ use headers::X_REQUEST_ID;
 
 pub use admission::Gate;
 pub use headers::ProxyKeys;
-pub use prepare::Rewriter;
+pub use prepare::{Rewriter, fit_limits};
 pub use session_turn::Sessions;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;

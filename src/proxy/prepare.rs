@@ -19,7 +19,7 @@ use crate::media_text::{self, Credentials, MediaText, Within};
 use crate::metrics::Metrics;
 use crate::models::{Medium, ModelTable};
 use crate::store::Store;
-use crate::transform::{self, MediaJob, Plan, Report, Rewrite, Rules, Shape, Subject, Takes};
+use crate::transform::{Limits, self, MediaJob, Plan, Report, Rewrite, Rules, Shape, Subject, Takes};
 use crate::upstream::UpstreamBody;
 
 /// Bodies larger than this are transformed on the blocking pool, so a
@@ -54,6 +54,18 @@ pub struct Rewriter {
     /// Learned models, shared with the other replicas.
     pub store: Arc<Store>,
     pub metrics: Arc<Metrics>,
+    /// `[images]`'s part of what a kept image must fit (`provider_size`,
+    /// the opt-in diet); each model's row adds its provider's limits.
+    pub fit: Limits,
+    /// Fitted images, cached.
+    pub fitter: Arc<super::fit_images::Fitter>,
+}
+
+/// What a kept image sent to a model with `caps` must fit: its provider's
+/// limits from the table, and `[images]`' settings (`base`).
+pub fn fit_limits(caps: &crate::models::Caps, base: Limits) -> Limits {
+    let _ = caps; // TEMP until the table's limit fields land
+    base
 }
 
 impl Rewriter {
@@ -152,6 +164,8 @@ pub struct Learnable {
     pub credential: Credentials,
     /// What the model was taken to accept.
     pub vision: bool,
+    /// What kept images must fit.
+    pub fit: Limits,
     pub takes: Takes,
     /// No row states the model's vision: a refusal of images teaches it.
     pub vision_unknown: bool,
@@ -275,6 +289,11 @@ async fn prepare_within(
             audio: resolved.audio,
         },
         query_aware: rw.query_aware,
+        // A body without the word holds no image to fit: not walked for it.
+        fit: match resolved.vision && might_hold_images(&body) {
+            true => fit_limits(&resolved.caps, rw.fit),
+            false => Limits::NONE,
+        },
     };
     let for_service = |d: &Describer| {
         Credential::for_request(d, rw.proxy_keys_set, asker.headers, asker.upstream)
@@ -296,6 +315,7 @@ async fn prepare_within(
         original: body.clone(),
         credential: credential.clone(),
         vision: plan.vision,
+        fit: plan.fit,
         takes: plan.takes,
         vision_unknown: !resolved.known(),
         pdf_unknown: resolved.caps.pdf.is_none(),
@@ -412,6 +432,7 @@ impl Rewriter {
                 audio: learn.takes.audio && audio.is_none(),
             },
             query_aware: rw.query_aware,
+            fit: learn.fit,
         };
         let prepared = run(
             rw,
@@ -498,11 +519,12 @@ async fn run(
     let b = body.clone();
     let resolve = move |mut scanned: transform::Scanned| {
         scanned.resolve(&b);
+        let fits = scanned.fit_jobs(&b, 0);
         let subjects: Vec<_> = scanned.subjects(&b).into_iter().map(|(_, s)| s).collect();
         let media = scanned.media(&b);
-        match subjects.is_empty() && media.is_empty() {
+        match subjects.is_empty() && media.is_empty() && fits.is_empty() {
             true => Err(Box::new(scanned.finish(&b, &[]))),
-            false => Ok((scanned, (subjects, media))),
+            false => Ok((scanned, (subjects, media, fits))),
         }
     };
     // The walk skips strings it does not need (a kept image's base64) at
@@ -523,7 +545,10 @@ async fn run(
     let mut failed: Vec<String> = Vec::new();
     let rewrite = match scanned {
         Err(done) => *done,
-        Ok((scanned, (subjects, media))) => {
+        Ok((mut scanned, (subjects, media, fits))) => {
+            if !fits.is_empty() {
+                fit_images(rw, &mut scanned, fits, &body, within.stop_at).await;
+            }
             let texts = Texts {
                 subjects,
                 media,
@@ -555,6 +580,38 @@ async fn run(
         saving,
         learn: None,
     })
+}
+
+/// Kept images fitted to the model: first to its limits, then, when the
+/// request would still be over its `max_request_bytes`, its largest images
+/// again to byte budgets that take it back within.
+async fn fit_images(
+    rw: &Rewriter,
+    scanned: &mut transform::Scanned,
+    fits: Vec<transform::FitJob>,
+    body: &Bytes,
+    stop_at: Option<Instant>,
+) {
+    rw.fitter.fit_into(scanned, fits, stop_at).await;
+    let Some(max) = scanned.plan().fit.max_request_bytes else {
+        return;
+    };
+    let len = scanned.len_with_fitted(body.len());
+    if len <= max {
+        return;
+    }
+    let (mut s, b) = (scanned.clone(), body.clone());
+    // A little under the bound: the JSON around each image stays.
+    let over = len - max + max / 100;
+    let again = off_thread(body.len() > INLINE_LIMIT, move || {
+        let jobs = s.fit_jobs(&b, over);
+        (s, jobs)
+    })
+    .await;
+    if let Some((s, jobs)) = again {
+        *scanned = s;
+        rw.fitter.fit_into(scanned, jobs, stop_at).await;
+    }
 }
 
 /// What a scanned request needs turned into text before it is finished:

@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use super::Shape;
+use super::{Fitted, Shape};
 use super::json::{quote, splice, splice_compact};
 use super::walk::*;
 use crate::artifacts::Artifact;
@@ -118,11 +118,24 @@ impl Scan {
         texts: &[Option<String>],
         spot_text: &[Option<String>],
         joined: &[Option<String>],
+        fitted: &[Option<Fitted>],
     ) -> Option<Vec<u8>> {
-        if texts.iter().all(Option::is_none) && spot_text.iter().all(Option::is_none) {
+        if texts.iter().all(Option::is_none)
+            && spot_text.iter().all(Option::is_none)
+            && fitted.iter().all(Option::is_none)
+        {
             return None;
         }
         let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::new();
+        // A fitted image: its base64 and media type written anew, every
+        // other byte of its part as it was.
+        for (img, done) in self.images.iter().zip(fitted) {
+            if let (Some(at), Some(done)) = (&img.encoded_at, done) {
+                edits.push((at.media_type.clone(), done.media_type.as_bytes().to_vec()));
+                let b64 = base64_simd::STANDARD.encode_type::<String>(&done.bytes);
+                edits.push((at.payload.clone(), b64.into_bytes()));
+            }
+        }
         for (i, img) in self.images.iter().enumerate() {
             if let (Site::Part(range), Some(t)) = (&img.site, &texts[i]) {
                 let mut part = text_part(shape, t);

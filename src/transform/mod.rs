@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 use crate::artifacts::Artifact;
 use crate::config::{Dedup, Images};
+pub use crate::image_fit::{Fitted, Limits};
 use placeholder::{Reason, placeholder};
 use report::{Action, note};
 pub use report::{ImageNote, Report};
@@ -51,6 +52,9 @@ pub struct Plan {
     /// `describer.query_aware`: each subject carries the user text of its
     /// message.
     pub query_aware: bool,
+    /// What a kept image must fit (a model that can see): see
+    /// [`Scanned::fit_jobs`].
+    pub fit: Limits,
 }
 
 /// Which documents and audio a model takes (the table's `pdf`, `office`
@@ -158,6 +162,7 @@ impl Plan {
             rules: Rules::NONE,
             takes: Takes::ALL,
             query_aware: false,
+            fit: Limits::NONE,
         }
     }
 }
@@ -197,6 +202,29 @@ pub fn subject_key(sha256: &str, query: Option<&str>) -> String {
     }
 }
 
+/// Byte budgets that take a request `over` bytes back within its bound:
+/// the largest images first, each cut to no less than a quarter of its
+/// base64 (`sized`: index, size, base64 length).
+fn request_budgets(sized: &[(usize, (u32, u32), u64)], over: u64) -> Vec<Option<u64>> {
+    let mut budgets = vec![None; sized.len()];
+    if over == 0 {
+        return budgets;
+    }
+    let mut order: Vec<usize> = (0..sized.len()).collect();
+    order.sort_by_key(|&k| std::cmp::Reverse(sized[k].2));
+    let mut left = over;
+    for k in order {
+        if left == 0 {
+            break;
+        }
+        let b64 = sized[k].2;
+        let cut = left.min(b64 - b64 / 4);
+        budgets[k] = Some(b64 - cut);
+        left -= cut;
+    }
+    budgets
+}
+
 /// The longest query (characters) a description is shaped by.
 const MAX_QUERY_CHARS: usize = 1000;
 
@@ -224,8 +252,37 @@ pub struct Rewrite {
 
 /// True when the plan may change something, so the body must be walked.
 pub fn needed(plan: &Plan) -> bool {
-    !plan.vision || plan.rules.any() || plan.takes != Takes::ALL
+    !plan.vision || plan.rules.any() || plan.takes != Takes::ALL || !plan.fit.is_none()
 }
+
+/// A kept image to fit to its model (see [`Scanned::fit_jobs`]): scaled
+/// to `size` when set, and re-encoded until its base64 is at most
+/// `max_base64` when set.
+#[derive(Debug, Clone)]
+pub struct FitJob {
+    /// The image's index in the scan.
+    pub index: usize,
+    /// Full SHA-256 hex of its bytes.
+    pub sha256: String,
+    pub bytes: bytes::Bytes,
+    /// Its size as it came.
+    pub from: (u32, u32),
+    pub size: Option<(u32, u32)>,
+    pub max_base64: Option<u64>,
+}
+
+impl FitJob {
+    /// What the result is cached under: the image and the settings.
+    pub fn key(&self) -> String {
+        let (w, h) = self.size.unwrap_or(self.from);
+        let max = self.max_base64.map_or(String::new(), |m| m.to_string());
+        format!("{}:{w}x{h}:{max}", self.sha256)
+    }
+}
+
+/// The most decoded bytes read to learn an image's size from its head
+/// (a JPEG's size may follow tens of kilobytes of metadata).
+const HEAD_FOR_SIZE: usize = 64 * 1024;
 
 /// Applies the plan to a body that is valid JSON, with placeholders only.
 pub fn rewrite(body: &[u8], plan: &Plan) -> Rewrite {
@@ -243,6 +300,8 @@ pub struct Scanned {
     scan: walk::Scan,
     plan: Plan,
     fates: Vec<Fate>,
+    /// Kept images fitted to the model (see [`Scanned::fit_jobs`]).
+    fitted: Vec<Option<Fitted>>,
 }
 
 /// Finds the images in `body`. `Err` holds the finished rewrite when
@@ -273,6 +332,7 @@ pub fn walk(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
     };
     let fates = decide(&scan, body, plan);
     Ok(Scanned {
+        fitted: vec![None; scan.images.len()],
         scan,
         plan: *plan,
         fates,
@@ -383,6 +443,101 @@ impl Scanned {
         })
     }
 
+    /// The kept images a model that can see would refuse or scale down:
+    /// over its edge, pixel or byte bounds (the lower edge bound when the
+    /// request holds many images), or over the size it reads images at
+    /// (`images.provider_size`), or the opt-in diet. Only images whose
+    /// base64 and media type are written plainly in a part are fitted (an
+    /// escaped one is left as it came). `over_request`: bytes the request
+    /// is over its `max_request_bytes` after the other fits; the largest
+    /// images are then given byte budgets that take it back within.
+    /// Each job's image is decoded (its bytes are needed to fit it).
+    pub fn fit_jobs(&mut self, body: &[u8], over_request: u64) -> Vec<FitJob> {
+        let limits = self.plan.fit;
+        if !self.plan.vision || limits.is_none() {
+            return Vec::new();
+        }
+        let kept: Vec<usize> = (0..self.scan.images.len())
+            .filter(|&i| self.fates[i] == Fate::Kept && self.scan.images[i].medium == Medium::Image)
+            .collect();
+        let mut sized: Vec<(usize, (u32, u32), u64)> = Vec::new();
+        for &i in &kept {
+            let f = &self.scan.images[i];
+            let Some(at) = &f.encoded_at else { continue };
+            let b64 = match &self.fitted[i] {
+                Some(done) => crate::image_fit::base64_len(done.bytes.len()),
+                None => at.payload.len() as u64,
+            };
+            let dims = match (&self.fitted[i], &f.source) {
+                (Some(done), _) => Some((done.width, done.height)),
+                (None, Source::Inline { dims: Some((w, h)), .. }) => {
+                    Some((*w as u32, *h as u32))
+                }
+                _ => body
+                    .get(at.payload.clone())
+                    .and_then(|b64| walk::size_from_head(b64, HEAD_FOR_SIZE)),
+            };
+            if let Some(d) = dims {
+                sized.push((i, d, b64));
+            }
+        }
+        let budgets = request_budgets(&sized, over_request);
+        let mut jobs = Vec::new();
+        for (k, &(i, (w, h), b64)) in sized.iter().enumerate() {
+            let size = limits.target(w, h, kept.len());
+            let max = match budgets[k] {
+                Some(b) => Some(limits.max_bytes.map_or(b, |m| m.min(b))),
+                None => limits.max_bytes,
+            };
+            let over_bytes = max.is_some_and(|m| b64 > m);
+            if size.is_none() && !over_bytes {
+                continue;
+            }
+            self.scan.resolve(i, body);
+            let f = &self.scan.images[i];
+            let Some(bytes) = f.bytes.clone() else { continue };
+            let from = match &f.source {
+                Source::Inline {
+                    dims: Some((w, h)), ..
+                } => (*w as u32, *h as u32),
+                _ => (w, h),
+            };
+            jobs.push(FitJob {
+                index: i,
+                sha256: f.sha256.clone(),
+                bytes,
+                from,
+                size: size.or(self.fitted[i].as_ref().map(|d| (d.width, d.height))),
+                max_base64: max,
+            });
+        }
+        jobs
+    }
+
+    /// The plan it was scanned for.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Image `index` is sent as `fitted` (from [`Scanned::fit_jobs`]).
+    pub fn set_fitted(&mut self, index: usize, fitted: Fitted) {
+        if let Some(slot) = self.fitted.get_mut(index) {
+            *slot = Some(fitted);
+        }
+    }
+
+    /// The body's length once the fitted images are written in it.
+    pub fn len_with_fitted(&self, body_len: usize) -> u64 {
+        let mut len = body_len as i64;
+        for (f, fitted) in self.scan.images.iter().zip(&self.fitted) {
+            if let (Some(at), Some(done)) = (&f.encoded_at, fitted) {
+                len += crate::image_fit::base64_len(done.bytes.len()) as i64 - at.payload.len() as i64;
+                len += done.media_type.len() as i64 - at.media_type.len() as i64;
+            }
+        }
+        len.max(0) as u64
+    }
+
     /// What becomes of each image.
     pub fn fates(&self) -> &[Fate] {
         &self.fates
@@ -433,7 +588,12 @@ impl Scanned {
                 }
             })
             .collect();
-        let Scanned { scan, plan, fates } = self;
+        let Scanned {
+            scan,
+            plan,
+            fates,
+            fitted,
+        } = self;
         let by_sha: HashMap<&str, &str> = descriptions
             .iter()
             .map(|(sha, d)| (sha.as_str(), &**d))
@@ -454,8 +614,8 @@ impl Scanned {
             Some(blocks) => dedup::run(&scan, body, &texts, &mut spot_text, &mut joined, blocks),
             None => dedup::Omitted::default(),
         };
-        let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined);
-        let artifacts = scan.artifacts(|i| fates[i] != Fate::Kept);
+        let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined, &fitted);
+        let artifacts = scan.artifacts(|i| fates[i] != Fate::Kept || fitted[i].is_some());
         let mut report = Report {
             images_found: scan
                 .images
@@ -470,6 +630,7 @@ impl Scanned {
         };
         for (i, (f, &fate)) in scan.images.iter().zip(&fates).enumerate() {
             let action = match (fate, described(i)) {
+                (Fate::Kept, _) if fitted[i].is_some() => Action::Resized,
                 (Fate::Kept, _) => Action::Kept,
                 (Fate::Replaced(Reason::NonVision), Some(_)) => Action::Described,
                 (Fate::Replaced(Reason::NonVision), None) => Action::Stripped,
@@ -480,12 +641,22 @@ impl Scanned {
                 (Fate::Replaced(Reason::CannotTake), None) => Action::Stripped,
             };
             if f.medium == Medium::Image {
+                report.images_resized += usize::from(fitted[i].is_some());
                 report.images_replaced += usize::from(fate != Fate::Kept);
                 report.images_described += usize::from(described(i).is_some());
             } else {
                 report.media_replaced += usize::from(fate != Fate::Kept);
             }
-            report.images.push(note(f, fate, action));
+            let mut n = note(f, fate, action);
+            if let Some(done) = &fitted[i] {
+                n.sent = Some(report::Sent {
+                    media_type: done.media_type,
+                    bytes: done.bytes.len(),
+                    width: done.width,
+                    height: done.height,
+                });
+            }
+            report.images.push(n);
         }
         if let Some(b) = &new {
             report.bytes_saved = body.len() as i64 - b.len() as i64;

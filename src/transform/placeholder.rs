@@ -186,6 +186,7 @@ mod tests {
             unit: 0,
             bytes: None,
             pending: None,
+            encoded_at: None,
             markers: Vec::new(),
             medium: Medium::Image,
         }

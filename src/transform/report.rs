@@ -38,6 +38,18 @@ pub struct ImageNote {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<Reason>,
     pub in_tool_result: bool,
+    /// A kept image fitted to the model (`resized`): what was sent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sent: Option<Sent>,
+}
+
+/// An image as it was sent after fitting.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct Sent {
+    pub media_type: &'static str,
+    pub bytes: usize,
+    pub width: u32,
+    pub height: u32,
 }
 
 /// What the transforms did to one request.
@@ -45,6 +57,8 @@ pub struct ImageNote {
 pub struct Report {
     pub images_found: usize,
     pub images_replaced: usize,
+    /// Kept images scaled or re-encoded to fit the model.
+    pub images_resized: usize,
     /// Of the replaced images, those replaced by their description.
     pub images_described: usize,
     /// Documents and audio replaced by text (or a reference).
@@ -98,6 +112,8 @@ pub(super) enum Action {
     Deduped,
     /// A document or audio turned into text.
     Converted,
+    /// A kept image scaled or re-encoded to fit the model.
+    Resized,
 }
 
 impl Action {
@@ -111,6 +127,7 @@ impl Action {
             Action::Capped => "capped",
             Action::Deduped => "deduped",
             Action::Converted => "converted",
+            Action::Resized => "resized",
         }
     }
 }
@@ -138,6 +155,7 @@ pub(super) fn note(f: &Found, fate: Fate, action: Action) -> ImageNote {
         action: action.label(),
         reason,
         in_tool_result: f.in_tool_result,
+        sent: None,
     };
     match &f.source {
         Source::Encoded { media_type } => {

@@ -202,6 +202,23 @@ fn office_zip(head: &[u8]) -> bool {
 
 /// Whether the first bytes of base64 data are an image's (PNG, JPEG, GIF,
 /// WebP): a `file` part that holds a picture is an image.
+/// An image's size read from the head of its base64 (at most `max`
+/// decoded bytes), when its header says it there.
+pub(super) fn size_from_head(b64: &[u8], max: usize) -> Option<(u32, u32)> {
+    // Most headers are in the first kilobyte; a JPEG's may follow its
+    // metadata.
+    for n in [1024, max] {
+        let head = head_bytes(b64, n);
+        if let Ok(s) = imagesize::blob_size(&head) {
+            return Some((u32::try_from(s.width).ok()?, u32::try_from(s.height).ok()?));
+        }
+        if b64.len() / 4 * 3 <= n {
+            break;
+        }
+    }
+    None
+}
+
 fn image_head(b64_head: &[u8]) -> bool {
     let head = head_bytes(b64_head, 16);
     head.starts_with(b"\x89PNG")
@@ -234,6 +251,18 @@ pub(super) struct Pending {
     /// In a text spot's decoded text (`Some(spot)`), else in the body.
     pub(super) spot: Option<usize>,
     pub(super) range: Range<usize>,
+    /// Where its declared media type is written (a `media_type` or
+    /// `mimeType` string's content, or the type in a data URL), when it
+    /// is written plainly.
+    pub(super) media_type_at: Option<Range<usize>>,
+}
+
+/// Where an image's base64 and media type are written in the body: kept
+/// after it is decoded, so a fitted image is written in their place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct EncodedAt {
+    pub(super) payload: Range<usize>,
+    pub(super) media_type: Range<usize>,
 }
 
 /// One image found in the request.
@@ -260,6 +289,9 @@ pub struct Found {
     pub(super) unit: u32,
     pub(super) bytes: Option<Bytes>,
     pub(super) pending: Option<Pending>,
+    /// Where its base64 is in the body (a part whose data and media type
+    /// are written plainly).
+    pub(super) encoded_at: Option<EncodedAt>,
     /// Prompt-cache markers of the part (`"cache_control": …`,
     /// `"prompt_cache_breakpoint": …` members, their byte ranges in the
     /// body): the text that replaces the part carries them.
@@ -903,6 +935,12 @@ impl Walker<'_> {
             let (sha256, source, bytes, pending) = read_lazily(src, source, None);
             msg.cache_markers |= !f.markers.is_empty();
             let image = medium == Medium::Image;
+            let encoded_at = pending.as_ref().and_then(|p| {
+                Some(EncodedAt {
+                    payload: p.range.clone(),
+                    media_type: p.media_type_at.clone()?,
+                })
+            });
             self.out.images.push(Found {
                 sha256,
                 source,
@@ -915,6 +953,7 @@ impl Walker<'_> {
                 unit: msg.unit,
                 bytes: bytes.map(Bytes::from),
                 pending,
+                encoded_at,
                 markers: std::mem::take(&mut f.markers),
             });
             // A document or audio part keeps a Chat tool message an array
@@ -974,6 +1013,7 @@ impl Walker<'_> {
                 unit: 0,
                 bytes: bytes.map(Bytes::from),
                 pending,
+                encoded_at: None,
                 markers: Vec::new(),
             });
         }

@@ -6,6 +6,7 @@
 //! file (`placeholder.rs`, `json.rs`, `dedup.rs`, `coalesce.rs`).
 
 mod dedup;
+mod fit;
 mod images;
 mod media;
 mod rules;

@@ -36,6 +36,7 @@ pub(crate) fn plan(shape: Shape, vision: bool, rules: Rules) -> Plan {
         rules,
         takes: Takes::ALL,
         query_aware: false,
+        fit: crate::transform::Limits::NONE,
     }
 }
 

@@ -1,0 +1,141 @@
+//! Kept images fitted to the model that sees them: each distinct image
+//! and setting scaled once (single flight), on the blocking pool, a few at
+//! a time, the result kept in memory (bounded by bytes) and on disk under
+//! `<artifacts_dir>/fitted/`, so the next turn — and the next start —
+//! sends the same bytes without decoding anything.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio::time::Instant;
+
+use bytes::Bytes;
+use moka::future::Cache;
+use tokio::sync::Semaphore;
+
+use crate::image_fit::{Fitted, Unfit, fit};
+use crate::transform::{FitJob, Scanned};
+
+/// Bytes of fitted images kept in memory.
+const MEMORY_BYTES: u64 = 256 * 1024 * 1024;
+
+/// A fitted image or why it was left (both kept: an image that cannot be
+/// decoded is not tried again every turn).
+type Outcome = Arc<Result<Fitted, Unfit>>;
+
+/// The cache of fitted images and the bound on how many are fitted at once.
+pub struct Fitter {
+    memory: Cache<String, Outcome>,
+    dir: Option<PathBuf>,
+    permits: Semaphore,
+}
+
+impl Fitter {
+    /// Fitted images kept under `dir` (none on disk with `None`), at most
+    /// `concurrency` fitted at a time.
+    pub fn new(dir: Option<PathBuf>, concurrency: usize) -> Fitter {
+        let memory = Cache::builder()
+            .max_capacity(MEMORY_BYTES)
+            .weigher(|k: &String, v: &Outcome| {
+                let n = v.as_ref().as_ref().map_or(0, |f| f.bytes.len()) + k.len() + 64;
+                u32::try_from(n).unwrap_or(u32::MAX)
+            })
+            .build();
+        Fitter {
+            memory,
+            dir,
+            permits: Semaphore::new(concurrency.max(1)),
+        }
+    }
+
+    /// Fits `jobs` into `scanned`, by `stop_at` (an image not fitted by
+    /// then is sent as it came). Returns how many could not be fitted.
+    pub async fn fit_into(&self, scanned: &mut Scanned, jobs: Vec<FitJob>, stop_at: Option<Instant>) -> usize {
+        let all = futures_util::future::join_all(jobs.iter().map(|j| self.one(j)));
+        let Some(done) = crate::media_text::until(stop_at, all).await else {
+            return jobs.len();
+        };
+        let mut unfit = 0;
+        for (job, outcome) in jobs.iter().zip(done) {
+            match outcome.as_ref() {
+                Ok(f) => scanned.set_fitted(job.index, f.clone()),
+                Err(why) => {
+                    unfit += 1;
+                    tracing::debug!(sha256 = %&job.sha256[..12.min(job.sha256.len())], %why, "image left as it came");
+                }
+            }
+        }
+        unfit
+    }
+
+    /// One job: from memory, from disk, or fitted now.
+    async fn one(&self, job: &FitJob) -> Outcome {
+        let key = job.key();
+        self.memory
+            .get_with(key.clone(), async {
+                if let Some(f) = self.read(&key).await {
+                    return Arc::new(Ok(f));
+                }
+                let Ok(_permit) = self.permits.acquire().await else {
+                    return Arc::new(Err(Unfit::Broken("shutting down".to_owned())));
+                };
+                let (bytes, size, max) = (job.bytes.clone(), job.size, job.max_base64);
+                let outcome = tokio::task::spawn_blocking(move || fit(&bytes, size, max))
+                    .await
+                    .unwrap_or_else(|e| Err(Unfit::Broken(e.to_string())));
+                if let Ok(f) = &outcome {
+                    self.write(&key, f).await;
+                }
+                Arc::new(outcome)
+            })
+            .await
+    }
+
+    /// The file a key's image is kept in.
+    fn path(&self, key: &str) -> Option<PathBuf> {
+        let name = crate::transform::decode::sha256_hex(key.as_bytes());
+        Some(self.dir.as_ref()?.join(name))
+    }
+
+    /// A fitted image from disk: a head line `media_type width height`,
+    /// then its bytes.
+    async fn read(&self, key: &str) -> Option<Fitted> {
+        let path = self.path(key)?;
+        let raw = tokio::task::spawn_blocking(move || std::fs::read(path))
+            .await
+            .ok()?
+            .ok()?;
+        let nl = memchr::memchr(b'\n', &raw)?;
+        let head = std::str::from_utf8(&raw[..nl]).ok()?;
+        let mut it = head.split(' ');
+        let media_type = match it.next()? {
+            "image/png" => "image/png",
+            "image/jpeg" => "image/jpeg",
+            _ => return None,
+        };
+        let width = it.next()?.parse().ok()?;
+        let height = it.next()?.parse().ok()?;
+        Some(Fitted {
+            media_type,
+            bytes: Bytes::from(raw).slice(nl + 1..),
+            width,
+            height,
+        })
+    }
+
+    /// Keeps a fitted image on disk (a failure only costs a later decode).
+    async fn write(&self, key: &str, f: &Fitted) {
+        let Some(path) = self.path(key) else { return };
+        let mut raw = format!("{} {} {}\n", f.media_type, f.width, f.height).into_bytes();
+        raw.extend_from_slice(&f.bytes);
+        let done = tokio::task::spawn_blocking(move || {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            crate::artifacts::write_atomic(&path, &raw)
+        })
+        .await;
+        if let Ok(Err(e)) = done {
+            tracing::debug!(error = %e, "a fitted image was not kept on disk");
+        }
+    }
+}
