@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use super::{Fitted, Shape};
+use super::{Fitted, LiftedPart, Shape};
 use super::json::{quote, splice, splice_compact};
 use super::walk::*;
 use crate::artifacts::Artifact;
@@ -119,6 +119,7 @@ impl Scan {
         spot_text: &[Option<String>],
         joined: &[Option<String>],
         fitted: &[Option<Fitted>],
+        parts: Vec<(Range<usize>, Vec<u8>)>,
     ) -> Option<Vec<u8>> {
         if texts.iter().all(Option::is_none)
             && spot_text.iter().all(Option::is_none)
@@ -130,12 +131,22 @@ impl Scan {
         // A fitted image: its base64 and media type written anew, every
         // other byte of its part as it was.
         for (img, done) in self.images.iter().zip(fitted) {
-            if let (Some(at), Some(done)) = (&img.encoded_at, done) {
-                edits.push((at.media_type.clone(), done.media_type.as_bytes().to_vec()));
-                let b64 = base64_simd::STANDARD.encode_type::<String>(&done.bytes);
-                edits.push((at.payload.clone(), b64.into_bytes()));
+            let (Some(at), Some(done)) = (&img.encoded_at, done) else {
+                continue;
+            };
+            let b64 = base64_simd::STANDARD.encode_type::<String>(&done.bytes);
+            match at {
+                EncodedAt::Fields { data, media_type } => {
+                    edits.push((media_type.clone(), quote(done.media_type)));
+                    edits.push((data.clone(), quote(&b64)));
+                }
+                EncodedAt::DataUrl(url) => {
+                    let url_text = format!("data:{};base64,{b64}", done.media_type);
+                    edits.push((url.clone(), quote(&url_text)));
+                }
             }
         }
+        edits.extend(parts);
         for (i, img) in self.images.iter().enumerate() {
             if let (Site::Part(range), Some(t)) = (&img.site, &texts[i]) {
                 let mut part = text_part(shape, t);
@@ -167,6 +178,52 @@ impl Scan {
         Some(splice_compact(body, &edits))
     }
 
+    /// The edits that send lifted images as parts beside their text: a
+    /// whole content string becomes an array (its text, then the images;
+    /// its text then is not edited apart), a text part is followed by the
+    /// images.
+    pub(super) fn lifted_parts(
+        &self,
+        body: &[u8],
+        shape: Shape,
+        lifted: &[Option<LiftedPart>],
+        spot_text: &mut [Option<String>],
+    ) -> Vec<(Range<usize>, Vec<u8>)> {
+        let mut out = Vec::new();
+        for (s, spot) in self.spots.iter().enumerate() {
+            let mut images = Vec::new();
+            for (img, part) in self.images.iter().zip(lifted) {
+                if let (Site::InText { spot, .. }, Some(p)) = (&img.site, part)
+                    && *spot == s
+                {
+                    images.push(b',');
+                    images.extend(image_part(shape, p));
+                }
+            }
+            if images.is_empty() {
+                continue;
+            }
+            match &spot.holder {
+                Holder::Content => {
+                    let text = match spot_text[s].take() {
+                        Some(t) => t,
+                        None => self
+                            .spot_decoded(s, body)
+                            .map(Cow::into_owned)
+                            .unwrap_or_default(),
+                    };
+                    let mut v = b"[".to_vec();
+                    v.extend(text_part(shape, &text));
+                    v.extend(images);
+                    v.push(b']');
+                    out.push((spot.lit.range.clone(), v));
+                }
+                Holder::Part(r) => out.push((r.end..r.end, images)),
+            }
+        }
+        out
+    }
+
     /// The decoded bytes of images to save as artifacts, once per image.
     /// Takes the decoded bytes out of the scan (no copy).
     pub fn artifacts(&self, chosen: impl Fn(usize) -> bool) -> Vec<Artifact> {
@@ -184,6 +241,33 @@ impl Scan {
         }
         out
     }
+}
+
+/// One image part in the request's own shape.
+fn image_part(shape: Shape, p: &LiftedPart) -> Vec<u8> {
+    let b64 = base64_simd::STANDARD.encode_type::<String>(&p.bytes);
+    let url = || quote(&format!("data:{};base64,{b64}", p.media_type));
+    let mut out = Vec::with_capacity(b64.len() + 96);
+    match shape {
+        Shape::Chat => {
+            out.extend_from_slice(br#"{"type":"image_url","image_url":{"url":"#);
+            out.extend(url());
+            out.extend_from_slice(b"}}");
+        }
+        Shape::Messages => {
+            out.extend_from_slice(br#"{"type":"image","source":{"type":"base64","media_type":"#);
+            out.extend(quote(&p.media_type));
+            out.extend_from_slice(br#","data":"#);
+            out.extend(quote(&b64));
+            out.extend_from_slice(b"}}");
+        }
+        Shape::Responses => {
+            out.extend_from_slice(br#"{"type":"input_image","image_url":"#);
+            out.extend(url());
+            out.push(b'}');
+        }
+    }
+    out
 }
 
 /// One text part in the request's own shape.

@@ -30,26 +30,22 @@ pub(super) type Read = (String, Source, Option<Vec<u8>>, Option<Pending>);
 
 pub(super) fn read_lazily(src: &[u8], raw: Raw, spot: Option<usize>) -> Read {
     let text = |s: &Str| s.decode(src).map(|c| c.into_owned()).unwrap_or_default();
-    let encoded = |media_type: String, range: Range<usize>, media_type_at| {
+    let encoded = |media_type: String, range: Range<usize>, at| {
         (
             String::new(),
             Source::Encoded {
                 media_type: media_type.to_ascii_lowercase(),
             },
             None,
-            Some(Pending {
-                spot,
-                range,
-                media_type_at,
-            }),
+            Some(Pending { spot, range, at }),
         )
     };
     match raw {
         Raw::Base64(d, mt) if !d.escaped => {
-            let at = mt
-                .as_ref()
-                .filter(|m| !m.escaped)
-                .map(|m| m.range.start + 1..m.range.end - 1);
+            let at = mt.as_ref().filter(|_| spot.is_none()).map(|m| EncodedAt::Fields {
+                data: d.range.clone(),
+                media_type: m.range.clone(),
+            });
             let mt = mt.map(|m| text(&m)).unwrap_or_default();
             encoded(mt, d.range.start + 1..d.range.end - 1, at)
         }
@@ -57,20 +53,14 @@ pub(super) fn read_lazily(src: &[u8], raw: Raw, spot: Option<usize>) -> Read {
             let start = s.range.start + 1;
             match data_url_payload(s.raw(src)) {
                 Some((mt, at)) => {
-                    let mt_at = data_url_type_at(&s.raw(src)[..at]).map(|r| start + r.start..start + r.end);
-                    encoded(mt, start + at..s.range.end - 1, mt_at)
+                    let url = spot.is_none().then(|| EncodedAt::DataUrl(s.range.clone()));
+                    encoded(mt, start + at..s.range.end - 1, url)
                 }
                 None => eager(src, Raw::DataUrl(s)),
             }
         }
         Raw::DataUrlInText(range) => match src.get(range.clone()).and_then(data_url_payload) {
-            Some((mt, at)) => {
-                let mt_at = src
-                    .get(range.start..range.start + at)
-                    .and_then(data_url_type_at)
-                    .map(|r| range.start + r.start..range.start + r.end);
-                encoded(mt, range.start + at..range.end, mt_at)
-            }
+            Some((mt, at)) => encoded(mt, range.start + at..range.end, None),
             None => eager(src, Raw::DataUrlInText(range)),
         },
         raw => eager(src, raw),
@@ -80,16 +70,6 @@ pub(super) fn read_lazily(src: &[u8], raw: Raw, spot: Option<usize>) -> Read {
 pub(super) fn eager(src: &[u8], raw: Raw) -> Read {
     let (sha, source, bytes) = read_image(src, raw);
     (sha, source, bytes, None)
-}
-
-/// Where the media type is in a data URL's head (`data:image/png;base64,`:
-/// `image/png`).
-fn data_url_type_at(head: &[u8]) -> Option<Range<usize>> {
-    if !head.get(..5)?.eq_ignore_ascii_case(b"data:") {
-        return None;
-    }
-    let len = head[5..].iter().position(|&b| b == b';' || b == b',')?;
-    (len > 0).then_some(5..5 + len)
 }
 
 /// A base64 data URL's media type and where its payload starts.

@@ -202,6 +202,72 @@ pub fn subject_key(sha256: &str, query: Option<&str>) -> String {
     }
 }
 
+/// Which images found as base64 in a text are sent, to a model that can
+/// see, as image parts beside that text: where the API takes an image
+/// there (a Chat user message; an Anthropic user message or `tool_result`;
+/// a Responses message or function output), the text a whole content or a
+/// text part. Anywhere else (a Chat `tool` message, an assistant's text)
+/// the image is replaced as for a model that cannot see: base64 is never
+/// sent to a model as text.
+fn lifts(scan: &walk::Scan, plan: &Plan, fates: &mut [Fate]) -> Vec<bool> {
+    let mut lifted = vec![false; scan.images.len()];
+    if !plan.vision {
+        return lifted;
+    }
+    for (i, f) in scan.images.iter().enumerate() {
+        let walk::Site::InText { .. } = &f.site else {
+            continue;
+        };
+        let base64 = matches!(f.source, Source::Encoded { .. } | Source::Inline { .. });
+        if fates[i] != Fate::Kept || f.medium != Medium::Image || !base64 {
+            continue;
+        }
+        let takes = match plan.shape {
+            Shape::Chat => f.role == "user" && !f.in_tool_result,
+            Shape::Messages => f.role == "user",
+            Shape::Responses => f.role == "user" || f.role == "tool",
+        };
+        match takes {
+            true => lifted[i] = true,
+            false => fates[i] = Fate::Replaced(Reason::AsText),
+        }
+    }
+    lifted
+}
+
+/// An image found in a text, as the part it is sent as.
+#[derive(Debug, Clone)]
+pub(crate) struct LiftedPart {
+    pub(crate) media_type: String,
+    pub(crate) bytes: bytes::Bytes,
+    /// What takes its place in the text.
+    pub(crate) reference: String,
+}
+
+impl LiftedPart {
+    /// `None` when it cannot be sent as an image (not a type providers
+    /// take, or no size could be read from it).
+    fn of(f: &walk::Found, fitted: Option<&Fitted>) -> Option<LiftedPart> {
+        let (media_type, bytes, (w, h)) = match (fitted, &f.source, &f.bytes) {
+            (Some(d), _, _) => (d.media_type.to_owned(), d.bytes.clone(), (d.width as usize, d.height as usize)),
+            (None, Source::Inline { media_type, dims: Some(dims), .. }, Some(b)) => {
+                (media_type.clone(), b.clone(), *dims)
+            }
+            _ => return None,
+        };
+        if !matches!(media_type.as_str(), "image/png" | "image/jpeg" | "image/gif" | "image/webp") {
+            return None;
+        }
+        let short = f.sha256.get(..12).unwrap_or(&f.sha256);
+        let reference = format!("[image sha256:{short}, {media_type} {w}x{h}: sent as an image part after this text]");
+        Some(LiftedPart {
+            media_type,
+            bytes,
+            reference,
+        })
+    }
+}
+
 /// Byte budgets that take a request `over` bytes back within its bound:
 /// the largest images first, each cut to no less than a quarter of its
 /// base64 (`sized`: index, size, base64 length).
@@ -302,6 +368,9 @@ pub struct Scanned {
     fates: Vec<Fate>,
     /// Kept images fitted to the model (see [`Scanned::fit_jobs`]).
     fitted: Vec<Option<Fitted>>,
+    /// Images found as base64 in a text, sent to a model that can see as
+    /// image parts beside that text (see [`lifts`]).
+    lifted: Vec<bool>,
 }
 
 /// Finds the images in `body`. `Err` holds the finished rewrite when
@@ -330,9 +399,11 @@ pub fn walk(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
             }));
         }
     };
-    let fates = decide(&scan, body, plan);
+    let mut fates = decide(&scan, body, plan);
+    let lifted = lifts(&scan, plan, &mut fates);
     Ok(Scanned {
         fitted: vec![None; scan.images.len()],
+        lifted,
         scan,
         plan: *plan,
         fates,
@@ -355,7 +426,7 @@ impl Scanned {
                 continue;
             }
             let lookup_only = match self.fates[i] {
-                Fate::Replaced(Reason::NonVision) => false,
+                Fate::Replaced(Reason::NonVision | Reason::AsText) => false,
                 Fate::Replaced(Reason::AgedOut | Reason::Capped) => true,
                 Fate::Kept | Fate::Replaced(Reason::Deduped | Reason::CannotTake) => continue,
             };
@@ -463,18 +534,26 @@ impl Scanned {
         let mut sized: Vec<(usize, (u32, u32), u64)> = Vec::new();
         for &i in &kept {
             let f = &self.scan.images[i];
-            let Some(at) = &f.encoded_at else { continue };
+            let written = match (&f.encoded_at, &f.bytes) {
+                (Some(at), _) => at.base64_len() as u64,
+                // Sent as a part visor writes: its base64 as it will be.
+                (None, Some(b)) if self.lifted[i] => crate::image_fit::base64_len(b.len()),
+                _ => continue,
+            };
             let b64 = match &self.fitted[i] {
                 Some(done) => crate::image_fit::base64_len(done.bytes.len()),
-                None => at.payload.len() as u64,
+                None => written,
             };
             let dims = match (&self.fitted[i], &f.source) {
                 (Some(done), _) => Some((done.width, done.height)),
                 (None, Source::Inline { dims: Some((w, h)), .. }) => {
                     Some((*w as u32, *h as u32))
                 }
-                _ => body
-                    .get(at.payload.clone())
+                _ => f
+                    .pending
+                    .as_ref()
+                    .filter(|p| p.spot.is_none())
+                    .and_then(|p| body.get(p.range.clone()))
                     .and_then(|b64| walk::size_from_head(b64, HEAD_FOR_SIZE)),
             };
             if let Some(d) = dims {
@@ -531,8 +610,10 @@ impl Scanned {
         let mut len = body_len as i64;
         for (f, fitted) in self.scan.images.iter().zip(&self.fitted) {
             if let (Some(at), Some(done)) = (&f.encoded_at, fitted) {
-                len += crate::image_fit::base64_len(done.bytes.len()) as i64 - at.payload.len() as i64;
-                len += done.media_type.len() as i64 - at.media_type.len() as i64;
+                // The new literals: base64, a media type, quotes, a data
+                // URL's head.
+                let new = crate::image_fit::base64_len(done.bytes.len()) + done.media_type.len() as u64 + 20;
+                len += new as i64 - at.len() as i64;
             }
         }
         len.max(0) as u64
@@ -546,7 +627,7 @@ impl Scanned {
     /// Decodes and hashes the images to be replaced (after [`walk`]).
     pub fn resolve(&mut self, body: &[u8]) {
         for (i, fate) in self.fates.iter().enumerate() {
-            if *fate != Fate::Kept {
+            if *fate != Fate::Kept || self.lifted[i] {
                 self.scan.resolve(i, body);
             }
         }
@@ -591,9 +672,23 @@ impl Scanned {
         let Scanned {
             scan,
             plan,
-            fates,
+            mut fates,
             fitted,
+            lifted,
         } = self;
+        // A lifted image visor cannot write as a part (a type the
+        // providers do not take, no size read) is replaced instead.
+        let lifted: Vec<Option<LiftedPart>> = (0..scan.images.len())
+            .map(|i| {
+                let part = lifted[i]
+                    .then(|| LiftedPart::of(&scan.images[i], fitted[i].as_ref()))
+                    .flatten();
+                if lifted[i] && part.is_none() {
+                    fates[i] = Fate::Replaced(Reason::AsText);
+                }
+                part
+            })
+            .collect();
         let by_sha: HashMap<&str, &str> = descriptions
             .iter()
             .map(|(sha, d)| (sha.as_str(), &**d))
@@ -604,7 +699,7 @@ impl Scanned {
         };
         let texts: Vec<Option<String>> = (0..scan.images.len())
             .map(|i| match fates[i] {
-                Fate::Kept => None,
+                Fate::Kept => lifted[i].as_ref().map(|p| p.reference.clone()),
                 Fate::Replaced(reason) => Some(placeholder(&scan.images[i], described(i), reason)),
             })
             .collect();
@@ -614,7 +709,8 @@ impl Scanned {
             Some(blocks) => dedup::run(&scan, body, &texts, &mut spot_text, &mut joined, blocks),
             None => dedup::Omitted::default(),
         };
-        let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined, &fitted);
+        let parts = scan.lifted_parts(body, plan.shape, &lifted, &mut spot_text);
+        let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined, &fitted, parts);
         let artifacts = scan.artifacts(|i| fates[i] != Fate::Kept || fitted[i].is_some());
         let mut report = Report {
             images_found: scan
@@ -630,10 +726,11 @@ impl Scanned {
         };
         for (i, (f, &fate)) in scan.images.iter().zip(&fates).enumerate() {
             let action = match (fate, described(i)) {
+                (Fate::Kept, _) if lifted[i].is_some() => Action::Lifted,
                 (Fate::Kept, _) if fitted[i].is_some() => Action::Resized,
                 (Fate::Kept, _) => Action::Kept,
-                (Fate::Replaced(Reason::NonVision), Some(_)) => Action::Described,
-                (Fate::Replaced(Reason::NonVision), None) => Action::Stripped,
+                (Fate::Replaced(Reason::NonVision | Reason::AsText), Some(_)) => Action::Described,
+                (Fate::Replaced(Reason::NonVision | Reason::AsText), None) => Action::Stripped,
                 (Fate::Replaced(Reason::AgedOut), _) => Action::AgedOut,
                 (Fate::Replaced(Reason::Capped), _) => Action::Capped,
                 (Fate::Replaced(Reason::Deduped), _) => Action::Deduped,
@@ -642,6 +739,7 @@ impl Scanned {
             };
             if f.medium == Medium::Image {
                 report.images_resized += usize::from(fitted[i].is_some());
+                report.images_lifted += usize::from(lifted[i].is_some());
                 report.images_replaced += usize::from(fate != Fate::Kept);
                 report.images_described += usize::from(described(i).is_some());
             } else {

@@ -23,6 +23,9 @@ pub enum Reason {
     /// A document or audio the model does not take (the table's `pdf`,
     /// `office`, `audio`).
     CannotTake,
+    /// Base64 of an image in a text where the API takes no image part (a
+    /// Chat `tool` message): never sent to a model as text.
+    AsText,
 }
 
 impl Reason {
@@ -33,6 +36,7 @@ impl Reason {
             Reason::Capped => "over this request's image limit",
             Reason::Deduped => "the same image as earlier in this conversation",
             Reason::CannotTake => "this model cannot take it",
+            Reason::AsText => "an image written as text where no image can be sent",
         }
     }
 }

@@ -59,6 +59,8 @@ pub struct Report {
     pub images_replaced: usize,
     /// Kept images scaled or re-encoded to fit the model.
     pub images_resized: usize,
+    /// Images found as base64 in a text, sent as image parts.
+    pub images_lifted: usize,
     /// Of the replaced images, those replaced by their description.
     pub images_described: usize,
     /// Documents and audio replaced by text (or a reference).
@@ -114,6 +116,8 @@ pub(super) enum Action {
     Converted,
     /// A kept image scaled or re-encoded to fit the model.
     Resized,
+    /// Base64 in a text sent as an image part beside it.
+    Lifted,
 }
 
 impl Action {
@@ -128,6 +132,7 @@ impl Action {
             Action::Deduped => "deduped",
             Action::Converted => "converted",
             Action::Resized => "resized",
+            Action::Lifted => "lifted",
         }
     }
 }

@@ -251,18 +251,42 @@ pub(super) struct Pending {
     /// In a text spot's decoded text (`Some(spot)`), else in the body.
     pub(super) spot: Option<usize>,
     pub(super) range: Range<usize>,
-    /// Where its declared media type is written (a `media_type` or
-    /// `mimeType` string's content, or the type in a data URL), when it
-    /// is written plainly.
-    pub(super) media_type_at: Option<Range<usize>>,
+    /// The string literals its base64 and media type are written in, when
+    /// they are written plainly.
+    pub(super) at: Option<EncodedAt>,
 }
 
-/// Where an image's base64 and media type are written in the body: kept
-/// after it is decoded, so a fitted image is written in their place.
+/// The string literals (quotes included) an image's base64 and media type
+/// are written in: kept after it is decoded, so a fitted image is written
+/// in their place (whole literals: the rest of the body is copied as it
+/// was).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct EncodedAt {
-    pub(super) payload: Range<usize>,
-    pub(super) media_type: Range<usize>,
+pub(super) enum EncodedAt {
+    /// `"data": "…"` beside `"media_type": "…"` (or `mimeType`).
+    Fields {
+        data: Range<usize>,
+        media_type: Range<usize>,
+    },
+    /// A `data:` URL.
+    DataUrl(Range<usize>),
+}
+
+impl EncodedAt {
+    /// The bytes of the body these literals take.
+    pub(super) fn len(&self) -> usize {
+        match self {
+            EncodedAt::Fields { data, media_type } => data.len() + media_type.len(),
+            EncodedAt::DataUrl(r) => r.len(),
+        }
+    }
+
+    /// The length of its base64.
+    pub(super) fn base64_len(&self) -> usize {
+        match self {
+            EncodedAt::Fields { data, .. } => data.len().saturating_sub(2),
+            EncodedAt::DataUrl(r) => r.len().saturating_sub(2),
+        }
+    }
 }
 
 /// One image found in the request.
@@ -339,6 +363,17 @@ pub(super) struct Spot {
     pub(super) lit: Str,
     /// Decoded text, kept when something was found in it.
     pub(super) text: Option<String>,
+    /// What holds the string: where parts could be put beside it.
+    pub(super) holder: Holder,
+}
+
+/// What a text string is in its message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Holder {
+    /// The whole `content` (or `output`): it can become an array of parts.
+    Content,
+    /// The text of a part (this object's range): parts can follow it.
+    Part(Range<usize>),
 }
 
 /// A Chat tool message's content array: when every image in it is
@@ -839,7 +874,7 @@ impl Walker<'_> {
         match c.kind()? {
             Kind::String => {
                 let lit = c.string()?;
-                self.text_spot(lit, msg, in_tool);
+                self.text_spot(lit, msg, in_tool, Holder::Content);
                 Ok(None)
             }
             Kind::Array if depth < MAX_NESTING => {
@@ -869,8 +904,12 @@ impl Walker<'_> {
     }
 
     /// Records a text string of the message being walked.
-    fn text_spot(&mut self, lit: Str, msg: &mut Msg, in_tool: bool) -> usize {
-        self.out.spots.push(Spot { lit, text: None });
+    fn text_spot(&mut self, lit: Str, msg: &mut Msg, in_tool: bool, holder: Holder) -> usize {
+        self.out.spots.push(Spot {
+            lit,
+            text: None,
+            holder,
+        });
         let spot = self.out.spots.len() - 1;
         msg.spots.push((spot, in_tool, msg.unit));
         spot
@@ -935,12 +974,7 @@ impl Walker<'_> {
             let (sha256, source, bytes, pending) = read_lazily(src, source, None);
             msg.cache_markers |= !f.markers.is_empty();
             let image = medium == Medium::Image;
-            let encoded_at = pending.as_ref().and_then(|p| {
-                Some(EncodedAt {
-                    payload: p.range.clone(),
-                    media_type: p.media_type_at.clone()?,
-                })
-            });
+            let encoded_at = pending.as_ref().and_then(|p| p.at.clone());
             self.out.images.push(Found {
                 sha256,
                 source,
@@ -969,7 +1003,7 @@ impl Walker<'_> {
         if (ty.is(src, "text") || ty.is(src, "input_text") || ty.is(src, "output_text"))
             && let Some(text) = f.text
         {
-            let spot = self.text_spot(text, msg, in_tool);
+            let spot = self.text_spot(text, msg, in_tool, Holder::Part(range));
             return Ok(Some(PartRef::Text(spot)));
         }
         Ok(None)
