@@ -30,6 +30,13 @@ first row that states it, so these rows decide nothing else wherever they
 sit; among themselves the first match wins, and the script checks a few
 real names (CACHE_CHECKS) against them the way visor matches a name.
 
+LIMIT rows follow them and state only a provider's documented image and
+request limits (`max_image_bytes`, `max_image_edge`, `max_image_pixels`,
+`max_request_bytes`, `many_images`, `many_images_edge`) and its image
+token formula (`image_tokens`), each group with the page it comes from.
+They too decide nothing else, and the script checks real names
+(LIMIT_CHECKS) against them field by field, the way visor merges rows.
+
 PRICE rows come after them and state only prices per million tokens
 (`input`, `cached_input`, `cache_write`, `output`), from
 scripts/data/model-prices.tsv: litellm's per-token costs
@@ -221,6 +228,118 @@ CACHE_CHECKS = [
     ("gemini-2.5-pro", 2048), ("google/gemini-2.5-flash", 2048),
     ("gemini-3.1-pro-preview", 4096), ("gemini-3.8-flash", 4096),
     ("claude-instant-1.2", None), ("gemini-2.5-flash-lite", None), ("llama3.1:8b", None),
+]
+
+# The limit fields, in the order a row prints them.
+LIMIT_FIELDS = [
+    "max_image_bytes", "max_image_edge", "max_image_pixels", "max_request_bytes",
+    "many_images", "many_images_edge", "image_tokens",
+]
+
+# What each provider documents of the images and requests it takes, by
+# model family; each group: its sources, then (glob, fields), first match
+# wins field by field. Only figures a page states are written. A size the
+# page gives in MB is read as 10^6 bytes (the stricter reading) unless the
+# provider's own error message gives the exact byte count; visor compares
+# an image's size with its base64 length as sent. Not recorded, as no
+# provider page read for this states a refusal limit for the model names
+# alone: Mistral / Pixtral, Together, Fireworks, OpenRouter (it passes the
+# upstream's limits on), and host-specific limits on shared model names
+# (Groq's 4 MB base64 request, Bedrock's own Claude limits) — a [[model]]
+# row of the user's own states those for such an upstream.
+_OPENAI = {"max_image_bytes": 20_000_000, "max_request_bytes": 50_000_000}
+_TILES = dict(_OPENAI, image_tokens="openai_tiles")
+_PATCHES = dict(_OPENAI, image_tokens="openai_patches")
+LIMITS = [
+    (
+        # "If you submit an image larger than 8000x8000 px, it will be
+        # rejected. If you submit more than 20 images in one API request,
+        # this limit is 2000x2000 px." "there is a 32MB request size limit
+        # for standard endpoints" (lower on Bedrock and Vertex AI). 5 MB per
+        # image (the page's FAQ); the API's refusal names the bytes: "image
+        # exceeds 5 MB maximum: … bytes > 5242880 bytes"
+        # (github.com/anthropics/claude-code/issues/14887), and it counts the
+        # base64 length. Tokens ≈ w·h/750; an image with its long edge over
+        # 1568 px or over ~1.15 megapixels is first scaled down. The page
+        # allows 100 images a request (600 in its latest version):
+        # `max_images` is left to the user.
+        "Anthropic: https://platform.claude.com/docs/en/build-with-claude/vision, "
+        "https://docs.anthropic.com/en/docs/vision",
+        [
+            ("*claude-*", {
+                "max_image_bytes": 5_242_880, "max_image_edge": 8000,
+                "max_request_bytes": 32_000_000, "many_images": 20,
+                "many_images_edge": 2000, "image_tokens": "anthropic",
+            }),
+        ],
+    ),
+    (
+        # "Up to 20MB per image", up to 500 images and 50 MB per request
+        # (a copy of the page reads "50 MB image bytes per request"; visor
+        # takes it for the whole body, the stricter reading). Tiles
+        # (fit in 2048×2048, shortest side 768, tokens per 512-px tile plus
+        # a base): GPT-4o, GPT-4o-mini, GPT-4.1, GPT-4.5, GPT-4 Turbo, o1,
+        # o3, GPT-5; patches (32 px, at most 1536, times a multiplier):
+        # gpt-4.1-mini, gpt-4.1-nano, o4-mini, gpt-5-mini, gpt-5-nano — the
+        # split as the guide's "Calculating costs" gives it (and as
+        # github.com/openai/openai-python/issues/2851 quotes it). Later
+        # GPT-5.x models: limits only, their formula not read here.
+        "OpenAI: https://developers.openai.com/api/docs/guides/images-vision, "
+        "https://platform.openai.com/docs/guides/images-vision",
+        [
+            ("gpt-4.1-mini*", _PATCHES), ("gpt-4.1-nano*", _PATCHES),
+            ("o4-mini*", _PATCHES), ("gpt-5-mini*", _PATCHES), ("gpt-5-nano*", _PATCHES),
+            ("gpt-4.1", _TILES), ("gpt-4o*", _TILES), ("gpt-4.5*", _TILES),
+            ("gpt-4-turbo*", _TILES), ("o1", _TILES), ("o1-pro*", _TILES),
+            ("o3", _TILES), ("o3-pro*", _TILES), ("gpt-5", _TILES),
+            ("gpt-5-chat*", _TILES),
+            ("gpt-5*", _OPENAI),
+        ],
+    ),
+    (
+        # Inline image data: the whole request under 20 MB, prompt
+        # included (larger files go through the File API; a 2026 post says
+        # the inline limit was raised, its figure not read here). Tokens,
+        # "with Gemini 2.0": 258 when both sides are ≤ 384 px, else 258 per
+        # 768×768 tile (the tokens page); Gemini 3 counts by
+        # `media_resolution` instead, so only 2.0 and 2.5 state a formula.
+        "Google: https://ai.google.dev/gemini-api/docs/image-understanding, "
+        "https://ai.google.dev/gemini-api/docs/tokens",
+        [
+            ("gemini-2.0*", {"max_request_bytes": 20_000_000, "image_tokens": "gemini"}),
+            ("gemini-2.5*", {"max_request_bytes": 20_000_000, "image_tokens": "gemini"}),
+            ("gemini-*", {"max_request_bytes": 20_000_000}),
+        ],
+    ),
+    (
+        # "Maximum image size: 10MiB"; "Maximum number of images: No limit".
+        "xAI: https://docs.x.ai/docs/guides/image-understanding",
+        [("grok-*", {"max_image_bytes": 10_485_760})],
+    ),
+]
+
+_CLAUDE = {
+    "max_image_bytes": 5_242_880, "max_image_edge": 8000, "max_request_bytes": 32_000_000,
+    "many_images": 20, "many_images_edge": 2000, "image_tokens": "anthropic",
+}
+_GEMINI_2 = {"max_request_bytes": 20_000_000, "image_tokens": "gemini"}
+
+# Real names, as clients send them, and the limit fields each must resolve
+# to through the rows above (every field not listed: not stated).
+LIMIT_CHECKS = [
+    ("claude-sonnet-4-5", _CLAUDE), ("claude-sonnet-4-5-20250929", _CLAUDE),
+    ("anthropic/claude-opus-4.6", _CLAUDE),
+    ("us.anthropic.claude-3-5-sonnet-20240620-v1:0", _CLAUDE),
+    ("databricks-claude-haiku-4-5", _CLAUDE),
+    ("gpt-4o", _TILES), ("openai/gpt-4o-2024-08-06", _TILES), ("gpt-4o-mini", _TILES),
+    ("gpt-4.1", _TILES), ("gpt-4.1-2025-04-14", _TILES), ("gpt-4.1-mini", _PATCHES),
+    ("gpt-4.1-nano-2025-04-14", _PATCHES), ("o4-mini", _PATCHES), ("o3", _TILES),
+    ("o1-2024-12-17", _TILES), ("gpt-5", _TILES), ("gpt-5-2025-08-07", _TILES),
+    ("gpt-5-mini", _PATCHES), ("gpt-5-nano", _PATCHES), ("gpt-5.1", _OPENAI),
+    ("gemini-2.5-pro", _GEMINI_2), ("google/gemini-2.0-flash", _GEMINI_2),
+    ("gemini-3-pro-preview", {"max_request_bytes": 20_000_000}),
+    ("grok-4", {"max_image_bytes": 10_485_760}), ("x-ai/grok-4", {"max_image_bytes": 10_485_760}),
+    ("o3-mini", {}), ("llama3.1:8b", {}), ("pixtral-12b", {}), ("my-own-finetune-7b", {}),
 ]
 
 # The four prices, as litellm names its per-token costs, and as visor's
@@ -506,6 +625,19 @@ def cache_min_tokens(name, rows):
     return None
 
 
+def limits_of(name, rows):
+    """The limit fields `name` resolves to through `rows`, field by field
+    (each from the first row matching any of the name's forms)."""
+    forms = candidates(name)
+    out = {}
+    for r in rows:
+        if any(glob_match(r["match"], f) for f in forms):
+            for k in LIMIT_FIELDS:
+                if k in r and k not in out:
+                    out[k] = r[k]
+    return out
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--extract-prices":
         extract_prices(sys.argv[2])
@@ -612,6 +744,15 @@ def main():
             print("cache_min_tokens (name, got, documented):", w, file=sys.stderr)
         sys.exit(1)
 
+    limit_rows = [dict(fields, match=p, limits_source=src if i == 0 else None)
+                  for src, group in LIMITS for i, (p, fields) in enumerate(group)]
+    wrong = [(n, limits_of(n, limit_rows), want) for n, want in LIMIT_CHECKS
+             if limits_of(n, limit_rows) != want]
+    if wrong:
+        for w in wrong:
+            print("limits (name, got, documented):", w, file=sys.stderr)
+        sys.exit(1)
+
     entries = load_prices(prices_path)
     prices, inherits = price_rows(entries)
     for k in inherits:
@@ -666,11 +807,16 @@ def main():
     print(f"# {len(stated)} names with a stated vision flag -> {len(table)} rows;")
     print(f"# then {len(cache_rows)} rows with the providers' documented cache_min_tokens")
     print("# (the shortest prefix they cache; 1024 where no row says);")
+    print(f"# then {len(limit_rows)} rows with the providers' documented image and request")
+    print("# limits and image token formula (max_image_bytes ... image_tokens);")
     print(f"# then {len(prices)} rows with prices in US dollars per million tokens from")
     print("# litellm's map too (input, cached_input, cache_write, output; exact names,")
     print("# dated ones first; the release is named in scripts/data/README.md).")
-    for r in table + cache_rows + prices:
-        if r.get("source") == "prices":
+    for r in table + cache_rows + limit_rows + prices:
+        if r.get("limits_source"):
+            print()
+            print(f"# image and request limits, {r['limits_source']}")
+        elif r.get("source") == "prices":
             print()
             print("# Prices per million tokens, litellm's model map (scripts/data/model-prices.tsv);")
             print("# one entry's prices per name, chosen as scripts/gen_models.py says.")
@@ -679,7 +825,8 @@ def main():
             print(f"# cache_min_tokens, {r['source']}")
         print()
         print("[[model]]")
-        for k in ("match", "vision", "audio", "pdf", "context_window", "cache_min_tokens"):
+        for k in ("match", "vision", "audio", "pdf", "context_window", "cache_min_tokens",
+                  *LIMIT_FIELDS):
             if k in r:
                 v = r[k]
                 print(f"{k} = " + (f'"{v}"' if isinstance(v, str) else str(v).lower()))

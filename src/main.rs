@@ -333,6 +333,28 @@ fn caps_text(c: &Caps) -> String {
         num(c.context_window),
         num(c.cache_min_tokens.map(u64::from))
     );
+    // Image and request limits, only when a row states one of them.
+    let limits = [
+        c.max_image_bytes,
+        c.max_image_edge.map(u64::from),
+        c.max_image_pixels,
+        c.max_request_bytes,
+        c.many_images.map(u64::from),
+        c.many_images_edge.map(u64::from),
+    ];
+    if limits.iter().any(Option::is_some) || c.image_tokens.is_some() {
+        text.push_str(&format!(
+            " limits: max_image_bytes={} max_image_edge={} max_image_pixels={} \
+             max_request_bytes={} many_images={} many_images_edge={} image_tokens={}",
+            num(c.max_image_bytes),
+            num(c.max_image_edge.map(u64::from)),
+            num(c.max_image_pixels),
+            num(c.max_request_bytes),
+            num(c.many_images.map(u64::from)),
+            num(c.many_images_edge.map(u64::from)),
+            c.image_tokens.map_or("?", |t| t.name())
+        ));
+    }
     // Prices per million tokens, only when a row states one of them.
     let prices = [c.input, c.cached_input, c.cache_write, c.output];
     if prices.iter().any(Option::is_some) {

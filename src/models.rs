@@ -1,6 +1,7 @@
 //! The model-spec table: which models accept images, documents and audio,
 //! how many images, how large a context they take, the shortest prefix
-//! their provider caches, and their prices per million tokens.
+//! their provider caches, the provider's image and request size limits and
+//! image token formula, and their prices per million tokens.
 //!
 //! Resolution for a request: the `x-visor-vision` header, then the user's
 //! `[[model]]` rows, then a vision marker in the name ([`vision_marker`]:
@@ -31,6 +32,47 @@ use crate::config::{Model, RawModel};
 /// The built-in table, compiled in.
 const BUILT_IN: &str = include_str!("../config/models.toml");
 
+/// Which formula a provider counts an image's tokens by (`image_tokens` in
+/// a `[[model]]` row, written in snake case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImageTokens {
+    /// Anthropic: about w·h/750 tokens. The provider first scales an image
+    /// down when its long edge is over 1568 px or it is over about 1.15
+    /// megapixels.
+    Anthropic,
+    /// OpenAI's tiles (GPT-4o, GPT-4.1, GPT-4.5, o1, o3, GPT-5): fit in
+    /// 2048×2048, scale the shortest side to 768 px, then a fixed number of
+    /// tokens per 512-px tile plus a base (170 and 85 for GPT-4o; other
+    /// models use other figures).
+    OpenaiTiles,
+    /// OpenAI's patches (gpt-4.1-mini, gpt-4.1-nano, o4-mini, gpt-5-mini,
+    /// gpt-5-nano): 32-px patches, at most 1536, the image scaled down to
+    /// fit; the provider multiplies the count per model.
+    OpenaiPatches,
+    /// Gemini 2.0 and 2.5: 258 tokens when both sides are at most 384 px,
+    /// else 258 tokens per 768-px tile.
+    Gemini,
+}
+
+impl ImageTokens {
+    /// The name a `[[model]]` row writes.
+    pub fn name(self) -> &'static str {
+        match self {
+            ImageTokens::Anthropic => "anthropic",
+            ImageTokens::OpenaiTiles => "openai_tiles",
+            ImageTokens::OpenaiPatches => "openai_patches",
+            ImageTokens::Gemini => "gemini",
+        }
+    }
+}
+
+impl fmt::Display for ImageTokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// What a table says about one model. `None` means "not stated".
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Caps {
@@ -42,6 +84,25 @@ pub struct Caps {
     pub context_window: Option<u64>,
     /// The shortest prefix the provider caches, in tokens.
     pub cache_min_tokens: Option<u32>,
+    /// The largest single image the provider takes, in bytes. Visor
+    /// compares it with the image's base64 length as sent, not with the
+    /// decoded bytes: the stricter reading, and the one Anthropic applies.
+    pub max_image_bytes: Option<u64>,
+    /// The longest side, in pixels, the provider takes; it refuses a
+    /// larger image.
+    pub max_image_edge: Option<u32>,
+    /// The most pixels (width × height) the provider takes in one image.
+    pub max_image_pixels: Option<u64>,
+    /// The largest request body the provider takes, in bytes.
+    pub max_request_bytes: Option<u64>,
+    /// With more images than this in one request, the provider's edge
+    /// bound becomes `many_images_edge` (Anthropic: more than 20).
+    pub many_images: Option<u32>,
+    /// The edge bound, in pixels, of a request with more than
+    /// `many_images` images (Anthropic: 2000).
+    pub many_images_edge: Option<u32>,
+    /// The formula the provider counts an image's tokens by.
+    pub image_tokens: Option<ImageTokens>,
     /// Prices per million tokens: prompt tokens at the full price, prompt
     /// tokens read from the provider's cache, prompt tokens written to it,
     /// completion tokens. Each from the first row that states it.
@@ -61,6 +122,13 @@ impl Caps {
             max_images: m.max_images,
             context_window: m.context_window,
             cache_min_tokens: m.cache_min_tokens,
+            max_image_bytes: m.max_image_bytes,
+            max_image_edge: m.max_image_edge,
+            max_image_pixels: m.max_image_pixels,
+            max_request_bytes: m.max_request_bytes,
+            many_images: m.many_images,
+            many_images_edge: m.many_images_edge,
+            image_tokens: m.image_tokens,
             input: m.input,
             cached_input: m.cached_input,
             cache_write: m.cache_write,
@@ -455,6 +523,13 @@ impl ModelTable {
                 caps.max_images = caps.max_images.or(row.max_images);
                 caps.context_window = caps.context_window.or(row.context_window);
                 caps.cache_min_tokens = caps.cache_min_tokens.or(row.cache_min_tokens);
+                caps.max_image_bytes = caps.max_image_bytes.or(row.max_image_bytes);
+                caps.max_image_edge = caps.max_image_edge.or(row.max_image_edge);
+                caps.max_image_pixels = caps.max_image_pixels.or(row.max_image_pixels);
+                caps.max_request_bytes = caps.max_request_bytes.or(row.max_request_bytes);
+                caps.many_images = caps.many_images.or(row.many_images);
+                caps.many_images_edge = caps.many_images_edge.or(row.many_images_edge);
+                caps.image_tokens = caps.image_tokens.or(row.image_tokens);
                 caps.input = caps.input.or(row.input);
                 caps.cached_input = caps.cached_input.or(row.cached_input);
                 caps.cache_write = caps.cache_write.or(row.cache_write);
@@ -1059,6 +1134,146 @@ mod tests {
         let t = ModelTable::new(&[user], Learned::default()).unwrap();
         let r = t.resolve("anthropic/claude-3-5-haiku-20241022", None);
         assert_eq!(r.caps.cache_min_tokens, Some(1024));
+    }
+
+    /// The limit fields of one model, in the order `Caps` holds them.
+    type Limits = (
+        Option<u64>,
+        Option<u32>,
+        Option<u64>,
+        Option<u64>,
+        Option<u32>,
+        Option<u32>,
+        Option<ImageTokens>,
+    );
+
+    fn limits(c: &Caps) -> Limits {
+        (
+            c.max_image_bytes,
+            c.max_image_edge,
+            c.max_image_pixels,
+            c.max_request_bytes,
+            c.many_images,
+            c.many_images_edge,
+            c.image_tokens,
+        )
+    }
+
+    /// The providers' documented image and request limits and image token
+    /// formulas (sources beside `LIMITS` in `scripts/gen_models.py`),
+    /// through provider paths, vendor prefixes and date suffixes.
+    #[test]
+    fn built_in_limits_follow_the_providers_docs() {
+        let t = table();
+        let claude: Limits = (
+            Some(5_242_880),
+            Some(8000),
+            None,
+            Some(32_000_000),
+            Some(20),
+            Some(2000),
+            Some(ImageTokens::Anthropic),
+        );
+        let openai = |f: Option<ImageTokens>| -> Limits {
+            (
+                Some(20_000_000),
+                None,
+                None,
+                Some(50_000_000),
+                None,
+                None,
+                f,
+            )
+        };
+        let tiles = openai(Some(ImageTokens::OpenaiTiles));
+        let patches = openai(Some(ImageTokens::OpenaiPatches));
+        let gemini_2: Limits = (
+            None,
+            None,
+            None,
+            Some(20_000_000),
+            None,
+            None,
+            Some(ImageTokens::Gemini),
+        );
+        let none: Limits = (None, None, None, None, None, None, None);
+        let cases: &[(&str, Limits)] = &[
+            ("claude-sonnet-4-5", claude),
+            ("claude-sonnet-4-5-20250929", claude),
+            ("anthropic/claude-opus-4.6", claude),
+            ("us.anthropic.claude-3-5-sonnet-20240620-v1:0", claude),
+            ("gpt-4o", tiles),
+            ("openai/gpt-4o-2024-08-06", tiles),
+            ("gpt-4o-mini", tiles),
+            ("gpt-4.1", tiles),
+            ("gpt-4.1-mini", patches),
+            ("gpt-4.1-nano-2025-04-14", patches),
+            ("o4-mini", patches),
+            ("o3", tiles),
+            ("gpt-5", tiles),
+            ("gpt-5-mini", patches),
+            // A later GPT-5.x: the API's limits, no formula stated.
+            ("gpt-5.1", openai(None)),
+            ("gemini-2.5-pro", gemini_2),
+            ("google/gemini-2.0-flash", gemini_2),
+            (
+                "gemini-3-pro-preview",
+                (None, None, None, Some(20_000_000), None, None, None),
+            ),
+            (
+                "grok-4",
+                (Some(10_485_760), None, None, None, None, None, None),
+            ),
+            ("llama3.1:8b", none),
+            ("my-own-finetune-7b", none),
+        ];
+        let wrong: Vec<String> = cases
+            .iter()
+            .filter_map(|&(m, want)| {
+                let got = limits(&t.caps(m));
+                (got != want).then(|| format!("{m}: want {want:?}, got {got:?}"))
+            })
+            .collect();
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+        // The limit rows state nothing else: claude keeps its cache minimum.
+        assert_eq!(
+            t.caps("claude-sonnet-4-5").cache_min_tokens,
+            Some(1024),
+            "the cache row still answers"
+        );
+    }
+
+    /// A user row that states one limit keeps the others from the
+    /// built-in row, field by field; an `image_tokens` of its own wins.
+    #[test]
+    fn a_user_row_overrides_one_limit() {
+        let user = Model::new(RawModel {
+            pattern: "claude-*".into(),
+            max_request_bytes: Some(20_000_000),
+            ..RawModel::default()
+        })
+        .unwrap();
+        let t = ModelTable::new(&[user], Learned::default()).unwrap();
+        let c = t.caps("us.anthropic.claude-sonnet-4-5-20250929-v1:0");
+        assert_eq!(c.max_request_bytes, Some(20_000_000));
+        assert_eq!(c.max_image_bytes, Some(5_242_880), "from the built-in row");
+        assert_eq!(c.max_image_edge, Some(8000));
+        assert_eq!((c.many_images, c.many_images_edge), (Some(20), Some(2000)));
+        assert_eq!(c.image_tokens, Some(ImageTokens::Anthropic));
+        // A house model gets the fields only from a row of its own.
+        let user = Model::new(RawModel {
+            pattern: "house-vl-*".into(),
+            max_image_pixels: Some(4_000_000),
+            image_tokens: Some(ImageTokens::Gemini),
+            ..RawModel::default()
+        })
+        .unwrap();
+        let t = ModelTable::new(&[user], Learned::default()).unwrap();
+        let c = t.caps("house-vl-7b");
+        assert_eq!(c.max_image_pixels, Some(4_000_000));
+        assert_eq!(c.image_tokens, Some(ImageTokens::Gemini));
+        assert_eq!(c.max_image_bytes, None);
+        assert_eq!(ImageTokens::OpenaiPatches.to_string(), "openai_patches");
     }
 
     /// Prices per million tokens from litellm's model map

@@ -16,7 +16,9 @@
 //! [`documents`], [`dedup`], [`sessions`], [`store`], [`retries`],
 //! [`cache`], [`inspector`]; and
 //! `mistakes`, the warnings a valid config can still earn. The config
-//! depends on no other part of the crate.
+//! depends on no other part of the crate but one type: the model table's
+//! image token formula ([`crate::models::ImageTokens`]), which a
+//! `[[model]]` row names.
 
 use std::fmt;
 use std::path::{Path, PathBuf};

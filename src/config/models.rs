@@ -6,6 +6,7 @@ use globset::{Glob, GlobBuilder};
 use serde::Deserialize;
 
 use super::Problems;
+use crate::models::ImageTokens;
 
 /// One `[[model]]` row as written (also the shape of the built-in table's
 /// rows, `config/models.toml`).
@@ -30,6 +31,24 @@ pub struct RawModel {
     /// The shortest prefix, in tokens, the provider caches.
     #[serde(default)]
     pub cache_min_tokens: Option<u32>,
+    /// The provider's image and request limits ([`crate::models::Caps`]
+    /// says what each means).
+    #[serde(default)]
+    pub max_image_bytes: Option<u64>,
+    #[serde(default)]
+    pub max_image_edge: Option<u32>,
+    #[serde(default)]
+    pub max_image_pixels: Option<u64>,
+    #[serde(default)]
+    pub max_request_bytes: Option<u64>,
+    #[serde(default)]
+    pub many_images: Option<u32>,
+    #[serde(default)]
+    pub many_images_edge: Option<u32>,
+    /// The provider's token formula for images; an unknown name is an
+    /// error that lists the known ones.
+    #[serde(default)]
+    pub image_tokens: Option<ImageTokens>,
     /// Prices in money per million tokens: prompt tokens read at the full
     /// price, prompt tokens read from the provider's cache, prompt tokens
     /// written to it, and completion tokens.
@@ -57,6 +76,15 @@ pub struct Model {
     pub max_images: Option<u32>,
     pub context_window: Option<u64>,
     pub cache_min_tokens: Option<u32>,
+    /// Image and request limits, and the image token formula
+    /// ([`crate::models::Caps`]).
+    pub max_image_bytes: Option<u64>,
+    pub max_image_edge: Option<u32>,
+    pub max_image_pixels: Option<u64>,
+    pub max_request_bytes: Option<u64>,
+    pub many_images: Option<u32>,
+    pub many_images_edge: Option<u32>,
+    pub image_tokens: Option<ImageTokens>,
     /// Prices per million tokens ([`RawModel`]).
     pub input: Option<f64>,
     pub cached_input: Option<f64>,
@@ -77,6 +105,13 @@ impl Model {
             max_images: raw.max_images,
             context_window: raw.context_window,
             cache_min_tokens: raw.cache_min_tokens,
+            max_image_bytes: raw.max_image_bytes,
+            max_image_edge: raw.max_image_edge,
+            max_image_pixels: raw.max_image_pixels,
+            max_request_bytes: raw.max_request_bytes,
+            many_images: raw.many_images,
+            many_images_edge: raw.many_images_edge,
+            image_tokens: raw.image_tokens,
             input: raw.input,
             cached_input: raw.cached_input,
             cache_write: raw.cache_write,
@@ -94,10 +129,28 @@ pub fn model_glob(pattern: &str) -> Result<Glob, globset::Error> {
 }
 
 /// Every `[[model]]` row, its glob built (a row whose glob is not one is a
-/// problem, and so is a price that is not a finite number ≥ 0).
+/// problem, and so are a price that is not a finite number ≥ 0 and a size
+/// limit of 0).
 pub(super) fn validate(rows: Vec<RawModel>, p: &mut Problems) -> Vec<Model> {
     let mut models = Vec::with_capacity(rows.len());
     for (i, row) in rows.into_iter().enumerate() {
+        // `many_images = 0` is a bound like any other (every request with
+        // an image); these five bound a size, and a size of 0 is a mistake.
+        for (key, limit) in [
+            ("max_image_bytes", row.max_image_bytes),
+            ("max_image_edge", row.max_image_edge.map(u64::from)),
+            ("max_image_pixels", row.max_image_pixels),
+            ("max_request_bytes", row.max_request_bytes),
+            ("many_images_edge", row.many_images_edge.map(u64::from)),
+        ] {
+            if limit == Some(0) {
+                p.bad(
+                    format_args!("model[{i}].{key}"),
+                    0,
+                    "must be at least 1 (leave it out for \"not stated\")",
+                );
+            }
+        }
         for (key, price) in [
             ("input", row.input),
             ("cached_input", row.cached_input),
@@ -142,6 +195,41 @@ mod tests {
         assert!(e.contains("model[0].match: \"[Z-a]\""), "{e}");
         let e = problems(&format!(
             "{up}[[model]]\nmatch = \"GPT-[A-Z]*\"\nvision = false\n"
+        ));
+        assert_eq!(e, "(valid)");
+    }
+
+    #[test]
+    fn model_limits_are_checked() {
+        let up = "[[upstream]]\nname=\"a\"\nbase_url=\"http://x\"\n";
+        let e = problems(&format!(
+            "{up}[[model]]\nmatch = \"x\"\nimage_tokens = \"tiles\"\n"
+        ));
+        assert!(
+            e.contains(
+                "model[0].image_tokens: unknown variant `tiles`, expected one of \
+                 `anthropic`, `openai_tiles`, `openai_patches`, `gemini`"
+            ),
+            "{e}"
+        );
+        let e = problems(&format!(
+            "{up}[[model]]\nmatch = \"x\"\nmax_image_edge = 0\nmany_images = 0\n\
+             max_request_bytes = 0\n"
+        ));
+        assert!(
+            e.contains("model[0].max_image_edge: 0 — must be at least 1"),
+            "{e}"
+        );
+        assert!(e.contains("model[0].max_request_bytes: 0"), "{e}");
+        assert!(!e.contains("many_images:"), "{e}");
+        let e = problems(&format!(
+            "{up}[[model]]\nmatch = \"claude-*\"\nmax_image_bytes = 5242880\n\
+             max_image_edge = 8000\nmax_image_pixels = 64000000\n\
+             max_request_bytes = 32000000\nmany_images = 20\nmany_images_edge = 2000\n\
+             image_tokens = \"anthropic\"\n\
+             [[model]]\nmatch = \"gpt-*\"\nimage_tokens = \"openai_tiles\"\n\
+             [[model]]\nmatch = \"o4-*\"\nimage_tokens = \"openai_patches\"\n\
+             [[model]]\nmatch = \"gemini-*\"\nimage_tokens = \"gemini\"\n"
         ));
         assert_eq!(e, "(valid)");
     }

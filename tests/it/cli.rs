@@ -264,6 +264,15 @@ fn check_prints_the_model_table_and_resolves_a_model() {
         text.contains("price/M: input=0.1 cached_input=0.075 cache_write=? output=0.6\n"),
         "{text}"
     );
+    // The provider's documented limits, from the built-in rows.
+    assert!(
+        text.contains(
+            " limits: max_image_bytes=20000000 max_image_edge=? max_image_pixels=? \
+             max_request_bytes=50000000 many_images=? many_images_edge=? \
+             image_tokens=openai_tiles price/M:"
+        ),
+        "{text}"
+    );
     let text = check_model("my-unknown-model");
     assert!(
         text.contains("images sent as they are — decided by no row (unknown"),
