@@ -124,6 +124,9 @@ pub struct Limits {
     /// Opt-in diet: the most tokens an image may cost by `formula`
     /// (`images.max_image_tokens`).
     pub diet_tokens: Option<u32>,
+    /// Base64 of an image found in a text is sent as an image part (or
+    /// replaced where the API takes none): never as text.
+    pub lift_text: bool,
 }
 
 impl Limits {
@@ -139,6 +142,7 @@ impl Limits {
         provider_size: false,
         diet_edge: None,
         diet_tokens: None,
+        lift_text: false,
     };
 
     /// True when nothing would ever be scaled or re-encoded.

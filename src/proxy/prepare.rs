@@ -64,8 +64,24 @@ pub struct Rewriter {
 /// What a kept image sent to a model with `caps` must fit: its provider's
 /// limits from the table, and `[images]`' settings (`base`).
 pub fn fit_limits(caps: &crate::models::Caps, base: Limits) -> Limits {
-    let _ = caps; // TEMP until the table's limit fields land
-    base
+    use crate::image_fit::Formula;
+    use crate::models::ImageTokens;
+    Limits {
+        max_bytes: caps.max_image_bytes,
+        max_edge: caps.max_image_edge,
+        max_pixels: caps.max_image_pixels,
+        many_images: caps.many_images,
+        many_edge: caps.many_images_edge,
+        max_request_bytes: caps.max_request_bytes,
+        formula: caps.image_tokens.map(|t| match t {
+            ImageTokens::Anthropic => Formula::Anthropic,
+            ImageTokens::OpenaiTiles => Formula::OpenaiTiles,
+            ImageTokens::OpenaiPatches => Formula::OpenaiPatches,
+            ImageTokens::Gemini => Formula::Gemini,
+        }),
+        lift_text: true,
+        ..base
+    }
 }
 
 impl Rewriter {

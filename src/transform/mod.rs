@@ -211,7 +211,7 @@ pub fn subject_key(sha256: &str, query: Option<&str>) -> String {
 /// sent to a model as text.
 fn lifts(scan: &walk::Scan, plan: &Plan, fates: &mut [Fate]) -> Vec<bool> {
     let mut lifted = vec![false; scan.images.len()];
-    if !plan.vision {
+    if !plan.vision || !plan.fit.lift_text {
         return lifted;
     }
     for (i, f) in scan.images.iter().enumerate() {
@@ -318,7 +318,11 @@ pub struct Rewrite {
 
 /// True when the plan may change something, so the body must be walked.
 pub fn needed(plan: &Plan) -> bool {
-    !plan.vision || plan.rules.any() || plan.takes != Takes::ALL || !plan.fit.is_none()
+    !plan.vision
+        || plan.rules.any()
+        || plan.takes != Takes::ALL
+        || !plan.fit.is_none()
+        || plan.fit.lift_text
 }
 
 /// A kept image to fit to its model (see [`Scanned::fit_jobs`]): scaled

@@ -19,9 +19,16 @@ fn anthropic() -> Limits {
         many_images: Some(20),
         many_edge: Some(2000),
         formula: Some(Formula::Anthropic),
+        lift_text: true,
         ..Limits::NONE
     }
 }
+
+/// Nothing to fit; base64 in text lifted.
+const LIFT: Limits = Limits {
+    lift_text: true,
+    ..Limits::NONE
+};
 
 /// The request as the proxy sends it: fitted as the proxy fits (without
 /// its cache), then finished.
@@ -186,4 +193,130 @@ fn what_cannot_be_read_as_an_image_is_left_as_it_came() {
     assert!(scanned.finish(&bytes, &[]).body.is_none());
     // Given to the fitter anyway, it is refused, not mangled.
     assert!(fit(b"not a png at all, just text", Some((5, 5)), Some(8)).is_err());
+}
+
+/// No text in `v` (a `text` member, a string content or output) holds the
+/// base64 `b64_text`.
+fn no_base64_text(v: &Value, b64_text: &str) {
+    fn walk(v: &Value, key: &str, needle: &str) {
+        match v {
+            Value::String(s) if matches!(key, "text" | "content" | "output") => {
+                assert!(!s.contains(needle), "base64 left in a text: {}", &s[..s.len().min(200)]);
+            }
+            Value::Array(a) => a.iter().for_each(|x| walk(x, key, needle)),
+            Value::Object(o) => o.iter().for_each(|(k, x)| walk(x, k, needle)),
+            _ => {}
+        }
+    }
+    walk(v, "", &b64_text[..64]);
+}
+
+#[test]
+fn base64_in_an_anthropic_tool_result_becomes_an_image_block() {
+    let png = test_png(64, 48, false);
+    let data = b64(&png);
+    let mcp = json!({"content": [{"type": "image", "data": data, "mimeType": "image/png"}]}).to_string();
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "take a screenshot"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": mcp}]}
+    ]});
+    let (sent, r) = fitted(&body, Shape::Messages, anthropic());
+    let result = &sent["messages"][2]["content"][0];
+    assert_eq!(result["tool_use_id"], "t1");
+    let blocks = result["content"].as_array().expect("the string became blocks");
+    assert_eq!(blocks.len(), 2);
+    assert_eq!(blocks[0]["type"], "text");
+    let text = blocks[0]["text"].as_str().unwrap();
+    assert!(text.contains("sent as an image part"), "{text}");
+    // The text keeps its structure: still the JSON it was, the image
+    // object now a reference.
+    let inner: Value = serde_json::from_str(text).unwrap();
+    assert_eq!(inner["content"][0]["type"], "text");
+    assert_eq!(blocks[1]["type"], "image");
+    assert_eq!(blocks[1]["source"]["media_type"], "image/png");
+    assert_eq!(blocks[1]["source"]["data"], data.as_str());
+    assert_eq!(r.report.images_lifted, 1);
+    assert_eq!(r.report.images[0].action, "lifted");
+    no_base64_text(&sent, &data);
+    // Nothing else moved.
+    assert_eq!(sent["messages"][0], body["messages"][0]);
+    assert_eq!(sent["messages"][1], body["messages"][1]);
+}
+
+#[test]
+fn base64_in_a_text_block_is_followed_by_its_image_block() {
+    let png = test_png(40, 30, false);
+    let data = b64(&png);
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": [
+            {"type": "text", "text": format!("saved: data:image/png;base64,{data} (ok)")},
+            {"type": "text", "text": "done"}
+        ]}]}
+    ]});
+    let (sent, _) = fitted(&body, Shape::Messages, anthropic());
+    let blocks = sent["messages"][0]["content"][0]["content"].as_array().unwrap();
+    assert_eq!(blocks.len(), 3);
+    assert!(blocks[0]["text"].as_str().unwrap().starts_with("saved: [image sha256:"));
+    assert!(blocks[0]["text"].as_str().unwrap().ends_with("] (ok)"));
+    assert_eq!(blocks[1]["type"], "image");
+    assert_eq!(blocks[2]["text"], "done");
+    no_base64_text(&sent, &data);
+}
+
+#[test]
+fn base64_in_a_responses_function_output_becomes_an_input_image() {
+    let png = test_png(32, 32, true);
+    let data = b64(&png);
+    let out = json!({"type": "image", "data": data, "mimeType": "image/png"}).to_string();
+    let body = json!({"model": "gpt-4.1", "input": [
+        {"role": "user", "content": "look"},
+        {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": out}
+    ]});
+    let (sent, _) = fitted(&body, Shape::Responses, LIFT);
+    let output = sent["input"][2]["output"].as_array().expect("an array now");
+    assert_eq!(output[0]["type"], "input_text");
+    assert_eq!(output[1]["type"], "input_image");
+    let url = output[1]["image_url"].as_str().unwrap();
+    assert_eq!(url, format!("data:image/png;base64,{data}"));
+    assert_eq!(sent["input"][2]["call_id"], "c1");
+    no_base64_text(&sent, &data);
+}
+
+#[test]
+fn base64_in_a_chat_tool_message_is_replaced_not_sent_as_text() {
+    let png = test_png(32, 32, false);
+    let data = b64(&png);
+    let body = json!({"model": "gpt-4o", "messages": [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": json!({"type": "image", "data": data, "mimeType": "image/png"}).to_string()}
+    ]});
+    let (sent, r) = fitted(&body, Shape::Chat, LIFT);
+    assert_eq!(sent["messages"].as_array().unwrap().len(), 3);
+    assert_eq!(sent["messages"][2]["tool_call_id"], "c1");
+    let text = serde_json::to_string(&sent["messages"][2]["content"]).unwrap();
+    assert!(!text.contains(&data[..64]));
+    assert!(text.contains("no image can be sent"), "{text}");
+    assert_eq!(r.report.images_replaced, 1);
+    assert_eq!(r.artifacts.len(), 1, "the original is saved");
+}
+
+#[test]
+fn a_lifted_image_is_fitted_too() {
+    let png = test_png(3000, 200, false);
+    let data = b64(&png);
+    let mcp = json!({"type": "image", "data": data, "mimeType": "image/png"}).to_string();
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": mcp}]}
+    ]});
+    let limits = Limits {
+        max_edge: Some(1000),
+        ..anthropic()
+    };
+    let (sent, _) = fitted(&body, Shape::Messages, limits);
+    let img = &sent["messages"][0]["content"][0]["content"][1];
+    let (w, h, _) = decoded_size(img["source"]["data"].as_str().unwrap());
+    assert_eq!((w, h), (1000, 66));
 }
