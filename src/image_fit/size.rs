@@ -126,7 +126,7 @@ pub struct Limits {
     pub diet_tokens: Option<u32>,
     /// Base64 of an image found in a text is sent as an image part (or
     /// replaced where the API takes none): never as text.
-    pub lift_text: bool,
+    pub hoist_text: bool,
 }
 
 impl Limits {
@@ -142,7 +142,7 @@ impl Limits {
         provider_size: false,
         diet_edge: None,
         diet_tokens: None,
-        lift_text: false,
+        hoist_text: false,
     };
 
     /// True when nothing would ever be scaled or re-encoded.

@@ -79,7 +79,7 @@ pub fn fit_limits(caps: &crate::models::Caps, base: Limits) -> Limits {
             ImageTokens::OpenaiPatches => Formula::OpenaiPatches,
             ImageTokens::Gemini => Formula::Gemini,
         }),
-        lift_text: true,
+        hoist_text: true,
         ..base
     }
 }

@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use super::{Fitted, LiftedPart, Shape};
+use super::{Fitted, HoistedPart, Shape};
 use super::json::{quote, splice, splice_compact};
 use super::walk::*;
 use crate::artifacts::Artifact;
@@ -178,21 +178,21 @@ impl Scan {
         Some(splice_compact(body, &edits))
     }
 
-    /// The edits that send lifted images as parts beside their text: a
+    /// The edits that send hoisted images as parts beside their text: a
     /// whole content string becomes an array (its text, then the images;
     /// its text then is not edited apart), a text part is followed by the
     /// images.
-    pub(super) fn lifted_parts(
+    pub(super) fn hoisted_parts(
         &self,
         body: &[u8],
         shape: Shape,
-        lifted: &[Option<LiftedPart>],
+        hoisted: &[Option<HoistedPart>],
         spot_text: &mut [Option<String>],
     ) -> Vec<(Range<usize>, Vec<u8>)> {
         let mut out = Vec::new();
         for (s, spot) in self.spots.iter().enumerate() {
             let mut images = Vec::new();
-            for (img, part) in self.images.iter().zip(lifted) {
+            for (img, part) in self.images.iter().zip(hoisted) {
                 if let (Site::InText { spot, .. }, Some(p)) = (&img.site, part)
                     && *spot == s
                 {
@@ -244,7 +244,7 @@ impl Scan {
 }
 
 /// One image part in the request's own shape.
-fn image_part(shape: Shape, p: &LiftedPart) -> Vec<u8> {
+fn image_part(shape: Shape, p: &HoistedPart) -> Vec<u8> {
     let b64 = base64_simd::STANDARD.encode_type::<String>(&p.bytes);
     let url = || quote(&format!("data:{};base64,{b64}", p.media_type));
     let mut out = Vec::with_capacity(b64.len() + 96);

@@ -209,10 +209,10 @@ pub fn subject_key(sha256: &str, query: Option<&str>) -> String {
 /// text part. Anywhere else (a Chat `tool` message, an assistant's text)
 /// the image is replaced as for a model that cannot see: base64 is never
 /// sent to a model as text.
-fn lifts(scan: &walk::Scan, plan: &Plan, fates: &mut [Fate]) -> Vec<bool> {
-    let mut lifted = vec![false; scan.images.len()];
-    if !plan.vision || !plan.fit.lift_text {
-        return lifted;
+fn hoists(scan: &walk::Scan, plan: &Plan, fates: &mut [Fate]) -> Vec<bool> {
+    let mut hoisted = vec![false; scan.images.len()];
+    if !plan.vision || !plan.fit.hoist_text {
+        return hoisted;
     }
     for (i, f) in scan.images.iter().enumerate() {
         let walk::Site::InText { .. } = &f.site else {
@@ -228,26 +228,26 @@ fn lifts(scan: &walk::Scan, plan: &Plan, fates: &mut [Fate]) -> Vec<bool> {
             Shape::Responses => f.role == "user" || f.role == "tool",
         };
         match takes {
-            true => lifted[i] = true,
+            true => hoisted[i] = true,
             false => fates[i] = Fate::Replaced(Reason::AsText),
         }
     }
-    lifted
+    hoisted
 }
 
 /// An image found in a text, as the part it is sent as.
 #[derive(Debug, Clone)]
-pub(crate) struct LiftedPart {
+pub(crate) struct HoistedPart {
     pub(crate) media_type: String,
     pub(crate) bytes: bytes::Bytes,
     /// What takes its place in the text.
     pub(crate) reference: String,
 }
 
-impl LiftedPart {
+impl HoistedPart {
     /// `None` when it cannot be sent as an image (not a type providers
     /// take, or no size could be read from it).
-    fn of(f: &walk::Found, fitted: Option<&Fitted>) -> Option<LiftedPart> {
+    fn of(f: &walk::Found, fitted: Option<&Fitted>) -> Option<HoistedPart> {
         let (media_type, bytes, (w, h)) = match (fitted, &f.source, &f.bytes) {
             (Some(d), _, _) => (d.media_type.to_owned(), d.bytes.clone(), (d.width as usize, d.height as usize)),
             (None, Source::Inline { media_type, dims: Some(dims), .. }, Some(b)) => {
@@ -260,7 +260,7 @@ impl LiftedPart {
         }
         let short = f.sha256.get(..12).unwrap_or(&f.sha256);
         let reference = format!("[image sha256:{short}, {media_type} {w}x{h}: sent as an image part after this text]");
-        Some(LiftedPart {
+        Some(HoistedPart {
             media_type,
             bytes,
             reference,
@@ -322,7 +322,7 @@ pub fn needed(plan: &Plan) -> bool {
         || plan.rules.any()
         || plan.takes != Takes::ALL
         || !plan.fit.is_none()
-        || plan.fit.lift_text
+        || plan.fit.hoist_text
 }
 
 /// A kept image to fit to its model (see [`Scanned::fit_jobs`]): scaled
@@ -373,8 +373,8 @@ pub struct Scanned {
     /// Kept images fitted to the model (see [`Scanned::fit_jobs`]).
     fitted: Vec<Option<Fitted>>,
     /// Images found as base64 in a text, sent to a model that can see as
-    /// image parts beside that text (see [`lifts`]).
-    lifted: Vec<bool>,
+    /// image parts beside that text (see [`hoists`]).
+    hoisted: Vec<bool>,
 }
 
 /// Finds the images in `body`. `Err` holds the finished rewrite when
@@ -404,10 +404,10 @@ pub fn walk(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
         }
     };
     let mut fates = decide(&scan, body, plan);
-    let lifted = lifts(&scan, plan, &mut fates);
+    let hoisted = hoists(&scan, plan, &mut fates);
     Ok(Scanned {
         fitted: vec![None; scan.images.len()],
-        lifted,
+        hoisted,
         scan,
         plan: *plan,
         fates,
@@ -541,7 +541,7 @@ impl Scanned {
             let written = match (&f.encoded_at, &f.bytes) {
                 (Some(at), _) => at.base64_len() as u64,
                 // Sent as a part visor writes: its base64 as it will be.
-                (None, Some(b)) if self.lifted[i] => crate::image_fit::base64_len(b.len()),
+                (None, Some(b)) if self.hoisted[i] => crate::image_fit::base64_len(b.len()),
                 _ => continue,
             };
             let b64 = match &self.fitted[i] {
@@ -631,7 +631,7 @@ impl Scanned {
     /// Decodes and hashes the images to be replaced (after [`walk`]).
     pub fn resolve(&mut self, body: &[u8]) {
         for (i, fate) in self.fates.iter().enumerate() {
-            if *fate != Fate::Kept || self.lifted[i] {
+            if *fate != Fate::Kept || self.hoisted[i] {
                 self.scan.resolve(i, body);
             }
         }
@@ -678,16 +678,16 @@ impl Scanned {
             plan,
             mut fates,
             fitted,
-            lifted,
+            hoisted,
         } = self;
-        // A lifted image visor cannot write as a part (a type the
+        // A hoisted image visor cannot write as a part (a type the
         // providers do not take, no size read) is replaced instead.
-        let lifted: Vec<Option<LiftedPart>> = (0..scan.images.len())
+        let hoisted: Vec<Option<HoistedPart>> = (0..scan.images.len())
             .map(|i| {
-                let part = lifted[i]
-                    .then(|| LiftedPart::of(&scan.images[i], fitted[i].as_ref()))
+                let part = hoisted[i]
+                    .then(|| HoistedPart::of(&scan.images[i], fitted[i].as_ref()))
                     .flatten();
-                if lifted[i] && part.is_none() {
+                if hoisted[i] && part.is_none() {
                     fates[i] = Fate::Replaced(Reason::AsText);
                 }
                 part
@@ -703,7 +703,7 @@ impl Scanned {
         };
         let texts: Vec<Option<String>> = (0..scan.images.len())
             .map(|i| match fates[i] {
-                Fate::Kept => lifted[i].as_ref().map(|p| p.reference.clone()),
+                Fate::Kept => hoisted[i].as_ref().map(|p| p.reference.clone()),
                 Fate::Replaced(reason) => Some(placeholder(&scan.images[i], described(i), reason)),
             })
             .collect();
@@ -713,7 +713,7 @@ impl Scanned {
             Some(blocks) => dedup::run(&scan, body, &texts, &mut spot_text, &mut joined, blocks),
             None => dedup::Omitted::default(),
         };
-        let parts = scan.lifted_parts(body, plan.shape, &lifted, &mut spot_text);
+        let parts = scan.hoisted_parts(body, plan.shape, &hoisted, &mut spot_text);
         let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined, &fitted, parts);
         let artifacts = scan.artifacts(|i| fates[i] != Fate::Kept || fitted[i].is_some());
         let mut report = Report {
@@ -730,7 +730,7 @@ impl Scanned {
         };
         for (i, (f, &fate)) in scan.images.iter().zip(&fates).enumerate() {
             let action = match (fate, described(i)) {
-                (Fate::Kept, _) if lifted[i].is_some() => Action::Lifted,
+                (Fate::Kept, _) if hoisted[i].is_some() => Action::Hoisted,
                 (Fate::Kept, _) if fitted[i].is_some() => Action::Resized,
                 (Fate::Kept, _) => Action::Kept,
                 (Fate::Replaced(Reason::NonVision | Reason::AsText), Some(_)) => Action::Described,
@@ -743,7 +743,7 @@ impl Scanned {
             };
             if f.medium == Medium::Image {
                 report.images_resized += usize::from(fitted[i].is_some());
-                report.images_lifted += usize::from(lifted[i].is_some());
+                report.images_hoisted += usize::from(hoisted[i].is_some());
                 report.images_replaced += usize::from(fate != Fate::Kept);
                 report.images_described += usize::from(described(i).is_some());
             } else {

@@ -60,7 +60,7 @@ pub struct Report {
     /// Kept images scaled or re-encoded to fit the model.
     pub images_resized: usize,
     /// Images found as base64 in a text, sent as image parts.
-    pub images_lifted: usize,
+    pub images_hoisted: usize,
     /// Of the replaced images, those replaced by their description.
     pub images_described: usize,
     /// Documents and audio replaced by text (or a reference).
@@ -117,7 +117,7 @@ pub(super) enum Action {
     /// A kept image scaled or re-encoded to fit the model.
     Resized,
     /// Base64 in a text sent as an image part beside it.
-    Lifted,
+    Hoisted,
 }
 
 impl Action {
@@ -132,7 +132,7 @@ impl Action {
             Action::Deduped => "deduped",
             Action::Converted => "converted",
             Action::Resized => "resized",
-            Action::Lifted => "lifted",
+            Action::Hoisted => "hoisted",
         }
     }
 }

@@ -66,6 +66,7 @@ mod store {
 /// `src/transform/`: what the transforms do to a request.
 mod transform {
     mod context;
+    mod fit_images;
     mod images;
 }
 

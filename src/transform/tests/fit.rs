@@ -4,7 +4,7 @@
 use serde_json::{Value, json};
 
 use super::support::*;
-use crate::image_fit::codec::test_png;
+use crate::image_fit::test_images::test_png;
 use crate::image_fit::{Formula, Limits, base64_len, fit};
 use crate::transform::*;
 
@@ -19,14 +19,14 @@ fn anthropic() -> Limits {
         many_images: Some(20),
         many_edge: Some(2000),
         formula: Some(Formula::Anthropic),
-        lift_text: true,
+        hoist_text: true,
         ..Limits::NONE
     }
 }
 
-/// Nothing to fit; base64 in text lifted.
-const LIFT: Limits = Limits {
-    lift_text: true,
+/// Nothing to fit; base64 in text hoisted.
+const HOIST: Limits = Limits {
+    hoist_text: true,
     ..Limits::NONE
 };
 
@@ -236,8 +236,8 @@ fn base64_in_an_anthropic_tool_result_becomes_an_image_block() {
     assert_eq!(blocks[1]["type"], "image");
     assert_eq!(blocks[1]["source"]["media_type"], "image/png");
     assert_eq!(blocks[1]["source"]["data"], data.as_str());
-    assert_eq!(r.report.images_lifted, 1);
-    assert_eq!(r.report.images[0].action, "lifted");
+    assert_eq!(r.report.images_hoisted, 1);
+    assert_eq!(r.report.images[0].action, "hoisted");
     no_base64_text(&sent, &data);
     // Nothing else moved.
     assert_eq!(sent["messages"][0], body["messages"][0]);
@@ -274,7 +274,7 @@ fn base64_in_a_responses_function_output_becomes_an_input_image() {
         {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": out}
     ]});
-    let (sent, _) = fitted(&body, Shape::Responses, LIFT);
+    let (sent, _) = fitted(&body, Shape::Responses, HOIST);
     let output = sent["input"][2]["output"].as_array().expect("an array now");
     assert_eq!(output[0]["type"], "input_text");
     assert_eq!(output[1]["type"], "input_image");
@@ -293,7 +293,7 @@ fn base64_in_a_chat_tool_message_is_replaced_not_sent_as_text() {
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": json!({"type": "image", "data": data, "mimeType": "image/png"}).to_string()}
     ]});
-    let (sent, r) = fitted(&body, Shape::Chat, LIFT);
+    let (sent, r) = fitted(&body, Shape::Chat, HOIST);
     assert_eq!(sent["messages"].as_array().unwrap().len(), 3);
     assert_eq!(sent["messages"][2]["tool_call_id"], "c1");
     let text = serde_json::to_string(&sent["messages"][2]["content"]).unwrap();
@@ -304,7 +304,7 @@ fn base64_in_a_chat_tool_message_is_replaced_not_sent_as_text() {
 }
 
 #[test]
-fn a_lifted_image_is_fitted_too() {
+fn a_hoisted_image_is_fitted_too() {
     let png = test_png(3000, 200, false);
     let data = b64(&png);
     let mcp = json!({"type": "image", "data": data, "mimeType": "image/png"}).to_string();

@@ -1,13 +1,17 @@
-//! One image decoded (bounded), scaled and encoded again: PNG, GIF and
-//! WebP come out as PNG, JPEG as JPEG; when that is still over the byte
-//! bound, as JPEG, then smaller, until it fits. Deterministic: the same
-//! bytes and settings give the same output, so each turn of a
-//! conversation sends the same image.
+//! visor's image fitting: one image decoded (bounded), scaled and encoded
+//! again. PNG, GIF and WebP come out as PNG, JPEG as JPEG; when that is
+//! still over the byte bound, as JPEG, then smaller, until it fits.
+//! Deterministic: the same bytes and settings give the same output, so
+//! each turn of a conversation sends the same image.
+//!
+//! A crate of its own so that it is optimised in test builds too (the
+//! scaler's generic code is compiled where it is used): visor's tests fit
+//! real multi-megapixel images.
 
 use std::io::Cursor;
 
 use bytes::Bytes;
-use fast_image_resize::images::Image;
+use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use image::codecs::jpeg::JpegEncoder;
 use image::codecs::png::{CompressionType, FilterType as PngFilter, PngEncoder};
@@ -57,24 +61,23 @@ pub fn fit(bytes: &[u8], size: Option<(u32, u32)>, max_base64: Option<u64>) -> R
     ) {
         return Err(Unfit::Format);
     }
-    let img = decode(bytes, format)?;
-    let (w, h) = size.unwrap_or((img.width(), img.height()));
+    let src = pixels(decode(bytes, format)?);
+    let (mut w, mut h) = size.unwrap_or((src.width, src.height));
     let as_jpeg = format == ImageFormat::Jpeg;
-    let mut out = encode(&scale(&img, w, h)?, as_jpeg)?;
+    let mut out = encode(&*resize(&src, w, h)?, as_jpeg)?;
     let Some(max) = max_base64 else {
         return Ok(out);
     };
     if base64_len(out.bytes.len()) > max && !as_jpeg {
-        out = encode(&scale(&img, w, h)?, true)?;
+        out = encode(&*resize(&src, w, h)?, true)?;
     }
-    let (mut w, mut h) = (w, h);
     for _ in 0..SHRINK_TRIES {
         if base64_len(out.bytes.len()) <= max {
             return Ok(out);
         }
         let s = |v: u32| ((f64::from(v) * SHRINK_STEP) as u32).max(1);
         (w, h) = (s(w), s(h));
-        out = encode(&scale(&img, w, h)?, true)?;
+        out = encode(&*resize(&src, w, h)?, true)?;
     }
     match base64_len(out.bytes.len()) <= max {
         true => Ok(out),
@@ -90,7 +93,7 @@ pub fn base64_len(n: usize) -> u64 {
 /// Decodes within [`DECODE_MAX_PIXELS`] and [`DECODE_MAX_ALLOC`]: the
 /// size is read from the header first, so a bomb is refused before any
 /// pixel is allocated.
-fn decode(bytes: &[u8], format: ImageFormat) -> Result<DynamicImage, Unfit> {
+pub fn decode(bytes: &[u8], format: ImageFormat) -> Result<DynamicImage, Unfit> {
     let reader = || {
         let mut r = ImageReader::with_format(Cursor::new(bytes), format);
         let mut limits = image::Limits::default();
@@ -121,46 +124,58 @@ fn decode(bytes: &[u8], format: ImageFormat) -> Result<DynamicImage, Unfit> {
 }
 
 /// Pixels to encode: 8-bit RGB or RGBA.
-struct Pixels {
-    width: u32,
-    height: u32,
-    alpha: bool,
-    data: Vec<u8>,
+#[derive(Debug, Clone)]
+pub struct Pixels {
+    pub width: u32,
+    pub height: u32,
+    pub alpha: bool,
+    pub data: Vec<u8>,
 }
 
-/// `img` at `w`×`h` (Lanczos3; alpha weighted), 8-bit RGB or RGBA.
-fn scale(img: &DynamicImage, w: u32, h: u32) -> Result<Pixels, Unfit> {
+/// `img`'s pixels, 8-bit RGB or RGBA (moved, not copied, when it
+/// decoded as that already).
+pub fn pixels(img: DynamicImage) -> Pixels {
     let alpha = img.color().has_alpha();
-    let (data, pixel) = match alpha {
-        true => (img.to_rgba8().into_raw(), PixelType::U8x4),
-        false => (img.to_rgb8().into_raw(), PixelType::U8x3),
+    let (width, height) = (img.width(), img.height());
+    let data = match alpha {
+        true => img.into_rgba8().into_raw(),
+        false => img.into_rgb8().into_raw(),
     };
-    let (sw, sh) = (img.width(), img.height());
-    if (w, h) == (sw, sh) {
-        return Ok(Pixels {
-            width: w,
-            height: h,
-            alpha,
-            data,
-        });
+    Pixels {
+        width,
+        height,
+        alpha,
+        data,
     }
+}
+
+/// `p` at `w`×`h` (Catmull-Rom: sharp text at a third of Lanczos' cost;
+/// alpha weighted). Borrowed as it is when the size is its own.
+pub fn resize(p: &Pixels, w: u32, h: u32) -> Result<std::borrow::Cow<'_, Pixels>, Unfit> {
+    if (w, h) == (p.width, p.height) {
+        return Ok(std::borrow::Cow::Borrowed(p));
+    }
+    let pixel = match p.alpha {
+        true => PixelType::U8x4,
+        false => PixelType::U8x3,
+    };
     let broken = |e: &dyn std::fmt::Display| Unfit::Broken(e.to_string());
-    let src = Image::from_vec_u8(sw, sh, data, pixel).map_err(|e| broken(&e))?;
+    let src = ImageRef::new(p.width, p.height, &p.data, pixel).map_err(|e| broken(&e))?;
     let mut dst = Image::new(w.max(1), h.max(1), pixel);
-    let opts = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Lanczos3));
+    let opts = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::CatmullRom));
     Resizer::new()
         .resize(&src, &mut dst, &opts)
         .map_err(|e| broken(&e))?;
-    Ok(Pixels {
+    Ok(std::borrow::Cow::Owned(Pixels {
         width: dst.width(),
         height: dst.height(),
-        alpha,
+        alpha: p.alpha,
         data: dst.into_vec(),
-    })
+    }))
 }
 
 /// PNG (fast deflate, adaptive filters), or JPEG (alpha over white).
-fn encode(p: &Pixels, jpeg: bool) -> Result<Fitted, Unfit> {
+pub fn encode(p: &Pixels, jpeg: bool) -> Result<Fitted, Unfit> {
     let mut out = Vec::new();
     let broken = |e: image::ImageError| Unfit::Broken(e.to_string());
     let media_type = match jpeg {
@@ -209,101 +224,3 @@ fn over_white(rgba: &[u8]) -> Vec<u8> {
     out
 }
 
-/// A PNG of `w`×`h` with a pattern and some detail (not one colour,
-/// which any encoder shrinks to nothing), for tests.
-#[cfg(test)]
-pub(crate) fn test_png(w: u32, h: u32, alpha: bool) -> Vec<u8> {
-    tests::png(w, h, alpha)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    pub(super) fn png(w: u32, h: u32, alpha: bool) -> Vec<u8> {
-        let mut out = Vec::new();
-        let px = |x: u32, y: u32| {
-            let v = (x.wrapping_mul(7) ^ y.wrapping_mul(13)) as u8;
-            [v, (x % 256) as u8, (y % 256) as u8, 200]
-        };
-        let mut data = Vec::new();
-        for y in 0..h {
-            for x in 0..w {
-                let p = px(x, y);
-                data.extend_from_slice(if alpha { &p[..] } else { &p[..3] });
-            }
-        }
-        let color = match alpha {
-            true => image::ExtendedColorType::Rgba8,
-            false => image::ExtendedColorType::Rgb8,
-        };
-        PngEncoder::new(&mut out)
-            .write_image(&data, w, h, color)
-            .unwrap();
-        out
-    }
-
-    #[test]
-    fn scales_to_the_size_asked_and_stays_png() {
-        let src = png(300, 200, false);
-        let f = fit(&src, Some((150, 100)), None).unwrap();
-        assert_eq!((f.width, f.height, f.media_type), (150, 100, "image/png"));
-        let back = image::load_from_memory(&f.bytes).unwrap();
-        assert_eq!((back.width(), back.height()), (150, 100));
-    }
-
-    #[test]
-    fn the_same_input_gives_the_same_bytes() {
-        let src = png(257, 131, true);
-        let a = fit(&src, Some((100, 51)), Some(20_000)).unwrap();
-        let b = fit(&src, Some((100, 51)), Some(20_000)).unwrap();
-        assert_eq!(a, b);
-    }
-
-    #[test]
-    fn over_the_byte_bound_it_becomes_jpeg_then_smaller() {
-        let src = png(400, 400, true);
-        let max = 6_000;
-        let f = fit(&src, None, Some(max)).unwrap();
-        assert!(base64_len(f.bytes.len()) <= max);
-        assert_eq!(f.media_type, "image/jpeg");
-        assert!(f.width < 400, "had to shrink too: {}", f.width);
-        assert_eq!(f.width, f.height, "aspect kept");
-    }
-
-    #[test]
-    fn a_bomb_is_refused_before_it_is_decoded() {
-        // A valid PNG header claiming 100000×100000 pixels, and no data.
-        let mut b = Vec::new();
-        b.extend_from_slice(b"\x89PNG\r\n\x1a\n");
-        let mut ihdr = Vec::new();
-        ihdr.extend_from_slice(&100_000u32.to_be_bytes());
-        ihdr.extend_from_slice(&100_000u32.to_be_bytes());
-        ihdr.extend_from_slice(&[8, 6, 0, 0, 0]);
-        b.extend_from_slice(&(ihdr.len() as u32).to_be_bytes());
-        let mut chunk = b"IHDR".to_vec();
-        chunk.extend_from_slice(&ihdr);
-        b.extend_from_slice(&chunk);
-        b.extend_from_slice(&crc32(&chunk).to_be_bytes());
-        assert_eq!(fit(&b, Some((10, 10)), None), Err(Unfit::TooLarge(100_000, 100_000)));
-    }
-
-    #[test]
-    fn what_is_not_an_image_is_left() {
-        assert_eq!(fit(b"%PDF-1.7", None, None), Err(Unfit::Format));
-        let mut broken = png(50, 50, false);
-        broken.truncate(60);
-        assert!(matches!(fit(&broken, None, None), Err(Unfit::Broken(_))));
-    }
-
-    fn crc32(data: &[u8]) -> u32 {
-        let mut crc = 0xffff_ffffu32;
-        for &b in data {
-            crc ^= u32::from(b);
-            for _ in 0..8 {
-                crc = if crc & 1 == 1 { (crc >> 1) ^ 0xedb8_8320 } else { crc >> 1 };
-            }
-        }
-        !crc
-    }
-}
