@@ -654,7 +654,12 @@ fn explain(
         shape,
         &resolved,
         cfg.images.non_vision == visor::config::NonVision::Describe,
-        visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+        visor::transform::Rules::new(
+            &cfg.images,
+            &cfg.dedup,
+            resolved.caps.max_images,
+            resolved.caps.context_window,
+        ),
         cfg.describer.query_aware,
     );
     let texts = visor::explain::Texts::Store(off.store.as_ref(), &cfg.describer.model);

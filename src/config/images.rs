@@ -26,6 +26,11 @@ pub struct RawImages {
     /// every input token costs the same each turn, so ageing always pays.
     #[serde(default = "default_true")]
     pub prompt_cache: bool,
+    /// Whatever the cache: when a request's estimated tokens pass this
+    /// fraction of the model's `context_window`, the images due age out at
+    /// that request (0 < f ≤ 1).
+    #[serde(default = "default_context_fraction")]
+    pub context_fraction: f64,
     #[serde(default)]
     pub artifacts_dir: Option<String>,
     /// Phrases (case-insensitive) that mark an upstream's 4xx answer as
@@ -43,6 +48,7 @@ impl Default for RawImages {
             max_per_request: default_max_per_request(),
             dedupe: true,
             prompt_cache: true,
+            context_fraction: default_context_fraction(),
             artifacts_dir: None,
             refusal_phrases: default_refusal_phrases(),
         }
@@ -84,6 +90,9 @@ fn default_keep_turns() -> u32 {
 fn default_max_per_request() -> u32 {
     10
 }
+fn default_context_fraction() -> f64 {
+    0.8
+}
 fn default_true() -> bool {
     true
 }
@@ -116,6 +125,8 @@ pub struct Images {
     pub dedupe: bool,
     /// See [`RawImages::prompt_cache`].
     pub prompt_cache: bool,
+    /// See [`RawImages::context_fraction`].
+    pub context_fraction: f64,
     pub artifacts_dir: Option<PathBuf>,
     /// See [`RawImages::refusal_phrases`]; lower case, matched against an
     /// answer lower-cased.
@@ -144,18 +155,49 @@ impl RawImages {
             }
         }
         p.at_least_one("images.max_per_request", self.max_per_request.into());
+        // NaN is not a fraction either.
+        let fraction = self.context_fraction > 0.0 && self.context_fraction <= 1.0;
+        if !fraction {
+            p.bad(
+                "images.context_fraction",
+                self.context_fraction,
+                "must be a fraction of the context window, more than 0 and at most 1",
+            );
+        }
         Images {
             non_vision,
             keep_turns: self.keep_turns,
             max_per_request: self.max_per_request,
             dedupe: self.dedupe,
             prompt_cache: self.prompt_cache,
+            context_fraction: self.context_fraction,
             artifacts_dir: self.artifacts_dir.map(PathBuf::from),
             refusal_phrases: self
                 .refusal_phrases
                 .iter()
                 .map(|ph| ph.to_lowercase())
                 .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{load, problems};
+
+    #[test]
+    fn context_fraction_defaults_to_0_8_and_must_be_in_0_to_1() {
+        let up = "[[upstream]]\nname=\"a\"\nbase_url=\"http://x/v1\"\n";
+        assert_eq!(load(up).unwrap().images.context_fraction, 0.8);
+        let cfg = load(&format!("[images]\ncontext_fraction = 1.0\n{up}")).unwrap();
+        assert_eq!(cfg.images.context_fraction, 1.0);
+        for bad in ["0.0", "-0.5", "1.5", "nan"] {
+            let e = problems(&format!("[images]\ncontext_fraction = {bad}\n{up}"));
+            assert!(
+                e.contains("images.context_fraction:")
+                    && e.contains("must be a fraction of the context window"),
+                "{bad}: {e}"
+            );
         }
     }
 }
