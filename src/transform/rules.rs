@@ -375,11 +375,15 @@ impl<'a> Replay<'a> {
     ///   are sent again at full price, changed, instead of read from the
     ///   cache, once. They age when the rent already paid for them, summed
     ///   over the requests since each became due, reaches what the rewrite
-    ///   costs now. Whatever the conversation does next, what it pays for
-    ///   them is then at most the rent plus one rewrite, twice the rewrite:
-    ///   never more than twice what keeping them to the end or ageing them
-    ///   at once would have cost, the best of which is only known in
-    ///   hindsight. Ageing them all at once pays one rewrite for all.
+    ///   costs now (the rewrite's cost is `after − before/10` over that
+    ///   suffix: what this request pays more than sending it unchanged, so
+    ///   a rewrite that already pays is made at once). Whatever the
+    ///   conversation does next, what it pays for them is then at most the
+    ///   rent plus one rewrite, twice the rewrite: as in ski rental (taking
+    ///   the rewrite's price as it is now), never more than twice what
+    ///   keeping them to the end or ageing them at once would have cost,
+    ///   the best of which only hindsight knows. Ageing them all at once
+    ///   pays one rewrite for all.
     fn ages_now(&self, earlier: &[(usize, Reason)], prev_end: usize, end: usize) -> bool {
         if !self.plan.vision {
             return false;
