@@ -687,7 +687,12 @@ fn main() {
             shape: Shape::Messages,
             vision: resolved.vision,
             describe: false,
-            rules: Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+            rules: Rules::new(
+                &cfg.images,
+                &cfg.dedup,
+                resolved.caps.max_images,
+                resolved.caps.context_window,
+            ),
             takes: Takes::ALL,
             query_aware: false,
             fit: visor::transform::Limits::NONE,

@@ -377,7 +377,12 @@ fn conversation(dir: &Path, cfg: &Config, table: &ModelTable) -> Figures {
             shape: Shape::Chat,
             vision: resolved.vision,
             describe: false,
-            rules: Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+            rules: Rules::new(
+                &cfg.images,
+                &cfg.dedup,
+                resolved.caps.max_images,
+                resolved.caps.context_window,
+            ),
             takes: Takes::ALL,
             query_aware: false,
             fit: visor::transform::Limits::NONE,

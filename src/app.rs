@@ -146,7 +146,7 @@ fn rewriter(
 ) -> Rewriter {
     Rewriter {
         models,
-        rules: Rules::new(&config.images, &config.dedup, None),
+        rules: Rules::new(&config.images, &config.dedup, None, None),
         describes: config.images.non_vision == crate::config::NonVision::Describe,
         query_aware: config.describer.query_aware,
         // Lower case already (config's images section).

@@ -676,7 +676,12 @@ fn explain(
         shape,
         &resolved,
         cfg.images.non_vision == visor::config::NonVision::Describe,
-        visor::transform::Rules::new(&cfg.images, &cfg.dedup, resolved.caps.max_images),
+        visor::transform::Rules::new(
+            &cfg.images,
+            &cfg.dedup,
+            resolved.caps.max_images,
+            resolved.caps.context_window,
+        ),
         cfg.describer.query_aware,
         visor::proxy::fit_limits(
             &resolved.caps,

@@ -26,6 +26,11 @@ pub struct RawImages {
     /// every input token costs the same each turn, so ageing always pays.
     #[serde(default = "default_true")]
     pub prompt_cache: bool,
+    /// Whatever the cache: when a request's estimated tokens pass this
+    /// fraction of the model's `context_window`, the images due age out at
+    /// that request (0 < f ≤ 1).
+    #[serde(default = "default_context_fraction")]
+    pub context_fraction: f64,
     #[serde(default)]
     pub artifacts_dir: Option<String>,
     /// A model that can see: an image larger than the size its provider
@@ -57,6 +62,7 @@ impl Default for RawImages {
             max_per_request: default_max_per_request(),
             dedupe: true,
             prompt_cache: true,
+            context_fraction: default_context_fraction(),
             artifacts_dir: None,
             provider_size: true,
             max_edge: None,
@@ -101,6 +107,9 @@ fn default_keep_turns() -> u32 {
 fn default_max_per_request() -> u32 {
     10
 }
+fn default_context_fraction() -> f64 {
+    0.8
+}
 fn default_true() -> bool {
     true
 }
@@ -133,6 +142,8 @@ pub struct Images {
     pub dedupe: bool,
     /// See [`RawImages::prompt_cache`].
     pub prompt_cache: bool,
+    /// See [`RawImages::context_fraction`].
+    pub context_fraction: f64,
     pub artifacts_dir: Option<PathBuf>,
     /// See [`RawImages::provider_size`].
     pub provider_size: bool,
@@ -172,12 +183,22 @@ impl RawImages {
         if let Some(t) = self.max_image_tokens {
             p.at_least_one("images.max_image_tokens", t.into());
         }
+        // NaN is not a fraction either.
+        let fraction = self.context_fraction > 0.0 && self.context_fraction <= 1.0;
+        if !fraction {
+            p.bad(
+                "images.context_fraction",
+                self.context_fraction,
+                "must be a fraction of the context window, more than 0 and at most 1",
+            );
+        }
         Images {
             non_vision,
             keep_turns: self.keep_turns,
             max_per_request: self.max_per_request,
             dedupe: self.dedupe,
             prompt_cache: self.prompt_cache,
+            context_fraction: self.context_fraction,
             artifacts_dir: self.artifacts_dir.map(PathBuf::from),
             provider_size: self.provider_size,
             max_edge: self.max_edge,
@@ -187,6 +208,27 @@ impl RawImages {
                 .iter()
                 .map(|ph| ph.to_lowercase())
                 .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{load, problems};
+
+    #[test]
+    fn context_fraction_defaults_to_0_8_and_must_be_in_0_to_1() {
+        let up = "[[upstream]]\nname=\"a\"\nbase_url=\"http://x/v1\"\n";
+        assert_eq!(load(up).unwrap().images.context_fraction, 0.8);
+        let cfg = load(&format!("[images]\ncontext_fraction = 1.0\n{up}")).unwrap();
+        assert_eq!(cfg.images.context_fraction, 1.0);
+        for bad in ["0.0", "-0.5", "1.5", "nan"] {
+            let e = problems(&format!("[images]\ncontext_fraction = {bad}\n{up}"));
+            assert!(
+                e.contains("images.context_fraction:")
+                    && e.contains("must be a fraction of the context window"),
+                "{bad}: {e}"
+            );
         }
     }
 }

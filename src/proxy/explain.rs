@@ -73,7 +73,8 @@ pub async fn answer(state: &AppState, req: Request<RequestBody>) -> Response<Pro
         shape,
         &resolved,
         rw.describes,
-        rw.rules.for_model(resolved.caps.max_images),
+        rw.rules
+            .for_model(resolved.caps.max_images, resolved.caps.context_window),
         rw.query_aware,
         super::prepare::fit_limits(&resolved.caps, rw.fit),
     );

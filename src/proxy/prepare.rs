@@ -298,7 +298,9 @@ async fn prepare_within(
         shape,
         vision: resolved.vision,
         describe: rw.describes,
-        rules: rw.rules.for_model(resolved.caps.max_images),
+        rules: rw
+            .rules
+            .for_model(resolved.caps.max_images, resolved.caps.context_window),
         takes: Takes {
             pdf: resolved.pdf,
             office: resolved.office,

@@ -99,9 +99,18 @@ pub struct Rules {
     pub hard_max_images: Option<usize>,
     /// A later copy of an image becomes a reference to the first.
     pub dedupe: bool,
-    /// The provider caches prompt prefixes (cached input at a tenth): an
-    /// image already sent is replaced only when that pays (see [`decide`]).
+    /// The provider caches prompt prefixes (cached input at a tenth): the
+    /// images due that were already sent age out together, when what
+    /// keeping them has cost reaches what the rewrite costs (see
+    /// [`decide`]); false: each as soon as it is due.
     pub prompt_cache: bool,
+    /// `images.context_fraction` in thousandths: a request estimated past
+    /// this share of `context_window` ages the images due, whatever the
+    /// cache.
+    pub context_permille: u32,
+    /// The model's context window in tokens (its table row's
+    /// `context_window`); `None`: unknown, only the cost decides.
+    pub context_window: Option<u64>,
     /// When a repeated run of lines is worth a note; `None`: no dedup.
     pub dedup: Option<dedup::Blocks>,
 }
@@ -114,40 +123,59 @@ impl Rules {
         hard_max_images: None,
         dedupe: false,
         prompt_cache: true,
+        context_permille: 1000,
+        context_window: None,
         dedup: None,
     };
 
     /// The rules of the `[images]` and `[dedup]` sections, for a model
-    /// whose table row says `max_images` (the smaller cap wins).
-    pub fn new(images: &Images, dedup: &Dedup, model_max_images: Option<u32>) -> Rules {
-        let cap = images.max_per_request as usize;
-        Rules {
+    /// whose table row says `max_images` (the smaller cap wins) and
+    /// `context_window`.
+    pub fn new(
+        images: &Images,
+        dedup: &Dedup,
+        model_max_images: Option<u32>,
+        context_window: Option<u64>,
+    ) -> Rules {
+        let at_load = Rules {
             keep_turns: images.keep_turns as usize,
-            max_images: model_max_images.map_or(cap, |m| cap.min(m as usize)),
-            hard_max_images: model_max_images.map(|m| m as usize),
+            max_images: images.max_per_request as usize,
+            hard_max_images: None,
             dedupe: images.dedupe,
             prompt_cache: images.prompt_cache,
+            // Validated to (0, 1]; at least a thousandth.
+            context_permille: ((images.context_fraction * 1000.0).round() as u32).clamp(1, 1000),
+            context_window: None,
             dedup: dedup.enabled.then_some(dedup::Blocks {
                 min_lines: dedup.min_run_lines as usize,
                 min_bytes: dedup.min_run_bytes as usize,
             }),
-        }
+        };
+        at_load.for_model(model_max_images, context_window)
     }
 
     /// These rules (built at load, for no model in particular) for a model
-    /// whose table row says `max_images`: the smaller cap wins. The same as
-    /// [`Rules::new`] with that model's cap.
-    pub fn for_model(self, model_max_images: Option<u32>) -> Rules {
+    /// whose table row says `max_images` and `context_window`: the smaller
+    /// cap wins. The same as [`Rules::new`] with that model's row.
+    pub fn for_model(self, model_max_images: Option<u32>, context_window: Option<u64>) -> Rules {
         Rules {
             max_images: model_max_images
                 .map_or(self.max_images, |m| self.max_images.min(m as usize)),
             hard_max_images: model_max_images.map(|m| m as usize),
+            context_window,
             ..self
         }
     }
 
+    /// Whether a rule may change something. The context window alone
+    /// changes nothing: it only hastens the ageing of images already due.
     fn any(&self) -> bool {
-        *self != Rules::NONE
+        let context = Rules {
+            context_permille: Rules::NONE.context_permille,
+            context_window: None,
+            ..*self
+        };
+        context != Rules::NONE
     }
 }
 

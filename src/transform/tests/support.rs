@@ -22,6 +22,8 @@ pub(crate) const DEFAULTS: Rules = Rules {
     hard_max_images: None,
     dedupe: true,
     prompt_cache: true,
+    context_permille: 800,
+    context_window: None,
     dedup: Some(dedup::Blocks {
         min_lines: 2,
         min_bytes: 64,
