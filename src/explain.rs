@@ -65,11 +65,7 @@ pub async fn rewrite(body: &[u8], plan: &Plan, texts: &Texts<'_>) -> Rewrite {
         Ok(scanned) => scanned,
     };
     // Kept images fitted here, as the proxy would (its cache aside).
-    for job in scanned.fit_jobs(body, 0) {
-        if let Ok(f) = crate::image_fit::fit(&job.bytes, job.size, job.max_base64) {
-            scanned.set_fitted(job.index, f);
-        }
-    }
+    transform::fit_here(&mut scanned, body);
     let mut descriptions = Vec::new();
     for (_, s) in scanned.subjects(body) {
         let id = transform::subject_key(&s.sha256, s.query.as_deref());

@@ -50,7 +50,7 @@ impl Fitter {
     /// Fits `jobs` into `scanned`, by `stop_at` (an image not fitted by
     /// then is sent as it came). Returns how many could not be fitted.
     pub async fn fit_into(&self, scanned: &mut Scanned, jobs: Vec<FitJob>, stop_at: Option<Instant>) -> usize {
-        let all = futures_util::future::join_all(jobs.iter().map(|j| self.one(j)));
+        let all = futures_util::future::join_all(jobs.iter().map(|j| self.fitted(j)));
         let Some(done) = crate::media_text::until(stop_at, all).await else {
             return jobs.len();
         };
@@ -67,8 +67,8 @@ impl Fitter {
         unfit
     }
 
-    /// One job: from memory, from disk, or fitted now.
-    async fn one(&self, job: &FitJob) -> Outcome {
+    /// One job's image: from memory, from disk, or fitted now.
+    pub async fn fitted(&self, job: &FitJob) -> Outcome {
         let key = job.key();
         self.memory
             .get_with(key.clone(), async {

@@ -390,6 +390,38 @@ pub fn rewrite(body: &[u8], plan: &Plan) -> Rewrite {
     }
 }
 
+/// [`rewrite`] with kept images fitted to the plan's limits here, on this
+/// thread, uncached (the proxy fits them through its cache; this is the
+/// dry run's and the benches' way).
+pub fn rewrite_fitted(body: &[u8], plan: &Plan) -> Rewrite {
+    let mut scanned = match scan(body, plan) {
+        Ok(s) => s,
+        Err(done) => return *done,
+    };
+    fit_here(&mut scanned, body);
+    scanned.finish(body, &[])
+}
+
+/// Fits `scanned`'s kept images on this thread: to the limits, then, when
+/// the request is still over its `max_request_bytes`, its largest images
+/// to byte budgets.
+pub fn fit_here(scanned: &mut Scanned, body: &[u8]) {
+    let mut over = 0;
+    for _ in 0..2 {
+        for job in scanned.fit_jobs(body, over) {
+            if let Ok(f) = crate::image_fit::fit(&job.bytes, job.size, job.max_base64) {
+                scanned.set_fitted(job.index, f);
+            }
+        }
+        match scanned.plan.fit.max_request_bytes {
+            Some(max) if scanned.len_with_fitted(body.len()) > max => {
+                over = scanned.len_with_fitted(body.len()) - max + max / 100;
+            }
+            _ => return,
+        }
+    }
+}
+
 /// The first half of a rewrite: every image found, and which are replaced.
 /// Between [`scan`] and [`Scanned::finish`] the caller may look up
 /// descriptions for [`Scanned::subjects`].

@@ -42,19 +42,7 @@ fn fitted(body: &Value, shape: Shape, limits: Limits) -> (Value, Rewrite) {
         Ok(s) => s,
         Err(done) => return (body.clone(), *done),
     };
-    let mut over = 0;
-    for _ in 0..2 {
-        for job in scanned.fit_jobs(&bytes, over) {
-            let f = fit(&job.bytes, job.size, job.max_base64).unwrap();
-            scanned.set_fitted(job.index, f);
-        }
-        match limits.max_request_bytes {
-            Some(max) if scanned.len_with_fitted(bytes.len()) > max => {
-                over = scanned.len_with_fitted(bytes.len()) - max + max / 100;
-            }
-            _ => break,
-        }
-    }
+    fit_here(&mut scanned, &bytes);
     let r = scanned.finish(&bytes, &[]);
     let sent: Value = serde_json::from_slice(r.body.as_deref().unwrap_or(&bytes)).unwrap();
     (sent, r)
