@@ -201,6 +201,15 @@ fn image_label(n: &ImageNote, describer: &str) -> Option<Label> {
         "aged_out" => format!("aged out: {why}"),
         "capped" => format!("capped: {why}"),
         "deduped" => format!("deduped: {why}"),
+        "resized" => match (n.width, n.height, n.sent) {
+            (Some(w), Some(h), Some(s)) => format!(
+                "resized to fit the model: {w}x{h} → {}x{} {} ({} bytes)",
+                s.width, s.height, s.media_type, s.bytes
+            ),
+            (_, _, Some(s)) => format!("resized to fit the model: {}x{} {}", s.width, s.height, s.media_type),
+            _ => "resized to fit the model".to_owned(),
+        },
+        "hoisted" => "sent as an image part: it was base64 written in the text".to_owned(),
         "converted" => match (&n.name, &n.media_type) {
             (Some(name), _) => format!("read as text: {name}"),
             (None, Some(t)) => format!("read as text: {t}"),
@@ -346,6 +355,29 @@ mod tests {
             p[4].labels,
             [label("dedup", "omitted: message 1 lines 2-3")]
         );
+    }
+
+    #[test]
+    fn a_resized_image_says_from_what_to_what() {
+        let mut n = note("messages[0].content[1]", "resized", None);
+        n.width = Some(9000);
+        n.height = Some(6000);
+        n.sent = Some(crate::transform::report::Sent {
+            media_type: "image/png",
+            bytes: 631_057,
+            width: 8000,
+            height: 5333,
+        });
+        let l = image_label(&n, "gpt-4o-mini").unwrap();
+        assert_eq!(l.rule, "images");
+        assert_eq!(
+            l.reason,
+            "resized to fit the model: 9000x6000 → 8000x5333 image/png (631057 bytes)"
+        );
+        // The original is linked.
+        assert_eq!(l.artifact.as_deref(), Some("7ae32ec79dcb"));
+        let h = image_label(&note("messages[1]", "hoisted", None), "m").unwrap();
+        assert!(h.reason.starts_with("sent as an image part"));
     }
 
     #[test]

@@ -102,6 +102,10 @@ pub struct Changes {
     pub images_aged_out: usize,
     pub images_capped: usize,
     pub images_deduped: usize,
+    /// Kept images scaled or re-encoded to fit the model.
+    pub images_resized: usize,
+    /// Base64 in a text sent as an image part.
+    pub images_hoisted: usize,
     pub media_replaced: usize,
     pub lines_omitted: usize,
     pub items_omitted: usize,
@@ -131,6 +135,8 @@ impl Changes {
             images_aged_out: images("aged_out"),
             images_capped: images("capped"),
             images_deduped: images("deduped"),
+            images_resized: r.images_resized,
+            images_hoisted: r.images_hoisted,
             media_replaced: r.media_replaced,
             lines_omitted: r.lines_omitted,
             items_omitted: r.items_omitted,

@@ -70,6 +70,8 @@ pub fn changes_text(s: &Summary) -> String {
     say(c.images_aged_out, "aged out");
     say(c.images_capped, "capped");
     say(c.images_deduped, "deduped");
+    say(c.images_resized, "images resized");
+    say(c.images_hoisted, "base64 images sent as images");
     say(c.media_replaced, "documents/audio read");
     say(c.lines_omitted, "lines omitted");
     say(c.items_omitted, "items omitted");
