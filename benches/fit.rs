@@ -167,7 +167,7 @@ fn screenshot(seed: u32) -> Vec<u8> {
             let frame = i % 960 < 4 || y % 600 < 4;
             let px = if frame {
                 [40, 40, 48]
-            } else if text_row && x % 3 == 0 {
+            } else if text_row && x.is_multiple_of(3) {
                 [20, 20, 20]
             } else {
                 [(230 - y / 30) as u8, (235 - i / 60) as u8, 245]
@@ -186,11 +186,16 @@ fn screenshot(seed: u32) -> Vec<u8> {
 /// assistant tool call and a tool result plus a user message with the new
 /// screenshot (Chat carries tool images in a user message).
 fn screenshot_request(shots: &[String], model: &str) -> Vec<u8> {
-    let mut messages = vec![json!({"role": "user", "content": "Book the cheapest flight to Lisbon."})];
+    let mut messages =
+        vec![json!({"role": "user", "content": "Book the cheapest flight to Lisbon."})];
     for (t, shot) in shots.iter().enumerate() {
-        messages.push(json!({"role": "assistant", "tool_calls": [{"id": format!("c{t}"), "type": "function",
-            "function": {"name": "screenshot", "arguments": "{}"}}]}));
-        messages.push(json!({"role": "tool", "tool_call_id": format!("c{t}"), "content": "screenshot taken"}));
+        messages.push(
+            json!({"role": "assistant", "tool_calls": [{"id": format!("c{t}"), "type": "function",
+            "function": {"name": "screenshot", "arguments": "{}"}}]}),
+        );
+        messages.push(
+            json!({"role": "tool", "tool_call_id": format!("c{t}"), "content": "screenshot taken"}),
+        );
         messages.push(json!({"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{shot}")}}
         ]}));
@@ -205,10 +210,18 @@ fn report(table: &ModelTable) -> bool {
         Ok(d) => d
             .flatten()
             .map(|e| e.path())
-            .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("webvoyager"))
+            .filter(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("webvoyager")
+            })
             .collect(),
         Err(_) => {
-            eprintln!("corpus not found at {} (set VISOR_CORPUS): the WebVoyager figures are skipped", dir.display());
+            eprintln!(
+                "corpus not found at {} (set VISOR_CORPUS): the WebVoyager figures are skipped",
+                dir.display()
+            );
             Vec::new()
         }
     };
@@ -216,7 +229,10 @@ fn report(table: &ModelTable) -> bool {
     for model in MODELS {
         let plan = plan(&table.resolve(model, None).caps);
         for conv in &voyages {
-            let mut turns: Vec<PathBuf> = std::fs::read_dir(conv).unwrap().flatten().map(|e| e.path())
+            let mut turns: Vec<PathBuf> = std::fs::read_dir(conv)
+                .unwrap()
+                .flatten()
+                .map(|e| e.path())
                 .filter(|p| p.extension().is_some_and(|e| e == "json"))
                 .collect();
             turns.sort();
@@ -231,7 +247,10 @@ fn report(table: &ModelTable) -> bool {
     let shots: Vec<String> = (0..12)
         .map(|i| base64_simd::STANDARD.encode_type::<String>(&screenshot(i)))
         .collect();
-    eprintln!("a 2880x1800 screenshot is {} bytes of base64", shots[0].len());
+    eprintln!(
+        "a 2880x1800 screenshot is {} bytes of base64",
+        shots[0].len()
+    );
     for model in MODELS {
         let plan = plan(&table.resolve(model, None).caps);
         let mut t = Tally::default();
@@ -258,7 +277,10 @@ fn bench(c: &mut Criterion) {
         b.iter(|| fit(black_box(&shot), size, claude.fit.max_bytes).unwrap())
     });
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let fitter = Arc::new(Fitter::new(None, 2));
     let job = FitJob {
         index: 0,

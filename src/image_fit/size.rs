@@ -271,7 +271,10 @@ mod tests {
             ..anthropic()
         };
         let (w, h) = l.target(2880, 1800, 1).unwrap();
-        assert!(w <= 1568 && u64::from(w) * u64::from(h) <= 1_200_000, "{w}x{h}");
+        assert!(
+            w <= 1568 && u64::from(w) * u64::from(h) <= 1_200_000,
+            "{w}x{h}"
+        );
         // Scaled once, it is not scaled again.
         assert_eq!(l.target(w, h, 1), None);
         // An image the provider reads as it is stays.

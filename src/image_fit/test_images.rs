@@ -74,7 +74,10 @@ mod tests {
         chunk.extend_from_slice(&ihdr);
         b.extend_from_slice(&chunk);
         b.extend_from_slice(&crc32(&chunk).to_be_bytes());
-        assert_eq!(fit(&b, Some((10, 10)), None), Err(Unfit::TooLarge(100_000, 100_000)));
+        assert_eq!(
+            fit(&b, Some((10, 10)), None),
+            Err(Unfit::TooLarge(100_000, 100_000))
+        );
     }
 
     #[test]

@@ -206,7 +206,10 @@ fn image_label(n: &ImageNote, describer: &str) -> Option<Label> {
                 "resized to fit the model: {w}x{h} → {}x{} {} ({} bytes)",
                 s.width, s.height, s.media_type, s.bytes
             ),
-            (_, _, Some(s)) => format!("resized to fit the model: {}x{} {}", s.width, s.height, s.media_type),
+            (_, _, Some(s)) => format!(
+                "resized to fit the model: {}x{} {}",
+                s.width, s.height, s.media_type
+            ),
             _ => "resized to fit the model".to_owned(),
         },
         "hoisted" => "sent as an image part: it was base64 written in the text".to_owned(),

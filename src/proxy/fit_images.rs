@@ -49,7 +49,12 @@ impl Fitter {
 
     /// Fits `jobs` into `scanned`, by `stop_at` (an image not fitted by
     /// then is sent as it came). Returns how many could not be fitted.
-    pub async fn fit_into(&self, scanned: &mut Scanned, jobs: Vec<FitJob>, stop_at: Option<Instant>) -> usize {
+    pub async fn fit_into(
+        &self,
+        scanned: &mut Scanned,
+        jobs: Vec<FitJob>,
+        stop_at: Option<Instant>,
+    ) -> usize {
         let all = futures_util::future::join_all(jobs.iter().map(|j| self.fitted(j)));
         let Some(done) = crate::media_text::until(stop_at, all).await else {
             return jobs.len();

@@ -3,9 +3,9 @@
 mod admission;
 pub mod body;
 pub mod coalesce;
-pub mod fit_images;
 mod edge;
 mod explain;
+pub mod fit_images;
 mod forward;
 pub mod headers;
 mod inspect;

@@ -19,7 +19,9 @@ use crate::media_text::{self, Credentials, MediaText, Within};
 use crate::metrics::Metrics;
 use crate::models::{Medium, ModelTable};
 use crate::store::Store;
-use crate::transform::{Limits, self, MediaJob, Plan, Report, Rewrite, Rules, Shape, Subject, Takes};
+use crate::transform::{
+    self, Limits, MediaJob, Plan, Report, Rewrite, Rules, Shape, Subject, Takes,
+};
 use crate::upstream::UpstreamBody;
 
 /// Bodies larger than this are transformed on the blocking pool, so a

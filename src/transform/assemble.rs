@@ -6,9 +6,9 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use super::{Fitted, HoistedPart, Shape};
 use super::json::{quote, splice, splice_compact};
 use super::walk::*;
+use super::{Fitted, HoistedPart, Shape};
 use crate::artifacts::Artifact;
 
 impl Scan {
@@ -107,29 +107,10 @@ impl Scan {
         self.collapsible.get(c).map_or(usize::MAX, |col| col.item)
     }
 
-    /// Rewrites `body`: image `i` replaced by `texts[i]` when set, spot `s`
-    /// by `spot_text[s]` when set, collapsible Chat tool message `c` by
-    /// `joined[c]` when set (see [`Scan::joined`]). `None` when nothing is
-    /// to change.
-    pub fn assemble(
-        &self,
-        body: &[u8],
-        shape: Shape,
-        texts: &[Option<String>],
-        spot_text: &[Option<String>],
-        joined: &[Option<String>],
-        fitted: &[Option<Fitted>],
-        parts: Vec<(Range<usize>, Vec<u8>)>,
-    ) -> Option<Vec<u8>> {
-        if texts.iter().all(Option::is_none)
-            && spot_text.iter().all(Option::is_none)
-            && fitted.iter().all(Option::is_none)
-        {
-            return None;
-        }
-        let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::new();
-        // A fitted image: its base64 and media type written anew, every
-        // other byte of its part as it was.
+    /// The edits that write each fitted image's base64 and media type
+    /// anew, every other byte of its part as it was.
+    pub(super) fn fitted_edits(&self, fitted: &[Option<Fitted>]) -> Vec<(Range<usize>, Vec<u8>)> {
+        let mut edits = Vec::new();
         for (img, done) in self.images.iter().zip(fitted) {
             let (Some(at), Some(done)) = (&img.encoded_at, done) else {
                 continue;
@@ -146,7 +127,29 @@ impl Scan {
                 }
             }
         }
-        edits.extend(parts);
+        edits
+    }
+
+    /// Rewrites `body`: image `i` replaced by `texts[i]` when set, spot `s`
+    /// by `spot_text[s]` when set, collapsible Chat tool message `c` by
+    /// `joined[c]` when set (see [`Scan::joined`]), and the `extra` edits
+    /// (fitted images, hoisted parts). `None` when nothing is to change.
+    pub fn assemble(
+        &self,
+        body: &[u8],
+        shape: Shape,
+        texts: &[Option<String>],
+        spot_text: &[Option<String>],
+        joined: &[Option<String>],
+        extra: Vec<(Range<usize>, Vec<u8>)>,
+    ) -> Option<Vec<u8>> {
+        if texts.iter().all(Option::is_none)
+            && spot_text.iter().all(Option::is_none)
+            && extra.is_empty()
+        {
+            return None;
+        }
+        let mut edits: Vec<(Range<usize>, Vec<u8>)> = extra;
         for (i, img) in self.images.iter().enumerate() {
             if let (Site::Part(range), Some(t)) = (&img.site, &texts[i]) {
                 let mut part = text_part(shape, t);

@@ -42,10 +42,13 @@ pub(super) fn read_lazily(src: &[u8], raw: Raw, spot: Option<usize>) -> Read {
     };
     match raw {
         Raw::Base64(d, mt) if !d.escaped => {
-            let at = mt.as_ref().filter(|_| spot.is_none()).map(|m| EncodedAt::Fields {
-                data: d.range.clone(),
-                media_type: m.range.clone(),
-            });
+            let at = mt
+                .as_ref()
+                .filter(|_| spot.is_none())
+                .map(|m| EncodedAt::Fields {
+                    data: d.range.clone(),
+                    media_type: m.range.clone(),
+                });
             let mt = mt.map(|m| text(&m)).unwrap_or_default();
             encoded(mt, d.range.start + 1..d.range.end - 1, at)
         }

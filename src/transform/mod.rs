@@ -277,17 +277,32 @@ impl HoistedPart {
     /// take, or no size could be read from it).
     fn of(f: &walk::Found, fitted: Option<&Fitted>) -> Option<HoistedPart> {
         let (media_type, bytes, (w, h)) = match (fitted, &f.source, &f.bytes) {
-            (Some(d), _, _) => (d.media_type.to_owned(), d.bytes.clone(), (d.width as usize, d.height as usize)),
-            (None, Source::Inline { media_type, dims: Some(dims), .. }, Some(b)) => {
-                (media_type.clone(), b.clone(), *dims)
-            }
+            (Some(d), _, _) => (
+                d.media_type.to_owned(),
+                d.bytes.clone(),
+                (d.width as usize, d.height as usize),
+            ),
+            (
+                None,
+                Source::Inline {
+                    media_type,
+                    dims: Some(dims),
+                    ..
+                },
+                Some(b),
+            ) => (media_type.clone(), b.clone(), *dims),
             _ => return None,
         };
-        if !matches!(media_type.as_str(), "image/png" | "image/jpeg" | "image/gif" | "image/webp") {
+        if !matches!(
+            media_type.as_str(),
+            "image/png" | "image/jpeg" | "image/gif" | "image/webp"
+        ) {
             return None;
         }
         let short = f.sha256.get(..12).unwrap_or(&f.sha256);
-        let reference = format!("[image sha256:{short}, {media_type} {w}x{h}: sent as an image part after this text]");
+        let reference = format!(
+            "[image sha256:{short}, {media_type} {w}x{h}: sent as an image part after this text]"
+        );
         Some(HoistedPart {
             media_type,
             bytes,
@@ -610,9 +625,12 @@ impl Scanned {
             };
             let dims = match (&self.fitted[i], &f.source) {
                 (Some(done), _) => Some((done.width, done.height)),
-                (None, Source::Inline { dims: Some((w, h)), .. }) => {
-                    Some((*w as u32, *h as u32))
-                }
+                (
+                    None,
+                    Source::Inline {
+                        dims: Some((w, h)), ..
+                    },
+                ) => Some((*w as u32, *h as u32)),
                 _ => f
                     .pending
                     .as_ref()
@@ -638,7 +656,9 @@ impl Scanned {
             }
             self.scan.resolve(i, body);
             let f = &self.scan.images[i];
-            let Some(bytes) = f.bytes.clone() else { continue };
+            let Some(bytes) = f.bytes.clone() else {
+                continue;
+            };
             let from = match &f.source {
                 Source::Inline {
                     dims: Some((w, h)), ..
@@ -676,7 +696,9 @@ impl Scanned {
             if let (Some(at), Some(done)) = (&f.encoded_at, fitted) {
                 // The new literals: base64, a media type, quotes, a data
                 // URL's head.
-                let new = crate::image_fit::base64_len(done.bytes.len()) + done.media_type.len() as u64 + 20;
+                let new = crate::image_fit::base64_len(done.bytes.len())
+                    + done.media_type.len() as u64
+                    + 20;
                 len += new as i64 - at.len() as i64;
             }
         }
@@ -773,8 +795,9 @@ impl Scanned {
             Some(blocks) => dedup::run(&scan, body, &texts, &mut spot_text, &mut joined, blocks),
             None => dedup::Omitted::default(),
         };
-        let parts = scan.hoisted_parts(body, plan.shape, &hoisted, &mut spot_text);
-        let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined, &fitted, parts);
+        let mut extra = scan.fitted_edits(&fitted);
+        extra.extend(scan.hoisted_parts(body, plan.shape, &hoisted, &mut spot_text));
+        let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined, extra);
         let artifacts = scan.artifacts(|i| fates[i] != Fate::Kept || fitted[i].is_some());
         let mut report = Report {
             images_found: scan

@@ -53,7 +53,11 @@ pub enum Unfit {
 /// `bytes` (an image) as it is to be sent: at `size` (its own to only
 /// encode again) and, with `max_base64`, no longer than that once base64
 /// encoded.
-pub fn fit(bytes: &[u8], size: Option<(u32, u32)>, max_base64: Option<u64>) -> Result<Fitted, Unfit> {
+pub fn fit(
+    bytes: &[u8],
+    size: Option<(u32, u32)>,
+    max_base64: Option<u64>,
+) -> Result<Fitted, Unfit> {
     let format = image::guess_format(bytes).map_err(|_| Unfit::Format)?;
     if !matches!(
         format,
@@ -223,4 +227,3 @@ fn over_white(rgba: &[u8]) -> Vec<u8> {
     }
     out
 }
-

@@ -17,7 +17,7 @@ fn screenshot() -> Vec<u8> {
             let frame = i % 960 < 4 || y % 600 < 4;
             let px = if frame {
                 [40, 40, 48]
-            } else if text_row && x % 3 == 0 {
+            } else if text_row && x.is_multiple_of(3) {
                 [20, 20, 20]
             } else {
                 [(230 - y / 30) as u8, (235 - i / 60) as u8, 245]
@@ -49,6 +49,9 @@ fn where_the_time_goes() {
         let t = std::time::Instant::now();
         let out = visor_image_fit::encode(&r, false).unwrap();
         let e = t.elapsed();
-        eprintln!("decode {d:?} pixels {px:?} resize {rs:?} encode {e:?} ({} bytes)", out.bytes.len());
+        eprintln!(
+            "decode {d:?} pixels {px:?} resize {rs:?} encode {e:?} ({} bytes)",
+            out.bytes.len()
+        );
     }
 }

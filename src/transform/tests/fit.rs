@@ -70,7 +70,10 @@ fn an_anthropic_image_over_the_edge_bound_is_scaled_in_place() {
     let (w, h, _) = decoded_size(block["source"]["data"].as_str().unwrap());
     assert_eq!((w, h), (8000, 133));
     // Everything else as it was: the text, the marker, the block's shape.
-    assert_eq!(sent["messages"][0]["content"][0], body["messages"][0]["content"][0]);
+    assert_eq!(
+        sent["messages"][0]["content"][0],
+        body["messages"][0]["content"][0]
+    );
     assert_eq!(block["cache_control"], json!({"type": "ephemeral"}));
     assert_eq!(block["type"], "image");
     // Reported, and the original saved.
@@ -92,7 +95,10 @@ fn an_image_within_every_limit_is_not_touched() {
         ]}
     ]});
     let (sent, r) = fitted(&body, Shape::Messages, anthropic());
-    assert!(r.body.is_none(), "nothing to change: the original is forwarded");
+    assert!(
+        r.body.is_none(),
+        "nothing to change: the original is forwarded"
+    );
     assert_eq!(sent, body);
 }
 
@@ -127,7 +133,8 @@ fn many_images_each_get_the_lower_edge_bound() {
     let blocks: Vec<Value> = (0..21)
         .map(|_| json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(&png)}}))
         .collect();
-    let body = json!({"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": blocks}]});
+    let body =
+        json!({"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": blocks}]});
     let (sent, r) = fitted(&body, Shape::Messages, anthropic());
     for b in sent["messages"][0]["content"].as_array().unwrap() {
         let (w, _, _) = decoded_size(b["source"]["data"].as_str().unwrap());
@@ -157,7 +164,10 @@ fn a_request_over_its_byte_bound_has_its_largest_images_made_smaller() {
     let out = r.body.as_ref().unwrap();
     assert!((out.len() as u64) <= max, "{} > {max}", out.len());
     // The small one was not the one cut.
-    assert_eq!(sent["messages"][0]["content"][1], body["messages"][0]["content"][1]);
+    assert_eq!(
+        sent["messages"][0]["content"][1],
+        body["messages"][0]["content"][1]
+    );
 }
 
 #[test]
@@ -189,7 +199,11 @@ fn no_base64_text(v: &Value, b64_text: &str) {
     fn walk(v: &Value, key: &str, needle: &str) {
         match v {
             Value::String(s) if matches!(key, "text" | "content" | "output") => {
-                assert!(!s.contains(needle), "base64 left in a text: {}", &s[..s.len().min(200)]);
+                assert!(
+                    !s.contains(needle),
+                    "base64 left in a text: {}",
+                    &s[..s.len().min(200)]
+                );
             }
             Value::Array(a) => a.iter().for_each(|x| walk(x, key, needle)),
             Value::Object(o) => o.iter().for_each(|(k, x)| walk(x, k, needle)),
@@ -203,7 +217,8 @@ fn no_base64_text(v: &Value, b64_text: &str) {
 fn base64_in_an_anthropic_tool_result_becomes_an_image_block() {
     let png = test_png(64, 48, false);
     let data = b64(&png);
-    let mcp = json!({"content": [{"type": "image", "data": data, "mimeType": "image/png"}]}).to_string();
+    let mcp =
+        json!({"content": [{"type": "image", "data": data, "mimeType": "image/png"}]}).to_string();
     let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [
         {"role": "user", "content": "take a screenshot"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
@@ -212,7 +227,9 @@ fn base64_in_an_anthropic_tool_result_becomes_an_image_block() {
     let (sent, r) = fitted(&body, Shape::Messages, anthropic());
     let result = &sent["messages"][2]["content"][0];
     assert_eq!(result["tool_use_id"], "t1");
-    let blocks = result["content"].as_array().expect("the string became blocks");
+    let blocks = result["content"]
+        .as_array()
+        .expect("the string became blocks");
     assert_eq!(blocks.len(), 2);
     assert_eq!(blocks[0]["type"], "text");
     let text = blocks[0]["text"].as_str().unwrap();
@@ -243,9 +260,16 @@ fn base64_in_a_text_block_is_followed_by_its_image_block() {
         ]}]}
     ]});
     let (sent, _) = fitted(&body, Shape::Messages, anthropic());
-    let blocks = sent["messages"][0]["content"][0]["content"].as_array().unwrap();
+    let blocks = sent["messages"][0]["content"][0]["content"]
+        .as_array()
+        .unwrap();
     assert_eq!(blocks.len(), 3);
-    assert!(blocks[0]["text"].as_str().unwrap().starts_with("saved: [image sha256:"));
+    assert!(
+        blocks[0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("saved: [image sha256:")
+    );
     assert!(blocks[0]["text"].as_str().unwrap().ends_with("] (ok)"));
     assert_eq!(blocks[1]["type"], "image");
     assert_eq!(blocks[2]["text"], "done");

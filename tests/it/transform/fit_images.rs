@@ -121,7 +121,10 @@ async fn a_9000x6000_png_arrives_within_the_providers_limits_and_is_saved() {
     assert_eq!((w, h), (8000, 5333), "scaled with its aspect, no further");
     assert!(b64(&images[0].1).len() <= MAX_IMAGE_BASE64);
     // The text beside it as it was.
-    assert_eq!(sent["messages"][0]["content"][0], body["messages"][0]["content"][0]);
+    assert_eq!(
+        sent["messages"][0]["content"][0],
+        body["messages"][0]["content"][0]
+    );
     // The original is saved, under the SHA-256 of its bytes.
     let sha = hex(&sha2::Sha256::digest(&original));
     let (status, _, saved) = send(
@@ -137,7 +140,10 @@ async fn a_9000x6000_png_arrives_within_the_providers_limits_and_is_saved() {
     let again: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
     assert_eq!(image_blocks(&again), images);
     let m = visor.metrics().await;
-    assert_eq!(metric(&m, "visor_images_total", &[("action", "resized")]), Some(2.0));
+    assert_eq!(
+        metric(&m, "visor_images_total", &[("action", "resized")]),
+        Some(2.0)
+    );
 }
 
 #[tokio::test]
@@ -160,7 +166,10 @@ async fn a_6mb_png_arrives_under_5mb_and_a_large_one_at_the_size_the_provider_re
     send_messages(&plain, &one_image(&png(2880, 1800, false))).await;
     let sent: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
     let (w, h) = size_of(&image_blocks(&sent)[0].1);
-    assert!(w <= 1568 && u64::from(w) * u64::from(h) <= 1_200_000, "{w}x{h}");
+    assert!(
+        w <= 1568 && u64::from(w) * u64::from(h) <= 1_200_000,
+        "{w}x{h}"
+    );
 }
 
 #[tokio::test]
@@ -200,7 +209,8 @@ async fn base64_in_a_tool_result_arrives_as_an_image_block_or_a_description_neve
     let visor = Visor::for_mock(&mock, DESCRIBE).await;
     let shot = png(320, 200, false);
     let data = b64(&shot);
-    let mcp = json!({"content": [{"type": "image", "data": data, "mimeType": "image/png"}]}).to_string();
+    let mcp =
+        json!({"content": [{"type": "image", "data": data, "mimeType": "image/png"}]}).to_string();
 
     // Anthropic: a tool_result takes image blocks.
     let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 16, "messages": [
@@ -213,9 +223,15 @@ async fn base64_in_a_tool_result_arrives_as_an_image_block_or_a_description_neve
     let sent: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
     let result = &sent["messages"][2]["content"][0];
     assert_eq!(result["tool_use_id"], "t1");
-    assert_eq!(image_blocks(result), vec![("image/png".to_owned(), shot.clone())]);
+    assert_eq!(
+        image_blocks(result),
+        vec![("image/png".to_owned(), shot.clone())]
+    );
     let text = result["content"][0]["text"].as_str().unwrap();
-    assert!(!text.contains(&data[..64]) && text.contains("sent as an image part"), "{text}");
+    assert!(
+        !text.contains(&data[..64]) && text.contains("sent as an image part"),
+        "{text}"
+    );
 
     // Chat: a tool message takes no image: described, not base64.
     let chat = json!({"model": "gpt-4o", "messages": [
@@ -307,4 +323,55 @@ fn crc32(data: &[u8]) -> u32 {
 
 fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A screenshot agent, turn by turn through the proxy (a vision model
+/// behind a prompt cache): every request sends the previous request's
+/// messages unchanged, except on the few turns where the due screenshots
+/// age out — all of them at once — and those turns come only after the
+/// first screenshots have been due for a while.
+#[tokio::test]
+async fn a_screenshot_agent_ages_its_screenshots_in_few_rewrites_and_keeps_its_prefix_otherwise() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let mut messages =
+        vec![json!({"role": "user", "content": "Find the cheapest flight to Lisbon."})];
+    let mut previous: Option<Vec<Value>> = None;
+    let mut rewrites = Vec::new();
+    for turn in 0..40u8 {
+        messages.push(json!({"role": "assistant", "content": "Looking.",
+            "tool_calls": [{"id": format!("c{turn}"), "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}]}));
+        let shot = b64(&png_tinted(64, 48, false, turn));
+        messages.push(json!({"role": "tool", "tool_call_id": format!("c{turn}"), "content": [
+            {"type": "text", "text": format!("Screenshot {turn} of the booking page, after the agent's click on the search results.")},
+            {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{shot}")}}
+        ]}));
+        let body = json!({"model": "gpt-4o", "messages": messages});
+        let (status, _, _) = post_chat(&visor, serde_json::to_vec(&body).unwrap()).await;
+        assert_eq!(status, 200);
+        let sent: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
+        let sent = sent["messages"].as_array().unwrap().clone();
+        assert_eq!(sent.len(), messages.len(), "no message added or removed");
+        if let Some(prev) = &previous {
+            let same = prev.iter().zip(&sent).take_while(|(a, b)| a == b).count();
+            if same < prev.len() {
+                // A rewrite: more than one screenshot aged in it.
+                let aged = |m: &[Value]| {
+                    m.iter()
+                        .filter(|x| x.to_string().contains("older tool result"))
+                        .count()
+                };
+                assert!(
+                    aged(&sent) >= aged(prev) + 2,
+                    "turn {turn}: one image at a time"
+                );
+                rewrites.push(turn);
+            }
+        }
+        previous = Some(sent);
+    }
+    assert!(!rewrites.is_empty(), "40 screenshots and none aged");
+    assert!(rewrites.len() <= 8, "rewrites on turns {rewrites:?}");
+    // Not at the first chance (keep_turns = 2): keeping had to cost first.
+    assert!(rewrites[0] > 4, "rewrites on turns {rewrites:?}");
 }
