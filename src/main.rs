@@ -683,15 +683,18 @@ fn explain(
             resolved.caps.context_window,
         ),
         cfg.describer.query_aware,
-        visor::proxy::fit_limits(
-            &resolved.caps,
-            visor::transform::Limits {
-                provider_size: cfg.images.provider_size,
-                diet_edge: cfg.images.max_edge,
-                diet_tokens: cfg.images.max_image_tokens,
-                ..visor::transform::Limits::NONE
-            },
-        ),
+        visor::transform::Limits {
+            hoist_text: resolved.known(),
+            ..visor::proxy::fit_limits(
+                &resolved.caps,
+                visor::transform::Limits {
+                    provider_size: cfg.images.provider_size,
+                    diet_edge: cfg.images.max_edge,
+                    diet_tokens: cfg.images.max_image_tokens,
+                    ..visor::transform::Limits::NONE
+                },
+            )
+        },
     );
     let texts = visor::explain::Texts::Store(off.store.as_ref(), &cfg.describer.model);
     let rewrite = off

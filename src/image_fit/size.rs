@@ -193,7 +193,9 @@ impl Limits {
 /// The largest scale of `w`×`h` whose tokens by `f` are within `budget`
 /// (found by bisection: tokens only grow with the scale).
 fn under_tokens(f: Formula, w: u32, h: u32, budget: u64) -> (u32, u32) {
-    if f.tokens(w, h) <= budget {
+    // Within it already, or under what any image costs (a tile's price):
+    // not shrunk to nothing for a budget no size meets.
+    if f.tokens(w, h) <= budget || f.tokens(1, 1) > budget {
         return (w, h);
     }
     let (mut lo, mut hi) = (0.0_f64, 1.0_f64);

@@ -76,7 +76,10 @@ pub async fn answer(state: &AppState, req: Request<RequestBody>) -> Response<Pro
         rw.rules
             .for_model(resolved.caps.max_images, resolved.caps.context_window),
         rw.query_aware,
-        super::prepare::fit_limits(&resolved.caps, rw.fit),
+        crate::transform::Limits {
+            hoist_text: resolved.known(),
+            ..super::prepare::fit_limits(&resolved.caps, rw.fit)
+        },
     );
     // One at a time, on a blocking thread (documents are read), under the
     // request timeout; the thread keeps the permit until it is done.

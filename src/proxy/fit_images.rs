@@ -26,7 +26,7 @@ type Outcome = Arc<Result<Fitted, Unfit>>;
 pub struct Fitter {
     memory: Cache<String, Outcome>,
     dir: Option<PathBuf>,
-    permits: Semaphore,
+    permits: Arc<Semaphore>,
 }
 
 impl Fitter {
@@ -43,7 +43,7 @@ impl Fitter {
         Fitter {
             memory,
             dir,
-            permits: Semaphore::new(concurrency.max(1)),
+            permits: Arc::new(Semaphore::new(concurrency.max(1))),
         }
     }
 
@@ -80,13 +80,19 @@ impl Fitter {
                 if let Some(f) = self.read(&key).await {
                     return Arc::new(Ok(f));
                 }
-                let Ok(_permit) = self.permits.acquire().await else {
+                let Ok(permit) = self.permits.clone().acquire_owned().await else {
                     return Arc::new(Err(Unfit::Broken("shutting down".to_owned())));
                 };
                 let (bytes, size, max) = (job.bytes.clone(), job.size, job.max_base64);
-                let outcome = tokio::task::spawn_blocking(move || fit(&bytes, size, max))
-                    .await
-                    .unwrap_or_else(|e| Err(Unfit::Broken(e.to_string())));
+                // The permit goes with the work: a request that stops
+                // waiting (its deadline, a client gone) does not free it
+                // while the fit still runs.
+                let outcome = tokio::task::spawn_blocking(move || {
+                    let _permit = permit;
+                    fit(&bytes, size, max)
+                })
+                .await
+                .unwrap_or_else(|e| Err(Unfit::Broken(e.to_string())));
                 if let Ok(f) = &outcome {
                     self.write(&key, f).await;
                 }

@@ -311,7 +311,12 @@ async fn prepare_within(
         query_aware: rw.query_aware,
         // A body without the word holds no image to fit: not walked for it.
         fit: match resolved.vision && might_hold_images(&body) {
-            true => fit_limits(&resolved.caps, rw.fit),
+            // Base64 in a text becomes an image part only for a model the
+            // table says can see (an unknown one keeps its text as it was).
+            true => Limits {
+                hoist_text: resolved.known(),
+                ..fit_limits(&resolved.caps, rw.fit)
+            },
             false => Limits::NONE,
         },
     };
@@ -540,9 +545,16 @@ async fn run(
     let resolve = move |mut scanned: transform::Scanned| {
         scanned.resolve(&b);
         let fits = scanned.fit_jobs(&b, 0);
+        // Over the provider's request bound with no image over its own:
+        // the request pass still runs.
+        let over = scanned
+            .plan()
+            .fit
+            .max_request_bytes
+            .is_some_and(|m| b.len() as u64 > m);
         let subjects: Vec<_> = scanned.subjects(&b).into_iter().map(|(_, s)| s).collect();
         let media = scanned.media(&b);
-        match subjects.is_empty() && media.is_empty() && fits.is_empty() {
+        match subjects.is_empty() && media.is_empty() && fits.is_empty() && !over {
             true => Err(Box::new(scanned.finish(&b, &[]))),
             false => Ok((scanned, (subjects, media, fits))),
         }
@@ -566,9 +578,7 @@ async fn run(
     let rewrite = match scanned {
         Err(done) => *done,
         Ok((mut scanned, (subjects, media, fits))) => {
-            if !fits.is_empty() {
-                fit_images(rw, &mut scanned, fits, &body, within.stop_at).await;
-            }
+            fit_images(rw, &mut scanned, fits, &body, within.stop_at).await;
             let texts = Texts {
                 subjects,
                 media,

@@ -222,6 +222,8 @@ impl Scan {
                     out.push((spot.lit.range.clone(), v));
                 }
                 Holder::Part(r) => out.push((r.end..r.end, images)),
+                // Never hoisted from (see `walk::look_in_text`).
+                Holder::Alone => {}
             }
         }
         out

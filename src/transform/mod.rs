@@ -250,12 +250,7 @@ fn hoists(scan: &walk::Scan, plan: &Plan, fates: &mut [Fate]) -> Vec<bool> {
         if fates[i] != Fate::Kept || f.medium != Medium::Image || !base64 {
             continue;
         }
-        let takes = match plan.shape {
-            Shape::Chat => f.role == "user" && !f.in_tool_result,
-            Shape::Messages => f.role == "user",
-            Shape::Responses => f.role == "user" || f.role == "tool",
-        };
-        match takes {
+        match f.hoistable {
             true => hoisted[i] = true,
             false => fates[i] = Fate::Replaced(Reason::AsText),
         }
@@ -282,15 +277,18 @@ impl HoistedPart {
                 d.bytes.clone(),
                 (d.width as usize, d.height as usize),
             ),
+            // The type the bytes are, not the one the text declared.
             (
                 None,
                 Source::Inline {
-                    media_type,
-                    dims: Some(dims),
-                    ..
+                    dims: Some(dims), ..
                 },
                 Some(b),
-            ) => (media_type.clone(), b.clone(), *dims),
+            ) => (
+                crate::artifacts::sniff_media_type(b)?.to_owned(),
+                b.clone(),
+                *dims,
+            ),
             _ => return None,
         };
         if !matches!(
@@ -638,6 +636,20 @@ impl Scanned {
                     .and_then(|p| body.get(p.range.clone()))
                     .and_then(|b64| walk::size_from_head(b64, HEAD_FOR_SIZE)),
             };
+            // No size in the head (a JPEG's metadata may be longer), yet
+            // over the byte bound: decoded to learn it.
+            let dims = match dims {
+                None if limits.max_bytes.is_some_and(|m| b64 > m) => {
+                    self.scan.resolve(i, body);
+                    match &self.scan.images[i].source {
+                        Source::Inline {
+                            dims: Some((w, h)), ..
+                        } => Some((*w as u32, *h as u32)),
+                        _ => None,
+                    }
+                }
+                d => d,
+            };
             if let Some(d) = dims {
                 sized.push((i, d, b64));
             }
@@ -723,8 +735,10 @@ impl Scanned {
     /// will go through: the base64 of the images to decode, and the text
     /// dedup reads. A caller runs them off its thread when this is large.
     pub fn work(&self) -> usize {
+        // Kept images are decoded too when they may be fitted or hoisted.
+        let kept_decoded = !self.plan.fit.is_none() || self.plan.fit.hoist_text;
         let images: usize = (0..self.fates.len())
-            .filter(|&i| self.fates[i] != Fate::Kept)
+            .filter(|&i| self.fates[i] != Fate::Kept || kept_decoded)
             .filter_map(|i| self.scan.pending_len(i))
             .sum();
         let texts: usize = match self.plan.rules.dedup {

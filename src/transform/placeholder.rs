@@ -185,6 +185,7 @@ mod tests {
             message: 0,
             role: "user".to_owned(),
             in_tool_result: false,
+            hoistable: false,
             path: String::new(),
             site: Site::Part(0..0),
             unit: 0,

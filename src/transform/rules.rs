@@ -215,10 +215,16 @@ impl<'a> Replay<'a> {
     /// The request that ends at message `end`, after the one that ended at
     /// `prev_end`.
     fn step(&mut self, prev_end: usize, end: usize) {
+        // An image written as base64 in a text where no image part can go
+        // is replaced whatever the rules say (`transform::hoists`): it is
+        // no image the model sees, to refer to or to count.
+        let as_text = |f: &walk::Found| {
+            self.plan.vision && self.plan.fit.hoist_text && f.in_text() && !f.hoistable
+        };
         let in_scope: Vec<usize> = (0..self.scan.images.len())
             .filter(|&i| {
                 let f = &self.scan.images[i];
-                f.message < end && f.medium == Medium::Image
+                f.message < end && f.medium == Medium::Image && !as_text(f)
             })
             .collect();
         if self.plan.rules.dedupe {

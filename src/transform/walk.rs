@@ -200,8 +200,6 @@ fn office_zip(head: &[u8]) -> bool {
     false
 }
 
-/// Whether the first bytes of base64 data are an image's (PNG, JPEG, GIF,
-/// WebP): a `file` part that holds a picture is an image.
 /// An image's size read from the head of its base64 (at most `max`
 /// decoded bytes), when its header says it there.
 pub(super) fn size_from_head(b64: &[u8], max: usize) -> Option<(u32, u32)> {
@@ -219,6 +217,8 @@ pub(super) fn size_from_head(b64: &[u8], max: usize) -> Option<(u32, u32)> {
     None
 }
 
+/// Whether the first bytes of base64 data are an image's (PNG, JPEG, GIF,
+/// WebP): a `file` part that holds a picture is an image.
 fn image_head(b64_head: &[u8]) -> bool {
     let head = head_bytes(b64_head, 16);
     head.starts_with(b"\x89PNG")
@@ -305,6 +305,9 @@ pub struct Found {
     pub role: String,
     /// True inside a tool or function result.
     pub in_tool_result: bool,
+    /// Found in a text where the API takes an image part beside it (see
+    /// `transform::hoists`).
+    pub(super) hoistable: bool,
     /// A readable location, e.g. `messages[3].content[1]`.
     pub path: String,
     pub(super) site: Site,
@@ -323,6 +326,11 @@ pub struct Found {
 }
 
 impl Found {
+    /// Found inside a text (not a part of its own).
+    pub(super) fn in_text(&self) -> bool {
+        matches!(self.site, Site::InText { .. })
+    }
+
     /// Where the part it is starts in the body; `None` inside a text.
     pub(super) fn part_start(&self) -> Option<usize> {
         match &self.site {
@@ -365,6 +373,22 @@ pub(super) struct Spot {
     pub(super) text: Option<String>,
     /// What holds the string: where parts could be put beside it.
     pub(super) holder: Holder,
+    /// What the string is the text of.
+    pub(super) container: Container,
+}
+
+/// What a text string belongs to: the message itself, an Anthropic
+/// `tool_result`'s content, or the content of some other part (a
+/// `search_result`, a document's source), which takes only text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) enum Container {
+    #[default]
+    Message,
+    ToolResult,
+    Other,
+    /// Inside a part whose type is not read yet (members come in any
+    /// order): settled when the part ends.
+    Pending,
 }
 
 /// What a text string is in its message.
@@ -374,6 +398,9 @@ pub(super) enum Holder {
     Content,
     /// The text of a part (this object's range): parts can follow it.
     Part(Range<usize>),
+    /// The text of a part that is the whole content (`"content": {…}`, no
+    /// array): nothing can go beside it.
+    Alone,
 }
 
 /// A Chat tool message's content array: when every image in it is
@@ -506,6 +533,8 @@ pub(super) struct Msg {
     /// A part of this message carries a prompt-cache marker: its content
     /// array is never collapsed into a string (the marker would go).
     pub(super) cache_markers: bool,
+    /// What the content being walked belongs to.
+    pub(super) container: Container,
 }
 
 /// The fields of a content part the classifier needs.
@@ -707,10 +736,14 @@ struct Speaker {
     role: String,
     kind: Role,
     tool_message: bool,
+    /// The API takes image parts in this message's own content: a user
+    /// message (Chat, Anthropic, a Responses `message`), a Responses
+    /// `function_call_output`.
+    takes_images: bool,
 }
 
 impl Speaker {
-    fn of(src: &[u8], fields: &MessageFields) -> Speaker {
+    fn of(src: &[u8], fields: &MessageFields, shape: Shape) -> Speaker {
         let role = fields
             .role
             .as_ref()
@@ -733,10 +766,18 @@ impl Speaker {
             (None, false) => "user".to_owned(),
         };
         let tool_message = role == "tool" || role == "function";
+        let message = ty.is_none_or(|t| t.is(src, "message"));
+        let takes_images = match shape {
+            Shape::Chat | Shape::Messages => role == "user",
+            Shape::Responses => {
+                (message && role == "user") || ty.is_some_and(|t| t.is(src, "function_call_output"))
+            }
+        };
         Speaker {
             role,
             kind,
             tool_message,
+            takes_images,
         }
     }
 }
@@ -760,11 +801,12 @@ impl Walker<'_> {
             unit: 0,
             units: 0,
             cache_markers: false,
+            container: Container::Message,
         };
         let mut fields = MessageFields::default();
         let range =
             c.object(|c, key| self.message_member(c, &key, &mut msg, &mut fields, items_key))?;
-        let who = Speaker::of(self.src, &fields);
+        let who = Speaker::of(self.src, &fields, self.shape);
         if let Some(id) = fields.call_id
             && (who.tool_message || who.kind == Role::Tool)
         {
@@ -844,7 +886,7 @@ impl Walker<'_> {
         // and assistant text is never looked into.
         if !matches!(who.role.as_str(), "system" | "developer" | "assistant") {
             for (spot, in_tool, _) in std::mem::take(&mut msg.spots) {
-                self.look_in_text(spot, &msg, &who.role, in_tool || tool_message);
+                self.look_in_text(spot, &msg, who, in_tool || tool_message);
             }
         }
         if self.shape == Shape::Chat
@@ -893,7 +935,9 @@ impl Walker<'_> {
             // One part instead of an array (`"content": {"type": "image",
             // …}`): walked as the part it is.
             Kind::Object if depth < MAX_NESTING => {
-                self.part(c, msg, path, in_tool, depth)?;
+                if let Some(PartRef::Text(s)) = self.part(c, msg, path, in_tool, depth)? {
+                    self.out.spots[s].holder = Holder::Alone;
+                }
                 Ok(None)
             }
             _ => {
@@ -909,6 +953,7 @@ impl Walker<'_> {
             lit,
             text: None,
             holder,
+            container: msg.container,
         });
         let spot = self.out.spots.len() - 1;
         msg.spots.push((spot, in_tool, msg.unit));
@@ -934,6 +979,7 @@ impl Walker<'_> {
         let images_before = self.out.images.len();
         let spots_before = msg.spots.len();
         let mut own_unit = None;
+        let mut own_spots = 0..0;
         let range = c.object(|c, key| {
             if f.read(c, src, &key)? {
                 return Ok(());
@@ -943,16 +989,33 @@ impl Walker<'_> {
                 // its content is a tool result of its own.
                 let p = format!("{path}.content");
                 let outer = msg.unit;
+                let outer_container = msg.container;
                 msg.units += 1;
                 msg.unit = msg.units;
                 own_unit = Some(msg.unit);
+                // Settled when the part's type is known (below).
+                msg.container = Container::Pending;
+                let first = self.out.spots.len();
                 self.content(c, msg, &p, true, depth + 1)?;
+                own_spots = first..self.out.spots.len();
                 msg.unit = outer;
+                msg.container = outer_container;
             } else {
                 c.skip()?;
             }
             Ok(())
         })?;
+        // Its content's own texts: a `tool_result` takes image blocks
+        // beside them; any other part with content of its own takes text.
+        let kind = match f.ty.as_ref().is_some_and(|t| t.is(src, "tool_result")) {
+            true => Container::ToolResult,
+            false => Container::Other,
+        };
+        for spot in &mut self.out.spots[own_spots] {
+            if spot.container == Container::Pending {
+                spot.container = kind;
+            }
+        }
         msg.cache_markers |= !f.markers.is_empty();
         // An Anthropic document (or search result) whose source is content
         // blocks: images among them are images like any other.
@@ -961,7 +1024,9 @@ impl Walker<'_> {
         {
             let mut sub = Cursor::at(src, inner.start);
             let p = format!("{path}.source.content");
+            let outer_container = std::mem::replace(&mut msg.container, Container::Other);
             self.content(&mut sub, msg, &p, in_tool, depth + 1)?;
+            msg.container = outer_container;
         }
         let tool_result = f.ty.as_ref().is_some_and(|t| t.is(src, "tool_result"));
         let Some(ty) = f.ty.as_ref() else {
@@ -982,6 +1047,7 @@ impl Walker<'_> {
                 message: msg.index,
                 role: String::new(),
                 in_tool_result: in_tool,
+                hoistable: false,
                 path: path.to_owned(),
                 site: Site::Part(range),
                 unit: msg.unit,
@@ -1010,7 +1076,16 @@ impl Walker<'_> {
     }
 
     /// Finds images hidden in the text of spot `spot`.
-    fn look_in_text(&mut self, spot: usize, msg: &Msg, role: &str, in_tool: bool) {
+    fn look_in_text(&mut self, spot: usize, msg: &Msg, who: &Speaker, in_tool: bool) {
+        let role = who.role.as_str();
+        let here = &self.out.spots[spot];
+        // Where an image found in this text could be sent as a part.
+        let hoistable = who.takes_images
+            && here.holder != Holder::Alone
+            && matches!(
+                (self.shape, here.container),
+                (_, Container::Message) | (Shape::Messages, Container::ToolResult)
+            );
         let Some(text) = self.out.spots[spot].lit.decode(self.src) else {
             return;
         };
@@ -1037,6 +1112,7 @@ impl Walker<'_> {
                 message: msg.index,
                 role: role.to_owned(),
                 in_tool_result: in_tool,
+                hoistable,
                 path: format!("{}[{}] (in text)", self.items_key, msg.index),
                 site: Site::InText {
                     spot,

@@ -15,7 +15,7 @@ use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use image::codecs::jpeg::JpegEncoder;
 use image::codecs::png::{CompressionType, FilterType as PngFilter, PngEncoder};
-use image::{DynamicImage, ImageEncoder, ImageFormat, ImageReader};
+use image::{DynamicImage, ImageDecoder, ImageEncoder, ImageFormat, ImageReader};
 
 /// The most pixels visor decodes (a 9000×6000 photo is 54 MP); larger
 /// images are left as they came.
@@ -124,7 +124,16 @@ pub fn decode(bytes: &[u8], format: ImageFormat) -> Result<DynamicImage, Unfit> 
     limits.max_alloc = Some(DECODE_MAX_ALLOC);
     let mut r = reader();
     r.limits(limits);
-    r.decode().map_err(|e| Unfit::Broken(e.to_string()))
+    let broken = |e: image::ImageError| Unfit::Broken(e.to_string());
+    let mut decoder = r.into_decoder().map_err(broken)?;
+    // A photo's EXIF orientation is applied: the pixels sent are the
+    // picture as it is seen (the tag does not survive re-encoding).
+    let orientation = decoder
+        .orientation()
+        .unwrap_or(image::metadata::Orientation::NoTransforms);
+    let mut img = DynamicImage::from_decoder(decoder).map_err(broken)?;
+    img.apply_orientation(orientation);
+    Ok(img)
 }
 
 /// Pixels to encode: 8-bit RGB or RGBA.

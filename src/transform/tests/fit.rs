@@ -332,3 +332,64 @@ fn a_hoisted_image_is_fitted_too() {
     let (w, h, _) = decoded_size(img["source"]["data"].as_str().unwrap());
     assert_eq!((w, h), (1000, 66));
 }
+
+#[test]
+fn only_where_the_api_takes_an_image_is_one_put() {
+    let png = test_png(32, 32, false);
+    let data = b64(&png);
+    let url = format!("data:image/png;base64,{data}");
+    // A Responses item whose output is a string only.
+    let body = json!({"model": "gpt-4.1", "input": [
+        {"type": "local_shell_call_output", "call_id": "s1", "output": format!("wrote {url}")}
+    ]});
+    let (sent, _) = fitted(&body, Shape::Responses, HOIST);
+    assert!(
+        sent["input"][0]["output"].is_string(),
+        "{}",
+        sent["input"][0]["output"]
+    );
+    no_base64_text(&sent, &data);
+    // A content that is one part, not an array: nothing can go beside it.
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 5, "messages": [
+        {"role": "user", "content": {"type": "text", "text": format!("see {url}")}}
+    ]});
+    let (sent, r) = fitted(&body, Shape::Messages, HOIST);
+    assert!(r.body.is_some());
+    assert!(sent["messages"][0]["content"].is_object());
+    no_base64_text(&sent, &data);
+    // A search result's content takes text blocks only.
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "search_result", "source": "s", "title": "t",
+            "content": [{"type": "text", "text": format!("logo {url}")}]}]}
+    ]});
+    let (sent, _) = fitted(&body, Shape::Messages, HOIST);
+    let blocks = sent["messages"][0]["content"][0]["content"]
+        .as_array()
+        .unwrap();
+    assert_eq!(blocks.len(), 1);
+    assert_eq!(blocks[0]["type"], "text");
+    no_base64_text(&sent, &data);
+}
+
+#[test]
+fn an_image_replaced_as_text_is_no_image_for_dedupe_or_the_cap() {
+    let png = test_png(32, 32, false);
+    let data = b64(&png);
+    let body = json!({"model": "gpt-4o", "messages": [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": json!({"type": "image", "data": data, "mimeType": "image/png"}).to_string()},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{data}")}}]}
+    ]});
+    let p = Plan {
+        fit: HOIST,
+        ..plan(Shape::Chat, true, DEFAULTS)
+    };
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let r = rewrite(&bytes, &p);
+    let sent: Value = serde_json::from_slice(r.body.as_deref().unwrap()).unwrap();
+    // The user's copy is the image the model sees, not a reference to
+    // the text one.
+    assert_eq!(sent["messages"][3], body["messages"][3]);
+    no_base64_text(&sent, &data);
+}

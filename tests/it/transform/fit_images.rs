@@ -33,7 +33,7 @@ fn png(w: u32, h: u32, noise: bool) -> Vec<u8> {
 /// [`png`] with its blue channel `tint` (distinct images, alike).
 fn png_tinted(w: u32, h: u32, noise: bool, tint: u8) -> Vec<u8> {
     let mut data = Vec::with_capacity((w * h * 3) as usize);
-    let mut x: u32 = 0x9e37_79b9;
+    let mut x: u32 = 0x9e37_79b9 ^ (u32::from(tint) << 16);
     for y in 0..h {
         for i in 0..w {
             if noise {
@@ -374,4 +374,36 @@ async fn a_screenshot_agent_ages_its_screenshots_in_few_rewrites_and_keeps_its_p
     assert!(rewrites.len() <= 8, "rewrites on turns {rewrites:?}");
     // Not at the first chance (keep_turns = 2): keeping had to cost first.
     assert!(rewrites[0] > 4, "rewrites on turns {rewrites:?}");
+}
+
+#[tokio::test]
+async fn a_request_over_its_bound_is_brought_within_though_no_image_is_over_its_own() {
+    let mock = MockUpstream::start(|_| messages_ok()).await;
+    let max = 300_000;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!(
+            "[images]\nprovider_size = false\n[[model]]\nmatch = \"claude-*\"\nmax_request_bytes = {max}\n"
+        ),
+    )
+    .await;
+    let blocks: Vec<Value> = (0..2)
+        .map(|i| {
+            let shot = b64(&png_tinted(300, 300, true, i));
+            json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": shot}})
+        })
+        .collect();
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 16,
+        "messages": [{"role": "user", "content": blocks}]});
+    assert!(serde_json::to_vec(&body).unwrap().len() > 2 * max);
+    let (status, _) = send_messages(&visor, &body).await;
+    assert_eq!(status, 200);
+    let sent = mock.recorded().pop().unwrap().body;
+    assert!(
+        sent.len() <= max,
+        "{} bytes sent, the bound is {max}",
+        sent.len()
+    );
+    let v: Value = serde_json::from_slice(&sent).unwrap();
+    assert_eq!(image_blocks(&v).len(), 2, "both images still sent");
 }
