@@ -53,6 +53,8 @@ pub fn build(
         &config.server.data_dir,
         metrics.clone(),
     )?);
+    // Limits are counted in the store only when it is shared (Redis).
+    metrics.ratelimit_shared.set(i64::from(store.is_shared()));
     let media = Arc::new(media_text(&config, &upstreams, &store, &metrics));
     let gate = gate(&config, store.clone(), metrics.clone());
     let rewrite = rewriter(

@@ -785,10 +785,10 @@ fn print_explained(out: &serde_json::Value, verbatim: Option<&str>) -> ExitCode 
 }
 
 fn serve(source: &Source, listen: Option<SocketAddr>) -> ExitCode {
-    init_logging();
     let Some(cfg) = load(source) else {
         return ExitCode::FAILURE;
     };
+    init_logging(cfg.server.log_format);
     let label = source.label();
     if let Source::BuiltIn = source {
         tracing::info!(
@@ -870,13 +870,20 @@ fn init(recipe: Option<&str>, output: &std::path::Path, force: bool) -> ExitCode
     ExitCode::SUCCESS
 }
 
-fn init_logging() {
+/// Log lines to stderr: text for people, or one JSON object per line
+/// (`server.log_format = "json"`: `timestamp`, `level`, `fields` with the
+/// message and the same fields as the text line, for log pipelines).
+fn init_logging(format: visor::config::LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
+        .with_target(false);
+    match format {
+        visor::config::LogFormat::Json => fmt.json().with_current_span(false).init(),
+        visor::config::LogFormat::Text => fmt
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
 }

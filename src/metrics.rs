@@ -69,6 +69,16 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
+        // Which build is running: always 1, the version and commit as
+        // labels (join on them in queries and dashboards).
+        gauge_vec(
+            &registry,
+            "visor_build_info",
+            "Always 1: the version and the commit this visor was built from",
+            &["version", "commit"],
+        )?
+        .with_label_values(&[env!("CARGO_PKG_VERSION"), env!("VISOR_COMMIT")])
+        .set(1);
         let traffic = Traffic::register(&registry)?;
         let upstreams = Upstreams::register(&registry)?;
         let transforms = Transforms::register(&registry)?;
@@ -448,9 +458,10 @@ impl Limits {
         let ratelimit_shared = gauge(
             registry,
             "visor_ratelimit_shared",
-            "1 while rate limits are counted in the shared (Redis) store, 0 while each replica counts on its own because the store cannot be reached",
+            "1 while rate limits are counted in the shared (Redis) store; 0 while each replica counts on its own: no shared store is configured, or it cannot be reached",
         )?;
-        ratelimit_shared.set(1);
+        // Set to 1 at startup when the store is shared (`app::build`).
+        ratelimit_shared.set(0);
         Ok(Self {
             ratelimited: counter_vec(
                 registry,

@@ -54,7 +54,7 @@ pub use inspector::{Inspector, RawInspector};
 pub use keys::{Key, RawKey};
 pub use models::{Model, RawModel, model_glob};
 pub use retries::{RawRetries, Retries};
-pub use server::{DEFAULT_MAX_CONNECTIONS, RawServer, Server};
+pub use server::{DEFAULT_MAX_CONNECTIONS, LogFormat, RawServer, Server};
 pub use sessions::{RawSessions, Sessions};
 pub use store::{RawStore, StoreBackend, StoreConfig, redacted_url};
 pub use upstreams::{AuthMode, RawUpstream, Upstream};

@@ -39,6 +39,21 @@ pub struct RawServer {
     pub header_timeout_secs: f64,
     #[serde(default = "default_drain_delay_secs")]
     pub drain_delay_secs: f64,
+    /// `"text"` (a line for people) or `"json"` (one object per line, for
+    /// log pipelines).
+    #[serde(default = "default_log_format")]
+    pub log_format: String,
+}
+
+fn default_log_format() -> String {
+    "text".to_owned()
+}
+
+/// How `visor serve` writes its log lines (`server.log_format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 impl Default for RawServer {
@@ -57,6 +72,7 @@ impl Default for RawServer {
             max_connections: default_max_connections(),
             header_timeout_secs: default_header_timeout_secs(),
             drain_delay_secs: default_drain_delay_secs(),
+            log_format: default_log_format(),
         }
     }
 }
@@ -125,6 +141,7 @@ pub struct Server {
     /// At shutdown on SIGTERM (not SIGINT): `/readyz` answers 503 this long
     /// before the listeners close. 0 by default.
     pub drain_delay: Duration,
+    pub log_format: LogFormat,
 }
 
 impl RawServer {
@@ -162,6 +179,13 @@ impl RawServer {
             } else {
                 p.secs("server.drain_delay_secs", self.drain_delay_secs)
             },
+            log_format: p
+                .one_of(
+                    "server.log_format",
+                    &self.log_format,
+                    &[("text", LogFormat::Text), ("json", LogFormat::Json)],
+                )
+                .unwrap_or(LogFormat::Text),
         };
         p.at_least_one("server.max_connections", server.max_connections as u64);
         if server.workers > 1024 {

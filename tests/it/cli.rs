@@ -124,6 +124,56 @@ fn serve_exits_zero_on_sigterm() {
     assert!(log.contains("SIGTERM received"), "{log}");
 }
 
+/// `server.log_format = "json"`: every line `visor serve` writes is one
+/// JSON object with its time, level, message and fields, from the first
+/// line (the config is read before the log starts) to the last.
+#[test]
+fn serve_logs_one_json_object_a_line_with_log_format_json() {
+    let path = temp_config(
+        "json-log",
+        "[server]\nlog_format = \"json\"\n[[upstream]]\nname = \"u\"\nbase_url = \"http://127.0.0.1:9/v1\"\n",
+    );
+    let config = path.to_string_lossy().into_owned();
+    let serving = Serving::start(&["--config", &config], &[("RUST_LOG", "info")]);
+    let addr = serving.addr.clone();
+    assert!(addr.starts_with("127.0.0.1:"), "{addr}");
+    let (code, log) = serving.terminate();
+    assert_eq!(code, Some(0), "{log}");
+    let mut messages = Vec::new();
+    for line in log.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(v["timestamp"].is_string(), "{line}");
+        assert!(
+            matches!(v["level"].as_str(), Some("INFO" | "WARN" | "ERROR")),
+            "{line}"
+        );
+        messages.push(
+            v["fields"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        );
+    }
+    assert!(
+        messages.iter().any(|m| m.contains("visor listening")),
+        "{messages:?}"
+    );
+    assert!(
+        messages.iter().any(|m| m.contains("SIGTERM received")),
+        "{messages:?}"
+    );
+    // A bad value is refused with the choices.
+    let bad = temp_config("json-log-bad", "[server]\nlog_format = \"xml\"\n");
+    let out = visor()
+        .args(["check", "--config", &bad.to_string_lossy()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("server.log_format"), "{err}");
+}
+
 /// Runs the real binary at `RUST_LOG=trace` against a mock upstream, sends
 /// requests carrying keys and a body over HTTP/1.1 and HTTP/2, and checks
 /// that no log line holds a key, an Authorization value or the body.

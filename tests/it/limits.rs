@@ -764,3 +764,24 @@ async fn a_stream_left_before_its_usage_is_charged_its_text() {
     );
     drop(tx);
 }
+
+/// Without a shared store each replica counts its own limits, and the
+/// gauge says so from the start (it read 1 with a disk store); the build
+/// says what it is.
+#[tokio::test]
+async fn limits_are_not_shared_without_redis_and_the_build_is_named() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let m = visor.metrics().await;
+    assert_eq!(metric(&m, "visor_ratelimit_shared", &[]), Some(0.0), "{m}");
+    let build = m
+        .lines()
+        .find(|l| l.starts_with("visor_build_info{"))
+        .unwrap_or_else(|| panic!("no visor_build_info:\n{m}"));
+    assert!(
+        build.contains(&format!("version=\"{}\"", env!("CARGO_PKG_VERSION"))),
+        "{build}"
+    );
+    assert!(build.contains("commit=\""), "{build}");
+    assert!(build.ends_with(" 1"), "{build}");
+}

@@ -971,10 +971,14 @@ impl Serving {
                 panic!("visor did not report listening:\n{}", log.join("\n"));
             };
             if line.contains("visor listening") {
-                addr = line
-                    .split_whitespace()
-                    .find_map(|w| w.strip_prefix("addr="))
-                    .map(str::to_owned);
+                // A text line (`addr=…`), or a JSON one (`"addr":"…"`).
+                addr = match serde_json::from_str::<serde_json::Value>(&line) {
+                    Ok(v) => v["fields"]["addr"].as_str().map(str::to_owned),
+                    Err(_) => line
+                        .split_whitespace()
+                        .find_map(|w| w.strip_prefix("addr="))
+                        .map(str::to_owned),
+                };
             }
             log.push(line);
         }
