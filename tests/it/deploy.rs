@@ -373,11 +373,68 @@ fn kubernetes_manifests_probe_secure_and_drain() {
         ("k8s/service.yaml", "Service"),
         ("k8s/hpa.yaml", "HorizontalPodAutoscaler"),
         ("k8s/pdb.yaml", "PodDisruptionBudget"),
-        ("k8s/servicemonitor.yaml", "ServiceMonitor"),
+        (
+            "k8s/components/servicemonitor/servicemonitor.yaml",
+            "ServiceMonitor",
+        ),
         ("k8s/secret.example.yaml", "Secret"),
     ] {
         assert_eq!(yaml(file)[0]["kind"].as_str(), Some(kind), "{file}");
     }
+    // The base applies on a cluster without the Prometheus Operator: its
+    // ServiceMonitor is a component, added by an overlay.
+    let base = &yaml("k8s/kustomization.yaml")[0];
+    let listed: Vec<&str> = base["resources"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap())
+        .collect();
+    for r in &listed {
+        assert!(deploy().join("k8s").join(r).exists(), "{r}");
+        assert_ne!(
+            yaml(&format!("k8s/{r}"))[0]["kind"].as_str(),
+            Some("ServiceMonitor"),
+            "{r}"
+        );
+    }
+    let component = &yaml("k8s/components/servicemonitor/kustomization.yaml")[0];
+    assert_eq!(component["kind"].as_str(), Some("Component"));
+    let overlay = &yaml("k8s-prometheus-operator/kustomization.yaml")[0];
+    assert_eq!(overlay["resources"][0].as_str(), Some("../k8s"));
+    assert_eq!(
+        overlay["components"][0].as_str(),
+        Some("../k8s/components/servicemonitor")
+    );
+    // Redis keeps its data across restarts: a claim, append-only.
+    let redis = yaml("k8s/redis.yaml");
+    let claim = redis
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("PersistentVolumeClaim"))
+        .expect("a PersistentVolumeClaim for Redis");
+    let redis_dep = redis
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("Deployment"))
+        .unwrap();
+    let spec = &redis_dep["spec"]["template"]["spec"];
+    assert_eq!(
+        spec["volumes"][0]["persistentVolumeClaim"]["claimName"].as_str(),
+        claim["metadata"]["name"].as_str()
+    );
+    let args: Vec<&str> = spec["containers"][0]["args"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(
+        args.windows(2).any(|w| w == ["--appendonly", "yes"]),
+        "{args:?}"
+    );
+    assert_eq!(
+        redis_dep["spec"]["strategy"]["type"].as_str(),
+        Some("Recreate")
+    );
     // The sidecar: the app's base URL on localhost, visor listening there.
     let sidecar = yaml("k8s/sidecar-example.yaml");
     let containers = sidecar[0]["spec"]["template"]["spec"]["containers"]
