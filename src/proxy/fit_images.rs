@@ -18,6 +18,14 @@ use crate::transform::{FitJob, Scanned};
 /// Bytes of fitted images kept in memory.
 const MEMORY_BYTES: u64 = 256 * 1024 * 1024;
 
+/// Memory all fits at once may take, in MiB: a fit takes about 8 bytes a
+/// pixel of the image it decodes (decoded, scaled, encoding; 431 MB peak
+/// for a 9000×6000 PNG, `crates/image-fit/tests/timing.rs`), so a large
+/// photo waits for the others rather than take the process past its
+/// memory limit.
+const FIT_MEMORY_MIB: u32 = 512;
+const BYTES_PER_PIXEL: u64 = 8;
+
 /// A fitted image or why it was left (both kept: an image that cannot be
 /// decoded is not tried again every turn).
 type Outcome = Arc<Result<Fitted, Unfit>>;
@@ -27,6 +35,8 @@ pub struct Fitter {
     memory: Cache<String, Outcome>,
     dir: Option<PathBuf>,
     permits: Arc<Semaphore>,
+    /// [`FIT_MEMORY_MIB`], a permit a MiB.
+    fit_memory: Arc<Semaphore>,
 }
 
 impl Fitter {
@@ -44,6 +54,7 @@ impl Fitter {
             memory,
             dir,
             permits: Arc::new(Semaphore::new(concurrency.max(1))),
+            fit_memory: Arc::new(Semaphore::new(FIT_MEMORY_MIB as usize)),
         }
     }
 
@@ -80,6 +91,14 @@ impl Fitter {
                 if let Some(f) = self.read(&key).await {
                     return Arc::new(Ok(f));
                 }
+                let (w, h) = job.from;
+                let mib = (u64::from(w) * u64::from(h) * BYTES_PER_PIXEL).div_ceil(1 << 20);
+                let mib = u32::try_from(mib)
+                    .unwrap_or(u32::MAX)
+                    .clamp(1, FIT_MEMORY_MIB);
+                let Ok(memory) = self.fit_memory.clone().acquire_many_owned(mib).await else {
+                    return Arc::new(Err(Unfit::Broken("shutting down".to_owned())));
+                };
                 let Ok(permit) = self.permits.clone().acquire_owned().await else {
                     return Arc::new(Err(Unfit::Broken("shutting down".to_owned())));
                 };
@@ -88,7 +107,7 @@ impl Fitter {
                 // waiting (its deadline, a client gone) does not free it
                 // while the fit still runs.
                 let outcome = tokio::task::spawn_blocking(move || {
-                    let _permit = permit;
+                    let _permits = (permit, memory);
                     fit(&bytes, size, max)
                 })
                 .await

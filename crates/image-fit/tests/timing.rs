@@ -55,3 +55,24 @@ fn where_the_time_goes() {
         );
     }
 }
+
+/// The memory one large fit takes (run by hand under `/usr/bin/time -v`:
+/// its maximum resident set size).
+#[test]
+#[ignore]
+fn memory_of_a_9000x6000_fit() {
+    let (w, h) = (9000u32, 6000u32);
+    let mut data = Vec::with_capacity((w * h * 3) as usize);
+    for y in 0..h {
+        for i in 0..w {
+            data.extend_from_slice(&[(i / 64) as u8, (y / 64) as u8, 128]);
+        }
+    }
+    let mut png = Vec::new();
+    image::codecs::png::PngEncoder::new(&mut png)
+        .write_image(&data, w, h, image::ExtendedColorType::Rgb8)
+        .unwrap();
+    drop(data);
+    let out = visor_image_fit::fit(&png, Some((8000, 5333)), Some(5_242_880)).unwrap();
+    eprintln!("{}x{} {} bytes", out.width, out.height, out.bytes.len());
+}
