@@ -23,6 +23,7 @@ fn limiter(store: Arc<Store>, metrics: Arc<Metrics>) -> Limiter {
     Limiter::new(
         vec![KeyLimits {
             name: "team-a".into(),
+            label: "team-a".into(),
             // High enough never to refuse during the run.
             requests_per_minute: Some(u64::MAX / 2),
             tokens_per_minute: Some(u64::MAX / 2),

@@ -13,6 +13,7 @@
 //!        ─► retry budget and breakers, upstreams ─► proxy::Routes
 //!        ─► [cache] (store)                     ─► prompt_cache::PromptCache
 //!        ─► [inspector] (listen, proxy keys, store) ─► inspector::Inspector
+//!        ─► [telemetry] (metrics)               ─► telemetry::Telemetry
 //! ```
 
 use std::sync::Arc;
@@ -86,6 +87,7 @@ pub fn build(
         rewrite.models.clone(),
         metrics.inspector_dropped.clone(),
     );
+    let telemetry = telemetry(&config, &metrics);
     // What the phases keep of the config itself: the server's bounds and
     // deadlines, and the upstreams to route to.
     let Config {
@@ -114,7 +116,22 @@ pub fn build(
         inspector,
         store,
         life,
+        telemetry,
     })
+}
+
+/// The tracer and its exporter, when `[telemetry] otlp_endpoint` is set
+/// (a client that cannot be built turns traces off, said in the log).
+fn telemetry(config: &Config, metrics: &Metrics) -> Option<Arc<crate::telemetry::Telemetry>> {
+    config.telemetry.traces_url.as_ref()?;
+    let client = match crate::upstream::client_of(config.server.connect_timeout) {
+        Ok(c) => crate::telemetry::export::Client(c),
+        Err(e) => {
+            tracing::warn!(error = %e, "traces are off: no TLS client for the collector");
+            return None;
+        }
+    };
+    crate::telemetry::Telemetry::start(&config.telemetry, client, metrics.telemetry_spans.clone())
 }
 
 /// The describer and transcriber (calls through the upstream client, kept

@@ -45,5 +45,6 @@ pub mod retries;
 pub mod server;
 pub mod sessions;
 pub mod store;
+pub mod telemetry;
 pub mod transform;
 pub mod upstream;

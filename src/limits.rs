@@ -34,6 +34,8 @@ pub const BYTES_PER_TOKEN: u64 = 4;
 #[derive(Debug, Clone)]
 pub struct KeyLimits {
     pub name: String,
+    /// The name as metrics and summaries carry it (shared, not copied).
+    pub label: std::sync::Arc<str>,
     pub requests_per_minute: Option<u64>,
     pub tokens_per_minute: Option<u64>,
     /// The models the key may use (globs, lower case).
@@ -48,6 +50,7 @@ impl From<&crate::config::Key> for KeyLimits {
     fn from(k: &crate::config::Key) -> Self {
         Self {
             name: k.name.clone(),
+            label: std::sync::Arc::from(k.name.as_str()),
             requests_per_minute: k.requests_per_minute,
             tokens_per_minute: k.tokens_per_minute,
             models: k.matcher.clone(),
@@ -416,6 +419,7 @@ mod tests {
         Limiter::new(
             vec![KeyLimits {
                 name: "team-a".into(),
+                label: "team-a".into(),
                 requests_per_minute: rpm,
                 tokens_per_minute: tpm,
                 models: b.build().unwrap(),

@@ -49,6 +49,8 @@ pub struct Metrics {
     pub artifact_errors: IntCounter,
     /// `visor_inspector_dropped_total`.
     pub inspector_dropped: IntCounter,
+    /// `visor_telemetry_spans_total{result}`: exported, dropped, failed.
+    pub telemetry_spans: IntCounterVec,
     pub describe: IntCounterVec,
     /// `visor_credential_refused_total{role, upstream}`
     pub credential_refused: IntCounterVec,
@@ -109,6 +111,7 @@ impl Metrics {
             transform_duration: transforms.transform_duration,
             artifact_errors: transforms.artifact_errors,
             inspector_dropped: transforms.inspector_dropped,
+            telemetry_spans: transforms.telemetry_spans,
             describe: describer.describe,
             credential_refused: describer.credential_refused,
             describe_duration: describer.describe_duration,
@@ -124,6 +127,17 @@ impl Metrics {
             upstream_state: upstreams.upstream_state,
             models_seen: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// `visor_tokens_total{kind, key}` for one response's usage: prompt,
+    /// completion, cached_read, cache_write (a kind of 0 is not touched).
+    pub fn count_tokens(&self, key: &str, tokens: [u64; 4]) {
+        let kinds = ["prompt", "completion", "cached_read", "cache_write"];
+        for (kind, n) in kinds.into_iter().zip(tokens) {
+            if n > 0 {
+                self.tokens.with_label_values(&[kind, key]).inc_by(n);
+            }
+        }
     }
 
     /// The label to use for `model`: the model itself while fewer than
@@ -183,8 +197,8 @@ impl Traffic {
             requests: counter_vec(
                 registry,
                 "visor_requests_total",
-                "Requests answered, by upstream, model as requested, and status",
-                &["upstream", "model", "status"],
+                "Requests answered, by upstream, model as requested, status, and the caller's key name (none without one, api_keys for a server.api_keys key)",
+                &["upstream", "model", "status", "key"],
             )?,
             request_duration: histogram_vec(
                 registry,
@@ -212,8 +226,8 @@ impl Traffic {
             tokens: counter_vec(
                 registry,
                 "visor_tokens_total",
-                "Tokens reported by upstreams in `usage`, by kind (prompt, completion; cached_read and cache_write: the provider's prompt cache)",
-                &["kind"],
+                "Tokens reported by upstreams in `usage`, by kind (prompt, completion; cached_read and cache_write: the provider's prompt cache) and the caller's key name",
+                &["kind", "key"],
             )?,
             connections: gauge(
                 registry,
@@ -271,6 +285,7 @@ struct Transforms {
     transform_duration: Histogram,
     artifact_errors: IntCounter,
     inspector_dropped: IntCounter,
+    telemetry_spans: IntCounterVec,
 }
 
 impl Transforms {
@@ -316,7 +331,14 @@ impl Transforms {
         for reason in ["images", "dedup"] {
             bytes_saved.with_label_values(&[reason]);
         }
+        let telemetry_spans = counter_vec(
+            registry,
+            "visor_telemetry_spans_total",
+            "Trace spans by what became of them: exported to the OTLP collector, dropped (the export queue was full: the request was not slowed), failed (the collector refused them or did not answer)",
+            &["result"],
+        )?;
         Ok(Self {
+            telemetry_spans,
             images,
             media,
             bytes_saved,
@@ -594,11 +616,13 @@ mod tests {
     #[test]
     fn render_names_every_metric() {
         let m = Metrics::new().unwrap();
-        m.requests.with_label_values(&["u", "m", "200"]).inc();
+        m.requests
+            .with_label_values(&["u", "m", "200", "none"])
+            .inc();
         m.request_duration.with_label_values(&["u"]).observe(0.1);
         m.first_byte.with_label_values(&["u"]).observe(0.1);
         m.upstream_error("u", "connect");
-        m.tokens.with_label_values(&["prompt"]).inc_by(3);
+        m.tokens.with_label_values(&["prompt", "none"]).inc_by(3);
         let text = String::from_utf8(m.render()).unwrap();
         for name in [
             "visor_requests_total",

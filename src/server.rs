@@ -237,9 +237,16 @@ impl Server {
                 Err(_) => result = result.and(Err(io::Error::other("a worker thread died"))),
             }
         }
+        // The drained requests' spans go to the collector (bounded).
+        if let Some(t) = &state.telemetry {
+            t.flush(TELEMETRY_FLUSH).await;
+        }
         result
     }
 }
+
+/// How long spans still queued at shutdown may take to reach the collector.
+const TELEMETRY_FLUSH: Duration = Duration::from_secs(5);
 
 /// Whether something accepts connections at `addr` (an unspecified address
 /// is asked on loopback).

@@ -73,6 +73,24 @@ pub fn client(
         .build(https))
 }
 
+/// A pooled TLS client (webpki roots) for any body type: the one the
+/// trace exporter sends with.
+pub fn client_of<B>(
+    connect_timeout: Duration,
+) -> Result<Client<HttpsConnector<HttpConnector>, B>, rustls::Error>
+where
+    B: Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let https = connector(connect_timeout, &[], true)?;
+    Ok(Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_timer(TokioTimer::new())
+        .timer(TokioTimer::new())
+        .build(https))
+}
+
 /// The TCP (+ TLS for https) connector: ALPN h2 and http/1.1, or only
 /// http/1.1 (`h2 = false`: WebSocket connections).
 fn connector(

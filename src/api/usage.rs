@@ -528,3 +528,236 @@ mod tests {
         ));
     }
 }
+
+/// What a response says of itself besides its usage — the model that
+/// answered and why it stopped — read for its trace (only when traced).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Said {
+    pub model: Option<String>,
+    /// Chat `finish_reason`s, Anthropic `stop_reason`, a Responses
+    /// response's final `status`.
+    pub finish_reasons: Vec<String>,
+    /// The response's bytes up to the bound asked for (message contents
+    /// exported only with `[telemetry] capture_content`).
+    pub content: Option<Vec<u8>>,
+}
+
+#[derive(Deserialize, Default)]
+struct SaidCarrier {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    choices: Option<Vec<Choice>>,
+    #[serde(default)]
+    stop_reason: Option<String>,
+    #[serde(default)]
+    status: Option<String>,
+    /// Anthropic's `message_delta` carries `stop_reason` in it (elsewhere
+    /// a delta is text: any value is taken).
+    #[serde(default)]
+    delta: Option<serde_json::Value>,
+    #[serde(default)]
+    response: Option<Box<SaidCarrier>>,
+    #[serde(default)]
+    message: Option<Box<SaidCarrier>>,
+}
+
+#[derive(Deserialize)]
+struct Choice {
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+impl Said {
+    fn merge(&mut self, c: SaidCarrier) {
+        if self.model.is_none() {
+            self.model = c.model.filter(|m| !m.is_empty());
+        }
+        let mut reasons: Vec<String> = c
+            .choices
+            .into_iter()
+            .flatten()
+            .filter_map(|ch| ch.finish_reason)
+            .collect();
+        reasons.extend(c.stop_reason);
+        reasons.extend(
+            c.delta
+                .as_ref()
+                .and_then(|d| d.get("stop_reason")?.as_str())
+                .map(str::to_owned),
+        );
+        // Only a finished response's status is a reason it stopped.
+        reasons.extend(c.status.filter(|s| {
+            matches!(
+                s.as_str(),
+                "completed" | "incomplete" | "failed" | "cancelled"
+            )
+        }));
+        for r in reasons {
+            if !self.finish_reasons.contains(&r) {
+                self.finish_reasons.push(r);
+            }
+        }
+        for nested in [c.response, c.message].into_iter().flatten() {
+            self.merge(*nested);
+        }
+    }
+}
+
+/// Reads a response's [`Said`] as its body passes (a JSON body whole at
+/// its end, an event stream line by line), bounded like the usage.
+pub struct SaidObserver {
+    form: SaidForm,
+    said: Said,
+    /// Bytes of the response kept as its content (0: none).
+    content_max: usize,
+}
+
+enum SaidForm {
+    Off,
+    Json(Vec<u8>),
+    Sse(Lines),
+}
+
+impl SaidObserver {
+    /// By the response's headers, as [`UsageObserver::for_response`];
+    /// `content_max`: how much of the body to keep as its content.
+    pub fn for_response(headers: &http::HeaderMap, content_max: usize) -> Self {
+        let form = match UsageObserver::for_response(headers) {
+            UsageObserver::Off => SaidForm::Off,
+            UsageObserver::Json { .. } => SaidForm::Json(Vec::new()),
+            UsageObserver::Sse { .. } => SaidForm::Sse(Lines::bounded(MAX_LINE)),
+        };
+        SaidObserver {
+            form,
+            said: Said::default(),
+            content_max,
+        }
+    }
+
+    pub fn observe(&mut self, data: &[u8]) {
+        if self.content_max > 0 {
+            let kept = self.said.content.get_or_insert_with(Vec::new);
+            let room = self.content_max.saturating_sub(kept.len());
+            kept.extend_from_slice(&data[..data.len().min(room)]);
+        }
+        match &mut self.form {
+            SaidForm::Off => {}
+            SaidForm::Json(all) => {
+                if all.len() + data.len() > MAX_JSON {
+                    self.form = SaidForm::Off;
+                } else {
+                    all.extend_from_slice(data);
+                }
+            }
+            SaidForm::Sse(lines) => {
+                let said = &mut self.said;
+                lines.feed(data, |line| said_line(line, said));
+            }
+        }
+    }
+
+    pub fn finish(mut self) -> Said {
+        match std::mem::replace(&mut self.form, SaidForm::Off) {
+            SaidForm::Off => {}
+            SaidForm::Json(all) => {
+                if let Ok(c) = serde_json::from_slice::<SaidCarrier>(&all) {
+                    self.said.merge(c);
+                }
+            }
+            SaidForm::Sse(mut lines) => said_line(&lines.finish(), &mut self.said),
+        }
+        self.said
+    }
+}
+
+/// One event's model and stop reasons: read only from the events that can
+/// hold them (the first naming a model, one with a non-null `…_reason`, a
+/// Responses response's end).
+fn said_line(line: &[u8], said: &mut Said) {
+    let Some(payload) = sse::data(line) else {
+        return;
+    };
+    let worth = (said.model.is_none() && contains(payload, b"\"model\""))
+        || contains(payload, b"_reason\":\"")
+        || contains(payload, b"_reason\": \"")
+        || contains(payload, b"\"response.completed\"")
+        || contains(payload, b"\"response.incomplete\"")
+        || contains(payload, b"\"response.failed\"");
+    if worth && let Ok(c) = serde_json::from_slice::<SaidCarrier>(payload.trim_ascii()) {
+        said.merge(c);
+    }
+}
+
+#[cfg(test)]
+mod said_tests {
+    use super::*;
+
+    fn headers(ct: &str) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        h.insert(http::header::CONTENT_TYPE, ct.parse().unwrap());
+        h
+    }
+
+    fn read(ct: &str, chunks: &[&str], content_max: usize) -> Said {
+        let mut o = SaidObserver::for_response(&headers(ct), content_max);
+        for c in chunks {
+            o.observe(c.as_bytes());
+        }
+        o.finish()
+    }
+
+    #[test]
+    fn chat_stream_model_and_finish_reason() {
+        let said = read(
+            "text/event-stream",
+            &[
+                "data: {\"id\":\"1\",\"model\":\"gpt-4o-2024-08-06\",\"choices\":[{\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
+                "data: {\"id\":\"1\",\"model\":\"gpt-4o-2024-08-06\",\"choices\":[{\"delta\":{},\"finish_rea",
+                "son\":\"stop\"}]}\n\ndata: [DONE]\n\n",
+            ],
+            0,
+        );
+        assert_eq!(said.model.as_deref(), Some("gpt-4o-2024-08-06"));
+        assert_eq!(said.finish_reasons, ["stop"]);
+        assert_eq!(said.content, None);
+    }
+
+    #[test]
+    fn anthropic_stream_and_responses_stream() {
+        let said = read(
+            "text/event-stream",
+            &[
+                "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"model\":\"claude-sonnet-4-5\",\"stop_reason\":null}}\n\n",
+                "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"tool_use\"}}\n\n",
+            ],
+            0,
+        );
+        assert_eq!(said.model.as_deref(), Some("claude-sonnet-4-5"));
+        assert_eq!(said.finish_reasons, ["tool_use"]);
+        let said = read(
+            "text/event-stream",
+            &[
+                "data: {\"type\":\"response.created\",\"response\":{\"model\":\"gpt-5\",\"status\":\"in_progress\"}}\n\n",
+                "data: {\"type\":\"response.output_text.delta\",\"delta\":\"stop_reason\\\":\\\"x\"}\n\n",
+                "data: {\"type\":\"response.completed\",\"response\":{\"model\":\"gpt-5\",\"status\":\"completed\"}}\n\n",
+            ],
+            0,
+        );
+        assert_eq!(said.model.as_deref(), Some("gpt-5"));
+        assert_eq!(said.finish_reasons, ["completed"]);
+    }
+
+    #[test]
+    fn whole_json_and_content_bound() {
+        let body = "{\"model\":\"m\",\"choices\":[{\"finish_reason\":\"length\"},{\"finish_reason\":\"stop\"}]}";
+        let said = read("application/json", &[&body[..20], &body[20..]], 10);
+        assert_eq!(said.model.as_deref(), Some("m"));
+        assert_eq!(said.finish_reasons, ["length", "stop"]);
+        assert_eq!(said.content.as_deref(), Some(&body.as_bytes()[..10]));
+        assert_eq!(
+            read("application/octet-stream", &[body], 0),
+            Said::default()
+        );
+    }
+}

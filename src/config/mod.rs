@@ -40,6 +40,7 @@ pub mod retries;
 pub mod server;
 pub mod sessions;
 pub mod store;
+pub mod telemetry;
 pub mod upstreams;
 
 #[cfg(test)]
@@ -57,6 +58,7 @@ pub use retries::{RawRetries, Retries};
 pub use server::{DEFAULT_MAX_CONNECTIONS, LogFormat, RawServer, Server};
 pub use sessions::{RawSessions, Sessions};
 pub use store::{RawStore, StoreBackend, StoreConfig, redacted_url};
+pub use telemetry::{RawTelemetry, Telemetry};
 pub use upstreams::{AuthMode, RawUpstream, Upstream};
 
 /// A secret from the config (an API key). It never prints its value.
@@ -197,6 +199,8 @@ pub struct RawConfig {
     pub cache: RawCache,
     #[serde(default)]
     pub inspector: RawInspector,
+    #[serde(default)]
+    pub telemetry: RawTelemetry,
 }
 
 // ------------------------------------------------------------ runtime phase
@@ -221,6 +225,8 @@ pub struct Config {
     pub cache: Cache,
     /// `[inspector]`: the page of recent requests.
     pub inspector: Inspector,
+    /// `[telemetry]`: OpenTelemetry traces.
+    pub telemetry: Telemetry,
     /// `[[key]]`: each entry's limits and models, and its key when it has
     /// one.
     pub keys: Vec<Key>,
@@ -293,6 +299,7 @@ impl RawConfig {
         let store = self.store.validate(&mut p);
         let cache = self.cache.validate(&mut p);
         let inspector = self.inspector.validate(&mut p);
+        let telemetry = self.telemetry.validate(&mut p);
         if !p.is_empty() {
             return Err(p.0);
         }
@@ -317,6 +324,7 @@ impl RawConfig {
             retries,
             cache,
             inspector,
+            telemetry,
             keys,
             warnings,
         })

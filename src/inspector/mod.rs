@@ -45,7 +45,7 @@ pub struct Summary {
     /// The replica that served it.
     pub replica: String,
     /// The caller's key name (`none` without one).
-    pub key: String,
+    pub key: Arc<str>,
     /// `/v1/chat/completions`…
     pub endpoint: std::borrow::Cow<'static, str>,
     pub model: String,
@@ -800,7 +800,7 @@ mod tests {
     fn summary(id: &str, key: &str, changed: bool) -> Summary {
         Summary {
             id: id.to_owned(),
-            key: key.to_owned(),
+            key: key.into(),
             model: "m".to_owned(),
             status: 200,
             changes: Changes {

@@ -193,7 +193,7 @@ pub fn savings<'a>(list: impl Iterator<Item = &'a Summary> + Clone) -> Savings {
     }
     for s in list {
         out.all.add(s);
-        out.by_key.entry(s.key.clone()).or_default().add(s);
+        out.by_key.entry(s.key.to_string()).or_default().add(s);
         out.by_model.entry(s.model.clone()).or_default().add(s);
         let i = ((s.time_ms - out.from_ms) / span) as usize;
         if let Some(b) = out.over_time.get_mut(i.min(BUCKETS - 1)) {
@@ -278,7 +278,7 @@ mod tests {
                 },
             );
             s.time_ms = 1_000 + i * 1000;
-            s.key = if i % 2 == 0 { "a" } else { "b" }.to_owned();
+            s.key = if i % 2 == 0 { "a" } else { "b" }.into();
             s.model = "m".to_owned();
             s.saving.tokens = 10;
             list.push(s);

@@ -487,6 +487,20 @@ impl Describer {
                 false,
             ));
         }
+        let span = crate::telemetry::child(
+            match self.job {
+                Job::Describe => format!("describe {}", self.model),
+                _ => format!("transcribe {}", self.model),
+            },
+            vec![
+                opentelemetry::KeyValue::new("gen_ai.operation.name", "chat"),
+                opentelemetry::KeyValue::new("gen_ai.request.model", self.model.to_string()),
+                opentelemetry::KeyValue::new(
+                    "visor.media.sha256",
+                    short(&subject.sha256).to_string(),
+                ),
+            ],
+        );
         let started = Instant::now();
         let result = tokio::time::timeout(self.timeout, self.request(subject, cred)).await;
         if self.job == Job::Describe {
@@ -510,6 +524,9 @@ impl Describer {
                 }
             }
             Err(f) => {
+                if let Some(span) = &span {
+                    span.failed(&f.reason);
+                }
                 let pause = f.back_off.then(|| self.fail());
                 tracing::warn!(
                     describer = %self.model,

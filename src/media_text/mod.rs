@@ -244,11 +244,24 @@ pub async fn make_within(
                 continue;
             }
             let sha256 = job.sha256.clone();
+            let span = crate::telemetry::child(
+                "read document",
+                vec![opentelemetry::KeyValue::new(
+                    "visor.media.type",
+                    job.media_type.to_string(),
+                )],
+            );
             let read = document(media, job.clone(), describe_pages, &creds.describer, within);
             let Some(mut m) = until(within.stop_at, read).await else {
+                if let Some(s) = &span {
+                    s.failed(OUT_OF_TIME);
+                }
                 made.push(failed(job, name, OUT_OF_TIME));
                 continue;
             };
+            if let Some(s) = &span {
+                s.set([opentelemetry::KeyValue::new("visor.media.action", m.action)]);
+            }
             if m.action == "described" {
                 let chars = m.text.chars().count();
                 if chars > left {

@@ -32,7 +32,7 @@ pub struct Gate {
 pub struct Grant {
     pub key: Option<usize>,
     /// The key's name for metrics (`api_keys`, or `none` without a key).
-    pub label: String,
+    pub label: Arc<str>,
     pub estimate: u64,
     /// Where the key's windows stand with this request counted: its
     /// `x-ratelimit-*` headers.
@@ -60,6 +60,19 @@ impl Gate {
         }
     }
 
+    /// The name a caller is counted under: its `[[key]]`'s, `api_keys`
+    /// for a `server.api_keys` key, `none` without a key.
+    pub fn label(&self, caller: Caller, key: Option<usize>) -> Arc<str> {
+        static NONE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("none"));
+        static API_KEYS: std::sync::LazyLock<Arc<str>> =
+            std::sync::LazyLock::new(|| Arc::from("api_keys"));
+        match (caller, key.and_then(|i| self.limits.key(i))) {
+            (_, Some(k)) => k.label.clone(),
+            (Caller::Unlimited, None) => API_KEYS.clone(),
+            _ => NONE.clone(),
+        }
+    }
+
     /// The limits of the `[[key]]` a request is held to, if it has any.
     pub fn held_to(&self, extensions: &http::Extensions) -> Option<&KeyLimits> {
         self.caller_key(extensions).and_then(|i| self.limits.key(i))
@@ -70,11 +83,7 @@ impl Gate {
     /// `x-ratelimit-*` headers).
     pub async fn grant(&self, key: Option<usize>, ask: Asking<'_>) -> Result<Grant, VisorError> {
         let estimate = ask.bytes / BYTES_PER_TOKEN;
-        let label = match (ask.caller, key.and_then(|i| self.limits.key(i))) {
-            (_, Some(k)) => k.name.clone(),
-            (Caller::Unlimited, None) => "api_keys".to_owned(),
-            _ => "none".to_owned(),
-        };
+        let label = self.label(ask.caller, key);
         let Some(i) = key.filter(|&i| self.limits.key(i).is_some()) else {
             return Ok(Grant {
                 key: None,

@@ -183,6 +183,8 @@ pub struct Finish {
     pub metrics: Arc<Metrics>,
     pub upstream: Arc<str>,
     pub model: String,
+    /// The caller's key name (a label of the request and token counts).
+    pub key: Arc<str>,
     pub status: u16,
     pub request_id: http::HeaderValue,
     /// When the request arrived.
@@ -207,6 +209,49 @@ pub struct Finish {
     /// it said, and completion — estimated from the text streamed when it
     /// did not say): the caller's rate limit is corrected by them.
     pub on_usage: Option<Charge>,
+    /// The request's trace, ended with the body (traced requests).
+    pub traced: Option<Traced>,
+}
+
+/// A traced request's span, its upstream attempt's, and what the response
+/// says of itself (read as it passes).
+pub struct Traced {
+    pub trace: crate::telemetry::Trace,
+    pub attempt: Option<crate::telemetry::AttemptSpan>,
+    pub shape: Option<crate::transform::Shape>,
+    pub said: Box<crate::api::usage::SaidObserver>,
+}
+
+impl Traced {
+    /// Ends the spans with how the response ended; the trace's id.
+    fn end(
+        self,
+        status: u16,
+        outcome: Outcome,
+        usage: Option<crate::api::usage::Usage>,
+        cache: Option<crate::prompt_cache::Settled>,
+    ) -> String {
+        let id = self.trace.trace_id();
+        let cache_miss = cache.and_then(|c| c.miss());
+        super::traced::End {
+            trace: self.trace,
+            attempt: self.attempt,
+            status,
+            outcome: outcome.label(),
+            failed: match outcome {
+                Outcome::UpstreamError(kind) => Some(kind.label()),
+                Outcome::SessionNotStored => Some("session_not_stored"),
+                Outcome::Complete | Outcome::ClientCancelled => None,
+            },
+            usage,
+            shape: self.shape,
+            said: Some(self.said.finish()),
+            cache_readable: cache.and_then(|c| c.readable),
+            cache_miss: cache_miss.as_deref(),
+        }
+        .end();
+        id
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -302,24 +347,21 @@ impl ObservedBody {
         let m = &f.metrics;
         let status = f.status.to_string();
         m.requests
-            .with_label_values(&[&*f.upstream, f.model.as_str(), status.as_str()])
+            .with_label_values(&[&*f.upstream, f.model.as_str(), status.as_str(), &f.key])
             .inc();
         let elapsed = f.started.elapsed();
         m.request_duration
             .with_label_values(&[&f.upstream])
             .observe(elapsed.as_secs_f64());
-        if usage.prompt > 0 {
-            m.tokens.with_label_values(&["prompt"]).inc_by(usage.prompt);
-        }
-        for (kind, n) in [
-            ("completion", usage.completion),
-            ("cached_read", usage.cached_read),
-            ("cache_write", usage.cache_write),
-        ] {
-            if n > 0 {
-                m.tokens.with_label_values(&[kind]).inc_by(n);
-            }
-        }
+        m.count_tokens(
+            &f.key,
+            [
+                usage.prompt,
+                usage.completion,
+                usage.cached_read,
+                usage.cache_write,
+            ],
+        );
         if let Outcome::UpstreamError(kind) = outcome {
             m.upstream_error(&f.upstream, kind.label());
         }
@@ -346,6 +388,7 @@ impl ObservedBody {
             seen.settle(m, answered)
         });
         let cache_miss = cache.and_then(|c| c.miss());
+        let trace_id = (f.traced).map(|t| t.end(f.status, outcome, said.then_some(usage), cache));
         if let Some(inspected) = f.inspected {
             let first_byte_ms = self.first_byte.then(|| {
                 self.first_byte_at
@@ -383,6 +426,7 @@ impl ObservedBody {
             media_replaced = f.media_replaced,
             bytes_saved = f.bytes_saved,
             duration_ms = elapsed.as_millis() as u64,
+            trace_id = trace_id.as_deref(),
             "response finished"
         );
     }
@@ -432,6 +476,9 @@ impl Body for ObservedBody {
                 this.stamp_first_byte();
                 if let Some(data) = frame.data_ref() {
                     this.usage.observe(data);
+                    if let Some(t) = this.finish.as_mut().and_then(|f| f.traced.as_mut()) {
+                        t.said.observe(data);
+                    }
                 }
                 this.last_data = Instant::now();
                 if let Some(rec) = &mut this.session {

@@ -30,6 +30,13 @@ pub enum Stop {
 }
 
 impl Stop {
+    /// visor's error code for it (`error.type` on its trace).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Stop::Refused(e) | Stop::Upstream(e, _) => e.label(),
+        }
+    }
+
     /// A request that could not be sent to `upstream` (HTTP or a WebSocket
     /// handshake): the client's own doing or visor's limit (`limit`, its
     /// `max_body_bytes`) is refused; the upstream's failure is counted as
@@ -129,6 +136,8 @@ pub struct Edge<'a> {
     /// Once transformed: the `x-visor-*` counts.
     counts: Option<Counts>,
     transport: Transport,
+    /// The caller's key name, once known (`none` before).
+    key: Option<Arc<str>>,
 }
 
 /// What an edge has seen of a request.
@@ -149,7 +158,13 @@ pub enum Transport {
 /// A request (or a WebSocket event) visor refused itself: logged, and
 /// counted in `visor_requests_total` with no upstream, under the model it
 /// named (its metric label) when it named one.
-pub fn refused(metrics: &Metrics, e: &VisorError, model: Option<&str>, transport: Transport) {
+pub fn refused(
+    metrics: &Metrics,
+    e: &VisorError,
+    model: Option<&str>,
+    key: &str,
+    transport: Transport,
+) {
     let status = e.status();
     match (model, transport) {
         (None, Transport::Http) => {
@@ -168,7 +183,7 @@ pub fn refused(metrics: &Metrics, e: &VisorError, model: Option<&str>, transport
     }
     metrics
         .requests
-        .with_label_values(&[NO_UPSTREAM, model.unwrap_or(""), status.as_str()])
+        .with_label_values(&[NO_UPSTREAM, model.unwrap_or(""), status.as_str(), key])
         .inc();
 }
 
@@ -183,6 +198,7 @@ impl<'a> Edge<'a> {
             model: None,
             counts: None,
             transport: Transport::Http,
+            key: None,
         }
     }
 
@@ -204,6 +220,11 @@ impl<'a> Edge<'a> {
         self.routed = Some((name, label));
     }
 
+    /// The caller's key name, for its counts.
+    pub fn keyed(&mut self, key: Arc<str>) {
+        self.key = Some(key);
+    }
+
     pub fn prepared(&mut self, counts: Option<Counts>) {
         self.counts = counts;
     }
@@ -223,9 +244,10 @@ impl<'a> Edge<'a> {
             // counted by `refused`.)
             None => (NO_UPSTREAM, ""),
         };
+        let key = self.key.as_deref().unwrap_or("none");
         self.metrics
             .requests
-            .with_label_values(&[upstream, model, status.as_str()])
+            .with_label_values(&[upstream, model, status.as_str(), key])
             .inc();
     }
 
@@ -243,7 +265,14 @@ impl<'a> Edge<'a> {
     pub fn answer(self, stop: Stop) -> Response<ProxyBody> {
         match stop {
             Stop::Refused(e) => {
-                refused(self.metrics, &e, self.model.as_deref(), Transport::Http);
+                let key = self.key.as_deref().unwrap_or("none");
+                refused(
+                    self.metrics,
+                    &e,
+                    self.model.as_deref(),
+                    key,
+                    Transport::Http,
+                );
                 e.into_response()
             }
             Stop::Upstream(e, kind) => {

@@ -56,20 +56,22 @@ use bytes::Bytes;
 use tokio::time::Sleep;
 
 use super::admission::{Asking, Gate, Grant, write_standing};
-use super::body::{Finish, InflightGuard, Inspected, ObservedBody, ProxyBody};
+use super::body::{Finish, InflightGuard, Inspected, ObservedBody, ProxyBody, Traced};
 use super::edge::{Counts, Edge, Stop};
 use super::headers::{Caller, for_the_client, upstream_request_headers};
 use super::prepare::{self, Options, Prepared, Rewriter};
 use super::request_body::{FormScanner, JsonScanner, WholeBody};
 use super::session_turn::{self, Recorder, Sessions};
+use super::traced::{self, Target};
 use super::{AppState, RequestIdExt, Routes};
-use crate::api::usage::UsageObserver;
+use crate::api::usage::{SaidObserver, UsageObserver};
 use crate::config::{AuthMode, Server};
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
 use crate::inspector::{Changes, Summary};
 use crate::metrics::Metrics;
 use crate::prompt_cache::{Asked, Seen};
+use crate::telemetry::AttemptSpan;
 use crate::transform::Shape;
 use crate::upstream::{BodyState, LimitedBody, RequestBody, ResponseBody, UpstreamBody};
 
@@ -92,7 +94,8 @@ pub async fn handle(
     edge.model_read(call.model.as_deref());
     call.index = state.routes.route(call.model.as_deref())?; // 3. route
     edge.routed(call.index, call.model.as_deref());
-    let mut grant = limit(&state.gate, &call, &parts, &held).await?; // 3b. key limits
+    call.trace_route(&state.routes);
+    let mut grant = limit(&state.gate, &call, edge, &parts, &held).await?; // 3b. key limits
     let (held, mut session) = open_session(&state.sessions, &call, &parts, held).await?; // 4. session
     let received = held.clone();
     let may_change = !call.opts.off;
@@ -108,6 +111,9 @@ pub async fn handle(
     )
     .await; // 5c. cache
     edge.prepared(prepared.as_ref().map(|p| Counts::of(&p.report)));
+    if let (Some(t), Some(p)) = (&call.trace, &prepared) {
+        traced::changes(t, &p.report, &p.body);
+    }
     if let Some(p) = &prepared {
         state.gate.count_context(&grant, &p.report);
         // 5b. the key charged for what goes, not for what came (documents
@@ -187,9 +193,42 @@ struct Call {
     index: usize,
     /// The body's size as the client sent it (when known).
     bytes_in: u64,
+    /// The request's trace, when traced; its attempts' target once routed.
+    trace: Option<crate::telemetry::Trace>,
+    target: Option<super::traced::Target>,
 }
 
 impl Call {
+    /// A traced request routed: its span says where, and its attempts'
+    /// target is set.
+    fn trace_route(&mut self, routes: &Routes) {
+        if let Some(t) = &self.trace {
+            let upstream = &routes.upstreams[self.index];
+            let model = self.model.as_deref();
+            self.target = Some(Target::routed(t, upstream, &self.rest, self.shape, model));
+        }
+    }
+
+    /// What a traced request's body carries to its end: the span, the
+    /// attempt's, and the reader of what the response says of itself.
+    fn traced(
+        &mut self,
+        head: &http::response::Parts,
+        attempt: Option<AttemptSpan>,
+    ) -> Option<Traced> {
+        let trace = self.trace.take()?;
+        let content_max = match trace.captures_content() {
+            true => crate::telemetry::CONTENT_MAX,
+            false => 0,
+        };
+        Some(Traced {
+            said: Box::new(SaidObserver::for_response(&head.headers, content_max)),
+            trace,
+            attempt,
+            shape: self.shape,
+        })
+    }
+
     /// Phase 1: the request's head read, its options checked, a declared
     /// length over `max_body_bytes` refused before any byte is read.
     fn new(
@@ -199,7 +238,8 @@ impl Call {
         let started = Instant::now();
         let inflight = InflightGuard::new(state.metrics.clone());
         let request_id = RequestIdExt::of(req.extensions());
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
+        let trace = parts.extensions.remove::<crate::telemetry::Trace>();
         let rest = parts.uri.path()["/v1".len()..].to_owned();
         let shape = match parts.method == Method::POST {
             true => Shape::of_path(&rest),
@@ -233,6 +273,8 @@ impl Call {
             model: None,
             index: 0,
             bytes_in: content_length(&parts.headers).unwrap_or(0),
+            trace,
+            target: None,
         };
         Ok((call, parts, body))
     }
@@ -362,6 +404,8 @@ async fn read_rest(
 struct Answer {
     resp: Response<ResponseBody>,
     timer: Pin<Box<Sleep>>,
+    /// The attempt's span (traced requests): ends with the body.
+    attempt: Option<crate::telemetry::AttemptSpan>,
 }
 
 /// A request sent, up to its response head: the exchange, the answer, and
@@ -438,6 +482,7 @@ struct Session {
 async fn limit(
     gate: &Gate,
     call: &Call,
+    edge: &mut Edge<'_>,
     parts: &http::request::Parts,
     held: &Held,
 ) -> Result<Grant, Stop> {
@@ -464,7 +509,13 @@ async fn limit(
         bytes,
         bodied,
     };
-    Ok(gate.grant(gate.caller_key(&parts.extensions), ask).await?)
+    let key = gate.caller_key(&parts.extensions);
+    let label = gate.label(caller, key);
+    if let Some(t) = &call.trace {
+        traced::key(t, &label);
+    }
+    edge.keyed(label);
+    Ok(gate.grant(key, ask).await?)
 }
 
 /// Phase 4: with `x-visor-session`, the stored history merged into a body
@@ -932,6 +983,7 @@ async fn respond(
         }
     }
     let usage = UsageObserver::for_response(&head.headers);
+    let traced = call.traced(&head, answer.attempt);
     if let Some(rec) = recorder.as_mut() {
         rec.head(head.status, &head.headers);
     }
@@ -955,6 +1007,7 @@ async fn respond(
         metrics: state.metrics.clone(),
         upstream,
         model: edge.model_label(),
+        key: grant.label.clone(),
         status: head.status.as_u16(),
         request_id: call.request_id,
         started: call.started,
@@ -967,6 +1020,7 @@ async fn respond(
         inspected,
         cache,
         on_usage: grant.key.map(|i| charge_usage(state, i, grant.estimate)),
+        traced,
     };
     let idle = state.server.idle_timeout;
     let mut observed =
@@ -999,7 +1053,7 @@ fn summary(
             None => format!("/v1{}", call.rest).into(),
         },
         time_ms: now_ms.saturating_sub(call.started.elapsed().as_millis() as u64),
-        key: std::mem::take(&mut grant.label),
+        key: grant.label.clone(),
         model: call.model.take().unwrap_or_default(),
         bytes_in: call.bytes_in,
         bytes_out: prepared.map_or(call.bytes_in, |p| p.body.len() as u64),
@@ -1026,6 +1080,8 @@ fn charge_usage(state: &Arc<AppState>, i: usize, estimate: u64) -> super::body::
 /// first-byte and total deadlines.
 struct Exchange<'a> {
     to: Sending<'a>,
+    /// The attempts' span target (traced requests).
+    target: Option<Target>,
     index: usize,
     upstream: Arc<str>,
     /// When the request was first sent upstream.
@@ -1041,6 +1097,7 @@ impl<'a> Exchange<'a> {
         let sent = Instant::now();
         Exchange {
             to,
+            target: call.target.clone(),
             index,
             upstream: to.routes.names[index].clone(),
             sent,
@@ -1053,11 +1110,15 @@ impl<'a> Exchange<'a> {
     /// Phase 6 (second half): sends `req` and waits for the response head.
     async fn run(
         &self,
-        req: Request<UpstreamBody>,
+        mut req: Request<UpstreamBody>,
         exceeded: &BodyState,
         sent: Instant,
     ) -> Result<Answer, Stop> {
         let idle = self.to.server.idle_timeout;
+        let attempt = self.target.as_ref().map(|t| {
+            let uri = req.uri().clone();
+            t.attempt(&self.upstream, &uri, req.headers_mut())
+        });
         let sending = self.to.routes.client.send(self.index, req, exceeded);
         // The request's one timer, armed once at the earlier of the head
         // deadline and one idle gap from now. A head that comes sooner (the
@@ -1080,11 +1141,19 @@ impl<'a> Exchange<'a> {
                 }
             }
         };
-        let upstream = self.upstream.to_string();
-        match outcome {
-            Ok(Ok(resp)) => Ok(Answer { resp, timer }),
+        let result = match outcome {
+            Ok(Ok(resp)) => {
+                if let Some(a) = &attempt {
+                    a.head(resp.status().as_u16());
+                }
+                return Ok(Answer {
+                    resp,
+                    timer,
+                    attempt,
+                });
+            }
             Ok(Err(failed)) => Err(Stop::of_send(
-                &upstream,
+                &self.upstream,
                 failed.failure,
                 failed.cause,
                 self.limit,
@@ -1095,10 +1164,15 @@ impl<'a> Exchange<'a> {
                 } else {
                     ("first byte timeout", UpstreamFailure::FirstByteTimeout)
                 };
+                let upstream = self.upstream.to_string();
                 let e = VisorError::UpstreamTimeout { upstream, which };
                 Err(Stop::Upstream(e, kind))
             }
+        };
+        if let (Some(a), Err(stop)) = (attempt, &result) {
+            a.failed(stop.label());
         }
+        result
     }
 }
 

@@ -13,6 +13,7 @@ mod prepare;
 pub mod request_body;
 mod router;
 pub mod session_turn;
+mod traced;
 mod websocket;
 
 use std::convert::Infallible;
@@ -67,6 +68,8 @@ pub struct AppState {
     pub store: Arc<Store>,
     /// Start, drain and stop.
     pub life: Lifecycle,
+    /// OpenTelemetry traces (`[telemetry]`; `None`: off).
+    pub telemetry: Option<Arc<crate::telemetry::Telemetry>>,
 }
 
 /// Where requests go: the upstreams in config order, their pooled client,

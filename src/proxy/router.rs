@@ -118,15 +118,43 @@ async fn proxy(state: &Arc<AppState>, req: Request<RequestBody>) -> Response<Pro
         caller: req.extensions().get::<super::headers::Caller>().copied(),
         bytes_in: req.body().size_hint().exact().unwrap_or(0),
     });
-    let result = match websocket::is_upgrade(&req) {
-        true => websocket::upgrade(state, req, &mut edge).await,
-        false => forward::handle(state, req, &mut edge).await,
+    // Traced: the request's span (continuing the client's `traceparent`),
+    // the request's work run within it so the parts' spans find it.
+    let trace = state
+        .telemetry
+        .as_ref()
+        .map(|t| t.request(req.method(), req.uri().path(), req.headers()));
+    let mut req = req;
+    if let Some(t) = &trace {
+        req.extensions_mut().insert(t.clone());
+    }
+    let work = async {
+        match websocket::is_upgrade(&req) {
+            true => websocket::upgrade(state, req, &mut edge).await,
+            false => forward::handle(state, req, &mut edge).await,
+        }
+    };
+    let result = match &trace {
+        Some(t) => {
+            use crate::telemetry::FutureExt as _;
+            work.with_context(t.context()).await
+        }
+        None => work.await,
     };
     match result {
-        Ok(resp) => resp,
+        Ok(resp) => {
+            if let Some(t) = &trace {
+                t.head(resp.status().as_u16());
+            }
+            resp
+        }
         Err(stop) => {
             let seen = edge.seen();
+            let code = stop.label();
             let resp = edge.answer(stop);
+            if let Some(t) = &trace {
+                t.answered(resp.status().as_u16(), code);
+            }
             if let Some(a) = asked {
                 record_refusal(state, a, seen, &resp);
             }
@@ -148,13 +176,9 @@ struct Asked {
 /// code as its outcome.
 fn record_refusal(state: &AppState, a: Asked, seen: super::edge::Seen, resp: &Response<ProxyBody>) {
     let key = match a.caller {
-        Some(super::headers::Caller::Key(i)) => state
-            .gate
-            .limits
-            .key(i)
-            .map_or_else(|| "none".to_owned(), |k| k.name.clone()),
-        Some(super::headers::Caller::Unlimited) => "api_keys".to_owned(),
-        _ => "none".to_owned(),
+        Some(c @ super::headers::Caller::Key(i)) => state.gate.label(c, Some(i)),
+        Some(c) => state.gate.label(c, None),
+        None => state.gate.label(super::headers::Caller::Anonymous, None),
     };
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

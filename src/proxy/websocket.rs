@@ -157,10 +157,18 @@ pub async fn upgrade(
         .as_ref()
         .filter(|_| responses)
         .map(crate::connections::Slot::register);
+    let caller = req
+        .extensions()
+        .get::<super::headers::Caller>()
+        .copied()
+        .unwrap_or(super::headers::Caller::Anonymous);
     let relay = Relay {
         registered,
         state: state.clone(),
         upstream: name,
+        label: state
+            .gate
+            .label(caller, state.gate.caller_key(req.extensions())),
         key: holder,
         request_id,
         responses,
@@ -591,6 +599,8 @@ struct Relay {
     upstream: Arc<str>,
     /// The caller's `[[key]]`, which each `response.create` is held to.
     key: Option<usize>,
+    /// The caller's key name, as its requests and tokens are counted.
+    label: Arc<str>,
     /// The upgrade's request id (each response's log line carries it).
     request_id: HeaderValue,
     /// The Responses WebSocket mode: client events are transformed.
@@ -1098,7 +1108,13 @@ impl Relay {
     fn refusal(&self, e: VisorError, model: Option<&str>) -> Message {
         let metrics = &self.state.metrics;
         let model = model.map(|m| metrics.model_label(m));
-        refused(metrics, &e, model.as_deref(), Transport::WebSocket);
+        refused(
+            metrics,
+            &e,
+            model.as_deref(),
+            &self.label,
+            Transport::WebSocket,
+        );
         Message::Text(e.ws_event().into())
     }
 
@@ -1199,7 +1215,7 @@ impl Relay {
         };
         let model = m.model_label(&f.model);
         m.requests
-            .with_label_values(&[&*self.upstream, model.as_str(), status])
+            .with_label_values(&[&*self.upstream, model.as_str(), status, &self.label])
             .inc();
         m.request_duration
             .with_label_values(&[&self.upstream])
@@ -1208,16 +1224,10 @@ impl Relay {
             m.upstream_error(&self.upstream, kind.label());
         }
         let u = usage.unwrap_or_default();
-        for (kind, n) in [
-            ("prompt", u.prompt),
-            ("completion", u.completion),
-            ("cached_read", u.cached_read),
-            ("cache_write", u.cache_write),
-        ] {
-            if n > 0 {
-                m.tokens.with_label_values(&[kind]).inc_by(n);
-            }
-        }
+        m.count_tokens(
+            &self.label,
+            [u.prompt, u.completion, u.cached_read, u.cache_write],
+        );
         tracing::info!(
             request_id = self.request_id.to_str().unwrap_or_default(),
             upstream = %self.upstream,

@@ -17,6 +17,7 @@ use http_body_util::Full;
 use support::*;
 
 const KEY_A: &str = "sk-team-a-SECRET";
+const KEY_B: &str = "sk-team-b-SECRET";
 
 /// Waits until at least `need` seconds are left in the current minute.
 async fn room_in_this_minute(need: u64) {
@@ -784,4 +785,43 @@ async fn limits_are_not_shared_without_redis_and_the_build_is_named() {
     );
     assert!(build.contains("commit=\""), "{build}");
     assert!(build.ends_with(" 1"), "{build}");
+}
+
+#[tokio::test]
+async fn requests_and_tokens_are_counted_by_key_name() {
+    let mock = MockUpstream::start(|_| {
+        Reply::json(
+            200,
+            r#"{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":11,"completion_tokens":3}}"#,
+        )
+    })
+    .await;
+    let visor = Visor::for_mock(
+        &mock,
+        &format!("[[key]]\nname = \"team-a\"\nkey = \"{KEY_A}\"\n[[key]]\nname = \"team-b\"\nkey = \"{KEY_B}\"\n"),
+    )
+    .await;
+    let url = visor.url("/v1/chat/completions");
+    for key in [KEY_A, KEY_A, KEY_B] {
+        let (status, _, body) = send(keyed(&url, key, "gpt-4o")).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    // No key at all: refused, and counted under `none`.
+    let (status, _, _) = post_chat(&visor, r#"{"model":"gpt-4o","messages":[]}"#).await;
+    assert_eq!(status, 401);
+    let m = visor.metrics().await;
+    let requests = |key: &str, status: &str| {
+        metric(
+            &m,
+            "visor_requests_total",
+            &[("key", key), ("status", status)],
+        )
+    };
+    assert_eq!(requests("team-a", "200"), Some(2.0));
+    assert_eq!(requests("team-b", "200"), Some(1.0));
+    assert_eq!(requests("none", "401"), Some(1.0));
+    let tokens =
+        |key: &str, kind: &str| metric(&m, "visor_tokens_total", &[("key", key), ("kind", kind)]);
+    assert_eq!(tokens("team-a", "prompt"), Some(22.0));
+    assert_eq!(tokens("team-b", "completion"), Some(3.0));
 }

@@ -33,6 +33,8 @@ mod limits;
 mod prompt_cache;
 /// `src/sessions.rs`: server-side sessions.
 mod sessions;
+/// `src/telemetry/`: OpenTelemetry traces, to a real OTLP receiver.
+mod telemetry;
 
 /// `src/media/`: documents and audio.
 mod media {

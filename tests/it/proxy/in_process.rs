@@ -114,12 +114,25 @@ async fn the_stack_answers_in_process_like_over_a_socket() {
 
 /// The `visor_requests_total` series of `metrics` for `upstream`, `model`
 /// and `status`, as `/metrics` renders it (0 when absent).
+/// `visor_requests_total{upstream, model, status}`, over every key name.
 fn requests_total(state: &AppState, upstream: &str, model: &str, status: &str) -> u64 {
+    use prometheus::core::Collector as _;
+    let want = [("upstream", upstream), ("model", model), ("status", status)];
     state
         .metrics
         .requests
-        .get_metric_with_label_values(&[upstream, model, status])
-        .map_or(0, |c| c.get())
+        .collect()
+        .iter()
+        .flat_map(|f| f.get_metric())
+        .filter(|m| {
+            want.iter().all(|(k, v)| {
+                m.get_label()
+                    .iter()
+                    .any(|l| l.name() == *k && l.value() == *v)
+            })
+        })
+        .map(|m| m.get_counter().get_value() as u64)
+        .sum()
 }
 
 /// A state whose one upstream is `url`, taking `gpt-*`, behind the proxy
