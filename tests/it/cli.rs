@@ -174,6 +174,60 @@ fn serve_logs_one_json_object_a_line_with_log_format_json() {
     assert!(err.contains("server.log_format"), "{err}");
 }
 
+/// With traces on, a JSON `response finished` line carries its trace's id:
+/// the client's, continued (the collector here is down; nothing fails).
+#[test]
+fn json_log_lines_carry_the_trace_id() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mock = rt.block_on(support::MockUpstream::start(|_| support::chat_ok()));
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let path = temp_config(
+        "json-trace",
+        &format!(
+            "[server]\nlog_format = \"json\"\n[telemetry]\notlp_endpoint = \"http://{closed}\"\n\
+             [[upstream]]\nname = \"mock\"\nbase_url = \"http://{}/v1\"\n",
+            mock.addr
+        ),
+    );
+    let config = path.to_string_lossy().into_owned();
+    let serving = Serving::start(&["--config", &config], &[("RUST_LOG", "info")]);
+    let addr = serving.addr.clone();
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    rt.block_on(async {
+        use http_body_util::{BodyExt, Full};
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<Full<bytes::Bytes>>();
+        let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .header("traceparent", format!("00-{trace}-b7ad6b7169203331-01"))
+            .body(Full::new(bytes::Bytes::from_static(
+                br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+            )))
+            .unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let _ = resp.into_body().collect().await;
+    });
+    let (code, log) = serving.terminate();
+    assert_eq!(code, Some(0), "{log}");
+    let finished: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{e}: {l}"))
+        })
+        .filter(|v| v["fields"]["message"] == "response finished")
+        .collect();
+    assert_eq!(finished.len(), 1, "{log}");
+    assert_eq!(finished[0]["fields"]["trace_id"], trace, "{log}");
+}
+
 /// Runs the real binary at `RUST_LOG=trace` against a mock upstream, sends
 /// requests carrying keys and a body over HTTP/1.1 and HTTP/2, and checks
 /// that no log line holds a key, an Authorization value or the body.
