@@ -49,10 +49,10 @@ pub struct Summary {
     /// `/v1/chat/completions`…
     pub endpoint: std::borrow::Cow<'static, str>,
     pub model: String,
-    pub upstream: String,
+    pub upstream: Arc<str>,
     pub status: u16,
     /// `complete`, `client_cancelled`, `reset`…
-    pub outcome: String,
+    pub outcome: std::borrow::Cow<'static, str>,
     pub first_byte_ms: Option<u64>,
     pub total_ms: u64,
     /// From the provider's `usage`, when it said it.
@@ -239,10 +239,10 @@ impl Names {
             s.id = id.to_str().unwrap_or_default().to_owned();
         }
         if let Some(u) = self.upstream {
-            s.upstream = u.to_string();
+            s.upstream = u;
         }
         if let Some(o) = self.outcome {
-            s.outcome = o.to_owned();
+            s.outcome = o.into();
         }
     }
 }

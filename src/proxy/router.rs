@@ -114,7 +114,7 @@ async fn proxy(state: &Arc<AppState>, req: Request<RequestBody>) -> Response<Pro
     // What the inspector keeps of a request visor answers itself.
     let asked = state.inspector.enabled.then(|| Asked {
         id: super::RequestIdExt::of(req.extensions()),
-        endpoint: req.uri().path().to_owned(),
+        endpoint: req.uri().clone(),
         caller: req.extensions().get::<super::headers::Caller>().copied(),
         bytes_in: req.body().size_hint().exact().unwrap_or(0),
     });
@@ -166,7 +166,8 @@ async fn proxy(state: &Arc<AppState>, req: Request<RequestBody>) -> Response<Pro
 /// A request as it arrived, for the inspector.
 struct Asked {
     id: HeaderValue,
-    endpoint: String,
+    /// (A copy of the request's target: no allocation.)
+    endpoint: http::Uri,
     caller: Option<super::headers::Caller>,
     bytes_in: u64,
 }
@@ -188,11 +189,11 @@ fn record_refusal(state: &AppState, a: Asked, seen: super::edge::Seen, resp: &Re
         id: a.id.to_str().unwrap_or_default().to_owned(),
         time_ms: now_ms.saturating_sub(elapsed),
         key,
-        endpoint: a.endpoint.into(),
+        endpoint: a.endpoint.path().to_owned().into(),
         model: seen.model.unwrap_or_default(),
-        upstream: seen.upstream.unwrap_or_else(|| "visor".to_owned()),
+        upstream: seen.upstream.map_or_else(|| "visor".into(), Arc::from),
         status: resp.status().as_u16(),
-        outcome: "answered by visor".to_owned(),
+        outcome: "answered by visor".into(),
         total_ms: elapsed,
         bytes_in: a.bytes_in,
         ..Default::default()
