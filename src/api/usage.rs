@@ -529,6 +529,9 @@ mod tests {
     }
 }
 
+/// Finish reasons kept at most.
+const MAX_REASONS: usize = 16;
+
 /// What a response says of itself besides its usage — the model that
 /// answered and why it stopped — read for its trace (only when traced).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -593,8 +596,10 @@ impl Said {
                 "completed" | "incomplete" | "failed" | "cancelled"
             )
         }));
+        // One per choice; a stream that says more than a response could is
+        // cut short.
         for r in reasons {
-            if !self.finish_reasons.contains(&r) {
+            if self.finish_reasons.len() < MAX_REASONS {
                 self.finish_reasons.push(r);
             }
         }
@@ -615,7 +620,8 @@ pub struct SaidObserver {
 
 enum SaidForm {
     Off,
-    Json(Vec<u8>),
+    /// The body's chunks (shared, not copied) and their length.
+    Json(Vec<Bytes>, usize),
     Sse(Lines),
 }
 
@@ -625,7 +631,7 @@ impl SaidObserver {
     pub fn for_response(headers: &http::HeaderMap, content_max: usize) -> Self {
         let form = match UsageObserver::for_response(headers) {
             UsageObserver::Off => SaidForm::Off,
-            UsageObserver::Json { .. } => SaidForm::Json(Vec::new()),
+            UsageObserver::Json { .. } => SaidForm::Json(Vec::new(), 0),
             UsageObserver::Sse { .. } => SaidForm::Sse(Lines::bounded(MAX_LINE)),
         };
         SaidObserver {
@@ -635,7 +641,7 @@ impl SaidObserver {
         }
     }
 
-    pub fn observe(&mut self, data: &[u8]) {
+    pub fn observe(&mut self, data: &Bytes) {
         if self.content_max > 0 {
             let kept = self.said.content.get_or_insert_with(Vec::new);
             let room = self.content_max.saturating_sub(kept.len());
@@ -643,11 +649,12 @@ impl SaidObserver {
         }
         match &mut self.form {
             SaidForm::Off => {}
-            SaidForm::Json(all) => {
-                if all.len() + data.len() > MAX_JSON {
+            SaidForm::Json(chunks, len) => {
+                *len += data.len();
+                if *len > MAX_JSON {
                     self.form = SaidForm::Off;
                 } else {
-                    all.extend_from_slice(data);
+                    chunks.push(data.clone());
                 }
             }
             SaidForm::Sse(lines) => {
@@ -660,8 +667,14 @@ impl SaidObserver {
     pub fn finish(mut self) -> Said {
         match std::mem::replace(&mut self.form, SaidForm::Off) {
             SaidForm::Off => {}
-            SaidForm::Json(all) => {
-                if let Ok(c) = serde_json::from_slice::<SaidCarrier>(&all) {
+            SaidForm::Json(chunks, len) => {
+                let parsed = match chunks.as_slice() {
+                    [one] => serde_json::from_slice::<SaidCarrier>(one),
+                    _ => {
+                        serde_json::from_slice::<SaidCarrier>(&chunks.concat()[..len.min(MAX_JSON)])
+                    }
+                };
+                if let Ok(c) = parsed {
                     self.said.merge(c);
                 }
             }
@@ -702,7 +715,7 @@ mod said_tests {
     fn read(ct: &str, chunks: &[&str], content_max: usize) -> Said {
         let mut o = SaidObserver::for_response(&headers(ct), content_max);
         for c in chunks {
-            o.observe(c.as_bytes());
+            o.observe(&Bytes::copy_from_slice(c.as_bytes()));
         }
         o.finish()
     }

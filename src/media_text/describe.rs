@@ -493,7 +493,13 @@ impl Describer {
                 _ => format!("transcribe {}", self.model),
             },
             vec![
-                opentelemetry::KeyValue::new("gen_ai.operation.name", "chat"),
+                opentelemetry::KeyValue::new(
+                    "visor.job",
+                    match self.job {
+                        Job::Describe => "describe",
+                        _ => "transcribe",
+                    },
+                ),
                 opentelemetry::KeyValue::new("gen_ai.request.model", self.model.to_string()),
                 opentelemetry::KeyValue::new(
                     "visor.media.sha256",

@@ -895,6 +895,8 @@ async fn learn(
     };
     let (head, incoming) = answer.resp.into_parts();
     let error_body = read_error_body(incoming, exchange.head_deadline, &exchange.upstream).await?;
+    // The refused attempt is over (the retry is an attempt of its own).
+    drop(answer.attempt);
     let model = call.model.as_deref().unwrap_or("");
     let Some(prepare::Retry {
         prepared: retry,
@@ -1115,9 +1117,9 @@ impl<'a> Exchange<'a> {
         sent: Instant,
     ) -> Result<Answer, Stop> {
         let idle = self.to.server.idle_timeout;
-        let attempt = self.target.as_ref().map(|t| {
-            let uri = req.uri().clone();
-            t.attempt(&self.upstream, &uri, req.headers_mut())
+        let mut attempt = self.target.as_ref().map(|t| {
+            let (method, uri) = (req.method().clone(), req.uri().clone());
+            t.attempt(&self.upstream, &method, &uri, req.headers_mut())
         });
         let sending = self.to.routes.client.send(self.index, req, exceeded);
         // The request's one timer, armed once at the earlier of the head
@@ -1143,7 +1145,7 @@ impl<'a> Exchange<'a> {
         };
         let result = match outcome {
             Ok(Ok(resp)) => {
-                if let Some(a) = &attempt {
+                if let Some(a) = &mut attempt {
                     a.head(resp.status().as_u16());
                 }
                 return Ok(Answer {

@@ -111,6 +111,15 @@ pub async fn handle(state: Arc<AppState>, mut req: Request<RequestBody>) -> Resp
 /// itself.
 async fn proxy(state: &Arc<AppState>, req: Request<RequestBody>) -> Response<ProxyBody> {
     let mut edge = Edge::new(&state.metrics, &state.routes.names);
+    // The caller's key name, known from the auth layer: every count of this
+    // request carries it (a refusal before its limits are checked too).
+    let caller = req.extensions().get::<super::headers::Caller>().copied();
+    let key = state.gate.caller_key(req.extensions());
+    edge.keyed(
+        state
+            .gate
+            .label(caller.unwrap_or(super::headers::Caller::Anonymous), key),
+    );
     // What the inspector keeps of a request visor answers itself.
     let asked = state.inspector.enabled.then(|| Asked {
         id: super::RequestIdExt::of(req.extensions()),

@@ -45,6 +45,13 @@ impl Target {
         if let Some(host) = upstream.base_url.host() {
             attrs.push(KeyValue::new("server.address", host.to_owned()));
         }
+        let port = (upstream.base_url.port_u16()).or(match upstream.base_url.scheme_str() {
+            Some("http") => Some(80),
+            _ => Some(443),
+        });
+        if let Some(p) = port {
+            attrs.push(KeyValue::new("server.port", i64::from(p)));
+        }
         trace.set(attrs);
         Target {
             trace: trace.clone(),
@@ -59,11 +66,13 @@ impl Target {
     pub fn attempt(
         &self,
         upstream: &str,
+        method: &http::Method,
         uri: &http::Uri,
         headers: &mut http::HeaderMap,
     ) -> AttemptSpan {
         self.trace.attempt(
             &crate::telemetry::Attempt {
+                method,
                 operation: self.operation,
                 provider: self.provider,
                 model: &self.model,

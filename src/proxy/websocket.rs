@@ -271,6 +271,10 @@ async fn connect(
     let mut headers = req.headers().clone();
     let upstream = &routes.upstreams[index];
     upstream_request_headers(&mut headers, upstream, state.gate.keys.is_set(), request_id);
+    // Traced: the upgrade's span is the upstream's parent.
+    if let Some(t) = req.extensions().get::<crate::telemetry::Trace>() {
+        t.inject(&mut headers);
+    }
     for h in [
         header::SEC_WEBSOCKET_KEY,
         header::SEC_WEBSOCKET_VERSION,

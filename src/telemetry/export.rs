@@ -17,8 +17,16 @@ use prometheus::IntCounterVec;
 /// Spans held for export at most; past it a span is dropped (counted).
 pub const QUEUE: usize = 4096;
 
-/// Spans sent in one request to the collector.
+/// Bytes of span text held for export at most (with `capture_content` a
+/// span may carry 128 KiB): past it a span is dropped (counted).
+pub const QUEUE_BYTES: usize = 32 * 1024 * 1024;
+
+/// Spans sent in one request to the collector, at most.
 pub const BATCH: usize = 512;
+
+/// Bytes of span text in one request to the collector, about at most
+/// (well under the exporter's 64 MiB).
+pub const BATCH_BYTES: usize = 4 * 1024 * 1024;
 
 /// The longest a span waits for its batch.
 pub const EVERY: Duration = Duration::from_secs(1);
@@ -29,7 +37,8 @@ pub const TIMEOUT: Duration = Duration::from_secs(10);
 /// Ended spans waiting for the exporting task.
 #[derive(Debug)]
 pub struct Queue {
-    spans: Mutex<VecDeque<SpanData>>,
+    /// The spans, each with its size as [`size`] estimates it.
+    spans: Mutex<Held>,
     ready: tokio::sync::Notify,
     /// `visor_telemetry_spans_total{result}`.
     counted: IntCounterVec,
@@ -38,39 +47,78 @@ pub struct Queue {
 impl Queue {
     pub fn new(counted: IntCounterVec) -> Arc<Queue> {
         Arc::new(Queue {
-            spans: Mutex::new(VecDeque::new()),
+            spans: Mutex::new(Held::default()),
             ready: tokio::sync::Notify::new(),
             counted,
         })
     }
 
     fn push(&self, span: SpanData) {
+        let bytes = size(&span);
         let Ok(mut q) = self.spans.lock() else {
             return;
         };
-        if q.len() >= QUEUE {
+        if q.spans.len() >= QUEUE || q.bytes + bytes > QUEUE_BYTES {
             drop(q);
             self.counted.with_label_values(&["dropped"]).inc();
             return;
         }
-        q.push_back(span);
-        if q.len() == BATCH {
+        q.bytes += bytes;
+        q.spans.push_back((span, bytes));
+        if q.spans.len() == BATCH || q.bytes >= BATCH_BYTES {
             self.ready.notify_one();
         }
     }
 
-    /// Up to [`BATCH`] spans, oldest first.
-    fn take(&self) -> Vec<SpanData> {
+    /// The oldest spans: up to [`BATCH`] of them and about [`BATCH_BYTES`]
+    /// (at least one); whether it was a full batch.
+    fn take(&self) -> (Vec<SpanData>, bool) {
         let Ok(mut q) = self.spans.lock() else {
-            return Vec::new();
+            return (Vec::new(), false);
         };
-        let n = q.len().min(BATCH);
-        q.drain(..n).collect()
+        let mut batch = Vec::new();
+        let mut bytes = 0;
+        while batch.len() < BATCH && (batch.is_empty() || bytes < BATCH_BYTES) {
+            let Some((span, size)) = q.spans.pop_front() else {
+                return (batch, false);
+            };
+            q.bytes -= size;
+            bytes += size;
+            batch.push(span);
+        }
+        (batch, true)
     }
 
     fn len(&self) -> usize {
-        self.spans.lock().map_or(0, |q| q.len())
+        self.spans.lock().map_or(0, |q| q.spans.len())
     }
+}
+
+/// The queue's spans and their estimated bytes.
+#[derive(Debug, Default)]
+struct Held {
+    spans: VecDeque<(SpanData, usize)>,
+    bytes: usize,
+}
+
+/// About what a span takes to hold and send: its strings, and a little for
+/// each attribute and the span itself.
+fn size(span: &SpanData) -> usize {
+    let attrs: usize = span
+        .attributes
+        .iter()
+        .map(|kv| {
+            let value = match &kv.value {
+                opentelemetry::Value::String(s) => s.as_str().len(),
+                opentelemetry::Value::Array(opentelemetry::Array::String(a)) => {
+                    a.iter().map(|s| s.as_str().len() + 8).sum()
+                }
+                _ => 8,
+            };
+            kv.key.as_str().len() + value + 16
+        })
+        .sum();
+    span.name.len() + attrs + 128
 }
 
 /// The tracer provider's processor: each ended span into the [`Queue`].
@@ -93,6 +141,26 @@ impl SpanProcessor for Enqueue {
     }
 }
 
+/// Runs [`run`] on a thread of its own (encoding and sending never take a
+/// serving thread); the receiver is told when it has ended.
+pub fn thread<E: SpanExporter + 'static>(
+    queue: Arc<Queue>,
+    exporter: E,
+    stop: tokio_util::sync::CancellationToken,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
+    let (done, ended) = tokio::sync::oneshot::channel();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("visor-traces".to_owned())
+        .spawn(move || {
+            runtime.block_on(run(queue, exporter, stop));
+            let _ = done.send(());
+        })?;
+    Ok(ended)
+}
+
 /// Sends the queue's spans with `exporter` until `stop` is cancelled, then
 /// what is left (within [`TIMEOUT`]).
 pub async fn run<E: SpanExporter>(
@@ -108,11 +176,10 @@ pub async fn run<E: SpanExporter>(
         };
         // A full batch goes at once; what remains waits for the next turn.
         loop {
-            let batch = queue.take();
+            let (batch, full) = queue.take();
             if batch.is_empty() {
                 break;
             }
-            let full = batch.len() == BATCH;
             send(&queue, &exporter, batch).await;
             if !full && !stopping {
                 break;
@@ -230,16 +297,38 @@ mod tests {
             q.push(span(i));
         }
         assert_eq!(q.counted.with_label_values(&["dropped"]).get(), 3);
-        let first = q.take();
+        let (first, full) = q.take();
+        assert!(full);
         assert_eq!(first.len(), BATCH);
         // Oldest first: the spans kept are the first QUEUE pushed.
         assert_eq!(first[0].span_context.span_id(), SpanId::from(1));
         let mut left = QUEUE - BATCH;
         while left > 0 {
-            let b = q.take();
+            let (b, _) = q.take();
             assert_eq!(b.len(), left.min(BATCH));
             left -= b.len();
         }
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn large_spans_are_bounded_by_bytes_in_the_queue_and_in_a_batch() {
+        let q = Queue::new(counted());
+        let big = |i| {
+            let mut s = span(i);
+            s.attributes.push(opentelemetry::KeyValue::new(
+                "gen_ai.input.messages",
+                "x".repeat(128 * 1024),
+            ));
+            s
+        };
+        let fits = QUEUE_BYTES / (128 * 1024 + 200);
+        for i in 0..(fits as u64 + 5) {
+            q.push(big(i));
+        }
+        assert!(q.counted.with_label_values(&["dropped"]).get() >= 5);
+        let (batch, _) = q.take();
+        // About 4 MiB of them, not 512.
+        assert!((30..=33).contains(&batch.len()), "{}", batch.len());
     }
 }

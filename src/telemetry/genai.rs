@@ -21,6 +21,42 @@ pub fn operation(path: &str) -> &'static str {
     }
 }
 
+/// The route a request's span is named by (`http.route`): the endpoint's
+/// template for the APIs visor knows, `/v1/*` for any other path (ids and
+/// a client's own paths never name spans).
+pub fn route(path: &str) -> &'static str {
+    const KNOWN: [&str; 12] = [
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/embeddings",
+        "/v1/completions",
+        "/v1/models",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/v1/audio/speech",
+        "/v1/images/generations",
+        "/v1/moderations",
+    ];
+    let path = path.trim_end_matches('/');
+    KNOWN.into_iter().find(|k| *k == path).unwrap_or("/v1/*")
+}
+
+/// The method as a span names it: a standard one, else `_OTHER`.
+pub fn method(m: &http::Method) -> &'static str {
+    match *m {
+        http::Method::GET => "GET",
+        http::Method::POST => "POST",
+        http::Method::PUT => "PUT",
+        http::Method::DELETE => "DELETE",
+        http::Method::PATCH => "PATCH",
+        http::Method::HEAD => "HEAD",
+        http::Method::OPTIONS => "OPTIONS",
+        _ => "_OTHER",
+    }
+}
+
 /// `gen_ai.provider.name` for an upstream: the well-known value the
 /// conventions list when its host names a provider, else by the API it
 /// speaks (`anthropic` for the Messages kind, `openai` otherwise).
@@ -66,6 +102,19 @@ mod tests {
         assert_eq!(operation("/completions"), "text_completion");
         assert_eq!(operation("/audio/transcriptions"), "generate_content");
         assert_eq!(operation("/models"), "other");
+    }
+
+    #[test]
+    fn spans_are_named_by_known_routes_only() {
+        assert_eq!(route("/v1/chat/completions"), "/v1/chat/completions");
+        assert_eq!(route("/v1/responses/"), "/v1/responses");
+        assert_eq!(route("/v1/responses/resp_123"), "/v1/*");
+        assert_eq!(route("/v1/files/file-abc"), "/v1/*");
+        assert_eq!(method(&http::Method::POST), "POST");
+        assert_eq!(
+            method(&http::Method::from_bytes(b"BREW").unwrap()),
+            "_OTHER"
+        );
     }
 
     #[test]

@@ -46,7 +46,8 @@ pub struct Telemetry {
     pub capture_content: bool,
     queue: Arc<export::Queue>,
     stop: tokio_util::sync::CancellationToken,
-    exporting: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Said when the exporting thread has sent what was left and ended.
+    exporting: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
 }
 
 impl std::fmt::Debug for Telemetry {
@@ -70,9 +71,12 @@ impl Telemetry {
     ) -> Option<Arc<Telemetry>> {
         let url = config.traces_url.as_ref()?;
         use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
+        // No retries: a failed batch is counted and dropped (the exporter's
+        // retries would wait between tries, and spans are not worth it).
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_http_client(client)
+            .with_retry_policy(opentelemetry_otlp::RetryPolicy::disabled())
             .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
             .with_endpoint(url.to_string())
             .with_timeout(export::TIMEOUT)
@@ -95,7 +99,13 @@ impl Telemetry {
             .with_span_processor(export::Enqueue(queue.clone()))
             .build();
         let stop = tokio_util::sync::CancellationToken::new();
-        let exporting = tokio::spawn(export::run(queue.clone(), exporter, stop.clone()));
+        let exporting = match export::thread(queue.clone(), exporter, stop.clone()) {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::warn!(error = %e, "traces are off: the exporting thread did not start");
+                return None;
+            }
+        };
         Some(Arc::new(Telemetry {
             tracer: provider.tracer("visor"),
             _provider: provider,
@@ -116,12 +126,14 @@ impl Telemetry {
         headers: &http::HeaderMap,
     ) -> Trace {
         let parent = self.propagator.extract(&HeaderExtractor(headers));
+        let (method, route) = (genai::method(method), genai::route(path));
         let span = self
             .tracer
-            .span_builder(format!("{method} {path}"))
+            .span_builder(format!("{method} {route}"))
             .with_kind(SpanKind::Server)
             .with_attributes([
-                KeyValue::new("http.request.method", method.as_str().to_owned()),
+                KeyValue::new("http.request.method", method),
+                KeyValue::new("http.route", route),
                 KeyValue::new("url.path", path.to_owned()),
             ])
             .start_with_context(&self.tracer, &parent);
@@ -138,9 +150,9 @@ impl Telemetry {
     /// `bound`.
     pub async fn flush(&self, bound: std::time::Duration) {
         self.stop.cancel();
-        let task = self.exporting.lock().ok().and_then(|mut t| t.take());
-        if let Some(task) = task {
-            let _ = tokio::time::timeout(bound, task).await;
+        let done = self.exporting.lock().ok().and_then(|mut t| t.take());
+        if let Some(done) = done {
+            let _ = tokio::time::timeout(bound, done).await;
         }
     }
 
@@ -160,6 +172,7 @@ pub struct Trace {
 
 /// What an upstream attempt is.
 pub struct Attempt<'a> {
+    pub method: &'a http::Method,
     pub operation: &'static str,
     pub provider: &'static str,
     pub model: &'a str,
@@ -213,6 +226,16 @@ impl Trace {
         }
     }
 
+    /// Writes the request span's `traceparent` into `headers` (replacing
+    /// the client's): a WebSocket upgrade's, which has no attempt span.
+    pub fn inject(&self, headers: &mut http::HeaderMap) {
+        headers.remove("traceparent");
+        headers.remove("tracestate");
+        self.telemetry
+            .propagator
+            .inject_context(&self.cx, &mut HeaderInjector(headers));
+    }
+
     /// Starts an upstream attempt: a client span under the request's,
     /// whose `traceparent` replaces the client's in `headers`.
     pub fn attempt(&self, a: &Attempt<'_>, headers: &mut http::HeaderMap) -> AttemptSpan {
@@ -221,7 +244,7 @@ impl Trace {
             KeyValue::new("gen_ai.operation.name", a.operation),
             KeyValue::new("gen_ai.provider.name", a.provider),
             KeyValue::new("visor.upstream", a.upstream.to_owned()),
-            KeyValue::new("http.request.method", "POST"),
+            KeyValue::new("http.request.method", genai::method(a.method)),
         ];
         if !a.model.is_empty() {
             attrs.push(KeyValue::new("gen_ai.request.model", a.model.to_owned()));
@@ -252,7 +275,7 @@ impl Trace {
         self.telemetry
             .propagator
             .inject_context(&cx, &mut HeaderInjector(headers));
-        AttemptSpan(cx)
+        AttemptSpan { cx, failed: false }
     }
 
     /// The response's status, as its head goes back (a span that ends
@@ -279,10 +302,8 @@ impl Trace {
 
     /// Ends the request's span (and `attempt`'s) with how it ended.
     pub fn end(&self, attempt: Option<AttemptSpan>, e: &Ended<'_>) {
-        let mut attrs = vec![
-            KeyValue::new("http.response.status_code", i64::from(e.status)),
-            KeyValue::new("visor.outcome", e.outcome.to_owned()),
-        ];
+        // (`http.response.status_code` was set with the response's head.)
+        let mut attrs = vec![KeyValue::new("visor.outcome", e.outcome.to_owned())];
         if let Some(m) = e.response_model {
             attrs.push(KeyValue::new("gen_ai.response.model", m.to_owned()));
         }
@@ -300,49 +321,58 @@ impl Trace {
         if let Some(u) = e.usage {
             attrs.extend(usage_attributes(&u, e.cache_apart));
         }
-        if let (Some(out), true) = (e.output, self.telemetry.capture_content) {
-            attrs.push(KeyValue::new("gen_ai.output.messages", content(out)));
-        }
-        if let Some(err) = e.error {
-            attrs.push(KeyValue::new("error.type", err.to_owned()));
-        }
-        let failed = e.error.is_some() || e.status >= 500;
-        if let Some(AttemptSpan(a)) = attempt {
-            let span = a.span();
-            // The attempt's own: what came back from the provider.
+        // A failure: how the body failed, else the provider's 5xx status.
+        let error = e
+            .error
+            .map(str::to_owned)
+            .or_else(|| (e.status >= 500).then(|| e.status.to_string()));
+        if let Some(a) = attempt {
+            let span = a.cx.span();
+            // The attempt's own: what came back from the provider (the
+            // content is on the request's span only).
             span.set_attributes(
                 attrs
                     .iter()
                     .filter(|kv| !kv.key.as_str().starts_with("visor."))
                     .cloned(),
             );
-            if failed {
-                span.set_status(Status::error(e.error.unwrap_or("server error").to_owned()));
+            if let (Some(err), false) = (&error, a.failed) {
+                span.set_attribute(KeyValue::new("error.type", err.clone()));
+                span.set_status(Status::error(err.clone()));
             }
             span.end();
         }
-        let span = self.cx.span();
-        span.set_attributes(attrs);
-        if failed {
-            span.set_status(Status::error(e.error.unwrap_or("server error").to_owned()));
+        if let (Some(out), true) = (e.output, self.telemetry.capture_content) {
+            attrs.push(KeyValue::new("gen_ai.output.messages", content(out)));
         }
+        let span = self.cx.span();
+        if let Some(err) = error {
+            attrs.push(KeyValue::new("error.type", err.clone()));
+            span.set_status(Status::error(err));
+        }
+        span.set_attributes(attrs);
         span.end();
     }
 }
 
 /// An upstream attempt's span (ends when dropped, or with the request).
-pub struct AttemptSpan(Context);
+pub struct AttemptSpan {
+    cx: Context,
+    /// Marked failed already (by its response head).
+    failed: bool,
+}
 
 impl AttemptSpan {
     /// The provider answered with `status` (a 5xx or 429 marks the
     /// attempt failed: a fallback may follow).
-    pub fn head(&self, status: u16) {
-        let span = self.0.span();
+    pub fn head(&mut self, status: u16) {
+        let span = self.cx.span();
         span.set_attribute(KeyValue::new(
             "http.response.status_code",
             i64::from(status),
         ));
         if status >= 500 || status == 429 {
+            self.failed = true;
             span.set_attribute(KeyValue::new("error.type", status.to_string()));
             span.set_status(Status::error(format!("the upstream answered {status}")));
         }
@@ -351,7 +381,7 @@ impl AttemptSpan {
     /// The attempt failed before a response head (`kind`: connect,
     /// timeout, reset…).
     pub fn failed(self, kind: &str) {
-        let span = self.0.span();
+        let span = self.cx.span();
         span.set_attribute(KeyValue::new("error.type", kind.to_owned()));
         span.set_status(Status::error(kind.to_owned()));
         span.end();
@@ -363,21 +393,25 @@ impl AttemptSpan {
 /// (the conventions count them within `gen_ai.usage.input_tokens`).
 pub fn usage_attributes(u: &crate::api::usage::Usage, cache_apart: bool) -> Vec<KeyValue> {
     let input = match cache_apart {
-        true => u.prompt + u.cached_read + u.cache_write,
+        true => u
+            .prompt
+            .saturating_add(u.cached_read)
+            .saturating_add(u.cache_write),
         false => u.prompt,
     };
+    let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     let mut attrs = vec![
-        KeyValue::new("gen_ai.usage.input_tokens", input as i64),
-        KeyValue::new("gen_ai.usage.output_tokens", u.completion as i64),
+        KeyValue::new("gen_ai.usage.input_tokens", int(input)),
+        KeyValue::new("gen_ai.usage.output_tokens", int(u.completion)),
     ];
     if u.cache_said {
         attrs.push(KeyValue::new(
             "gen_ai.usage.cache_read.input_tokens",
-            u.cached_read as i64,
+            int(u.cached_read),
         ));
         attrs.push(KeyValue::new(
             "gen_ai.usage.cache_creation.input_tokens",
-            u.cache_write as i64,
+            int(u.cache_write),
         ));
     }
     attrs

@@ -91,8 +91,20 @@ struct Receiver {
     bad: Arc<Mutex<Vec<String>>>,
 }
 
+/// How the receiver answers.
+#[derive(Clone, Copy)]
+enum Answer {
+    Takes,
+    /// 503 with `Retry-After: 30` (a throttling collector).
+    Throttles,
+}
+
 impl Receiver {
     async fn start() -> Receiver {
+        Receiver::answering(Answer::Takes).await
+    }
+
+    async fn answering(answer: Answer) -> Receiver {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let spans = Arc::new(Mutex::new(Vec::new()));
@@ -112,6 +124,13 @@ impl Receiver {
                                 let ct = req.headers().get("content-type").cloned();
                                 let path = req.uri().path().to_owned();
                                 let body = req.into_body().collect().await.unwrap().to_bytes();
+                                if let Answer::Throttles = answer {
+                                    return Ok(http::Response::builder()
+                                        .status(503)
+                                        .header("retry-after", "30")
+                                        .body(Full::new(Bytes::new()))
+                                        .unwrap());
+                                }
                                 if path != "/v1/traces"
                                     || ct.as_ref().map(|v| v.as_bytes())
                                         != Some(b"application/x-protobuf")
@@ -309,8 +328,19 @@ async fn a_request_is_one_server_span_with_genai_attributes_an_attempt_and_a_des
         assert_eq!(hex(&d.span.trace_id), CLIENT_TRACE);
         assert_eq!(d.str("gen_ai.request.model").as_deref(), Some(DESCRIBER));
     }
-    let m = visor.metrics().await;
-    assert!(metric(&m, "visor_telemetry_spans_total", &[("result", "exported")]).unwrap() >= 4.0);
+    // Counted once the collector has taken them.
+    let until = Instant::now() + Duration::from_secs(15);
+    while metric(
+        &visor.metrics().await,
+        "visor_telemetry_spans_total",
+        &[("result", "exported")],
+    )
+    .unwrap_or(0.0)
+        < 4.0
+    {
+        assert!(Instant::now() < until, "exported spans not counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 #[tokio::test]
@@ -372,12 +402,19 @@ async fn contents_are_exported_only_with_capture_content() {
     let receiver = Receiver::start().await;
     let mock = MockUpstream::start(|_| chat_ok()).await;
     let visor = Visor::for_mock(&mock, &receiver.toml("capture_content = true")).await;
-    let (status, _, _) = send(post_json(
+    let mut req = post_json(
         &visor.url("/v1/chat/completions"),
         r#"{"model":"m1","messages":[{"role":"user","content":"the secret word is heliotrope"}]}"#,
-    ))
-    .await;
+    );
+    req.headers_mut()
+        .insert("authorization", "Bearer sk-SECRET-client".parse().unwrap());
+    let (status, _, _) = send(req).await;
     assert_eq!(status, 200);
+    // The client's key went upstream (it is the client's own), never onto a span.
+    assert_eq!(
+        mock.recorded()[0].headers["authorization"],
+        "Bearer sk-SECRET-client"
+    );
     let spans = receiver
         .wait("request span", |s| {
             !named(s, "POST /v1/chat/completions").is_empty()
@@ -397,10 +434,15 @@ async fn contents_are_exported_only_with_capture_content() {
             .contains("\"content\":\"ok\"")
     );
     // Never a credential.
-    for kv in &server.span.attributes {
-        let v = format!("{:?}", kv.value);
-        assert!(!v.contains("sk-"), "{}: {v}", kv.key);
+    for got in &spans {
+        for kv in &got.span.attributes {
+            let v = format!("{:?}", kv.value);
+            assert!(!v.contains("SECRET"), "{}: {v}", kv.key);
+        }
     }
+    // The content is the request's span's, not copied onto the attempt's.
+    let attempt = &named(&spans, "chat m1")[0];
+    assert!(attempt.attr("gen_ai.output.messages").is_none());
 }
 
 #[tokio::test]
@@ -433,6 +475,38 @@ async fn a_collector_that_is_down_never_fails_a_request() {
             break;
         }
         assert!(Instant::now() < until, "spans not counted as failed:\n{m}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A collector that throttles (503, `Retry-After: 30`): spans are dropped
+/// as failed at once, never retried while requests wait (this test's
+/// runtime has one thread, which a sleeping exporter would stop).
+#[tokio::test]
+async fn a_throttling_collector_never_holds_requests() {
+    let receiver = Receiver::answering(Answer::Throttles).await;
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, &receiver.toml("")).await;
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut failed = 0.0;
+    while failed < 3.0 {
+        let answered = tokio::time::timeout(
+            Duration::from_secs(5),
+            post_chat(
+                &visor,
+                r#"{"model":"m1","messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+        )
+        .await
+        .expect("a request waited on the collector");
+        assert_eq!(answered.0, 200);
+        failed = metric(
+            &visor.metrics().await,
+            "visor_telemetry_spans_total",
+            &[("result", "failed")],
+        )
+        .unwrap_or(0.0);
+        assert!(Instant::now() < until, "no export counted as failed");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
