@@ -2,9 +2,10 @@
 # The inspector's cost on the hot path: small chat requests at c=32 through
 # two visors on one machine, one with the inspector on (the default: every
 # request's summary and bodies recorded) and one with it off, run in turn
-# so drift hits both alike. Prints each run's req/s
-# and p50, and the median of "on" against the median of "off". With
-# BODY_BYTES=0 the "on" side keeps summaries only.
+# so drift hits both alike. Prints each run's req/s, p50 and the visor's
+# CPU time per request (user + system, from /proc: what the inspector costs
+# whatever else the shared machine runs), and the medians of "on" against
+# those of "off". With BODY_BYTES=0 the "on" side keeps summaries only.
 #
 #   benches/inspector_load.sh               # 5 rounds of 5 s each way
 #   ROUNDS=3 DURATION=10 benches/inspector_load.sh
@@ -61,32 +62,41 @@ base_url = "http://127.0.0.1:$MOCK_PORT/v1"
 models = ["*"]
 TOML
   RUST_LOG=warn "$VISOR" serve --config "$WORK/$side.toml" 2>"$WORK/$side.log" & pids+=($!)
+  [ "$side" = on ] && ON_PID=$! || OFF_PID=$!
 done
+TICKS=$(getconf CLK_TCK)
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 wait_port() { for _ in $(seq 1 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 not up"; exit 1; }
 for p in $MOCK_PORT $ON_PORT $OFF_PORT; do wait_port "$p"; done
 
-run() { # port → "req/s p50"
-  local out; out=$(wrk -t2 -c"$CONNS" -d"${DURATION}s" --latency -s "$WORK/small.lua" "http://127.0.0.1:$1/v1/chat/completions" 2>&1)
-  echo "$(echo "$out" | awk '/Requests\/sec/ {print $2}') $(echo "$out" | awk '$1=="50%" {print $2}')"
+run() { # port pid → "req/s p50 µs-of-CPU-per-request"
+  local before after out n
+  before=$(cpu_ticks "$2")
+  out=$(wrk -t2 -c"$CONNS" -d"${DURATION}s" --latency -s "$WORK/small.lua" "http://127.0.0.1:$1/v1/chat/completions" 2>&1)
+  after=$(cpu_ticks "$2")
+  n=$(echo "$out" | awk '/requests in/ {print $1}')
+  echo "$(echo "$out" | awk '/Requests\/sec/ {print $2}') $(echo "$out" | awk '$1=="50%" {print $2}') $(awk -v t=$((after - before)) -v n="$n" -v hz="$TICKS" 'BEGIN {printf "%.1f", t / hz * 1e6 / n}')"
 }
 # Warm both (connections, allocator, the inspector's ring filled).
-DURATION=2 run $ON_PORT >/dev/null; DURATION=2 run $OFF_PORT >/dev/null
+DURATION=2 run $ON_PORT $ON_PID >/dev/null; DURATION=2 run $OFF_PORT $OFF_PID >/dev/null
 
-on=(); off=()
+on=(); off=(); on_cpu=(); off_cpu=()
 # The order flips every round (on, off, off, on, …): a first slot that
 # runs faster or slower favours neither.
 for i in $(seq 1 "$ROUNDS"); do
   for side in $( [ $((i % 2)) = 1 ] && echo "on off" || echo "off on" ); do
     if [ "$side" = on ]; then
-      r=$(run $ON_PORT); on+=("${r%% *}"); echo "round $i  on:  $r"
+      r=$(run $ON_PORT $ON_PID); on+=("${r%% *}"); on_cpu+=("${r##* }"); echo "round $i  on:  $r"
     else
-      r=$(run $OFF_PORT); off+=("${r%% *}"); echo "round $i  off: $r"
+      r=$(run $OFF_PORT $OFF_PID); off+=("${r%% *}"); off_cpu+=("${r##* }"); echo "round $i  off: $r"
     fi
   done
 done
 median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 m_on=$(median "${on[@]}"); m_off=$(median "${off[@]}")
+c_on=$(median "${on_cpu[@]}"); c_off=$(median "${off_cpu[@]}")
 kept=$(curl -s "http://127.0.0.1:$ON_PORT/visor/api/requests?limit=1000" | python3 -c 'import json,sys; v=json.load(sys.stdin); print(len(v["requests"]), "summaries kept,", v["dropped"], "dropped")' 2>/dev/null || echo "?")
 echo
 echo "small requests, c=$CONNS, ${ROUNDS}×${DURATION}s each way: inspector on ${m_on} req/s, off ${m_off} req/s, on/off = $(awk -v a="$m_on" -v b="$m_off" 'BEGIN {printf "%.3f", a/b}') (the on side: $kept)"
+echo "visor CPU per request: on ${c_on} µs, off ${c_off} µs, on/off = $(awk -v a="$c_on" -v b="$c_off" 'BEGIN {printf "%.3f", a/b}')"
