@@ -6,11 +6,13 @@
 //! loads. With the real tools (each skipped with a printed reason where it
 //! is not installed, except under CI=true, where `.ci/run` installed it):
 //! `promtool` checks the rules and runs their unit tests
-//! (`deploy/prometheus/alerts.test.yml`), and a real Prometheus scrapes a
-//! visor and evaluates every dashboard query and alert rule
-//! ([`prometheus`]).
+//! (`deploy/prometheus/alerts.test.yml`), a real Prometheus scrapes a visor
+//! and evaluates every dashboard query and alert rule
+//! ([`prometheus`]), and `kubectl kustomize` renders both kustomizations
+//! ([`kubernetes`]).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod kubernetes;
 mod prometheus;
 
 use crate::support;
