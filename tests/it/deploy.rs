@@ -3,15 +3,27 @@
 //! after traffic that moves them; the Kubernetes manifests probe the right
 //! endpoints, run as non-root on a read-only root with a writable data
 //! volume, and outlast the drain; every visor config shipped in `deploy/`
-//! loads; `promtool check rules` passes (skipped with a printed reason where
-//! promtool is not installed, except under CI=true).
+//! loads. With the real tools (each skipped with a printed reason where it
+//! is not installed, except under CI=true, where `.ci/run` installed it):
+//! `promtool` checks the rules and runs their unit tests
+//! (`deploy/prometheus/alerts.test.yml`), a real Prometheus scrapes a visor
+//! and evaluates every dashboard query and alert rule
+//! ([`prometheus`]), and `kubectl kustomize` renders both kustomizations
+//! ([`kubernetes`]).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod kubernetes;
+mod prometheus;
 
 use crate::support;
 
 use std::collections::BTreeSet;
+use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use serde_json::Value;
 use support::*;
 use yaml_rust2::{Yaml, YamlLoader};
@@ -133,9 +145,24 @@ fn used_metrics() -> BTreeSet<String> {
 }
 
 /// Chat answers with usage; a 500 for `fail-*` models; the describer's
-/// answers for describer calls.
+/// answers for describer calls, but 401 for an image that ends with
+/// [`REFUSED`]; and as an OTLP collector, an empty 200 to an export of
+/// trace spans.
 fn upstream(req: &Recorded) -> Reply {
+    if req.uri.path() == "/v1/traces" {
+        return Reply::Full {
+            status: 200,
+            headers: vec![("content-type", "application/x-protobuf".to_owned())],
+            body: Bytes::new(),
+        };
+    }
     if is_describer_call(req) {
+        let url = described_url(req);
+        let (_, b64) = url.split_once(";base64,").unwrap();
+        let image = base64_simd::STANDARD.decode_to_vec(b64).unwrap();
+        if image.ends_with(REFUSED.as_bytes()) {
+            return Reply::json(401, r#"{"error":{"message":"bad key"}}"#);
+        }
         return describer_answer(req);
     }
     if String::from_utf8_lossy(&req.body).contains("\"fail-") {
@@ -147,40 +174,111 @@ fn upstream(req: &Recorded) -> Reply {
     )
 }
 
+/// Appended to an image (`png_data_url`) whose description the mock
+/// refuses, as an upstream refuses a wrong credential.
+const REFUSED: &str = "the describer's credential is refused";
+
+/// The proxy key `agent` (no limit) and `tight` (one request a minute).
+const AGENT_KEY: &str = "sk-deploy-agent";
+const TIGHT_KEY: &str = "sk-deploy-tight";
+
+/// A visor whose metrics all move: the describer, two named keys,
+/// `fail-*` models routed to `primary` (the mock again, which answers them
+/// 500) with the mock as its fallback, and traces sent to the mock as
+/// their collector; `server`: its `[server]` keys.
+async fn visor_with_everything(mock: &MockUpstream, server: &str) -> Visor {
+    Visor::for_mock(
+        mock,
+        &format!(
+            "[server]\n{server}\n[telemetry]\notlp_endpoint = \"{}\"\n{DESCRIBE}\n[[key]]\nname = \"agent\"\nkey = \"{AGENT_KEY}\"\n\
+             [[key]]\nname = \"tight\"\nkey = \"{TIGHT_KEY}\"\nrequests_per_minute = 1\n\
+             {}models = [\"fail-*\"]\nfallbacks = [\"mock\"]\n",
+            mock.url(),
+            mock.upstream_toml("primary")
+        ),
+    )
+    .await
+}
+
+/// Traffic that moves the metrics the alerts and the dashboard read: an
+/// answered chat (tokens, latency, first byte, context bytes), one in a
+/// session, an image for a text-only model (described, replaced, saved;
+/// `salt` makes it new), an upstream 500 after a fallback (errors,
+/// retries, breakers), and a key over its limit (429).
+async fn traffic(visor: &Visor, salt: &str) {
+    let chat = |body: Bytes, key: &str| {
+        let mut req = post_json(&visor.url("/v1/chat/completions"), body);
+        req.headers_mut()
+            .insert("authorization", format!("Bearer {key}").parse().unwrap());
+        req
+    };
+    let (url, _) = png_data_url(salt);
+    let (status, _, body) = send(chat(chat_with_images("gpt-oss-120b", &[url]), AGENT_KEY)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let hi = |model: &str| {
+        Bytes::from(format!(
+            r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#
+        ))
+    };
+    let mut req = chat(hi("gpt-4o-mini"), AGENT_KEY);
+    req.headers_mut()
+        .insert("x-visor-session", "deploy".parse().unwrap());
+    assert_eq!(send(req).await.0, 200);
+    assert_eq!(send(chat(hi("fail-1"), AGENT_KEY)).await.0, 500);
+    // The first of a minute may pass: two, so one is refused.
+    let first = send(chat(hi("gpt-4o-mini"), TIGHT_KEY)).await.0;
+    let second = send(chat(hi("gpt-4o-mini"), TIGHT_KEY)).await.0;
+    assert!(
+        first == 429 || second == 429,
+        "over the limit: {first} {second}"
+    );
+}
+
+/// The names on a `/metrics` text.
+fn exposed(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap().to_owned())
+        .collect()
+}
+
 #[tokio::test]
 async fn every_metric_in_the_alerts_and_the_dashboard_exists() {
     let used = used_metrics();
     let mock = MockUpstream::start(upstream).await;
-    let visor = Visor::for_mock(&mock, DESCRIBE).await;
-    // Traffic that moves them: an answered chat (tokens, latency, first
-    // byte), one in a session, an image for a text-only model (described,
-    // replaced, saved), an upstream 500 (errors).
-    let (url, _) = png_data_url("deploy");
-    let (status, _, _) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        chat_with_images("gpt-oss-120b", &[url]),
-    ))
-    .await;
-    assert_eq!(status, 200);
+    let visor = visor_with_everything(&mock, "header_timeout_secs = 0.2").await;
+    traffic(&visor, "deploy").await;
+    // The describer's credential refused (`visor_credential_refused_total`).
+    let (url, _) = png_data_url(REFUSED);
     let mut req = post_json(
         &visor.url("/v1/chat/completions"),
-        r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}]}"#,
+        chat_with_images("gpt-oss-120b", &[url]),
     );
-    req.headers_mut()
-        .insert("x-visor-session", "deploy".parse().unwrap());
+    req.headers_mut().insert(
+        "authorization",
+        format!("Bearer {AGENT_KEY}").parse().unwrap(),
+    );
     assert_eq!(send(req).await.0, 200);
-    let (status, _, _) = send(post_json(
-        &visor.url("/v1/chat/completions"),
-        r#"{"model":"fail-1","messages":[{"role":"user","content":"hi"}]}"#,
-    ))
-    .await;
-    assert_eq!(status, 500);
-    let text = visor.metrics().await;
-    let exposed: BTreeSet<String> = text
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| l.split(['{', ' ']).next().unwrap().to_owned())
-        .collect();
+    // A connection that sends nothing, closed at the header timeout
+    // (`visor_client_connections_closed_total`).
+    let _silent = tokio::net::TcpStream::connect(visor.addr).await.unwrap();
+    assert!(
+        wait_metrics(&visor, Duration::from_secs(10), |m| {
+            metric(m, "visor_client_connections_closed_total", &[]).is_some()
+        })
+        .await,
+        "the silent connection was not closed"
+    );
+    // The spans of these requests sent to the collector (at least once a
+    // second): `visor_telemetry_spans_total`.
+    assert!(
+        wait_metrics(&visor, Duration::from_secs(10), |m| {
+            metric(m, "visor_telemetry_spans_total", &[("result", "exported")]).is_some()
+        })
+        .await,
+        "no span exported"
+    );
+    let exposed = exposed(&visor.metrics().await);
     let missing: Vec<&String> = used.iter().filter(|n| !exposed.contains(*n)).collect();
     assert!(
         missing.is_empty(),
@@ -200,6 +298,17 @@ async fn every_metric_in_the_alerts_and_the_dashboard_exists() {
         "visor_session_history_messages_bucket",
         "visor_cache_tokens_total",
         "visor_cache_misses_total",
+        "visor_retries_total",
+        "visor_upstream_state",
+        "visor_ratelimited_total",
+        "visor_ratelimit_shared",
+        "visor_ratelimit_local_checks_total",
+        "visor_media_total",
+        "visor_context_resent_bytes_total",
+        "visor_client_connections",
+        "visor_inspector_dropped_total",
+        "visor_telemetry_spans_total",
+        "visor_build_info",
     ] {
         assert!(used.contains(needed), "{needed} not used in deploy/");
     }
@@ -519,23 +628,63 @@ fn compose_and_dockerfile() {
     }
 }
 
-#[test]
-fn promtool_accepts_the_rules() {
-    let rules = deploy().join("prometheus/alerts.yml");
-    match std::process::Command::new("promtool")
-        .args(["check", "rules"])
-        .arg(&rules)
-        .output()
-    {
-        Ok(out) => assert!(
-            out.status.success(),
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-        Err(e) if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("promtool is required under CI (.ci/run installs it): {e}")
+/// Whether this run must have every tool (`.ci/run` installs them).
+fn under_ci() -> bool {
+    std::env::var("CI").as_deref() == Ok("true")
+}
+
+/// `None`, with a printed reason, where `tool` is not installed (`how`
+/// installs it); under CI that is a failure.
+fn missing<T>(tool: &str, why: &std::io::Error, how: &str) -> Option<T> {
+    assert!(
+        !under_ci(),
+        "{tool} is required under CI (.ci/run installs it): {why}"
+    );
+    println!("SKIPPED: {tool} not installed ({why}); {how}");
+    None
+}
+
+/// Runs `cmd` to its end, within `bound` (killed and failed past it),
+/// with its output collected. `Err` when it cannot be started.
+fn run_bounded(cmd: &mut Command, bound: Duration) -> std::io::Result<Output> {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let collect = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let stdout = collect(Box::new(child.stdout.take().unwrap()));
+    let stderr = collect(Box::new(child.stderr.take().unwrap()));
+    let deadline = Instant::now() + bound;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
         }
-        Err(e) => println!("SKIPPED: promtool not installed ({e}); apt-get install prometheus"),
-    }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} did not finish within {bound:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Ok(Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    })
+}
+
+/// Its stdout and stderr, for a failure message.
+fn said(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
