@@ -337,6 +337,10 @@ impl Transforms {
             "Trace spans by what became of them: exported to the OTLP collector, dropped (the export queue was full: the request was not slowed), failed (the collector refused them or did not answer)",
             &["result"],
         )?;
+        // At 0 from the start, so the first spans lost are a rise.
+        for result in ["exported", "dropped", "failed"] {
+            telemetry_spans.with_label_values(&[result]);
+        }
         Ok(Self {
             telemetry_spans,
             images,
