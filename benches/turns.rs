@@ -37,12 +37,15 @@ async fn mock() -> SocketAddr {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         loop {
-            let Ok((tcp, _)) = listener.accept().await else { return };
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
             tcp.set_nodelay(true).unwrap();
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(|req: http::Request<hyper::body::Incoming>| async move {
-                    let _ = req.into_body().collect().await;
-                    Ok::<_, hyper::Error>(
+                let svc = hyper::service::service_fn(
+                    |req: http::Request<hyper::body::Incoming>| async move {
+                        let _ = req.into_body().collect().await;
+                        Ok::<_, hyper::Error>(
                         http::Response::builder()
                             .header("content-type", "application/json")
                             .body(Full::new(Bytes::from_static(
@@ -50,7 +53,8 @@ async fn mock() -> SocketAddr {
                             )))
                             .unwrap(),
                     )
-                });
+                    },
+                );
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc)
                     .await;
@@ -81,8 +85,12 @@ async fn visor(upstream: SocketAddr, data: &Path) -> SocketAddr {
     toml.push_str(&format!(
         "\n[[upstream]]\nname = \"mock\"\nbase_url = \"http://{upstream}/v1\"\nmodels = [\"*\"]\n"
     ));
-    let toml = toml.replace("data_dir = \"var\"", &format!("data_dir = {:?}", data.display().to_string()));
-    let mut cfg = visor::config::Config::from_toml(&toml, Path::new("turns.toml"), &|_| None).unwrap();
+    let toml = toml.replace(
+        "data_dir = \"var\"",
+        &format!("data_dir = {:?}", data.display().to_string()),
+    );
+    let mut cfg =
+        visor::config::Config::from_toml(&toml, Path::new("turns.toml"), &|_| None).unwrap();
     cfg.server.data_dir = data.to_path_buf();
     cfg.server.drain_delay = Duration::ZERO;
     let server = visor::server::Server::bind(cfg, Some("127.0.0.1:0".parse().unwrap()))
@@ -115,7 +123,13 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 /// The added time for `body`: visor's median minus the direct median, in
 /// microseconds.
-async fn added(client: &Http, direct: SocketAddr, through: SocketAddr, body: &Bytes, rounds: usize) -> f64 {
+async fn added(
+    client: &Http,
+    direct: SocketAddr,
+    through: SocketAddr,
+    body: &Bytes,
+    rounds: usize,
+) -> f64 {
     let (mut d, mut v) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         d.push(once(client, direct, body).await);
@@ -150,10 +164,20 @@ impl Agent {
             "function": {"name": "bash", "arguments": format!("{{\"command\":\"sed -n {},{}p src/module_{}.py\"}}", i * 7 % 300, i * 7 % 300 + 20, i % 37)}
         }]}));
         let output: String = (0..20)
-            .map(|l| format!("{:4}  value_{i}_{l} = compute(item_{}, offset={})\n", i * 7 % 300 + l, (i * 31 + l) % 97, l * i % 13))
+            .map(|l| {
+                format!(
+                    "{:4}  value_{i}_{l} = compute(item_{}, offset={})\n",
+                    i * 7 % 300 + l,
+                    (i * 31 + l) % 97,
+                    l * i % 13
+                )
+            })
             .collect();
         messages.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
-        Bytes::from(serde_json::to_vec(&json!({"model": "gpt-4o", "messages": messages, "stream": false})).unwrap())
+        Bytes::from(
+            serde_json::to_vec(&json!({"model": "gpt-4o", "messages": messages, "stream": false}))
+                .unwrap(),
+        )
     }
 }
 
@@ -170,7 +194,10 @@ fn longest(dir: &Path, n: usize) -> Vec<(String, Vec<Bytes>)> {
                 .unwrap()
                 .flatten()
                 .map(|t| t.path())
-                .filter(|p| p.file_name().is_some_and(|f| f.to_string_lossy().starts_with("turn-")))
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|f| f.to_string_lossy().starts_with("turn-"))
+                })
                 .collect();
             turns.sort();
             let bodies = turns
@@ -193,8 +220,14 @@ fn longest(dir: &Path, n: usize) -> Vec<(String, Vec<Bytes>)> {
 }
 
 fn main() {
-    let rounds: usize = std::env::var("TURNS_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(7);
-    let sample: usize = std::env::var("TURNS_SAMPLE").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
+    let rounds: usize = std::env::var("TURNS_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(7);
+    let sample: usize = std::env::var("TURNS_SAMPLE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
