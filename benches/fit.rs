@@ -284,6 +284,8 @@ fn bench(c: &mut Criterion) {
     let fitter = Arc::new(Fitter::new(None, 2));
     let job = FitJob {
         index: 0,
+        quick: None,
+        original: Default::default(),
         sha256: "a".repeat(64),
         bytes: bytes::Bytes::from(shot.clone()),
         from: (2880, 1800),
@@ -300,16 +302,24 @@ fn bench(c: &mut Criterion) {
         .collect();
     let body = screenshot_request(&shots, "claude-sonnet-4-5");
     let mut warm = visor::transform::scan(&body, &claude).unwrap();
-    let jobs = warm.fit_jobs(&body, 0);
+    let jobs = warm.fit_jobs(&body, 0, &|_| None);
     assert_eq!(jobs.len(), 12);
-    for j in &jobs {
-        rt.block_on(fitter.fitted(j));
-    }
+    assert_eq!(rt.block_on(fitter.fit_into(&mut warm, jobs, None)), 0);
     g.sample_size(20);
+    // The next turn: each image found by its text (not decoded, not hashed).
     g.bench_function("screenshot-request-cached", |b| {
         b.iter(|| {
             let mut s = visor::transform::scan(black_box(&body), &claude).unwrap();
-            let jobs = s.fit_jobs(&body, 0);
+            let jobs = s.fit_jobs(&body, 0, &|q| fitter.quick(q));
+            assert!(jobs.is_empty());
+            s.finish(&body, &[])
+        })
+    });
+    // As before the quick key: each image decoded and hashed to find its fit.
+    g.bench_function("screenshot-request-cached-by-sha256", |b| {
+        b.iter(|| {
+            let mut s = visor::transform::scan(black_box(&body), &claude).unwrap();
+            let jobs = s.fit_jobs(&body, 0, &|_| None);
             for j in jobs {
                 let f = rt.block_on(fitter.fitted(&j));
                 s.set_fitted(j.index, (*f).clone().unwrap());

@@ -13,7 +13,7 @@ use moka::future::Cache;
 use tokio::sync::Semaphore;
 
 use crate::image_fit::{Fitted, Unfit, fit};
-use crate::transform::{FitJob, Scanned};
+use crate::transform::{FitJob, Quick, Scanned};
 
 /// Bytes of fitted images kept in memory.
 const MEMORY_BYTES: u64 = 256 * 1024 * 1024;
@@ -33,6 +33,10 @@ type Outcome = Arc<Result<Fitted, Unfit>>;
 /// The cache of fitted images and the bound on how many are fitted at once.
 pub struct Fitter {
     memory: Cache<String, Outcome>,
+    /// The same results by their [`crate::transform::quick_key`]: the next
+    /// turn's image found by its text, not decoded and hashed again
+    /// (bounded like `memory`; the fitted bytes are shared with it).
+    quick: moka::sync::Cache<u128, Quick>,
     dir: Option<PathBuf>,
     permits: Arc<Semaphore>,
     /// [`FIT_MEMORY_MIB`], a permit a MiB.
@@ -50,8 +54,17 @@ impl Fitter {
                 u32::try_from(n).unwrap_or(u32::MAX)
             })
             .build();
+        let quick = moka::sync::Cache::builder()
+            .max_capacity(MEMORY_BYTES)
+            .weigher(|_: &u128, q: &Quick| {
+                let n =
+                    q.fitted.as_ref().map_or(0, |f| f.bytes.len()) + q.original.sha256.len() + 96;
+                u32::try_from(n).unwrap_or(u32::MAX)
+            })
+            .build();
         Fitter {
             memory,
+            quick,
             dir,
             permits: Arc::new(Semaphore::new(concurrency.max(1))),
             fit_memory: Arc::new(Semaphore::new(FIT_MEMORY_MIB as usize)),
@@ -72,6 +85,11 @@ impl Fitter {
         };
         let mut unfit = 0;
         for (job, outcome) in jobs.iter().zip(done) {
+            if let Some(q) = job.quick {
+                let fitted = outcome.as_ref().as_ref().ok().cloned();
+                let original = job.original.clone();
+                self.quick.insert(q, Quick { fitted, original });
+            }
             match outcome.as_ref() {
                 Ok(f) => scanned.set_fitted(job.index, f.clone()),
                 Err(why) => {
@@ -81,6 +99,11 @@ impl Fitter {
             }
         }
         unfit
+    }
+
+    /// A result found by its quick key (see [`crate::transform::quick_key`]).
+    pub fn quick(&self, key: u128) -> Option<Quick> {
+        self.quick.get(&key)
     }
 
     /// One job's image: from memory, from disk, or fitted now.

@@ -542,9 +542,10 @@ async fn run(
     // Resolved, and finished at once when there is nothing to describe
     // (one trip to the blocking pool for a large body, not two).
     let b = body.clone();
+    let fitter = rw.fitter.clone();
     let resolve = move |mut scanned: transform::Scanned| {
         scanned.resolve(&b);
-        let fits = scanned.fit_jobs(&b, 0);
+        let fits = scanned.fit_jobs(&b, 0, &|q| fitter.quick(q));
         // Over the provider's request bound with no image over its own:
         // the request pass still runs.
         let over = scanned
@@ -633,8 +634,9 @@ async fn fit_images(
     let (mut s, b) = (scanned.clone(), body.clone());
     // A little under the bound: the JSON around each image stays.
     let over = len - max + max / 100;
+    let fitter = rw.fitter.clone();
     let again = off_thread(body.len() > INLINE_LIMIT, move || {
-        let jobs = s.fit_jobs(&b, over);
+        let jobs = s.fit_jobs(&b, over, &|q| fitter.quick(q));
         (s, jobs)
     })
     .await;

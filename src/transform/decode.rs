@@ -248,6 +248,21 @@ impl Scan {
         }
     }
 
+    /// Image `i` as a fit found by its text says it came: its SHA-256,
+    /// media type, size and dimensions, without decoding it (its bytes
+    /// stay unread: the original was saved when it was first fitted).
+    pub fn known(&mut self, i: usize, original: &super::Original) {
+        if let Some(img) = self.images.get_mut(i) {
+            img.sha256.clone_from(&original.sha256);
+            img.source = Source::Inline {
+                media_type: original.media_type.clone(),
+                size: original.size,
+                dims: original.dims,
+            };
+            img.pending = None;
+        }
+    }
+
     /// What tells image `i` apart from others without decoding it: its
     /// base64 text while encoded, else its SHA-256 hex. `None` for broken
     /// data (never the same image as another).

@@ -373,6 +373,12 @@ pub fn needed(plan: &Plan) -> bool {
 pub struct FitJob {
     /// The image's index in the scan.
     pub index: usize,
+    /// Its [`quick_key`] (the base64 as written and the fit asked), when
+    /// it came encoded: what the next turn finds the result by without
+    /// decoding the image.
+    pub quick: Option<u128>,
+    /// The image as it came (kept with the result under `quick`).
+    pub original: Original,
     /// Full SHA-256 hex of its bytes.
     pub sha256: String,
     pub bytes: bytes::Bytes,
@@ -389,6 +395,47 @@ impl FitJob {
         let max = self.max_base64.map_or(String::new(), |m| m.to_string());
         format!("{}:{w}x{h}:{max}", self.sha256)
     }
+}
+
+/// An image as it came, as a fit found by [`quick_key`] says it (its note
+/// and artifact link need it, and it is not decoded again).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Original {
+    pub sha256: String,
+    pub media_type: String,
+    pub size: usize,
+    pub dims: Option<(usize, usize)>,
+}
+
+/// A fit found by its [`quick_key`]: the image sent (`None`: it is left
+/// as it came), and the original.
+#[derive(Debug, Clone)]
+pub struct Quick {
+    pub fitted: Option<Fitted>,
+    pub original: Original,
+}
+
+/// What a fit is found by before its image is decoded: the base64 text as
+/// the request writes it, hashed with a key of this process's (xxh3-128;
+/// the key keeps a client from making another image's text hash the
+/// same), and the size and byte bound asked.
+pub fn quick_key(base64: &[u8], size: Option<(u32, u32)>, max_base64: Option<u64>) -> u128 {
+    static SEED: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(0x7669_736f_725f_6669);
+        h.finish()
+    });
+    let (w, h) = size.unwrap_or((0, 0));
+    let mut tail = [0u8; 17];
+    tail[..4].copy_from_slice(&w.to_le_bytes());
+    tail[4..8].copy_from_slice(&h.to_le_bytes());
+    tail[8..16].copy_from_slice(&max_base64.unwrap_or(u64::MAX).to_le_bytes());
+    tail[16] = u8::from(size.is_some());
+    let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*SEED);
+    x.update(base64);
+    x.update(&tail);
+    x.digest128()
 }
 
 /// The most decoded bytes read to learn an image's size from its head
@@ -421,7 +468,7 @@ pub fn rewrite_fitted(body: &[u8], plan: &Plan) -> Rewrite {
 pub fn fit_here(scanned: &mut Scanned, body: &[u8]) {
     let mut over = 0;
     for _ in 0..2 {
-        for job in scanned.fit_jobs(body, over) {
+        for job in scanned.fit_jobs(body, over, &|_| None) {
             if let Ok(f) = crate::image_fit::fit(&job.bytes, job.size, job.max_base64) {
                 scanned.set_fitted(job.index, f);
             }
@@ -600,7 +647,12 @@ impl Scanned {
     /// is over its `max_request_bytes` after the other fits; the largest
     /// images are then given byte budgets that take it back within.
     /// Each job's image is decoded (its bytes are needed to fit it).
-    pub fn fit_jobs(&mut self, body: &[u8], over_request: u64) -> Vec<FitJob> {
+    pub fn fit_jobs(
+        &mut self,
+        body: &[u8],
+        over_request: u64,
+        known: &dyn Fn(u128) -> Option<Quick>,
+    ) -> Vec<FitJob> {
         let limits = self.plan.fit;
         if !self.plan.vision || limits.is_none() {
             return Vec::new();
@@ -666,10 +718,40 @@ impl Scanned {
             if size.is_none() && !over_bytes {
                 continue;
             }
+            let size = size.or(self.fitted[i].as_ref().map(|d| (d.width, d.height)));
+            // Fitted before (an earlier turn): found by its text, not
+            // decoded and hashed again.
+            let quick = (self.scan.pending_len(i).is_some())
+                .then(|| self.scan.identity(i, body))
+                .flatten()
+                .map(|b64| quick_key(b64, size, max));
+            if let Some(q) = quick.and_then(known) {
+                self.scan.known(i, &q.original);
+                if let Some(f) = q.fitted {
+                    self.fitted[i] = Some(f);
+                }
+                continue;
+            }
             self.scan.resolve(i, body);
             let f = &self.scan.images[i];
             let Some(bytes) = f.bytes.clone() else {
                 continue;
+            };
+            let original = match &f.source {
+                Source::Inline {
+                    media_type,
+                    size,
+                    dims,
+                } => Original {
+                    sha256: f.sha256.clone(),
+                    media_type: media_type.clone(),
+                    size: *size,
+                    dims: *dims,
+                },
+                _ => Original {
+                    sha256: f.sha256.clone(),
+                    ..Original::default()
+                },
             };
             let from = match &f.source {
                 Source::Inline {
@@ -679,10 +761,12 @@ impl Scanned {
             };
             jobs.push(FitJob {
                 index: i,
+                quick,
+                original,
                 sha256: f.sha256.clone(),
                 bytes,
                 from,
-                size: size.or(self.fitted[i].as_ref().map(|d| (d.width, d.height))),
+                size,
                 max_base64: max,
             });
         }

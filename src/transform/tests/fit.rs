@@ -187,10 +187,97 @@ fn what_cannot_be_read_as_an_image_is_left_as_it_came() {
     };
     let mut scanned = scan(&bytes, &p).unwrap();
     // No size can be read from it: nothing to fit, nothing decoded.
-    assert!(scanned.fit_jobs(&bytes, 0).is_empty());
+    assert!(scanned.fit_jobs(&bytes, 0, &|_| None).is_empty());
     assert!(scanned.finish(&bytes, &[]).body.is_none());
     // Given to the fitter anyway, it is refused, not mangled.
     assert!(fit(b"not a png at all, just text", Some((5, 5)), Some(8)).is_err());
+}
+
+/// The next turn finds its fit by the image's text: nothing decoded, no
+/// job, the same bytes sent, the note still naming the original; a
+/// different image (one byte of its text changed) is not taken for it.
+#[test]
+fn a_fit_is_found_again_by_the_image_text_without_decoding_it() {
+    let png = test_png(9000, 150, false);
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(&png)}}
+        ]}
+    ]});
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let p = Plan {
+        fit: anthropic(),
+        ..plan(Shape::Messages, true, Rules::NONE)
+    };
+    // First turn: decoded, fitted, its result kept under the quick key.
+    let mut first = scan(&bytes, &p).unwrap();
+    let jobs = first.fit_jobs(&bytes, 0, &|_| None);
+    assert_eq!(jobs.len(), 1);
+    let job = &jobs[0];
+    let quick = job.quick.expect("an encoded image has a quick key");
+    assert_eq!(job.original.sha256, job.sha256);
+    assert_eq!(job.original.dims, Some((9000, 150)));
+    let done = fit(&job.bytes, job.size, job.max_base64).unwrap();
+    first.set_fitted(job.index, done.clone());
+    let sent = first.finish(&bytes, &[]);
+    assert_eq!(
+        sent.artifacts.len(),
+        1,
+        "the original is saved the first time"
+    );
+
+    // Next turn: found by the key.
+    let kept = Quick {
+        fitted: Some(done),
+        original: job.original.clone(),
+    };
+    let mut next = scan(&bytes, &p).unwrap();
+    let asked = std::cell::Cell::new(0);
+    let jobs = next.fit_jobs(&bytes, 0, &|q| {
+        asked.set(asked.get() + 1);
+        (q == quick).then(|| kept.clone())
+    });
+    assert!(jobs.is_empty());
+    assert_eq!(asked.get(), 1);
+    let again = next.finish(&bytes, &[]);
+    assert_eq!(again.body, sent.body, "the same bytes as the first turn");
+    assert!(
+        again.artifacts.is_empty(),
+        "nothing decoded, nothing saved again"
+    );
+    assert_eq!(again.report.images_resized, 1);
+    assert_eq!(again.report.images[0].sha256, job.sha256);
+    assert_eq!(again.report.images[0].width, Some(9000));
+
+    // Another image's text (one base64 character changed) has another key.
+    let mut other = b64(&png);
+    let at = other.len() / 2;
+    let c = if &other[at..at + 1] == "A" { "B" } else { "A" };
+    other.replace_range(at..at + 1, c);
+    let body2 = json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": other}}
+        ]}
+    ]});
+    let bytes2 = serde_json::to_vec(&body2).unwrap();
+    let mut third = scan(&bytes2, &p).unwrap();
+    let jobs = third.fit_jobs(&bytes2, 0, &|q| (q == quick).then(|| kept.clone()));
+    assert_eq!(
+        jobs.len(),
+        1,
+        "not found: decoded and fitted as an image of its own"
+    );
+    assert_ne!(jobs[0].sha256, job.sha256);
+    let k1 = quick_key(b64(&png).as_bytes(), job.size, job.max_base64);
+    let k2 = quick_key(other.as_bytes(), job.size, job.max_base64);
+    assert_ne!(k1, k2);
+    // The key is the fit asked too: another size, another key.
+    assert_ne!(
+        k1,
+        quick_key(b64(&png).as_bytes(), Some((100, 2)), job.max_base64)
+    );
 }
 
 /// No text in `v` (a `text` member, a string content or output) holds the
