@@ -83,7 +83,7 @@ async fn visor(upstream: SocketAddr, data: &Path) -> SocketAddr {
         }
     }
     toml.push_str(&format!(
-        "\n[[upstream]]\nname = \"mock\"\nbase_url = \"http://{upstream}/v1\"\nmodels = [\"*\"]\n"
+        "\n[[upstream]]\nname = \"openai\"\nbase_url = \"http://{upstream}/v1\"\nmodels = [\"*\"]\n"
     ));
     let toml = toml.replace(
         "data_dir = \"var\"",

@@ -267,6 +267,44 @@ impl Hasher for Mixed {
 
 type Fast = BuildHasherDefault<Mixed>;
 
+/// Where each key (a line's or a line pair's hash) was sent, newest first:
+/// one list per key in one arena (no allocation per distinct line).
+#[derive(Default)]
+struct Places {
+    /// Each key's newest place, an index into `nodes`.
+    newest: HashMap<u64, u32, Fast>,
+    /// Places: (text, line), and the index of the key's place before it
+    /// (`u32::MAX`: none).
+    nodes: Vec<(u32, u32, u32)>,
+}
+
+impl Places {
+    fn push(&mut self, key: u64, text: u32, line: u32) {
+        let at = u32::try_from(self.nodes.len()).unwrap_or(u32::MAX);
+        let before = self.newest.insert(key, at).unwrap_or(u32::MAX);
+        self.nodes.push((text, line, before));
+    }
+
+    fn reserve(&mut self, n: usize) {
+        self.newest.reserve(n);
+        self.nodes.reserve(n);
+    }
+
+    fn contains(&self, key: u64) -> bool {
+        self.newest.contains_key(&key)
+    }
+
+    /// The key's places, newest first (`None`: never sent).
+    fn newest(&self, key: u64) -> Option<impl Iterator<Item = (u32, u32)> + '_> {
+        let mut next = *self.newest.get(&key)?;
+        Some(std::iter::from_fn(move || {
+            let &(text, line, before) = self.nodes.get(next as usize)?;
+            next = before;
+            Some((text, line))
+        }))
+    }
+}
+
 /// One key for a line pair, or for a whole text, from its lines' hashes.
 fn combine(hashes: impl IntoIterator<Item = u64>) -> u64 {
     let mut h = Mixed(0x243F_6A88_85A3_08D3);
@@ -287,9 +325,9 @@ struct Dedup<'a> {
     hasher: RandomState,
     sent: Vec<Sent<'a>>,
     /// Consecutive line pairs of what was sent: where they start.
-    pairs: HashMap<u64, Vec<(u32, u32)>, Fast>,
+    pairs: Places,
     /// Lines of what was sent: where they are.
-    singles: HashMap<u64, Vec<(u32, u32)>, Fast>,
+    singles: Places,
     /// Whole texts of user and tool results: which `sent` first had them.
     whole: HashMap<u64, Vec<(&'a str, usize)>, Fast>,
     /// Canonical JSON array elements: the message that shows them.
@@ -357,6 +395,15 @@ pub fn run(
     let groups = units(&inputs);
     let request = Request::new(scan, &inputs, spot_text, &call_ids, &groups);
     let mut d = Dedup::new(blocks);
+    // Room for about every line at once (a line is seldom under 40 bytes):
+    // the maps are not grown again and again.
+    let lines = inputs
+        .iter()
+        .map(|t| t.text.as_ref().map_or(0, |s| s.len()))
+        .sum::<usize>()
+        / 40;
+    d.singles.reserve(lines);
+    d.pairs.reserve(lines);
     // Instructions outside the message list: Anthropic `system`,
     // Responses `instructions`.
     let top = top_level_instructions(scan, body);
@@ -653,8 +700,8 @@ impl<'a> Dedup<'a> {
             blocks,
             hasher: RandomState::new(),
             sent: Vec::new(),
-            pairs: HashMap::default(),
-            singles: HashMap::default(),
+            pairs: Places::default(),
+            singles: Places::default(),
             whole: HashMap::default(),
             items: HashMap::new(),
             instruction_lines: HashSet::default(),
@@ -797,7 +844,7 @@ impl<'a> Dedup<'a> {
                     Some(_) => return status::is_status(line),
                     None => {}
                 }
-                let repeats = !lazy || singles.contains_key(&h) || !here.insert(h);
+                let repeats = !lazy || singles.contains(h) || !here.insert(h);
                 if !repeats {
                     return false;
                 }
@@ -885,15 +932,10 @@ impl<'a> Dedup<'a> {
             .checked_sub(1)
             .filter(|&p| sent.lines[p].is_some())
             .map(|p| sent.hashes[p]);
-        self.singles
-            .entry(hash)
-            .or_default()
-            .push((me as u32, at as u32));
+        self.singles.push(hash, me as u32, at as u32);
         if let Some(h) = previous {
             self.pairs
-                .entry(combine([h, hash]))
-                .or_default()
-                .push((me as u32, (at - 1) as u32));
+                .push(combine([h, hash]), me as u32, (at - 1) as u32);
         }
     }
 
@@ -1026,14 +1068,14 @@ impl<'a> Dedup<'a> {
             return None;
         }
         let pair = (i + 1 < lines.len() && barrier[i + 1] != Stop::Always)
-            .then(|| self.pairs.get(&combine([hashes[i], hashes[i + 1]])))
+            .then(|| self.pairs.newest(combine([hashes[i], hashes[i + 1]])))
             .flatten();
         let starts = match pair {
             Some(p) => p,
-            None => self.singles.get(&hashes[i])?,
+            None => self.singles.newest(hashes[i])?,
         };
         let mut best: Option<Segment> = None;
-        for &(src, at) in starts.iter().rev().take(CANDIDATES) {
+        for (src, at) in starts.take(CANDIDATES) {
             let (src, at) = (src as usize, at as usize);
             let sent = &self.sent[src];
             let own = sent.message == self.sent[me].message;
