@@ -29,6 +29,9 @@ pub fn without_media(body: &Bytes) -> Option<Bytes> {
     // Most requests hold nothing to strip: kept as they came, once one
     // pass says so (the caller's own copy: see `Inspector::hold`).
     if !may_hold_media_or_secrets(body) {
+        // Still JSON (read without building anything): what is not, is not
+        // kept.
+        serde_json::from_slice::<serde::de::IgnoredAny>(body).ok()?;
         return Some(body.clone());
     }
     let mut v: Value = serde_json::from_slice(body).ok()?;
@@ -36,37 +39,14 @@ pub fn without_media(body: &Bytes) -> Option<Bytes> {
     serde_json::to_vec(&v).ok().map(Bytes::from)
 }
 
-/// Words that name a credential field or a signed URL's parameter (lower
-/// case); a body without any of them holds none.
-const SECRET_WORDS: [&str; 9] = [
-    "auth",
-    "key",
-    "token",
-    "secret",
-    "passw",
-    "cookie",
-    "headers",
-    "sig",
-    "credential",
-];
-
-/// The searchers for [`SECRET_WORDS`] and `;base64,`, built once.
-static FINDERS: std::sync::LazyLock<Vec<memchr::memmem::Finder<'static>>> =
-    std::sync::LazyLock::new(|| {
-        SECRET_WORDS
-            .iter()
-            .chain([";base64,"].iter())
-            .map(|w| memchr::memmem::Finder::new(w.as_bytes()))
-            .collect()
-    });
-
 /// Whether `body` may hold something [`without_media`] replaces: a long
-/// run of base64 (or of digits and commas: a byte array), a `data:` URL,
-/// or a word of [`SECRET_WORDS`] in any case. False positives only cost
-/// the full read.
+/// run of base64 (or of digits and commas: a byte array), a `data:` URL, a
+/// key that names a credential or headers, or a string that is a URL with
+/// a signed query (a key or URL written with an escape is taken to). A
+/// false positive only costs the full read; a body of any size that holds
+/// none of them (an agent's text history) is kept as it came.
 fn may_hold_media_or_secrets(body: &[u8]) -> bool {
-    // A large body is read in full (it nearly always holds media).
-    if body.len() > super::RAW_MAX {
+    if memchr::memmem::find(body, b";base64,").is_some() {
         return true;
     }
     let (mut b64, mut digits) = (0usize, 0usize);
@@ -81,14 +61,50 @@ fn may_hold_media_or_secrets(body: &[u8]) -> bool {
             return true;
         }
     }
-    thread_local! {
-        static LOWER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    may_hold_secrets(body)
+}
+
+/// Whether a key of `body` names a credential or headers, or a string is
+/// an `http(s)` URL with a signed query: its strings read at memchr speed,
+/// without parsing. Unterminated JSON says yes (the full read refuses it).
+fn may_hold_secrets(body: &[u8]) -> bool {
+    let mut i = 0;
+    while let Some(q) = memchr::memchr(b'"', &body[i..]) {
+        let start = i + q + 1;
+        let (mut end, mut escaped) = (start, false);
+        loop {
+            let Some(k) = body
+                .get(end..)
+                .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))
+            else {
+                return true;
+            };
+            if body[end + k] == b'"' {
+                end += k;
+                break;
+            }
+            escaped = true;
+            end += k + 2;
+        }
+        let text = &body[start..end];
+        let is_key = body[end + 1..]
+            .iter()
+            .find(|c| !c.is_ascii_whitespace())
+            .is_some_and(|&c| c == b':');
+        let worth = match (is_key, std::str::from_utf8(text)) {
+            (_, Err(_)) => true,
+            (true, Ok(k)) => escaped || is_secret_key(k) || k.eq_ignore_ascii_case("headers"),
+            (false, Ok(v)) => match escaped {
+                true => memchr::memmem::find(text, b"http").is_some(),
+                false => redact_url(v).is_some(),
+            },
+        };
+        if worth {
+            return true;
+        }
+        i = end + 1;
     }
-    LOWER.with_borrow_mut(|lower| {
-        lower.clear();
-        lower.extend(body.iter().map(u8::to_ascii_lowercase));
-        FINDERS.iter().any(|f| f.find(lower).is_some())
-    })
+    false
 }
 
 fn strip(v: &mut Value, depth: usize) {
@@ -368,6 +384,55 @@ mod tests {
 
     fn b64(bytes: &[u8]) -> String {
         base64_simd::STANDARD.encode_to_string(bytes)
+    }
+
+    /// A large agent history (words such as key, token and auth in its
+    /// texts, no credential field, no media) is kept as it came, without a
+    /// parse; a credential field, headers, a signed URL (escaped slashes
+    /// too) anywhere in a large one still are redacted.
+    #[test]
+    fn a_large_text_history_is_kept_as_it_came_and_secrets_still_found() {
+        let line = "let key = token.auth(secret); // the api_key is read from the env\n";
+        let text = line.repeat(6000);
+        let body = json!({"model": "m", "messages": [
+            {"role": "user", "content": "fix it"},
+            {"role": "tool", "tool_call_id": "c1", "content": text},
+        ]});
+        let raw = Bytes::from(body.to_string());
+        assert!(raw.len() > crate::inspector::RAW_MAX);
+        let out = without_media(&raw).unwrap();
+        assert_eq!(
+            out.as_ptr(),
+            raw.as_ptr(),
+            "kept as it came: not read again"
+        );
+        for (secret, path) in [
+            (json!({"api_key": "sk-x"}), "/extra/api_key"),
+            (
+                json!({"headers": {"X-Key": "sk-x"}}),
+                "/extra/headers/X-Key",
+            ),
+            (
+                json!({"url": "https://b.example/o?X-Amz-Signature=abc"}),
+                "/extra/url",
+            ),
+        ] {
+            let mut b = body.clone();
+            b["extra"] = secret;
+            let v = kept(&b);
+            let got = v.pointer(path).unwrap().as_str().unwrap();
+            assert!(got.contains("[redacted]"), "{path}: {got}");
+        }
+        // A URL written with escaped slashes is read in full too.
+        let escaped =
+            body.to_string()
+                .replacen("\"fix it\"", "\"https:\\/\\/b.example\\/o?sig=abc\"", 1);
+        let out = without_media(&Bytes::from(escaped)).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(
+            v["messages"][0]["content"],
+            "https://b.example/o?[redacted]"
+        );
     }
 
     fn kept(body: &Value) -> Value {

@@ -407,6 +407,27 @@ pub struct Original {
     pub dims: Option<(usize, usize)>,
 }
 
+impl Original {
+    fn of(f: &walk::Found) -> Original {
+        match &f.source {
+            Source::Inline {
+                media_type,
+                size,
+                dims,
+            } => Original {
+                sha256: f.sha256.clone(),
+                media_type: media_type.clone(),
+                size: *size,
+                dims: *dims,
+            },
+            _ => Original {
+                sha256: f.sha256.clone(),
+                ..Original::default()
+            },
+        }
+    }
+}
+
 /// A fit found by its [`quick_key`]: the image sent (`None`: it is left
 /// as it came), and the original.
 #[derive(Debug, Clone)]
@@ -719,40 +740,15 @@ impl Scanned {
                 continue;
             }
             let size = size.or(self.fitted[i].as_ref().map(|d| (d.width, d.height)));
-            // Fitted before (an earlier turn): found by its text, not
-            // decoded and hashed again.
-            let quick = (self.scan.pending_len(i).is_some())
-                .then(|| self.scan.identity(i, body))
-                .flatten()
-                .map(|b64| quick_key(b64, size, max));
-            if let Some(q) = quick.and_then(known) {
-                self.scan.known(i, &q.original);
-                if let Some(f) = q.fitted {
-                    self.fitted[i] = Some(f);
-                }
+            let Err(quick) = self.found_again(i, body, size, max, known) else {
                 continue;
-            }
+            };
             self.scan.resolve(i, body);
             let f = &self.scan.images[i];
             let Some(bytes) = f.bytes.clone() else {
                 continue;
             };
-            let original = match &f.source {
-                Source::Inline {
-                    media_type,
-                    size,
-                    dims,
-                } => Original {
-                    sha256: f.sha256.clone(),
-                    media_type: media_type.clone(),
-                    size: *size,
-                    dims: *dims,
-                },
-                _ => Original {
-                    sha256: f.sha256.clone(),
-                    ..Original::default()
-                },
-            };
+            let original = Original::of(f);
             let from = match &f.source {
                 Source::Inline {
                     dims: Some((w, h)), ..
@@ -771,6 +767,31 @@ impl Scanned {
             });
         }
         jobs
+    }
+
+    /// Image `i`, fitted before (an earlier turn), found by its text and
+    /// not decoded and hashed again: `Ok`. `Err`: not found, with the key
+    /// its result is to be kept under (none for an image not encoded).
+    fn found_again(
+        &mut self,
+        i: usize,
+        body: &[u8],
+        size: Option<(u32, u32)>,
+        max: Option<u64>,
+        known: &dyn Fn(u128) -> Option<Quick>,
+    ) -> Result<(), Option<u128>> {
+        let quick = (self.scan.pending_len(i).is_some())
+            .then(|| self.scan.identity(i, body))
+            .flatten()
+            .map(|b64| quick_key(b64, size, max));
+        let Some(q) = quick.and_then(known) else {
+            return Err(quick);
+        };
+        self.scan.known(i, &q.original);
+        if let Some(f) = q.fitted {
+            self.fitted[i] = Some(f);
+        }
+        Ok(())
     }
 
     /// The plan it was scanned for.
