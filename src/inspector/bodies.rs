@@ -52,12 +52,13 @@ fn may_hold_media_or_secrets(body: &[u8]) -> bool {
     let (mut b64, mut digits) = (0usize, 0usize);
     for &c in body {
         b64 = if is_b64(c) || c == b'\\' { b64 + 1 } else { 0 };
-        digits = if c.is_ascii_digit() || c == b',' || c == b' ' {
+        // (Pretty-printed arrays break lines between their values.)
+        digits = if c.is_ascii_digit() || matches!(c, b',' | b' ' | b'\n' | b'\r' | b'\t') {
             digits + 1
         } else {
             0
         };
-        if b64 >= MIN_RUN || digits >= MIN_BYTE_ARRAY * 2 {
+        if b64 >= MIN_RUN || digits >= MIN_BYTE_ARRAY * 2 - 1 {
             return true;
         }
     }
@@ -94,8 +95,16 @@ fn may_hold_secrets(body: &[u8]) -> bool {
         let worth = match (is_key, std::str::from_utf8(text)) {
             (_, Err(_)) => true,
             (true, Ok(k)) => escaped || is_secret_key(k) || k.eq_ignore_ascii_case("headers"),
+            // Escaped: read as JSON reads it (`\u0068ttps:`, `\u003bbase64,`).
             (false, Ok(v)) => match escaped {
-                true => memchr::memmem::find(text, b"http").is_some(),
+                true => {
+                    let has = |w: &[u8]| memchr::memmem::find(text, w).is_some();
+                    (has(b"\\u") || has(b"http") || has(b"base64")) && {
+                        let decoded: Option<String> =
+                            serde_json::from_slice(&body[start - 1..=end]).ok();
+                        decoded.is_none_or(|d| redact_url(&d).is_some() || d.contains(";base64,"))
+                    }
+                }
                 false => redact_url(v).is_some(),
             },
         };
@@ -422,6 +431,32 @@ mod tests {
             let v = kept(&b);
             let got = v.pointer(path).unwrap().as_str().unwrap();
             assert!(got.contains("[redacted]"), "{path}: {got}");
+        }
+        // A pretty-printed byte array, a URL and a data URL hidden in
+        // escapes: each found, each stripped.
+        let bytes: Vec<u8> = (0..=255).collect();
+        let pretty = serde_json::to_string_pretty(
+            &json!({"messages": [{"role": "user", "content": text.clone()}], "buffer": bytes}),
+        )
+        .unwrap();
+        let v: Value =
+            serde_json::from_slice(&without_media(&Bytes::from(pretty)).unwrap()).unwrap();
+        assert_eq!(v["buffer"], "[256 byte values]");
+        for hidden in [
+            r#""\u0068ttps://b.example/o?sig=abc""#,
+            &format!(
+                r#""data:image/png\u003bbase64,{}""#,
+                "iVBORw0KGgo".repeat(60)
+            ),
+        ] {
+            let b = body.to_string().replacen("\"fix it\"", hidden, 1);
+            let v: Value =
+                serde_json::from_slice(&without_media(&Bytes::from(b)).unwrap()).unwrap();
+            let got = v["messages"][0]["content"].as_str().unwrap();
+            assert!(
+                !got.contains("sig=abc") && !got.contains("iVBORw0KGgoiVBORw0KGgo"),
+                "{got}"
+            );
         }
         // A URL written with escaped slashes is read in full too.
         let escaped =

@@ -15,7 +15,9 @@ use tokio::sync::Semaphore;
 use crate::image_fit::{Fitted, Unfit, fit};
 use crate::transform::{FitJob, Quick, Scanned};
 
-/// Bytes of fitted images kept in memory.
+/// Bytes of fitted images kept in memory: by their image's SHA-256, and
+/// (the same results, their bytes shared while both hold them) by their
+/// text's quick key; half each, so never more than this together.
 const MEMORY_BYTES: u64 = 256 * 1024 * 1024;
 
 /// Memory all fits at once may take, in MiB: a fit takes about 8 bytes a
@@ -48,14 +50,14 @@ impl Fitter {
     /// `concurrency` fitted at a time.
     pub fn new(dir: Option<PathBuf>, concurrency: usize) -> Fitter {
         let memory = Cache::builder()
-            .max_capacity(MEMORY_BYTES)
+            .max_capacity(MEMORY_BYTES / 2)
             .weigher(|k: &String, v: &Outcome| {
                 let n = v.as_ref().as_ref().map_or(0, |f| f.bytes.len()) + k.len() + 64;
                 u32::try_from(n).unwrap_or(u32::MAX)
             })
             .build();
         let quick = moka::sync::Cache::builder()
-            .max_capacity(MEMORY_BYTES)
+            .max_capacity(MEMORY_BYTES / 2)
             .weigher(|_: &u128, q: &Quick| {
                 let n =
                     q.fitted.as_ref().map_or(0, |f| f.bytes.len()) + q.original.sha256.len() + 96;

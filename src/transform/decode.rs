@@ -250,7 +250,9 @@ impl Scan {
 
     /// Image `i` as a fit found by its text says it came: its SHA-256,
     /// media type, size and dimensions, without decoding it (its bytes
-    /// stay unread: the original was saved when it was first fitted).
+    /// stay unread: the original was saved when it was first fitted). Its
+    /// text stays where it is, so a later pass that needs its bytes (a
+    /// request still over its byte bound) decodes it then.
     pub fn known(&mut self, i: usize, original: &super::Original) {
         if let Some(img) = self.images.get_mut(i) {
             img.sha256.clone_from(&original.sha256);
@@ -259,7 +261,6 @@ impl Scan {
                 size: original.size,
                 dims: original.dims,
             };
-            img.pending = None;
         }
     }
 

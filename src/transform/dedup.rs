@@ -402,6 +402,8 @@ pub fn run(
         .map(|t| t.text.as_ref().map_or(0, |s| s.len()))
         .sum::<usize>()
         / 40;
+    // (Bounded: a body of long lines holds fewer than its length says.)
+    let lines = lines.min(1 << 18);
     d.singles.reserve(lines);
     d.pairs.reserve(lines);
     // Instructions outside the message list: Anthropic `system`,

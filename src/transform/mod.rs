@@ -437,9 +437,9 @@ pub struct Quick {
 }
 
 /// What a fit is found by before its image is decoded: the base64 text as
-/// the request writes it, hashed with a key of this process's (xxh3-128;
-/// the key keeps a client from making another image's text hash the
-/// same), and the size and byte bound asked.
+/// the request writes it, hashed (xxh3-128, seeded per process: a client
+/// cannot compute another's keys offline; not a cryptographic hash), and
+/// the size and byte bound asked.
 pub fn quick_key(base64: &[u8], size: Option<(u32, u32)>, max_base64: Option<u64>) -> u128 {
     static SEED: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
         use std::hash::{BuildHasher, Hasher};

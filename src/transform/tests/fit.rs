@@ -280,6 +280,69 @@ fn a_fit_is_found_again_by_the_image_text_without_decoding_it() {
     );
 }
 
+/// A request still over its byte bound once its images are fitted to
+/// their own limits gets a second pass (byte budgets on its largest
+/// images) — on the turn that fits them, and on the next, which finds the
+/// first pass's fits by their text and must still decode what the second
+/// pass needs. Both turns send the same bytes, within the bound.
+#[test]
+fn a_request_over_its_bound_is_brought_within_on_every_turn() {
+    let big = test_png(3000, 900, false);
+    let small = test_png(100, 100, false);
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", b64(&big))}},
+        {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", b64(&small))}},
+        {"type": "text", "text": "compare"}
+    ]}]});
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let plan_for = |max: Option<u64>| Plan {
+        fit: Limits {
+            max_edge: Some(2000),
+            max_request_bytes: max,
+            ..Limits::NONE
+        },
+        ..plan(Shape::Chat, true, Rules::NONE)
+    };
+    // The length once the big image is fitted to its edge bound.
+    let mut dry = scan(&bytes, &plan_for(None)).unwrap();
+    fit_here(&mut dry, &bytes);
+    let after_first = dry.len_with_fitted(bytes.len());
+    let max = after_first * 3 / 4;
+    let p = plan_for(Some(max));
+    let cache: std::cell::RefCell<std::collections::HashMap<u128, Quick>> = Default::default();
+    // As the proxy does it (prepare.rs fit_images), with `cache` for its
+    // fitter's quick keys.
+    let turn = || {
+        let mut s = scan(&bytes, &p).unwrap();
+        let pass = |s: &mut Scanned, over: u64| {
+            let jobs = s.fit_jobs(&bytes, over, &|q| cache.borrow().get(&q).cloned());
+            for job in jobs {
+                let done = fit(&job.bytes, job.size, job.max_base64).unwrap();
+                if let Some(q) = job.quick {
+                    let kept = Quick {
+                        fitted: Some(done.clone()),
+                        original: job.original.clone(),
+                    };
+                    cache.borrow_mut().insert(q, kept);
+                }
+                s.set_fitted(job.index, done);
+            }
+        };
+        pass(&mut s, 0);
+        let len = s.len_with_fitted(bytes.len());
+        if len > max {
+            pass(&mut s, len - max + max / 100);
+        }
+        s.finish(&bytes, &[]).body.unwrap()
+    };
+    let first = turn();
+    assert!((first.len() as u64) <= max, "{} > {max}", first.len());
+    assert!(!cache.borrow().is_empty());
+    let second = turn();
+    assert!((second.len() as u64) <= max, "{} > {max}", second.len());
+    assert_eq!(first, second, "the next turn sends the same bytes");
+}
+
 /// No text in `v` (a `text` member, a string content or output) holds the
 /// base64 `b64_text`.
 fn no_base64_text(v: &Value, b64_text: &str) {
