@@ -187,6 +187,8 @@ fn rewriter(
             Some(config.artifacts_dir().join("fitted")),
             std::thread::available_parallelism().map_or(2, |n| n.get()),
         )),
+        dedup_states: crate::proxy::dedup_states::DedupStates::new(config.dedup.state_bytes)
+            .map(Arc::new),
     }
 }
 

@@ -51,6 +51,8 @@ pub struct Metrics {
     pub inspector_dropped: IntCounter,
     /// `visor_telemetry_spans_total{result}`: exported, dropped, failed.
     pub telemetry_spans: IntCounterVec,
+    /// `visor_dedup_reads_total{read}`: continued, full.
+    pub dedup_reads: IntCounterVec,
     pub describe: IntCounterVec,
     /// `visor_credential_refused_total{role, upstream}`
     pub credential_refused: IntCounterVec,
@@ -112,6 +114,7 @@ impl Metrics {
             artifact_errors: transforms.artifact_errors,
             inspector_dropped: transforms.inspector_dropped,
             telemetry_spans: transforms.telemetry_spans,
+            dedup_reads: transforms.dedup_reads,
             describe: describer.describe,
             credential_refused: describer.credential_refused,
             describe_duration: describer.describe_duration,
@@ -286,6 +289,7 @@ struct Transforms {
     artifact_errors: IntCounter,
     inspector_dropped: IntCounter,
     telemetry_spans: IntCounterVec,
+    dedup_reads: IntCounterVec,
 }
 
 impl Transforms {
@@ -341,8 +345,18 @@ impl Transforms {
         for result in ["exported", "dropped", "failed"] {
             telemetry_spans.with_label_values(&[result]);
         }
+        let dedup_reads = counter_vec(
+            registry,
+            "visor_dedup_reads_total",
+            "Requests dedup read, by how: continued (only the messages new since the conversation's previous request, from the state it left) or full (every message: a new conversation, one whose state was evicted, or one that changed an earlier message)",
+            &["read"],
+        )?;
+        for read in ["continued", "full"] {
+            dedup_reads.with_label_values(&[read]);
+        }
         Ok(Self {
             telemetry_spans,
+            dedup_reads,
             images,
             media,
             bytes_saved,

@@ -17,6 +17,11 @@ pub struct RawDedup {
     /// …and this many bytes (chosen on the real-traffic corpus: docs/dedup.md).
     #[serde(default = "default_min_run_bytes")]
     pub min_run_bytes: u32,
+    /// Memory for what dedup read of each conversation, kept so its next
+    /// request reads only its new messages (0: every request is read in
+    /// full).
+    #[serde(default = "default_state_bytes")]
+    pub state_bytes: u64,
     /// The line dedup of earlier versions; accepted and ignored, with a
     /// warning (see [`super::Config::warnings`]).
     #[serde(default)]
@@ -29,6 +34,7 @@ impl Default for RawDedup {
             enabled: true,
             min_run_lines: default_min_run_lines(),
             min_run_bytes: default_min_run_bytes(),
+            state_bytes: default_state_bytes(),
             min_line_chars: None,
         }
     }
@@ -43,6 +49,9 @@ fn default_min_run_lines() -> u32 {
 fn default_min_run_bytes() -> u32 {
     64
 }
+fn default_state_bytes() -> u64 {
+    128 << 20
+}
 
 /// `[dedup]`, checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +60,8 @@ pub struct Dedup {
     /// At least 2.
     pub min_run_lines: u32,
     pub min_run_bytes: u32,
+    /// Bytes of conversations' dedup state kept (0: none).
+    pub state_bytes: u64,
 }
 
 impl RawDedup {
@@ -73,6 +84,7 @@ impl RawDedup {
             enabled: self.enabled,
             min_run_lines: self.min_run_lines,
             min_run_bytes: self.min_run_bytes,
+            state_bytes: self.state_bytes,
         }
     }
 }

@@ -3,6 +3,7 @@
 mod admission;
 pub mod body;
 pub mod coalesce;
+pub mod dedup_states;
 mod edge;
 mod explain;
 pub mod fit_images;

@@ -61,6 +61,9 @@ pub struct Rewriter {
     pub fit: Limits,
     /// Fitted images, cached.
     pub fitter: Arc<super::fit_images::Fitter>,
+    /// What dedup read of each conversation (`dedup.state_bytes`; none
+    /// at 0).
+    pub dedup_states: Option<Arc<super::dedup_states::DedupStates>>,
 }
 
 /// What a kept image sent to a model with `caps` must fit: its provider's
@@ -543,6 +546,7 @@ async fn run(
     // (one trip to the blocking pool for a large body, not two).
     let b = body.clone();
     let fitter = rw.fitter.clone();
+    let (states, metrics) = (rw.dedup_states.clone(), rw.metrics.clone());
     let resolve = move |mut scanned: transform::Scanned| {
         scanned.resolve(&b);
         let fits = scanned.fit_jobs(&b, 0, &|q| fitter.quick(q));
@@ -556,7 +560,7 @@ async fn run(
         let subjects: Vec<_> = scanned.subjects(&b).into_iter().map(|(_, s)| s).collect();
         let media = scanned.media(&b);
         match subjects.is_empty() && media.is_empty() && fits.is_empty() && !over {
-            true => Err(Box::new(scanned.finish(&b, &[]))),
+            true => Err(Box::new(finish(states.as_deref(), &metrics, scanned, &b))),
             false => Ok((scanned, (subjects, media, fits))),
         }
     };
@@ -611,6 +615,22 @@ async fn run(
         saving,
         learn: None,
     })
+}
+
+/// A request with nothing to describe, fit or convert finished: from its
+/// conversation's dedup state when one is kept (counted).
+fn finish(
+    states: Option<&super::dedup_states::DedupStates>,
+    metrics: &Metrics,
+    scanned: transform::Scanned,
+    body: &[u8],
+) -> Rewrite {
+    let Some(states) = states.filter(|_| scanned.plan().rules.dedup.is_some()) else {
+        return scanned.finish(body, &[]);
+    };
+    let (rewrite, read) = states.finish(scanned, body);
+    metrics.dedup_reads.with_label_values(&[read.label()]).inc();
+    rewrite
 }
 
 /// Kept images fitted to the model: first to its limits, then, when the

@@ -106,7 +106,7 @@ pub struct Omitted {
 }
 
 /// One message (one tool result), as it is sent after dedup.
-struct Sent<'a> {
+struct Sent {
     /// 0-based position in the message list.
     message: usize,
     /// Which unit of its message this is, when the message holds several
@@ -116,8 +116,9 @@ struct Sent<'a> {
     label: Option<String>,
     /// The call it answers (for references).
     call_id: Option<String>,
-    /// Its lines across its texts; `None` for visor's own lines.
-    lines: Vec<Option<&'a str>>,
+    /// Its lines across its texts (in [`Dedup::kept`]); `None` for
+    /// visor's own lines.
+    lines: Vec<Option<Span>>,
     hashes: Vec<u64>,
 }
 
@@ -320,16 +321,43 @@ struct Split<'a> {
     hashes: Vec<u64>,
 }
 
-struct Dedup<'a> {
+/// Where a line or text dedup keeps is in [`Dedup::kept`].
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    at: usize,
+    len: usize,
+}
+
+/// The text at `span` of `kept`.
+fn text_of(kept: &str, span: Span) -> &str {
+    kept.get(span.at..span.at + span.len).unwrap_or("")
+}
+
+/// Copies `text` to the end of `kept`: where it is.
+fn keep(kept: &mut String, text: &str) -> Span {
+    let at = kept.len();
+    kept.push_str(text);
+    Span {
+        at,
+        len: text.len(),
+    }
+}
+
+/// What dedup knows of what was sent, in order: owned (the lines it
+/// compares with are copied into `kept`), so it can be kept after the
+/// request and continued by the conversation's next one (see [`State`]).
+struct Dedup {
     blocks: Blocks,
     hasher: RandomState,
-    sent: Vec<Sent<'a>>,
+    /// The lines and texts the maps point into.
+    kept: String,
+    sent: Vec<Sent>,
     /// Consecutive line pairs of what was sent: where they start.
     pairs: Places,
     /// Lines of what was sent: where they are.
     singles: Places,
     /// Whole texts of user and tool results: which `sent` first had them.
-    whole: HashMap<u64, Vec<(&'a str, usize)>, Fast>,
+    whole: HashMap<u64, Vec<(Span, usize)>, Fast>,
     /// Canonical JSON array elements: the message that shows them.
     items: HashMap<String, usize>,
     /// Lines of the instructions (system prompt, first user message), and
@@ -338,7 +366,7 @@ struct Dedup<'a> {
     instruction_pairs: HashSet<u64, Fast>,
     /// Lines judged status or not, by hash (texts repeat: each distinct
     /// line is judged once a request).
-    status: HashMap<u64, (&'a str, bool), Fast>,
+    status: HashMap<u64, (Span, bool), Fast>,
 }
 
 /// Where a text dedup reads comes from, and where its rewrite goes.
@@ -375,6 +403,14 @@ struct Input<'b> {
 /// [`Scan::joined`]); the new texts are written there. A joined message is
 /// read as the one string it is sent as, never part by part, so dedup of
 /// visor's own output changes nothing.
+///
+/// `resume`: the [`State`] an earlier request of the conversation left
+/// after its first `State::items` messages, which this request begins
+/// with byte for byte (the caller's key says so): those messages are not
+/// read again, their rewrites are the state's. The state this request
+/// leaves is returned when it can be continued: none when an earlier step
+/// changed a text (images, documents or audio replaced), as their texts
+/// are not part of the state.
 pub fn run(
     scan: &Scan,
     body: &[u8],
@@ -382,8 +418,16 @@ pub fn run(
     spot_text: &mut [Option<String>],
     joined: &mut [Option<String>],
     blocks: Blocks,
-) -> Omitted {
-    let inputs = inputs(scan, body, replaced, spot_text, joined);
+    resume: Option<State>,
+) -> (Omitted, Option<State>) {
+    // Only texts as the client sent them are continued: a state never
+    // holds a text an earlier step wrote.
+    let plain = replaced.iter().all(Option::is_none)
+        && joined.iter().all(Option::is_none)
+        && spot_text.iter().all(Option::is_none);
+    let resume = resume.filter(|s| plain && s.d.blocks == blocks && s.items <= scan.items.len());
+    let from = resume.as_ref().map_or(0, |s| s.items);
+    let inputs = inputs(scan, body, replaced, spot_text, joined, from);
     let call_ids: HashMap<(usize, u32), String> = scan
         .call_ids
         .iter()
@@ -394,9 +438,8 @@ pub fn run(
         .collect();
     let groups = units(&inputs);
     let request = Request::new(scan, &inputs, spot_text, &call_ids, &groups);
-    let mut d = Dedup::new(blocks);
-    // Room for about every line at once (a line is seldom under 40 bytes):
-    // the maps are not grown again and again.
+    // Room for about every new line at once (a line is seldom under 40
+    // bytes): the maps are not grown again and again.
     let lines = inputs
         .iter()
         .map(|t| t.text.as_ref().map_or(0, |s| s.len()))
@@ -404,33 +447,105 @@ pub fn run(
         / 40;
     // (Bounded: a body of long lines holds fewer than its length says.)
     let lines = lines.min(1 << 18);
+    let (mut d, mut out, mut rewrites) = match resume {
+        Some(s) => (s.d, s.out, s.rewrites),
+        None => {
+            let mut d = Dedup::new(blocks);
+            // Instructions outside the message list: Anthropic `system`,
+            // Responses `instructions` (a resumed state has them: they
+            // are part of its key).
+            for text in &top_level_instructions(scan, body) {
+                d.instruct(text);
+            }
+            (d, Omitted::default(), Vec::new())
+        }
+    };
     d.singles.reserve(lines);
     d.pairs.reserve(lines);
-    // Instructions outside the message list: Anthropic `system`,
-    // Responses `instructions`.
-    let top = top_level_instructions(scan, body);
-    for text in &top {
-        d.instruct(text);
-    }
-    let mut out = Omitted::default();
+    d.kept.reserve(lines * 40);
     let mut new_texts: Vec<(Target, String)> = Vec::new();
     for group in &groups {
         request.read_unit(&mut d, group, &mut out, &mut new_texts);
     }
-    drop(d);
     drop(request);
     drop(inputs);
     for (target, text) in new_texts {
-        let slot = match target {
-            Target::Spot(s) => spot_text.get_mut(s),
-            Target::Joined(c) => joined.get_mut(c),
-            Target::Replaced => None,
-        };
-        if let Some(slot) = slot {
-            *slot = Some(text);
+        match target {
+            Target::Spot(s) if plain => rewrites.push((s, text)),
+            Target::Spot(s) => set(spot_text, s, text),
+            Target::Joined(c) => set(joined, c, text),
+            Target::Replaced => {}
         }
     }
-    out
+    if !plain {
+        return (out, None);
+    }
+    // The rewrites of this request's texts (the state's first): kept in
+    // the state and written to their spots.
+    for (s, text) in &rewrites {
+        set(spot_text, *s, text.clone());
+    }
+    let items = scan.items.len();
+    (
+        out,
+        Some(State {
+            d,
+            items,
+            out,
+            rewrites,
+        }),
+    )
+}
+
+fn set(slots: &mut [Option<String>], at: usize, text: String) {
+    if let Some(slot) = slots.get_mut(at) {
+        *slot = Some(text);
+    }
+}
+
+/// Dedup's reading of a request's first messages, to continue the
+/// conversation's next request from: what was sent (lines, whole texts,
+/// array elements, instructions), the rewrites of those messages' texts,
+/// and what was removed. See [`run`].
+pub struct State {
+    d: Dedup,
+    /// Messages read.
+    items: usize,
+    out: Omitted,
+    /// The new text of each rewritten text string, by spot.
+    rewrites: Vec<(usize, String)>,
+}
+
+impl State {
+    /// Messages it has read: a request continues it when its first
+    /// `items` messages are these.
+    pub fn items(&self) -> usize {
+        self.items
+    }
+
+    /// About how much memory it holds, in bytes.
+    pub fn size(&self) -> usize {
+        let places = |p: &Places| p.nodes.capacity() * 12 + p.newest.capacity() * 16;
+        let sent: usize = self
+            .d
+            .sent
+            .iter()
+            .map(|s| s.lines.capacity() * 24 + s.hashes.capacity() * 8 + 96)
+            .sum();
+        self.d.kept.capacity()
+            + sent
+            + places(&self.d.pairs)
+            + places(&self.d.singles)
+            + self.d.whole.capacity() * 48
+            + self.d.items.keys().map(|k| k.len() + 48).sum::<usize>()
+            + (self.d.instruction_lines.capacity() + self.d.instruction_pairs.capacity()) * 8
+            + self.d.status.capacity() * 40
+            + self
+                .rewrites
+                .iter()
+                .map(|(_, t)| t.len() + 32)
+                .sum::<usize>()
+    }
 }
 
 /// The texts dedup reads, in the order they are sent: the request's text
@@ -442,6 +557,7 @@ fn inputs<'b>(
     replaced: &'b [Option<String>],
     spot_text: &'b [Option<String>],
     joined: &'b [Option<String>],
+    from: usize,
 ) -> Vec<Input<'b>> {
     let collapsed: HashMap<usize, usize> = joined
         .iter()
@@ -452,7 +568,7 @@ fn inputs<'b>(
     let mut inputs: Vec<Input<'_>> = scan
         .texts
         .iter()
-        .filter(|t| !collapsed.contains_key(&t.item))
+        .filter(|t| t.item >= from && !collapsed.contains_key(&t.item))
         .map(|t| Input {
             item: t.item,
             at: scan.spot_start(t.spot),
@@ -566,7 +682,7 @@ impl<'r> Request<'r> {
     /// that changed (with the bytes it saves in `out`).
     fn read_unit(
         &self,
-        d: &mut Dedup<'r>,
+        d: &mut Dedup,
         group: &[usize],
         out: &mut Omitted,
         new_texts: &mut Vec<(Target, String)>,
@@ -595,7 +711,7 @@ impl<'r> Request<'r> {
 
     /// Opens the unit that starts at `at` in what was sent: how its texts
     /// are read.
-    fn open(&self, d: &mut Dedup<'r>, group: &[usize], at: &Input<'r>) -> Reading {
+    fn open(&self, d: &mut Dedup, group: &[usize], at: &Input<'r>) -> Reading {
         let role = self.scan.items.get(at.item).map_or(Role::Other, |i| i.role);
         let tool = role == Role::Tool || group.iter().any(|&j| self.inputs[j].tool);
         let instruction = role == Role::System || Some(at.item) == self.first_user;
@@ -696,11 +812,12 @@ fn units(inputs: &[Input<'_>]) -> Vec<Vec<usize>> {
     out
 }
 
-impl<'a> Dedup<'a> {
+impl Dedup {
     fn new(blocks: Blocks) -> Self {
         Dedup {
             blocks,
             hasher: RandomState::new(),
+            kept: String::new(),
             sent: Vec::new(),
             pairs: Places::default(),
             singles: Places::default(),
@@ -713,7 +830,7 @@ impl<'a> Dedup<'a> {
     }
 
     /// Reads one text of a unit: its rewrite, when dedup changes it.
-    fn read(&mut self, text: &'a str, unit: &Reading, out: &mut Omitted) -> Option<String> {
+    fn read(&mut self, text: &str, unit: &Reading, out: &mut Omitted) -> Option<String> {
         let me = unit.me;
         if is_document_text(text) {
             // The text visor wrote for a document is its own: counted,
@@ -759,8 +876,8 @@ impl<'a> Dedup<'a> {
     /// reference that replaces it (when shorter than the text).
     fn reference(
         &mut self,
-        text: &'a str,
-        split: &Split<'a>,
+        text: &str,
+        split: &Split<'_>,
         me: usize,
         out: &mut Omitted,
     ) -> Option<String> {
@@ -779,9 +896,15 @@ impl<'a> Dedup<'a> {
             return None;
         }
         let key = combine(split.hashes.iter().copied());
-        let same = self.whole.entry(key).or_default();
-        let Some(&(_, earlier)) = same.iter().find(|(t, _)| *t == text) else {
-            same.push((text, me));
+        let kept = &self.kept;
+        let earlier = self.whole.get(&key).and_then(|same| {
+            same.iter()
+                .find(|(t, _)| text_of(kept, *t) == text)
+                .map(|&(_, e)| e)
+        });
+        let Some(earlier) = earlier else {
+            let span = keep(&mut self.kept, text);
+            self.whole.entry(key).or_default().push((span, me));
             return None;
         };
         // Nor one that repeats the instructions: they stay where they are.
@@ -800,7 +923,7 @@ impl<'a> Dedup<'a> {
         // Its status lines follow the reference: the outcome is read where
         // it happened.
         let marks = self.status_marks(&split.lines, &split.hashes, false);
-        let kept: Vec<(&'a str, u64)> = split
+        let kept: Vec<(&str, u64)> = split
             .lines
             .iter()
             .zip(&split.hashes)
@@ -824,8 +947,8 @@ impl<'a> Dedup<'a> {
         Some(note)
     }
 
-    fn split(&self, text: &'a str) -> Split<'a> {
-        let lines: Vec<&'a str> = text.split('\n').collect();
+    fn split<'t>(&self, text: &'t str) -> Split<'t> {
+        let lines: Vec<&'t str> = text.split('\n').collect();
         let hashes = lines.iter().map(|l| self.hasher.hash_one(*l)).collect();
         Split { lines, hashes }
     }
@@ -834,15 +957,15 @@ impl<'a> Dedup<'a> {
     /// that can be in a run are judged: those an earlier text sent, or that
     /// stand earlier in this one (a block repeated back to back); each
     /// distinct line once a request.
-    fn status_marks(&mut self, lines: &[&'a str], hashes: &[u64], lazy: bool) -> Vec<bool> {
+    fn status_marks(&mut self, lines: &[&str], hashes: &[u64], lazy: bool) -> Vec<bool> {
         let mut here: HashSet<u64, Fast> = HashSet::default();
-        let (singles, memo) = (&self.singles, &mut self.status);
+        let (singles, memo, kept) = (&self.singles, &mut self.status, &mut self.kept);
         status::mark_with(
             lines,
             |q, line| {
                 let h = hashes[q];
                 match memo.get(&h) {
-                    Some(&(l, s)) if l == line => return s,
+                    Some(&(l, s)) if text_of(kept, l) == line => return s,
                     Some(_) => return status::is_status(line),
                     None => {}
                 }
@@ -851,7 +974,8 @@ impl<'a> Dedup<'a> {
                     return false;
                 }
                 let s = status::is_status(line);
-                memo.insert(h, (lines[q], s));
+                let span = keep(kept, lines[q]);
+                memo.insert(h, (span, s));
                 s
             },
             is_note,
@@ -874,7 +998,7 @@ impl<'a> Dedup<'a> {
 
     /// Records a text of the instructions (the system prompt, the first
     /// user message): sent as it is, counted, never a source.
-    fn record_instruction(&mut self, me: usize, text: &'a str) {
+    fn record_instruction(&mut self, me: usize, text: &str) {
         self.instruct(text);
         for _ in text.split('\n') {
             self.push_note(me);
@@ -911,7 +1035,7 @@ impl<'a> Dedup<'a> {
     }
 
     /// Records a text that is sent as it is.
-    fn record(&mut self, me: usize, text: &'a str) {
+    fn record(&mut self, me: usize, text: &str) {
         let split = self.split(text);
         for (line, hash) in split.lines.into_iter().zip(split.hashes) {
             self.push_line(me, line, hash);
@@ -921,10 +1045,10 @@ impl<'a> Dedup<'a> {
     /// Appends a line to what message `me` sent, and offers it (and the
     /// pair it ends) to every run read after it — the rest of this message
     /// included.
-    fn push_line(&mut self, me: usize, line: &'a str, hash: u64) {
+    fn push_line(&mut self, me: usize, line: &str, hash: u64) {
         let own = is_own(line);
         let sent = &mut self.sent[me];
-        sent.lines.push((!own).then_some(line));
+        sent.lines.push((!own).then(|| keep(&mut self.kept, line)));
         sent.hashes.push(if own { 0 } else { hash });
         if own {
             return;
@@ -950,18 +1074,18 @@ impl<'a> Dedup<'a> {
     /// it repeats.
     fn rewrite(
         &mut self,
-        text: &'a str,
-        split: Split<'a>,
+        text: &str,
+        split: Split<'_>,
         me: usize,
         out: &mut Omitted,
     ) -> Option<String> {
         self.lines(text, split, me, out)
     }
 
-    fn lines(
+    fn lines<'t>(
         &mut self,
-        text: &'a str,
-        split: Split<'a>,
+        text: &'t str,
+        split: Split<'t>,
         me: usize,
         out: &mut Omitted,
     ) -> Option<String> {
@@ -980,7 +1104,7 @@ impl<'a> Dedup<'a> {
                 (false, false) => Stop::Never,
             })
             .collect();
-        let mut pieces: Vec<Piece<'a>> = Vec::with_capacity(lines.len());
+        let mut pieces: Vec<Piece<'t>> = Vec::with_capacity(lines.len());
         let mut i = 0;
         while i < lines.len() {
             let segments = self.chain(&lines, &hashes, &barrier, i, me);
@@ -1115,7 +1239,13 @@ impl<'a> Dedup<'a> {
             while i + len < lines.len()
                 && !stops(i + len)
                 && sent.hashes.get(at + len) == Some(&hashes[i + len])
-                && sent.lines.get(at + len).copied().flatten() == Some(lines[i + len])
+                && sent
+                    .lines
+                    .get(at + len)
+                    .copied()
+                    .flatten()
+                    .map(|s| text_of(&self.kept, s))
+                    == Some(lines[i + len])
             {
                 len += 1;
             }
@@ -1146,7 +1276,7 @@ impl<'a> Dedup<'a> {
     /// element, never by line: their lines are not offered to later runs.
     fn array(
         &mut self,
-        json: &'a str,
+        json: &str,
         tail: &str,
         me: usize,
         rewrite: bool,

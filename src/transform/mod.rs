@@ -441,12 +441,6 @@ pub struct Quick {
 /// cannot compute another's keys offline; not a cryptographic hash), and
 /// the size and byte bound asked.
 pub fn quick_key(base64: &[u8], size: Option<(u32, u32)>, max_base64: Option<u64>) -> u128 {
-    static SEED: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(0x7669_736f_725f_6669);
-        h.finish()
-    });
     let (w, h) = size.unwrap_or((0, 0));
     let mut tail = [0u8; 17];
     tail[..4].copy_from_slice(&w.to_le_bytes());
@@ -458,6 +452,19 @@ pub fn quick_key(base64: &[u8], size: Option<(u32, u32)>, max_base64: Option<u64
     x.update(&tail);
     x.digest128()
 }
+
+/// The seed of visor's keyed hashes, random per process.
+static SEED: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0x7669_736f_725f_6669);
+    h.finish()
+});
+
+/// How many of a request's last messages [`Scanned::prefix_keys`] gives a
+/// key for: a client that sends more new messages than this at once is
+/// read in full.
+pub const PREFIX_KEYS: usize = 64;
 
 /// The most decoded bytes read to learn an image's size from its head
 /// (a JPEG's size may follow tens of kilobytes of metadata).
@@ -822,6 +829,40 @@ impl Scanned {
         len.max(0) as u64
     }
 
+    /// Where the dedup state of a request this one continues may be kept
+    /// ([`Scanned::finish_from`]), newest first: for each of its last
+    /// [`PREFIX_KEYS`] messages, the number of messages up to it and a
+    /// keyed hash (xxh3-128, seeded per process) of the body up to its
+    /// end, of the plan, and of the instructions outside the message list
+    /// (they may come after it). The first is the key of the state this
+    /// request leaves. Empty when dedup is off.
+    pub fn prefix_keys(&self, body: &[u8]) -> Vec<(usize, u128)> {
+        let items = &self.scan.items;
+        if self.plan.rules.dedup.is_none() || items.is_empty() {
+            return Vec::new();
+        }
+        let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*SEED);
+        x.update(format!("{:?}", self.plan).as_bytes());
+        for r in &self.scan.instructions {
+            x.update(&r.len().to_le_bytes());
+            x.update(body.get(r.clone()).unwrap_or_default());
+        }
+        let first = items.len().saturating_sub(PREFIX_KEYS);
+        let mut at = 0;
+        if let Some(before) = first.checked_sub(1).and_then(|k| items.get(k)) {
+            x.update(body.get(..before.end).unwrap_or_default());
+            at = before.end;
+        }
+        let mut keys = Vec::with_capacity(items.len() - first);
+        for (k, item) in items.iter().enumerate().skip(first) {
+            x.update(body.get(at..item.end).unwrap_or_default());
+            at = at.max(item.end);
+            keys.push((k + 1, x.digest128()));
+        }
+        keys.reverse();
+        keys
+    }
+
     /// What becomes of each image.
     pub fn fates(&self) -> &[Fate] {
         &self.fates
@@ -863,6 +904,21 @@ impl Scanned {
     /// text), else the placeholder; each replaced document or audio the
     /// text given for it, else a one-line reference.
     pub fn finish(self, body: &[u8], descriptions: &[(String, Arc<str>)]) -> Rewrite {
+        self.finish_from(body, descriptions, None).0
+    }
+
+    /// [`Scanned::finish`], continuing dedup from `resume` (the state an
+    /// earlier request of the conversation left, found by
+    /// [`Scanned::prefix_keys`]: this body begins with its messages, byte
+    /// for byte), and the state this request leaves, to be kept under
+    /// the first of its own prefix keys. The body is the same as a
+    /// finish without a state would write.
+    pub fn finish_from(
+        self,
+        body: &[u8],
+        descriptions: &[(String, Arc<str>)],
+        resume: Option<dedup::State>,
+    ) -> (Rewrite, Option<dedup::State>) {
         let keys: Vec<String> = (0..self.scan.images.len())
             .map(|i| {
                 let f = &self.scan.images[i];
@@ -910,14 +966,59 @@ impl Scanned {
             .collect();
         let mut spot_text = scan.spot_texts(&texts);
         let mut joined = scan.joined(body, &texts, &spot_text);
-        let omitted = match plan.rules.dedup {
-            Some(blocks) => dedup::run(&scan, body, &texts, &mut spot_text, &mut joined, blocks),
-            None => dedup::Omitted::default(),
+        let (omitted, state) = match plan.rules.dedup {
+            Some(blocks) => {
+                let run = dedup::run(
+                    &scan,
+                    body,
+                    &texts,
+                    &mut spot_text,
+                    &mut joined,
+                    blocks,
+                    resume,
+                );
+                (run.0, run.1)
+            }
+            None => (dedup::Omitted::default(), None),
         };
         let mut extra = scan.fitted_edits(&fitted);
         extra.extend(scan.hoisted_parts(body, plan.shape, &hoisted, &mut spot_text));
         let new = scan.assemble(body, plan.shape, &texts, &spot_text, &joined, extra);
         let artifacts = scan.artifacts(|i| fates[i] != Fate::Kept || fitted[i].is_some());
+        let done = Done {
+            new,
+            artifacts,
+            omitted,
+        };
+        let rewrite = done.report(body, &scan, &fates, &fitted, &hoisted, described);
+        (rewrite, state)
+    }
+}
+
+/// What [`Scanned::finish_from`] made, before its report.
+struct Done {
+    new: Option<Vec<u8>>,
+    artifacts: Vec<crate::artifacts::Artifact>,
+    omitted: dedup::Omitted,
+}
+
+impl Done {
+    /// The rewrite with its report: each image's action, what dedup
+    /// removed, the bytes saved.
+    fn report<'d>(
+        self,
+        body: &[u8],
+        scan: &walk::Scan,
+        fates: &[Fate],
+        fitted: &[Option<Fitted>],
+        hoisted: &[Option<HoistedPart>],
+        described: impl Fn(usize) -> Option<&'d str>,
+    ) -> Rewrite {
+        let Done {
+            new,
+            artifacts,
+            omitted,
+        } = self;
         let mut report = Report {
             images_found: scan
                 .images
@@ -930,7 +1031,7 @@ impl Scanned {
             bytes_saved_dedup: omitted.bytes,
             ..Report::default()
         };
-        for (i, (f, &fate)) in scan.images.iter().zip(&fates).enumerate() {
+        for (i, (f, &fate)) in scan.images.iter().zip(fates).enumerate() {
             let action = match (fate, described(i)) {
                 (Fate::Kept, _) if hoisted[i].is_some() => Action::Hoisted,
                 (Fate::Kept, _) if fitted[i].is_some() => Action::Resized,

@@ -452,6 +452,8 @@ pub struct Item {
     pub authored: bool,
     /// Its length in the body, in bytes.
     pub bytes: usize,
+    /// Where it ends in the body (the byte after it).
+    pub end: usize,
 }
 
 /// A text string of a message (its content string, a text part, the text
@@ -788,10 +790,12 @@ impl Walker<'_> {
             role: Role::Other,
             authored: false,
             bytes: 0,
+            end: 0,
         });
         if c.kind()? != Kind::Object {
             let range = c.skip()?;
             self.out.items[index].bytes = range.len();
+            self.out.items[index].end = range.end;
             return Ok(());
         }
         let mut msg = Msg {
@@ -812,7 +816,7 @@ impl Walker<'_> {
         {
             self.out.call_ids.push((index, 0, id));
         }
-        self.finish_message(msg, &who, fields.content, range.len());
+        self.finish_message(msg, &who, fields.content, range);
         Ok(())
     }
 
@@ -856,7 +860,7 @@ impl Walker<'_> {
         mut msg: Msg,
         who: &Speaker,
         content: Option<ContentArray>,
-        bytes: usize,
+        range: Range<usize>,
     ) {
         let index = msg.index;
         let tool_message = who.tool_message;
@@ -872,7 +876,8 @@ impl Walker<'_> {
                     || self.out.images[msg.first_image..]
                         .iter()
                         .any(|f| own(f.in_tool_result))),
-            bytes,
+            bytes: range.len(),
+            end: range.end,
         };
         for &(spot, in_tool, unit) in &msg.spots {
             self.out.texts.push(TextAt {

@@ -5,6 +5,7 @@
 //! is what they share. Unit tests of a single function sit in its stage's
 //! file (`placeholder.rs`, `json.rs`, `dedup.rs`, `coalesce.rs`).
 
+mod continued;
 mod dedup;
 mod fit;
 mod images;

@@ -605,3 +605,122 @@ async fn dedup_never_costs_the_agent_what_it_needs_to_act() {
     .await;
     assert_eq!(sent[4]["content"][0]["text"], text);
 }
+
+/// A tool-calling agent of `turns` rounds whose results show stretches of
+/// one file again and again (a file read in parts, a test rerun): dedup
+/// rewrites most of them.
+fn rereading_agent(turns: usize) -> Vec<Value> {
+    let file = view(60);
+    let lines: Vec<&str> = file.lines().collect();
+    let mut msgs = vec![
+        json!({"role": "system", "content": "You are a coding agent."}),
+        json!({"role": "user", "content": "Fix the failing test in pipeline.py."}),
+    ];
+    for t in 0..turns {
+        let id = format!("call_{t}");
+        msgs.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "bash", "arguments": format!("{{\"command\":\"sed -n {t}p\"}}")}}]}));
+        let at = (t * 11) % 40;
+        let text = format!(
+            "$ sed\n{}\nexit code {}",
+            lines[at..at + 18].join("\n"),
+            t % 3
+        );
+        msgs.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
+    }
+    msgs
+}
+
+/// Every turn of a conversation through a visor that continues each
+/// conversation's dedup from its previous request and through one that
+/// reads every request in full (`state_bytes = 0`), and through one whose
+/// states are evicted at once: the upstream gets the same bytes from all
+/// three; the first continued every turn after the first, and says so.
+#[tokio::test]
+async fn a_conversation_continued_reaches_the_upstream_as_read_in_full() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let continuing = Visor::for_mock(&mock, "").await;
+    let full = Visor::for_mock(&mock, "[dedup]\nstate_bytes = 0\n").await;
+    let evicting = Visor::for_mock(&mock, "[dedup]\nstate_bytes = 1\n").await;
+    let msgs = rereading_agent(24);
+    let before = continuing.metrics().await;
+    let mut turns = 0;
+    for t in (3..=msgs.len()).step_by(2) {
+        let body = serde_json::to_vec(&json!({"model": "gpt-4o", "messages": msgs[..t]})).unwrap();
+        let mut got = Vec::new();
+        for visor in [&continuing, &full, &evicting] {
+            let (status, _, _) =
+                send(post_json(&visor.url("/v1/chat/completions"), body.clone())).await;
+            assert_eq!(status, 200);
+            got.push(mock.recorded().pop().unwrap().body);
+        }
+        assert_eq!(
+            got[0], got[1],
+            "turn {t}: continued differs from the full read"
+        );
+        assert_eq!(
+            got[2], got[1],
+            "turn {t}: evicted differs from the full read"
+        );
+        turns += 1;
+    }
+    let after = continuing.metrics().await;
+    let read = |text: &str, how: &str| counter(text, "visor_dedup_reads_total", ("read", how));
+    assert_eq!(
+        read(&after, "continued") - read(&before, "continued"),
+        f64::from(turns - 1)
+    );
+    assert_eq!(read(&after, "full") - read(&before, "full"), 1.0);
+    // Dedup did rewrite these turns: the comparison is of rewrites.
+    let (_, headers, _) = send(post_json(
+        &full.url("/v1/chat/completions"),
+        serde_json::to_vec(&json!({"model": "gpt-4o", "messages": msgs})).unwrap(),
+    ))
+    .await;
+    assert!(header_num(&headers, "x-visor-bytes-saved") > 2000);
+    let evicted = evicting.metrics().await;
+    assert_eq!(
+        read(&evicted, "continued"),
+        0.0,
+        "a state over the bound was kept"
+    );
+    assert_eq!(read(&evicted, "full"), f64::from(turns));
+}
+
+/// Two requests of one conversation at once: the second finds the state
+/// taken by the first and reads in full; both reach the upstream as one
+/// read in full would send them, and the conversation goes on.
+#[tokio::test]
+async fn one_conversations_requests_at_once_each_read_right() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let full = Visor::for_mock(&mock, "[dedup]\nstate_bytes = 0\n").await;
+    let msgs = rereading_agent(20);
+    let request =
+        |t: usize| serde_json::to_vec(&json!({"model": "gpt-4o", "messages": msgs[..t]})).unwrap();
+    let url = visor.url("/v1/chat/completions");
+    let before = visor.metrics().await;
+    let (status, _, _) = send(post_json(&url, request(21))).await;
+    assert_eq!(status, 200);
+    // The next turn and a retry of it, at once, eight times over.
+    for round in 0..8 {
+        let seen = mock.count();
+        let body = request(23 + 2 * round);
+        let sent: Vec<_> =
+            futures_util::future::join_all((0..2).map(|_| send(post_json(&url, body.clone()))))
+                .await;
+        assert!(sent.iter().all(|(s, _, _)| *s == 200));
+        let (status, _, _) = send(post_json(&full.url("/v1/chat/completions"), body.clone())).await;
+        assert_eq!(status, 200);
+        let mut got: Vec<Bytes> = mock.recorded()[seen..]
+            .iter()
+            .map(|r| r.body.clone())
+            .collect();
+        let expected = got.pop().unwrap();
+        assert_eq!(got.len(), 2);
+        assert!(got.iter().all(|b| *b == expected), "round {round}");
+    }
+    // One of each pair continued the state the round before left.
+    let after = visor.metrics().await;
+    let continued = |t: &str| counter(t, "visor_dedup_reads_total", ("read", "continued"));
+    assert!(continued(&after) - continued(&before) >= 8.0);
+}

@@ -1,0 +1,251 @@
+//! Dedup continued from the state the conversation's previous request left
+//! ([`Scanned::prefix_keys`], [`Scanned::finish_from`]) writes the same
+//! body, byte for byte, as the request read in full — every turn of
+//! generated conversations, with an earlier message edited or dropped, a
+//! retry, the instructions changed, images kept and replaced — and does
+//! continue where it can.
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+use crate::transform::*;
+
+use super::support::*;
+
+/// States by key, taken out when used (as the proxy's cache does).
+#[derive(Default)]
+struct Kept {
+    states: HashMap<u128, dedup::State>,
+    continued: usize,
+}
+
+impl Kept {
+    /// `body` finished from a kept state when one fits, and its state kept.
+    fn finish(&mut self, body: &[u8], plan: &Plan) -> Option<Vec<u8>> {
+        let mut scanned = match walk(body, plan) {
+            Ok(s) => s,
+            Err(done) => return done.body,
+        };
+        scanned.resolve(body);
+        let keys = scanned.prefix_keys(body);
+        let resume = keys.iter().find_map(|(items, key)| {
+            let s = self.states.remove(key)?;
+            (s.items() == *items).then_some(s)
+        });
+        self.continued += usize::from(resume.is_some());
+        let (rewrite, state) = scanned.finish_from(body, &[], resume);
+        if let (Some(state), Some((_, key))) = (state, keys.first()) {
+            self.states.insert(*key, state);
+        }
+        rewrite.body
+    }
+}
+
+/// Each request finished from the states the earlier ones left, compared
+/// with the same request read in full. Returns how many continued.
+fn same_as_full(requests: &[Value], plan: &Plan) -> Result<usize, TestCaseError> {
+    let mut kept = Kept::default();
+    for (t, req) in requests.iter().enumerate() {
+        let body = serde_json::to_vec(req).unwrap();
+        let full = rewrite(&body, plan).body;
+        let continued = kept.finish(&body, plan);
+        prop_assert!(
+            full == continued,
+            "request {} differs:\nfull      {}\ncontinued {}",
+            t,
+            String::from_utf8_lossy(full.as_deref().unwrap_or(&body)),
+            String::from_utf8_lossy(continued.as_deref().unwrap_or(&body))
+        );
+    }
+    Ok(kept.continued)
+}
+
+/// The conversation's requests as an agent sends them: its first `t`
+/// messages, for every `t`.
+fn growing(body: &Value) -> Vec<Value> {
+    let msgs = body["messages"].as_array().unwrap();
+    (1..=msgs.len())
+        .map(|t| {
+            let mut req = body.clone();
+            req["messages"] = Value::Array(msgs[..t].to_vec());
+            req
+        })
+        .collect()
+}
+
+/// What a client may do between two requests besides adding messages.
+#[derive(Debug, Clone)]
+enum Change {
+    /// Edits message `at`'s text (a client that rewrites its history).
+    Edit(usize),
+    /// Drops message `at` (a client trimming its context).
+    Drop(usize),
+    /// Sends the same request again (a retry).
+    Retry,
+}
+
+fn change() -> impl Strategy<Value = (usize, Change)> {
+    let what = prop_oneof![
+        (0..12usize).prop_map(Change::Edit),
+        (0..12usize).prop_map(Change::Drop),
+        Just(Change::Retry),
+    ];
+    (1..12usize, what)
+}
+
+/// The growing requests with `changes` applied: after request `turn`, the
+/// change holds for every later request too (an edited message stays
+/// edited).
+fn changed(body: &Value, changes: &[(usize, Change)]) -> Vec<Value> {
+    let mut msgs = body["messages"].as_array().unwrap().clone();
+    let mut out = Vec::new();
+    let mut t = 1;
+    while t <= msgs.len() {
+        let mut req = body.clone();
+        req["messages"] = Value::Array(msgs[..t].to_vec());
+        out.push(req);
+        for (turn, c) in changes {
+            if *turn != out.len() {
+                continue;
+            }
+            match c {
+                Change::Edit(at) if *at < t => {
+                    msgs[*at]["content"] =
+                        json!(format!("edited\n{}", texts(&msgs[*at]).join("\n")));
+                }
+                Change::Drop(at) if *at < t && t > 1 => {
+                    msgs.remove(*at);
+                    t -= 1;
+                }
+                Change::Retry => out.push(out[out.len() - 1].clone()),
+                _ => {}
+            }
+        }
+        t += 1;
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn every_turn_continued_is_the_full_read(body in conversation()) {
+        let requests = growing(&body);
+        let continued = same_as_full(&requests, &plan(Shape::Chat, true, DEFAULTS))?;
+        // Every request after the first continues the one before.
+        prop_assert_eq!(continued, requests.len() - 1);
+    }
+
+    #[test]
+    fn edits_drops_and_retries_read_the_same(
+        body in conversation(),
+        changes in prop::collection::vec(change(), 0..4),
+    ) {
+        let requests = changed(&body, &changes);
+        same_as_full(&requests, &plan(Shape::Chat, true, DEFAULTS))?;
+    }
+}
+
+/// A tool-calling agent whose results repeat blocks of earlier ones (a
+/// file read again, a test run again), so dedup rewrites most of them.
+fn repeating_agent(turns: usize) -> Value {
+    let file = file(40);
+    let mut msgs = vec![
+        json!({"role": "system", "content": "You are a coding agent."}),
+        json!({"role": "user", "content": "Fix the parser."}),
+    ];
+    for t in 0..turns {
+        let id = format!("call_{t}");
+        msgs.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "bash", "arguments": "{}"}}]}));
+        let at = (t * 7) % 20;
+        let text = format!(
+            "run {t}\n{}\nexit code {}",
+            file[at..at + 15].join("\n"),
+            t % 2
+        );
+        msgs.push(tool(&id, &text));
+    }
+    json!({"model": "gpt-4o", "messages": msgs})
+}
+
+#[test]
+fn a_rewritten_history_continues_byte_for_byte() {
+    let body = repeating_agent(30);
+    let requests = growing(&body);
+    let p = plan(Shape::Chat, true, DEFAULTS);
+    let continued = same_as_full(&requests, &p).unwrap();
+    assert_eq!(continued, requests.len() - 1);
+    // Dedup did rewrite: the test compares rewrites, not untouched bodies.
+    let last = serde_json::to_vec(requests.last().unwrap()).unwrap();
+    assert!(rewrite(&last, &p).report.lines_omitted > 100);
+}
+
+#[test]
+fn instructions_outside_the_messages_are_part_of_the_key() {
+    // Anthropic `system` after the messages, changed at the fourth turn:
+    // its lines are never the source of a note, so what is rewritten
+    // depends on it.
+    let file = file(30);
+    let system_a = file[..10].join("\n");
+    let system_b = "Be brief.".to_owned();
+    let mut requests = Vec::new();
+    let mut msgs: Vec<Value> = vec![json!({"role": "user", "content": "Read the file."})];
+    for t in 0..8 {
+        msgs.push(json!({"role": "assistant", "content": [{"type": "tool_use", "id": format!("t{t}"), "name": "read", "input": {}}]}));
+        msgs.push(json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": format!("t{t}"), "content": format!("{}\npass {t}", file[..20].join("\n"))}]}));
+        let system = if t < 3 { &system_a } else { &system_b };
+        requests.push(json!({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs, "system": system}));
+    }
+    let p = plan(Shape::Messages, true, DEFAULTS);
+    let continued = same_as_full(&requests, &p).unwrap();
+    // All but the first and the one whose system changed.
+    assert_eq!(continued, requests.len() - 2);
+}
+
+#[test]
+fn images_replaced_are_read_in_full_and_kept_ones_continue() {
+    let body = screenshot_agent(6);
+    let requests = growing(&body);
+    // A model that cannot see: texts replace the screenshots, nothing is
+    // continued (a state holds the client's texts only).
+    let blind = same_as_full(&requests, &plan(Shape::Chat, false, DEFAULTS)).unwrap();
+    assert_eq!(blind, 0);
+    // One that can: the screenshots stay, the texts continue, until the
+    // image rules age the old screenshots out.
+    let seeing = same_as_full(&requests, &plan(Shape::Chat, true, DEFAULTS)).unwrap();
+    assert!(seeing > 0, "nothing continued");
+}
+
+#[test]
+fn a_different_plan_never_continues_another_plans_state() {
+    let body = repeating_agent(6);
+    let requests = growing(&body);
+    let mut kept = Kept::default();
+    let a = plan(Shape::Chat, true, DEFAULTS);
+    let mut other = DEFAULTS;
+    other.dedup = Some(dedup::Blocks {
+        min_lines: 3,
+        min_bytes: 200,
+    });
+    let b = plan(Shape::Chat, true, other);
+    // Turns alternate between the plans: each continues its own plan's
+    // state of two requests before, never the other's.
+    for (t, req) in requests.iter().enumerate() {
+        let body = serde_json::to_vec(req).unwrap();
+        let p = if t % 2 == 0 { &a } else { &b };
+        assert_eq!(kept.finish(&body, p), rewrite(&body, p).body, "request {t}");
+    }
+    assert_eq!(kept.continued, requests.len() - 2);
+    // A state of one plan only: the same request under the other plan is
+    // read in full; under its own it continues.
+    let last = serde_json::to_vec(requests.last().unwrap()).unwrap();
+    let mut only_a = Kept::default();
+    only_a.finish(&last, &a);
+    assert_eq!(only_a.finish(&last, &b), rewrite(&last, &b).body);
+    assert_eq!(only_a.continued, 0, "continued another plan's state");
+    assert_eq!(only_a.finish(&last, &a), rewrite(&last, &a).body);
+    assert_eq!(only_a.continued, 1);
+}
