@@ -37,6 +37,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use visor::config::Config;
 use visor::models::{Learned, ModelTable};
+use visor::proxy::dedup_states::{DedupStates, Read};
 use visor::transform::dedup::{NOTE_MIN_SAVING, Note, SMALL_TEXT};
 use visor::transform::status;
 use visor::transform::{Plan, Rules, Shape, Takes, rewrite};
@@ -65,6 +66,10 @@ struct Figures {
     stable: usize,
     images_replaced: usize,
     harm: Harm,
+    /// Turns dedup continued from the turn before's state, and turns whose
+    /// continued body differed from the full read (must stay 0).
+    continued: usize,
+    differed: usize,
 }
 
 /// What dedup did to the last request that it may not do.
@@ -115,6 +120,8 @@ impl Harm {
 
 impl Figures {
     fn add(&mut self, o: &Figures) {
+        self.continued += o.continued;
+        self.differed += o.differed;
         self.turns += o.turns;
         self.bytes_in += o.bytes_in;
         self.bytes_out += o.bytes_out;
@@ -366,6 +373,7 @@ fn conversation(dir: &Path, cfg: &Config, table: &ModelTable) -> Figures {
         .collect();
     turns.sort();
     let mut f = Figures::default();
+    let states = DedupStates::new(128 << 20).unwrap();
     let mut prev_in: Option<Vec<String>> = None;
     let mut prev_out: Option<Vec<String>> = None;
     for path in &turns {
@@ -388,6 +396,18 @@ fn conversation(dir: &Path, cfg: &Config, table: &ModelTable) -> Figures {
             fit: visor::transform::Limits::NONE,
         };
         let r = rewrite(&body, &plan);
+        // The same turn continued from the turn before's dedup state, as
+        // the proxy does: the same body, byte for byte.
+        let (again, read) = match visor::transform::walk(&body, &plan) {
+            Ok(mut s) => {
+                s.resolve(&body);
+                let (r, read) = states.finish(s, &body);
+                (r.body, read)
+            }
+            Err(done) => (done.body, Read::Full),
+        };
+        f.continued += usize::from(read == Read::Continued);
+        f.differed += usize::from(again != r.body);
         let out = r.body.as_deref().unwrap_or(&body);
         let (mi, mo) = (messages(&body), messages(out));
         let si: Vec<String> = mi.iter().map(|m| m.to_string()).collect();
@@ -468,6 +488,14 @@ fn main() {
         each.push((name, f.harm));
     }
     total.print("overall");
+    println!(
+        "continued: {} of {} turns read only their new messages (dedup continued the turn before's state); {} differed from the full read",
+        total.continued, total.turns, total.differed
+    );
+    assert_eq!(
+        total.differed, 0,
+        "a continued turn differs from its full read"
+    );
     println!(
         "billed: saving of the conversation's cost through visor against the original (cached prefix at {CACHED}); {negative} conversation(s) cost more"
     );
