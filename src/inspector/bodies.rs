@@ -46,23 +46,64 @@ pub fn without_media(body: &Bytes) -> Option<Bytes> {
 /// false positive only costs the full read; a body of any size that holds
 /// none of them (an agent's text history) is kept as it came.
 fn may_hold_media_or_secrets(body: &[u8]) -> bool {
-    if memchr::memmem::find(body, b";base64,").is_some() {
+    if finder(Word::Base64Url).find(body).is_some() || std::str::from_utf8(body).is_err() {
         return true;
     }
+    long_runs(body) || may_hold_secrets(body)
+}
+
+/// Whether `body` may hold a run of [`MIN_RUN`] base64 characters
+/// (backslashes taken as escaped slashes or line breaks) or of
+/// `MIN_BYTE_ARRAY * 2 - 1` digits, commas and spaces (a byte array,
+/// pretty-printed ones break lines between values). Read a 64-byte block
+/// at a time: a block of text leaves either class at its first space or
+/// letter, and such a run fills at least `run / 64 - 1` whole blocks in a
+/// row.
+fn long_runs(body: &[u8]) -> bool {
+    const BLOCK: usize = 64;
+    let b64_blocks = MIN_RUN / BLOCK - 1;
+    let digit_blocks = (MIN_BYTE_ARRAY * 2 - 1) / BLOCK - 1;
     let (mut b64, mut digits) = (0usize, 0usize);
-    for &c in body {
-        b64 = if is_b64(c) || c == b'\\' { b64 + 1 } else { 0 };
-        // (Pretty-printed arrays break lines between their values.)
-        digits = if c.is_ascii_digit() || matches!(c, b',' | b' ' | b'\n' | b'\r' | b'\t') {
-            digits + 1
-        } else {
-            0
+    for block in body.chunks_exact(BLOCK) {
+        b64 = match block.iter().all(|&c| is_b64(c) || c == b'\\') {
+            true => b64 + 1,
+            false => 0,
         };
-        if b64 >= MIN_RUN || digits >= MIN_BYTE_ARRAY * 2 - 1 {
+        digits = match block
+            .iter()
+            .all(|&c| c.is_ascii_digit() || matches!(c, b',' | b' ' | b'\n' | b'\r' | b'\t'))
+        {
+            true => digits + 1,
+            false => 0,
+        };
+        if b64 >= b64_blocks || digits >= digit_blocks {
             return true;
         }
     }
-    may_hold_secrets(body)
+    false
+}
+
+/// The words the precheck looks for, each searcher built once.
+#[derive(Clone, Copy)]
+enum Word {
+    Base64Url,
+    Escape,
+    Http,
+    Base64,
+}
+
+fn finder(w: Word) -> &'static memchr::memmem::Finder<'static> {
+    use memchr::memmem::Finder;
+    use std::sync::LazyLock;
+    static FINDERS: LazyLock<[Finder<'static>; 4]> = LazyLock::new(|| {
+        [
+            Finder::new(b";base64,"),
+            Finder::new(b"\\u"),
+            Finder::new(b"http"),
+            Finder::new(b"base64"),
+        ]
+    });
+    &FINDERS[w as usize]
 }
 
 /// Whether a key of `body` names a credential or headers, or a string is
@@ -72,41 +113,42 @@ fn may_hold_secrets(body: &[u8]) -> bool {
     let mut i = 0;
     while let Some(q) = memchr::memchr(b'"', &body[i..]) {
         let start = i + q + 1;
-        let (mut end, mut escaped) = (start, false);
+        // Quote to quote: a quote after an odd number of backslashes is
+        // inside the string.
+        let mut end = start;
         loop {
-            let Some(k) = body
-                .get(end..)
-                .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))
-            else {
+            let Some(k) = body.get(end..).and_then(|rest| memchr::memchr(b'"', rest)) else {
                 return true;
             };
-            if body[end + k] == b'"' {
-                end += k;
+            end += k;
+            let before = body[start..end].iter().rev().take_while(|&&c| c == b'\\');
+            if before.count() % 2 == 0 {
                 break;
             }
-            escaped = true;
-            end += k + 2;
+            end += 1;
         }
         let text = &body[start..end];
+        let escaped = memchr::memchr(b'\\', text).is_some();
         let is_key = body[end + 1..]
             .iter()
             .find(|c| !c.is_ascii_whitespace())
             .is_some_and(|&c| c == b':');
-        let worth = match (is_key, std::str::from_utf8(text)) {
-            (_, Err(_)) => true,
-            (true, Ok(k)) => escaped || is_secret_key(k) || k.eq_ignore_ascii_case("headers"),
+        let has = |w: Word| finder(w).find(text).is_some();
+        // (The body is UTF-8: checked before.)
+        let worth = match is_key {
+            true => escaped || is_secret_key_bytes(text) || text.eq_ignore_ascii_case(b"headers"),
             // Escaped: read as JSON reads it (`\u0068ttps:`, `\u003bbase64,`).
-            (false, Ok(v)) => match escaped {
-                true => {
-                    let has = |w: &[u8]| memchr::memmem::find(text, w).is_some();
-                    (has(b"\\u") || has(b"http") || has(b"base64")) && {
-                        let decoded: Option<String> =
-                            serde_json::from_slice(&body[start - 1..=end]).ok();
-                        decoded.is_none_or(|d| redact_url(&d).is_some() || d.contains(";base64,"))
-                    }
+            false if escaped => {
+                (has(Word::Escape) || has(Word::Http) || has(Word::Base64)) && {
+                    let decoded: Option<String> =
+                        serde_json::from_slice(&body[start - 1..=end]).ok();
+                    decoded.is_none_or(|d| redact_url(&d).is_some() || d.contains(";base64,"))
                 }
-                false => redact_url(v).is_some(),
-            },
+            }
+            false => {
+                text.starts_with(b"http")
+                    && std::str::from_utf8(text).map_or(true, |v| redact_url(v).is_some())
+            }
         };
         if worth {
             return true;
@@ -153,29 +195,45 @@ fn is_byte(v: &Value) -> bool {
     v.as_u64().is_some_and(|n| n <= 255)
 }
 
+/// A key that names a credential (case and `-`/`_` aside), read without
+/// allocating: the names are under 20 bytes.
+fn is_secret_key_bytes(k: &[u8]) -> bool {
+    let mut folded = [0u8; 20];
+    let Some(to) = folded.get_mut(..k.len()) else {
+        return false;
+    };
+    for (t, &c) in to.iter_mut().zip(k) {
+        *t = if c == b'-' {
+            b'_'
+        } else {
+            c.to_ascii_lowercase()
+        };
+    }
+    matches!(
+        &folded[..k.len()],
+        b"authorization"
+            | b"authorization_token"
+            | b"proxy_authorization"
+            | b"api_key"
+            | b"apikey"
+            | b"x_api_key"
+            | b"token"
+            | b"access_token"
+            | b"refresh_token"
+            | b"id_token"
+            | b"bearer"
+            | b"secret"
+            | b"client_secret"
+            | b"password"
+            | b"passwd"
+            | b"cookie"
+            | b"set_cookie"
+    )
+}
+
 /// A field that holds a credential.
 fn is_secret_key(k: &str) -> bool {
-    let k = k.to_ascii_lowercase().replace('-', "_");
-    matches!(
-        k.as_str(),
-        "authorization"
-            | "authorization_token"
-            | "proxy_authorization"
-            | "api_key"
-            | "apikey"
-            | "x_api_key"
-            | "token"
-            | "access_token"
-            | "refresh_token"
-            | "id_token"
-            | "bearer"
-            | "secret"
-            | "client_secret"
-            | "password"
-            | "passwd"
-            | "cookie"
-            | "set_cookie"
-    )
+    is_secret_key_bytes(k.as_bytes())
 }
 
 /// An `http(s)` URL whose query carries a signature, token or key
@@ -527,6 +585,31 @@ mod tests {
         assert!(!k.contains(&enc[..40]) && !k.contains(&mime[3]), "{k}");
         assert_eq!(k.matches("[base64: 6000 bytes").count(), 3, "{k}");
         assert!(k.contains("[400 byte values]"), "{k}");
+    }
+
+    #[test]
+    fn a_run_just_long_enough_is_caught_wherever_it_starts() {
+        // 384 bytes make 512 base64 characters: the shortest run replaced,
+        // at every offset against the 64-byte blocks the precheck reads.
+        let bytes: Vec<u8> = (0..384u32).map(|i| (i * 29 % 251) as u8).collect();
+        let run = base64_simd::STANDARD.encode_to_string(&bytes);
+        assert_eq!(run.len(), MIN_RUN);
+        for pad in 0..64 {
+            let body = json!({"model": "m", "note": "x".repeat(pad), "data": run}).to_string();
+            let kept = without_media(&Bytes::from(body)).unwrap();
+            let kept = String::from_utf8_lossy(&kept);
+            assert!(!kept.contains(&run[..100]), "offset {pad}");
+            assert!(kept.contains("[base64: 384 bytes, sha256:"), "offset {pad}");
+        }
+        let digits: Vec<u8> = (0..MIN_BYTE_ARRAY as u32).map(|i| (i % 10) as u8).collect();
+        for pad in 0..64 {
+            let body = json!({"note": "x".repeat(pad), "buf": {"type": "Buffer", "data": digits}});
+            let kept = without_media(&Bytes::from(body.to_string())).unwrap();
+            assert!(
+                String::from_utf8_lossy(&kept).contains("[256 byte values]"),
+                "offset {pad}"
+            );
+        }
     }
 
     #[test]

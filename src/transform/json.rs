@@ -139,24 +139,24 @@ impl<'a> Cursor<'a> {
         if self.byte()? != b'"' {
             return Err(Malformed);
         }
+        // Quote to quote (a text of many lines holds an escape every few
+        // dozen bytes, a quote seldom): a quote after an odd number of
+        // backslashes is part of the string.
         let mut i = start + 1;
-        let mut escaped = false;
         loop {
             let rest = self.src.get(i..).ok_or(Malformed)?;
-            match memchr::memchr2(b'"', b'\\', rest) {
-                None => return Err(Malformed),
-                Some(k) if rest[k] == b'\\' => {
-                    escaped = true;
-                    i += k + 2;
-                }
-                Some(k) => {
-                    self.pos = i + k + 1;
-                    return Ok(Str {
-                        range: start..self.pos,
-                        escaped,
-                    });
-                }
+            let q = i + memchr::memchr(b'"', rest).ok_or(Malformed)?;
+            let inner = self.src.get(start + 1..q).ok_or(Malformed)?;
+            let backslashes = inner.iter().rev().take_while(|&&b| b == b'\\').count();
+            if backslashes % 2 == 1 {
+                i = q + 1;
+                continue;
             }
+            self.pos = q + 1;
+            return Ok(Str {
+                range: start..self.pos,
+                escaped: memchr::memchr(b'\\', inner).is_some(),
+            });
         }
     }
 
@@ -435,6 +435,28 @@ mod tests {
         let e = e.unwrap();
         assert!(e.escaped);
         assert_eq!(e.decode(src).unwrap(), "é");
+    }
+
+    #[test]
+    fn a_string_ends_at_a_quote_after_an_even_run_of_backslashes() {
+        for (lit, decoded) in [
+            (r#""a\\""#, r"a\"),
+            (r#""a\"b""#, r#"a"b"#),
+            (r#""\\\"x""#, r#"\"x"#),
+            (r#""\\\\""#, r"\\"),
+            (r#""line\nline""#, "line\nline"),
+            (r#""plain""#, "plain"),
+        ] {
+            let src = format!("{lit},1");
+            let mut c = Cursor::new(src.as_bytes());
+            let s = c.string().unwrap();
+            assert_eq!(s.range, 0..lit.len(), "{lit}");
+            assert_eq!(s.escaped, lit.contains('\\'), "{lit}");
+            assert_eq!(s.decode(src.as_bytes()).unwrap(), decoded, "{lit}");
+        }
+        // Its only quote after it is escaped: the string never ends.
+        let mut c = Cursor::new(br#""open\""#);
+        assert_eq!(c.string(), Err(Malformed));
     }
 
     #[test]

@@ -1091,6 +1091,18 @@ impl Walker<'_> {
                 (self.shape, here.container),
                 (_, Container::Message) | (Shape::Messages, Container::ToolResult)
             );
+        // Every image in a text says `image` (a data URL's media type, a
+        // JSON part's type): a text without it, unless `\u` escapes could
+        // spell it, is not decoded.
+        static IMAGE: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+            std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"image"));
+        let lit = &self.out.spots[spot].lit;
+        let raw = lit.raw(self.src);
+        if IMAGE.find(raw).is_none()
+            && !(lit.escaped && memchr::memmem::find(raw, b"\\u").is_some())
+        {
+            return;
+        }
         let Some(text) = self.out.spots[spot].lit.decode(self.src) else {
             return;
         };

@@ -243,6 +243,24 @@ fn base64_hidden_in_tool_text_is_found() {
 }
 
 #[test]
+fn a_data_url_spelt_with_unicode_escapes_in_a_text_is_still_found() {
+    let png = fixture("chart.png");
+    let b64 = base64_simd::STANDARD.encode_to_string(&png);
+    // `image` written `\u0069mage`: the text is decoded before it is read.
+    let text = format!("see data:image/png;base64,{b64} here");
+    let literal = serde_json::to_string(&text)
+        .unwrap()
+        .replace("image", "\\u0069mage");
+    let body = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"look"}},{{"role":"assistant","content":null,"tool_calls":[{{"id":"t","type":"function","function":{{"name":"s","arguments":"{{}}"}}}}]}},{{"role":"tool","tool_call_id":"t","content":{literal}}}]}}"#
+    );
+    assert!(!body.contains("image"), "the test must hide the word");
+    let out = strip(body.as_bytes(), Shape::Chat);
+    assert_eq!(out.report.images_replaced, 1);
+    assert!(!String::from_utf8_lossy(out.body.as_deref().unwrap()).contains(&b64[..64]));
+}
+
+#[test]
 fn images_in_json_strings_inside_tool_text_and_bare_part_content_are_found() {
     let png = fixture("chart.png");
     let b64 = base64_simd::STANDARD.encode_to_string(&png);
