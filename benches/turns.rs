@@ -9,6 +9,11 @@
 //! config's rules), so the figures are the request's path through visor,
 //! not a network's.
 //!
+//! Then the transforms' own CPU time per turn, on this thread: each turn
+//! read in full (walk, dedup, assemble) against each turn continued from
+//! the state the turn before left (`[dedup] state_bytes`), the best of
+//! `TURNS_ROUNDS` each, and the same body checked from both.
+//!
 //! `cargo bench --bench turns` (the release profile). `TURNS_SAMPLE=N`
 //! samples every Nth generated turn (default 100); `TURNS_ROUNDS=N` sends
 //! each N times each way (default 7).
@@ -23,6 +28,8 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
+use visor::proxy::dedup_states::DedupStates;
+use visor::transform::{Limits, Plan, Rules, Shape, Takes};
 
 fn corpus_dir() -> PathBuf {
     match std::env::var_os("VISOR_CORPUS") {
@@ -271,4 +278,110 @@ fn main() {
         }
         let _ = std::fs::remove_dir_all(&data);
     });
+    transform_cpu(&longest(&corpus_dir(), 3), sample, rounds);
+}
+
+/// The plan the shipped config gives a model that can see, for Chat.
+fn plan() -> Plan {
+    let cfg = visor::config::Config::from_toml(
+        include_str!("../config/visor.toml"),
+        Path::new("config/visor.toml"),
+        &|_| None,
+    )
+    .unwrap();
+    Plan {
+        shape: Shape::Chat,
+        vision: true,
+        describe: false,
+        rules: Rules::new(&cfg.images, &cfg.dedup, None, None),
+        takes: Takes::ALL,
+        query_aware: false,
+        fit: Limits::NONE,
+    }
+}
+
+/// One turn's transform CPU, read in full and continued (µs, best of
+/// `rounds`); panics when the two bodies differ.
+fn both(body: &[u8], plan: &Plan, states: &DedupStates, rounds: usize) -> (f64, f64) {
+    let full_read = || match visor::transform::walk(body, plan) {
+        Ok(mut s) => {
+            s.resolve(body);
+            s.finish(body, &[]).body
+        }
+        Err(done) => done.body,
+    };
+    let mut full = f64::MAX;
+    let mut expected = None;
+    for _ in 0..rounds {
+        let t = Instant::now();
+        expected = Some(full_read());
+        full = full.min(t.elapsed().as_secs_f64() * 1e6);
+    }
+    // Continued: the state the turn before left is taken, and this turn's
+    // put back; a round after the first continues this turn's own state
+    // (a retry: no new message), so the first round is the figure.
+    let t = Instant::now();
+    let got = match visor::transform::walk(body, plan) {
+        Ok(mut s) => {
+            s.resolve(body);
+            states.finish(s, body).0.body
+        }
+        Err(done) => done.body,
+    };
+    let continued = t.elapsed().as_secs_f64() * 1e6;
+    assert!(
+        got == expected.unwrap(),
+        "a continued turn differs from its full read"
+    );
+    (full, continued)
+}
+
+fn transform_cpu(corpus: &[(String, Vec<Bytes>)], sample: usize, rounds: usize) {
+    let plan = plan();
+    println!(
+        "transform CPU per turn on one thread (µs): read in full, continued from the turn before's state"
+    );
+    for (name, turns) in corpus {
+        let states = DedupStates::new(128 << 20).unwrap();
+        let row: Vec<(usize, f64, f64)> = turns
+            .iter()
+            .map(|b| {
+                let (f, c) = both(b, &plan, &states, rounds);
+                (b.len(), f, c)
+            })
+            .collect();
+        println!("{name}:");
+        for (i, (len, f, c)) in row.iter().enumerate() {
+            if i % 10 == 0 || i + 1 == row.len() {
+                println!(
+                    "  turn {:>4} {:>9} bytes  full {:>8.1}  continued {:>8.1}  ({:.1}x)",
+                    i + 1,
+                    len,
+                    f,
+                    c,
+                    f / c
+                );
+            }
+        }
+    }
+    let states = DedupStates::new(128 << 20).unwrap();
+    let mut agent = Agent::new();
+    println!("generated agent:");
+    for n in 1..=1000 {
+        let body = agent.turn();
+        if n == 1 || n % sample.max(1) == 0 {
+            let (f, c) = both(&body, &plan, &states, rounds);
+            println!(
+                "  turn {:>4} {:>9} bytes  full {:>8.1}  continued {:>8.1}  ({:.1}x)",
+                n,
+                body.len(),
+                f,
+                c,
+                f / c
+            );
+        } else if let Ok(mut s) = visor::transform::walk(&body, &plan) {
+            s.resolve(&body);
+            states.finish(s, &body);
+        }
+    }
 }
