@@ -398,14 +398,8 @@ fn conversation(dir: &Path, cfg: &Config, table: &ModelTable) -> Figures {
         let r = rewrite(&body, &plan);
         // The same turn continued from the turn before's dedup state, as
         // the proxy does: the same body, byte for byte.
-        let (again, read) = match visor::transform::walk(&body, &plan) {
-            Ok(mut s) => {
-                s.resolve(&body);
-                let (r, read) = states.finish(s, &body);
-                (r.body, read)
-            }
-            Err(done) => (done.body, Read::Full),
-        };
+        let (again, read) = states.rewrite(&body, &plan);
+        let again = again.body;
         f.continued += usize::from(read == Read::Continued);
         f.differed += usize::from(again != r.body);
         let out = r.body.as_deref().unwrap_or(&body);

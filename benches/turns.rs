@@ -321,13 +321,7 @@ fn both(body: &[u8], plan: &Plan, states: &DedupStates, rounds: usize) -> (f64, 
     // put back; a round after the first continues this turn's own state
     // (a retry: no new message), so the first round is the figure.
     let t = Instant::now();
-    let got = match visor::transform::walk(body, plan) {
-        Ok(mut s) => {
-            s.resolve(body);
-            states.finish(s, body).0.body
-        }
-        Err(done) => done.body,
-    };
+    let got = states.rewrite(body, plan).0.body;
     let continued = t.elapsed().as_secs_f64() * 1e6;
     assert!(
         got == expected.unwrap(),
@@ -379,9 +373,8 @@ fn transform_cpu(corpus: &[(String, Vec<Bytes>)], sample: usize, rounds: usize) 
                 c,
                 f / c
             );
-        } else if let Ok(mut s) = visor::transform::walk(&body, &plan) {
-            s.resolve(&body);
-            states.finish(s, &body);
+        } else {
+            states.rewrite(&body, &plan);
         }
     }
 }

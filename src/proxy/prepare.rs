@@ -546,8 +546,27 @@ async fn run(
     // (one trip to the blocking pool for a large body, not two).
     let b = body.clone();
     let fitter = rw.fitter.clone();
-    let (states, metrics) = (rw.dedup_states.clone(), rw.metrics.clone());
+    let states = rw
+        .dedup_states
+        .clone()
+        .filter(|_| plan.rules.dedup.is_some());
+    let metrics = rw.metrics.clone();
+    // What the conversation's previous request left, when this body
+    // begins with its messages (its prefix hashed here, at memory speed):
+    // only the rest is walked and read.
+    let (prefix, state) = match states.as_ref().and_then(|s| s.find(&body, &plan)) {
+        Some(r) => (Some((r.scan, r.end)), Some(r.state)),
+        None => (None, None),
+    };
+    let walk = move |b: &[u8], plan: &Plan| match prefix {
+        Some((scan, end)) => {
+            transform::walk_from(b, plan, scan, end).or_else(|_| transform::walk(b, plan))
+        }
+        None => transform::walk(b, plan),
+    };
     let resolve = move |mut scanned: transform::Scanned| {
+        // The walk as it is, kept for the next request of the conversation.
+        let walked = states.as_ref().map(|_| scanned.scan().clone());
         scanned.resolve(&b);
         let fits = scanned.fit_jobs(&b, 0, &|q| fitter.quick(q));
         // Over the provider's request bound with no image over its own:
@@ -560,7 +579,13 @@ async fn run(
         let subjects: Vec<_> = scanned.subjects(&b).into_iter().map(|(_, s)| s).collect();
         let media = scanned.media(&b);
         match subjects.is_empty() && media.is_empty() && fits.is_empty() && !over {
-            true => Err(Box::new(finish(states.as_deref(), &metrics, scanned, &b))),
+            true => Err(Box::new(finish(
+                states.as_deref().zip(walked),
+                &metrics,
+                scanned,
+                &b,
+                state,
+            ))),
             false => Ok((scanned, (subjects, media, fits))),
         }
     };
@@ -568,12 +593,14 @@ async fn run(
     // memory speed, so a large body for a model that can see is walked here
     // and goes to the blocking pool only when there is real work: images to
     // decode, or much text to dedup.
-    let scanned = match (large && plan.vision).then(|| transform::walk(&body, &plan)) {
-        Some(Err(done)) => Some(Err(done)),
-        Some(Ok(walked)) => off_thread(walked.work() > INLINE_LIMIT, move || resolve(walked)).await,
-        None => {
+    let scanned = match large && plan.vision {
+        true => match walk(&body, &plan) {
+            Err(done) => Some(Err(done)),
+            Ok(walked) => off_thread(walked.work() > INLINE_LIMIT, move || resolve(walked)).await,
+        },
+        false => {
             let b = body.clone();
-            off_thread(large, move || transform::walk(&b, &plan).and_then(resolve)).await
+            off_thread(large, move || walk(&b, &plan).and_then(resolve)).await
         }
     }
     .unwrap_or_else(|| Err(Box::default()));
@@ -620,15 +647,16 @@ async fn run(
 /// A request with nothing to describe, fit or convert finished: from its
 /// conversation's dedup state when one is kept (counted).
 fn finish(
-    states: Option<&super::dedup_states::DedupStates>,
+    states: Option<(&super::dedup_states::DedupStates, transform::walk::Scan)>,
     metrics: &Metrics,
     scanned: transform::Scanned,
     body: &[u8],
+    state: Option<transform::dedup::State>,
 ) -> Rewrite {
-    let Some(states) = states.filter(|_| scanned.plan().rules.dedup.is_some()) else {
+    let Some((states, walked)) = states else {
         return scanned.finish(body, &[]);
     };
-    let (rewrite, read) = states.finish(scanned, body);
+    let (rewrite, read) = states.finish(scanned, body, state, walked);
     metrics.dedup_reads.with_label_values(&[read.label()]).inc();
     rewrite
 }

@@ -419,14 +419,31 @@ pub fn run(
     joined: &mut [Option<String>],
     blocks: Blocks,
     resume: Option<State>,
-) -> (Omitted, Option<State>) {
+) -> (Omitted, Option<State>, bool) {
     // Only texts as the client sent them are continued: a state never
     // holds a text an earlier step wrote.
     let plain = replaced.iter().all(Option::is_none)
         && joined.iter().all(Option::is_none)
         && spot_text.iter().all(Option::is_none);
-    let resume = resume.filter(|s| plain && s.d.blocks == blocks && s.items <= scan.items.len());
+    // Instructions outside the message list: Anthropic `system`,
+    // Responses `instructions` (a state continues only with the same).
+    let top = top_level_instructions(scan, body);
+    let instructions = {
+        let mut x = xxhash_rust::xxh3::Xxh3::new();
+        for t in &top {
+            x.update(&t.len().to_le_bytes());
+            x.update(t.as_bytes());
+        }
+        x.digest128()
+    };
+    let resume = resume.filter(|s| {
+        plain
+            && s.d.blocks == blocks
+            && s.items <= scan.items.len()
+            && s.instructions == instructions
+    });
     let from = resume.as_ref().map_or(0, |s| s.items);
+    let continued = resume.is_some();
     let inputs = inputs(scan, body, replaced, spot_text, joined, from);
     let call_ids: HashMap<(usize, u32), String> = scan
         .call_ids
@@ -451,10 +468,7 @@ pub fn run(
         Some(s) => (s.d, s.out, s.rewrites),
         None => {
             let mut d = Dedup::new(blocks);
-            // Instructions outside the message list: Anthropic `system`,
-            // Responses `instructions` (a resumed state has them: they
-            // are part of its key).
-            for text in &top_level_instructions(scan, body) {
+            for text in &top {
                 d.instruct(text);
             }
             (d, Omitted::default(), Vec::new())
@@ -478,7 +492,7 @@ pub fn run(
         }
     }
     if !plain {
-        return (out, None);
+        return (out, None, false);
     }
     // The rewrites of this request's texts (the state's first): kept in
     // the state and written to their spots.
@@ -493,7 +507,9 @@ pub fn run(
             items,
             out,
             rewrites,
+            instructions,
         }),
+        continued,
     )
 }
 
@@ -514,6 +530,8 @@ pub struct State {
     out: Omitted,
     /// The new text of each rewritten text string, by spot.
     rewrites: Vec<(usize, String)>,
+    /// A hash of the instructions outside the message list it read.
+    instructions: u128,
 }
 
 impl State {

@@ -235,6 +235,48 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    /// Goes on with an object after one of its members' values (the cursor
+    /// just after it): `f` as for [`Cursor::object`], for the members left.
+    pub fn object_rest(&mut self, mut f: impl FnMut(&mut Self, Str) -> Result<()>) -> Result<()> {
+        loop {
+            self.ws();
+            match self.byte()? {
+                b',' => self.pos += 1,
+                b'}' => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                _ => return Err(Malformed),
+            }
+            let key = self.string()?;
+            self.expect(b':')?;
+            f(self, key)?;
+        }
+    }
+
+    /// Goes on with an array after its element `next - 1` (the cursor just
+    /// after it): `f` as for [`Cursor::array`], from index `next`.
+    pub fn array_rest(
+        &mut self,
+        next: usize,
+        mut f: impl FnMut(&mut Self, usize) -> Result<()>,
+    ) -> Result<()> {
+        let mut i = next;
+        loop {
+            self.ws();
+            match self.byte()? {
+                b',' => self.pos += 1,
+                b']' => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                _ => return Err(Malformed),
+            }
+            f(self, i)?;
+            i += 1;
+        }
+    }
+
     /// Walks an array: `f` is called with each index, the cursor before the
     /// element, and must consume it.
     pub fn array(

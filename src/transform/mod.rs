@@ -461,10 +461,32 @@ static SEED: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
     h.finish()
 });
 
-/// How many of a request's last messages [`Scanned::prefix_keys`] gives a
-/// key for: a client that sends more new messages than this at once is
-/// read in full.
-pub const PREFIX_KEYS: usize = 64;
+/// The bytes of a body's beginning [`start_key`] reads.
+pub const START: usize = 128;
+
+/// The key of what was read of a request's messages up to the end of its
+/// last one, `prefix` (the body up to there): a keyed hash (xxh3-128,
+/// seeded per process) of the plan and those bytes. The next request of
+/// the conversation begins with the same bytes; what follows them (the
+/// instructions outside the message list included) is read again.
+pub fn prefix_key(plan: &Plan, prefix: &[u8]) -> u128 {
+    let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*SEED);
+    x.update(format!("{plan:?}").as_bytes());
+    x.update(&prefix.len().to_le_bytes());
+    x.update(prefix);
+    x.digest128()
+}
+
+/// Which conversation a body may continue, from its first [`START`]
+/// bytes and the plan (keyed like [`prefix_key`]); `None` for a body
+/// shorter than that.
+pub fn start_key(plan: &Plan, body: &[u8]) -> Option<u64> {
+    let start = body.get(..START)?;
+    let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*SEED);
+    x.update(format!("{plan:?}").as_bytes());
+    x.update(start);
+    Some(x.digest())
+}
 
 /// The most decoded bytes read to learn an image's size from its head
 /// (a JPEG's size may follow tens of kilobytes of metadata).
@@ -539,7 +561,31 @@ pub fn walk(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
     if !needed(plan) {
         return Err(Box::default());
     }
-    let scan = match walk::scan(body, plan.shape) {
+    walked(body, plan, walk::scan(body, plan.shape))
+}
+
+/// [`walk`] of a body that begins with the messages `prefix` was scanned
+/// from, up to `end` ([`walk::Scan::upto_messages`]): only the rest is
+/// read. The same as [`walk`].
+pub fn walk_from(
+    body: &[u8],
+    plan: &Plan,
+    prefix: walk::Scan,
+    end: usize,
+) -> Result<Scanned, Box<Rewrite>> {
+    if !needed(plan) {
+        return Err(Box::default());
+    }
+    walked(body, plan, walk::scan_from(body, plan.shape, prefix, end))
+}
+
+/// A walk's scan decided.
+fn walked(
+    body: &[u8],
+    plan: &Plan,
+    scan: std::result::Result<walk::Scan, json::Malformed>,
+) -> Result<Scanned, Box<Rewrite>> {
+    let scan = match scan {
         Ok(s) => s,
         Err(_) => {
             return Err(Box::new(Rewrite {
@@ -829,38 +875,9 @@ impl Scanned {
         len.max(0) as u64
     }
 
-    /// Where the dedup state of a request this one continues may be kept
-    /// ([`Scanned::finish_from`]), newest first: for each of its last
-    /// [`PREFIX_KEYS`] messages, the number of messages up to it and a
-    /// keyed hash (xxh3-128, seeded per process) of the body up to its
-    /// end, of the plan, and of the instructions outside the message list
-    /// (they may come after it). The first is the key of the state this
-    /// request leaves. Empty when dedup is off.
-    pub fn prefix_keys(&self, body: &[u8]) -> Vec<(usize, u128)> {
-        let items = &self.scan.items;
-        if self.plan.rules.dedup.is_none() || items.is_empty() {
-            return Vec::new();
-        }
-        let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*SEED);
-        x.update(format!("{:?}", self.plan).as_bytes());
-        for r in &self.scan.instructions {
-            x.update(&r.len().to_le_bytes());
-            x.update(body.get(r.clone()).unwrap_or_default());
-        }
-        let first = items.len().saturating_sub(PREFIX_KEYS);
-        let mut at = 0;
-        if let Some(before) = first.checked_sub(1).and_then(|k| items.get(k)) {
-            x.update(body.get(..before.end).unwrap_or_default());
-            at = before.end;
-        }
-        let mut keys = Vec::with_capacity(items.len() - first);
-        for (k, item) in items.iter().enumerate().skip(first) {
-            x.update(body.get(at..item.end).unwrap_or_default());
-            at = at.max(item.end);
-            keys.push((k + 1, x.digest128()));
-        }
-        keys.reverse();
-        keys
+    /// The walk's findings, as [`walk_from`] continues them.
+    pub fn scan(&self) -> &walk::Scan {
+        &self.scan
     }
 
     /// What becomes of each image.
@@ -908,11 +925,10 @@ impl Scanned {
     }
 
     /// [`Scanned::finish`], continuing dedup from `resume` (the state an
-    /// earlier request of the conversation left, found by
-    /// [`Scanned::prefix_keys`]: this body begins with its messages, byte
-    /// for byte), and the state this request leaves, to be kept under
-    /// the first of its own prefix keys. The body is the same as a
-    /// finish without a state would write.
+    /// earlier request of the conversation left: this body begins with
+    /// its messages, byte for byte — see [`prefix_key`]), and the state
+    /// this request leaves. The body is the same as a finish without a
+    /// state would write.
     pub fn finish_from(
         self,
         body: &[u8],
@@ -966,20 +982,17 @@ impl Scanned {
             .collect();
         let mut spot_text = scan.spot_texts(&texts);
         let mut joined = scan.joined(body, &texts, &spot_text);
-        let (omitted, state) = match plan.rules.dedup {
-            Some(blocks) => {
-                let run = dedup::run(
-                    &scan,
-                    body,
-                    &texts,
-                    &mut spot_text,
-                    &mut joined,
-                    blocks,
-                    resume,
-                );
-                (run.0, run.1)
-            }
-            None => (dedup::Omitted::default(), None),
+        let (omitted, state, continued) = match plan.rules.dedup {
+            Some(blocks) => dedup::run(
+                &scan,
+                body,
+                &texts,
+                &mut spot_text,
+                &mut joined,
+                blocks,
+                resume,
+            ),
+            None => (dedup::Omitted::default(), None, false),
         };
         let mut extra = scan.fitted_edits(&fitted);
         extra.extend(scan.hoisted_parts(body, plan.shape, &hoisted, &mut spot_text));
@@ -990,7 +1003,8 @@ impl Scanned {
             artifacts,
             omitted,
         };
-        let rewrite = done.report(body, &scan, &fates, &fitted, &hoisted, described);
+        let mut rewrite = done.report(body, &scan, &fates, &fitted, &hoisted, described);
+        rewrite.report.dedup_continued = continued;
         (rewrite, state)
     }
 }

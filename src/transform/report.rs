@@ -74,6 +74,10 @@ pub struct Report {
     pub items_omitted: usize,
     /// Messages (Responses: input items) in the request.
     pub messages: usize,
+    /// Dedup read only the messages new since the conversation's previous
+    /// request (continuing the state it left).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub dedup_continued: bool,
     /// Stored session messages prepended (set by the proxy).
     #[serde(skip)]
     pub history_used: usize,

@@ -501,18 +501,78 @@ pub fn scan(body: &[u8], shape: Shape) -> std::result::Result<Scan, Malformed> {
     if c.kind()? != Kind::Object {
         return Err(Malformed);
     }
-    c.object(|c, key| {
-        if key.is(body, items_key) && c.kind()? == Kind::Array {
-            c.array(|c, i| w.message(c, i, items_key)).map(drop)
-        } else if key.is(body, "system") || key.is(body, "instructions") {
-            let range = c.skip()?;
-            w.out.instructions.push(range);
-            Ok(())
-        } else {
-            c.skip().map(drop)
-        }
-    })?;
+    c.object(|c, key| w.member(c, &key))?;
     Ok(w.out)
+}
+
+/// [`scan`] of a body that begins, byte for byte, with the body `prefix`
+/// was scanned from, up to `end`: the end of its last message (see
+/// [`Scan::upto`]). Only what follows is walked; the result is the same
+/// as [`scan`]'s.
+pub fn scan_from(
+    body: &[u8],
+    shape: Shape,
+    prefix: Scan,
+    end: usize,
+) -> std::result::Result<Scan, Malformed> {
+    let items_key = shape.items_key();
+    let next = prefix.items.len();
+    if next == 0 || prefix.items.last().map(|i| i.end) != Some(end) || end > body.len() {
+        return Err(Malformed);
+    }
+    let mut w = Walker {
+        src: body,
+        shape,
+        items_key,
+        out: prefix,
+    };
+    let mut c = Cursor::at(body, end);
+    c.array_rest(next, |c, i| w.message(c, i, items_key))?;
+    c.object_rest(|c, key| w.member(c, &key))?;
+    Ok(w.out)
+}
+
+impl Scan {
+    /// About how much memory it holds, in bytes.
+    pub fn size(&self) -> usize {
+        use std::mem::size_of;
+        let images: usize = self
+            .images
+            .iter()
+            .map(|f| {
+                size_of::<Found>()
+                    + f.sha256.len()
+                    + f.role.len()
+                    + f.path.len()
+                    + f.bytes.as_ref().map_or(0, |b| b.len())
+            })
+            .sum();
+        let spots: usize = self
+            .spots
+            .iter()
+            .map(|s| size_of::<Spot>() + s.text.as_ref().map_or(0, String::len))
+            .sum();
+        images
+            + spots
+            + self.items.len() * size_of::<Item>()
+            + self.texts.len() * size_of::<TextAt>()
+            + self.call_ids.len() * size_of::<(usize, u32, Str)>()
+            + self
+                .collapsible
+                .iter()
+                .map(|c| size_of::<Collapsible>() + c.parts.len() * size_of::<PartRef>())
+                .sum::<usize>()
+            + self.instructions.len() * size_of::<Range<usize>>()
+    }
+
+    /// What a scan found up to the end of its last message: a prefix
+    /// [`scan_from`] continues (what follows the message list, the
+    /// instructions after it, is read again there).
+    pub fn upto_messages(mut self) -> Option<(Scan, usize)> {
+        let end = self.items.last()?.end;
+        self.instructions.retain(|r| r.end <= end);
+        Some((self, end))
+    }
 }
 
 pub(super) struct Walker<'a> {
@@ -785,6 +845,23 @@ impl Speaker {
 }
 
 impl Walker<'_> {
+    /// One member of the request object.
+    fn member(&mut self, c: &mut Cursor<'_>, key: &Str) -> Result<()> {
+        let body = self.src;
+        if key.is(body, self.items_key) && c.kind()? == Kind::Array {
+            let items_key = self.items_key;
+            let next = self.out.items.len();
+            c.array(|c, i| self.message(c, next + i, items_key))
+                .map(drop)
+        } else if key.is(body, "system") || key.is(body, "instructions") {
+            let range = c.skip()?;
+            self.out.instructions.push(range);
+            Ok(())
+        } else {
+            c.skip().map(drop)
+        }
+    }
+
     fn message(&mut self, c: &mut Cursor<'_>, index: usize, items_key: &str) -> Result<()> {
         self.out.items.push(Item {
             role: Role::Other,

@@ -1,11 +1,9 @@
-//! Dedup continued from the state the conversation's previous request left
-//! ([`Scanned::prefix_keys`], [`Scanned::finish_from`]) writes the same
-//! body, byte for byte, as the request read in full — every turn of
+//! A request walked and deduped from what the conversation's previous
+//! request left ([`prefix_key`], [`walk_from`], [`Scanned::finish_from`])
+//! writes the same body, byte for byte, as the request read in full — every turn of
 //! generated conversations, with an earlier message edited or dropped, a
 //! retry, the instructions changed, images kept and replaced — and does
 //! continue where it can.
-
-use std::collections::HashMap;
 
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -14,30 +12,37 @@ use crate::transform::*;
 
 use super::support::*;
 
-/// States by key, taken out when used (as the proxy's cache does).
+/// What each request left (its walk up to its last message's end and
+/// dedup's state) by [`prefix_key`], newest last, taken out when used (as
+/// the proxy's cache does).
 #[derive(Default)]
 struct Kept {
-    states: HashMap<u128, dedup::State>,
+    states: Vec<(u128, usize, walk::Scan, dedup::State)>,
     continued: usize,
 }
 
 impl Kept {
-    /// `body` finished from a kept state when one fits, and its state kept.
+    /// `body` walked and finished from a kept state when it begins with
+    /// that state's messages, and what it read kept.
     fn finish(&mut self, body: &[u8], plan: &Plan) -> Option<Vec<u8>> {
-        let mut scanned = match walk(body, plan) {
+        let found = self.states.iter().rposition(|(key, end, _, _)| {
+            *end < body.len() && prefix_key(plan, &body[..*end]) == *key
+        });
+        let (walked, state) = match found.map(|i| self.states.remove(i)) {
+            Some((_, end, scan, state)) => (walk_from(body, plan, scan, end), Some(state)),
+            None => (walk(body, plan), None),
+        };
+        let mut scanned = match walked {
             Ok(s) => s,
             Err(done) => return done.body,
         };
+        let kept = scanned.scan().clone();
         scanned.resolve(body);
-        let keys = scanned.prefix_keys(body);
-        let resume = keys.iter().find_map(|(items, key)| {
-            let s = self.states.remove(key)?;
-            (s.items() == *items).then_some(s)
-        });
-        self.continued += usize::from(resume.is_some());
-        let (rewrite, state) = scanned.finish_from(body, &[], resume);
-        if let (Some(state), Some((_, key))) = (state, keys.first()) {
-            self.states.insert(*key, state);
+        let (rewrite, left) = scanned.finish_from(body, &[], state);
+        self.continued += usize::from(rewrite.report.dedup_continued);
+        if let (Some(left), Some((scan, end))) = (left, kept.upto_messages()) {
+            self.states
+                .push((prefix_key(plan, &body[..end]), end, scan, left));
         }
         rewrite.body
     }
@@ -128,8 +133,36 @@ fn changed(body: &Value, changes: &[(usize, Change)]) -> Vec<Value> {
     out
 }
 
+/// Each request's walk continued from the walk of the request before
+/// (when it begins with that one's messages) finds what a whole walk
+/// finds. Returns how many continued.
+fn walks_continue(requests: &[Value], shape: Shape) -> Result<usize, TestCaseError> {
+    let mut before: Option<(Vec<u8>, walk::Scan)> = None;
+    let mut continued = 0;
+    for (t, req) in requests.iter().enumerate() {
+        let body = serde_json::to_vec(req).unwrap();
+        let whole = walk::scan(&body, shape).unwrap();
+        if let Some((prev, scan)) = before.take()
+            && let Some((prefix, end)) = scan.upto_messages()
+            && body.starts_with(&prev[..end])
+        {
+            let again = walk::scan_from(&body, shape, prefix, end).unwrap();
+            prop_assert_eq!(format!("{again:?}"), format!("{whole:?}"), "request {}", t);
+            continued += 1;
+        }
+        before = Some((body, whole));
+    }
+    Ok(continued)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn a_walk_continued_finds_what_a_whole_walk_finds(body in conversation()) {
+        let requests = growing(&body);
+        prop_assert_eq!(walks_continue(&requests, Shape::Chat)?, requests.len() - 1);
+    }
 
     #[test]
     fn every_turn_continued_is_the_full_read(body in conversation()) {
@@ -200,6 +233,11 @@ fn instructions_outside_the_messages_are_part_of_the_key() {
         requests.push(json!({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs, "system": system}));
     }
     let p = plan(Shape::Messages, true, DEFAULTS);
+    // The walk continues too: the system after the messages is read again.
+    assert_eq!(
+        walks_continue(&requests, Shape::Messages).unwrap(),
+        requests.len() - 1
+    );
     let continued = same_as_full(&requests, &p).unwrap();
     // All but the first and the one whose system changed.
     assert_eq!(continued, requests.len() - 2);
@@ -209,6 +247,10 @@ fn instructions_outside_the_messages_are_part_of_the_key() {
 fn images_replaced_are_read_in_full_and_kept_ones_continue() {
     let body = screenshot_agent(6);
     let requests = growing(&body);
+    assert_eq!(
+        walks_continue(&requests, Shape::Chat).unwrap(),
+        requests.len() - 1
+    );
     // A model that cannot see: texts replace the screenshots, nothing is
     // continued (a state holds the client's texts only).
     let blind = same_as_full(&requests, &plan(Shape::Chat, false, DEFAULTS)).unwrap();
