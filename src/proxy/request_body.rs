@@ -286,10 +286,23 @@ impl JsonScanner {
         let b = chunk[i];
         match self.state {
             State::Str { key } => {
-                // The fast path: jump to the next `"`, `\` or control byte.
-                let Some(off) = find_special(&chunk[i..]) else {
-                    self.capture(&chunk[i..]);
-                    return Some(chunk.len());
+                // The fast path: jump to the next `"`, `\` or control byte;
+                // a two-byte escape (`\n`, `\"`…) whole in this chunk is
+                // passed over without leaving it (a text of many lines has
+                // one every few dozen bytes).
+                let mut j = i;
+                let off = loop {
+                    let Some(off) = find_special(&chunk[j..]) else {
+                        self.capture(&chunk[i..]);
+                        return Some(chunk.len());
+                    };
+                    let at = j + off;
+                    match (chunk[at], chunk.get(at + 1)) {
+                        (b'\\', Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't')) => {
+                            j = at + 2;
+                        }
+                        _ => break at - i,
+                    }
                 };
                 self.capture(&chunk[i..i + off]);
                 if self.state == State::Failed {
