@@ -26,12 +26,24 @@ pub const MIN_BYTE_ARRAY: usize = 256;
 /// `token`, `password`, a tool's `headers`, a signed URL's query) by
 /// `[redacted]`. `None` when it is not JSON.
 pub fn without_media(body: &Bytes) -> Option<Bytes> {
+    kept(body, false)
+}
+
+/// [`without_media`] of a body already checked to be JSON (the proxy's
+/// reading of a request, visor's own rewrite): not checked again.
+pub fn without_media_of_json(body: &Bytes) -> Option<Bytes> {
+    kept(body, true)
+}
+
+fn kept(body: &Bytes, checked: bool) -> Option<Bytes> {
     // Most requests hold nothing to strip: kept as they came, once one
     // pass says so (the caller's own copy: see `Inspector::hold`).
     if !may_hold_media_or_secrets(body) {
         // Still JSON (read without building anything): what is not, is not
         // kept.
-        serde_json::from_slice::<serde::de::IgnoredAny>(body).ok()?;
+        if !checked {
+            serde_json::from_slice::<serde::de::IgnoredAny>(body).ok()?;
+        }
         return Some(body.clone());
     }
     let mut v: Value = serde_json::from_slice(body).ok()?;
@@ -88,21 +100,13 @@ fn long_runs(body: &[u8]) -> bool {
 enum Word {
     Base64Url,
     Escape,
-    Http,
-    Base64,
 }
 
 fn finder(w: Word) -> &'static memchr::memmem::Finder<'static> {
     use memchr::memmem::Finder;
     use std::sync::LazyLock;
-    static FINDERS: LazyLock<[Finder<'static>; 4]> = LazyLock::new(|| {
-        [
-            Finder::new(b";base64,"),
-            Finder::new(b"\\u"),
-            Finder::new(b"http"),
-            Finder::new(b"base64"),
-        ]
-    });
+    static FINDERS: LazyLock<[Finder<'static>; 2]> =
+        LazyLock::new(|| [Finder::new(b";base64,"), Finder::new(b"\\u")]);
     &FINDERS[w as usize]
 }
 
@@ -137,9 +141,12 @@ fn may_hold_secrets(body: &[u8]) -> bool {
         // (The body is UTF-8: checked before.)
         let worth = match is_key {
             true => escaped || is_secret_key_bytes(text) || text.eq_ignore_ascii_case(b"headers"),
-            // Escaped: read as JSON reads it (`\u0068ttps:`, `\u003bbase64,`).
+            // Escaped: read as JSON reads it (`\u0068ttps:`, `\u003bbase64,`)
+            // when it may be a URL (it starts so, or a `\u` escape may spell
+            // it) or hide a data URL (`;base64,` as written was looked for
+            // in the whole body).
             false if escaped => {
-                (has(Word::Escape) || has(Word::Http) || has(Word::Base64)) && {
+                (text.starts_with(b"http") || has(Word::Escape)) && {
                     let decoded: Option<String> =
                         serde_json::from_slice(&body[start - 1..=end]).ok();
                     decoded.is_none_or(|d| redact_url(&d).is_some() || d.contains(";base64,"))
@@ -610,6 +617,17 @@ mod tests {
                 "offset {pad}"
             );
         }
+    }
+
+    #[test]
+    fn a_body_checked_before_is_not_parsed_again() {
+        // (What the proxy read as JSON is; this one is not, to tell.)
+        let body = Bytes::from_static(b"{\"model\": \"m\", \"messages\": [");
+        assert!(without_media(&body).is_none());
+        assert_eq!(without_media_of_json(&body), Some(body.clone()));
+        // What may hold a credential is still read in full (and refused).
+        let secret = Bytes::from_static(b"{\"api_key\": \"sk\"");
+        assert!(without_media_of_json(&secret).is_none());
     }
 
     #[test]

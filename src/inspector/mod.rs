@@ -162,6 +162,8 @@ pub struct CacheSeen {
 /// the response streams).
 pub enum Held {
     Raw(Bytes),
+    /// A body already checked to be JSON.
+    Json(Bytes),
     Stripping(tokio::task::JoinHandle<Option<Bytes>>),
 }
 
@@ -202,7 +204,7 @@ pub const QUEUE_BYTES: usize = 32 * 1024 * 1024;
 impl Held {
     fn raw_len(&self) -> usize {
         match self {
-            Held::Raw(b) => b.len(),
+            Held::Raw(b) | Held::Json(b) => b.len(),
             Held::Stripping(_) => 0,
         }
     }
@@ -484,6 +486,7 @@ impl Inspector {
             + r.upstream.as_ref().map_or(0, Held::raw_len);
         let strip = |h: Option<Held>| match h {
             Some(Held::Raw(b)) => bodies::without_media(&b),
+            Some(Held::Json(b)) => bodies::without_media_of_json(&b),
             Some(Held::Stripping(h)) => runtime.block_on(h).ok().flatten(),
             None => None,
         };
@@ -500,18 +503,32 @@ impl Inspector {
     /// A body to hold for the inspector while its request runs (`None`:
     /// bodies are not kept, or this one is larger than they may be).
     pub fn hold(&self, body: &Bytes) -> Option<Held> {
+        self.hold_checked(body, false)
+    }
+
+    /// [`Inspector::hold`] of a body already checked to be JSON (a request
+    /// the proxy read whole, visor's rewrite of it).
+    pub fn hold_json(&self, body: &Bytes) -> Option<Held> {
+        self.hold_checked(body, true)
+    }
+
+    fn hold_checked(&self, body: &Bytes, json: bool) -> Option<Held> {
         if !self.enabled || body.len() > self.body_bytes.saturating_mul(4) || self.body_bytes == 0 {
             return None;
         }
         if body.len() <= RAW_MAX || tokio::runtime::Handle::try_current().is_err() {
             // Copied: the body may be a slice of the connection's read
             // buffer, which holding would keep from being reused.
-            return Some(Held::Raw(copy_small(body)));
+            let b = copy_small(body);
+            return Some(if json { Held::Json(b) } else { Held::Raw(b) });
         }
         let b = body.clone();
-        Some(Held::Stripping(tokio::task::spawn_blocking(move || {
-            bodies::without_media(&b)
-        })))
+        Some(Held::Stripping(tokio::task::spawn_blocking(
+            move || match json {
+                true => bodies::without_media_of_json(&b),
+                false => bodies::without_media(&b),
+            },
+        )))
     }
 
     /// Records a finished request: one short lock and a push (kept at
@@ -523,6 +540,7 @@ impl Inspector {
         if !self.threaded.load(Ordering::Acquire) {
             let strip = |h: Option<Held>| match h {
                 Some(Held::Raw(b)) => bodies::without_media(&b),
+                Some(Held::Json(b)) => bodies::without_media_of_json(&b),
                 _ => None,
             };
             let (c, u) = (strip(r.client), strip(r.upstream));

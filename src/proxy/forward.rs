@@ -88,6 +88,8 @@ pub async fn handle(
     // The inspector keeps the body as the client sent it (a small one
     // copied, a large one stripped of its media as soon as it is read).
     let client_body = match &held {
+        // A request of a known API was checked to be JSON as it was read.
+        Held::Whole(b) if call.shape.is_some() => state.inspector.hold_json(b),
         Held::Whole(b) => state.inspector.hold(b),
         Held::Streamed(_) => None,
     };
@@ -999,7 +1001,7 @@ async fn respond(
             upstream_body: prepared
                 .as_ref()
                 .filter(|p| p.body.len() as u64 != call.bytes_in || changed)
-                .and_then(|p| state.inspector.hold(&p.body)),
+                .and_then(|p| state.inspector.hold_json(&p.body)),
             summary,
             client_body,
             report: prepared.as_mut().map(|p| std::mem::take(&mut p.report)),
