@@ -398,7 +398,7 @@ fn conversation(dir: &Path, cfg: &Config, table: &ModelTable) -> Figures {
         let r = rewrite(&body, &plan);
         // The same turn continued from the turn before's dedup state, as
         // the proxy does: the same body, byte for byte.
-        let (again, read) = states.rewrite(&body, &plan);
+        let (again, read) = states.rewrite(&body, &plan, 0);
         let again = again.body;
         f.continued += usize::from(read == Read::Continued);
         f.differed += usize::from(again != r.body);

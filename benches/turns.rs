@@ -321,7 +321,7 @@ fn both(body: &[u8], plan: &Plan, states: &DedupStates, rounds: usize) -> (f64, 
     // put back; a round after the first continues this turn's own state
     // (a retry: no new message), so the first round is the figure.
     let t = Instant::now();
-    let got = states.rewrite(body, plan).0.body;
+    let got = states.rewrite(body, plan, 0).0.body;
     let continued = t.elapsed().as_secs_f64() * 1e6;
     assert!(
         got == expected.unwrap(),
@@ -374,7 +374,7 @@ fn transform_cpu(corpus: &[(String, Vec<Bytes>)], sample: usize, rounds: usize) 
                 f / c
             );
         } else {
-            states.rewrite(&body, &plan);
+            states.rewrite(&body, &plan, 0);
         }
     }
 }

@@ -2,25 +2,30 @@
 //! reads only its new messages: after a request, its walk (up to the end
 //! of its last message) and dedup's [`State`], under the key of the body's
 //! bytes up to there ([`prefix_key`]), bounded in bytes (least recently
-//! used first out). The next request is matched before it is walked: the
-//! states of conversations that begin with its first bytes
-//! ([`start_key`]) are candidates, each checked by the hash of its last
-//! bytes and then of the whole prefix. A request takes the state it
-//! continues out of the cache — two requests of one conversation at
-//! once: the second reads in full — and puts back the state it leaves. A
-//! request whose earlier messages changed, or whose state was evicted, is
-//! read in full: its body is the same either way.
+//! used out first). The next request is matched before it is walked: the
+//! states of the same client's conversations that begin with its first
+//! bytes ([`start_key`]) are candidates, each checked by the hash of its
+//! last bytes and then of the whole prefix. A request takes the state it
+//! continues out of the cache — two requests of one conversation at once:
+//! the second reads in full — and puts back the state it leaves. A request
+//! whose earlier messages changed, or whose state was evicted, is read in
+//! full: its body is the same either way. Bodies under [`MIN_BODY`] are
+//! always read in full (reading them costs less than the bookkeeping).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
+use moka::policy::EvictionPolicy;
+
 use crate::transform::dedup::State;
 use crate::transform::walk::Scan;
-use crate::transform::{Plan, Rewrite, Scanned, prefix_key, start_key};
+use crate::transform::{Plan, Rewrite, conversation_seed, prefix_key, start_key};
 
-/// Candidates kept per beginning (conversations of one agent share their
-/// first bytes): the newest first out last.
-const CANDIDATES: usize = 64;
+/// Bodies shorter than this are read in full and leave no state.
+pub const MIN_BODY: usize = 16 * 1024;
+/// Candidates kept per beginning (one client's conversations with one
+/// agent share their first bytes), the oldest out first.
+const CANDIDATES: usize = 1024;
 /// The bytes before a prefix's end a candidate is checked by first.
 const TAIL: usize = 64;
 
@@ -51,7 +56,8 @@ type Slot<T> = Arc<Mutex<T>>;
 pub struct DedupStates {
     states: moka::sync::Cache<u128, Slot<Option<Resume>>>,
     starts: moka::sync::Cache<u64, Slot<VecDeque<Candidate>>>,
-    /// The bound: a state larger than all of it is never kept.
+    /// The states' share of the bound: a state larger than all of it is
+    /// never kept.
     bytes: u64,
 }
 
@@ -76,32 +82,50 @@ fn weight(r: &Resume) -> usize {
     r.state.size() + r.scan.size() + 64
 }
 
+fn clamp(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 impl DedupStates {
-    /// States of at most `bytes` in all; `None` for 0 (every request read
-    /// in full).
+    /// States and their candidates of at most `bytes` in all (an eighth
+    /// for the candidates); `None` for 0 (every request read in full).
     pub fn new(bytes: u64) -> Option<DedupStates> {
-        (bytes > 0).then(|| DedupStates {
-            states: moka::sync::Cache::builder()
-                .max_capacity(bytes)
-                .weigher(|_: &u128, s: &Slot<Option<Resume>>| {
-                    let n = s.lock().map(|s| s.as_ref().map_or(0, weight)).unwrap_or(0);
-                    u32::try_from(n).unwrap_or(u32::MAX)
-                })
-                .build(),
-            // A beginning's candidates are small; as many beginnings as a
-            // state of a few KiB each would fill the bound.
-            starts: moka::sync::Cache::builder()
-                .max_capacity((bytes / 4096).max(64))
-                .build(),
-            bytes,
+        (bytes > 0).then(|| {
+            let lists = bytes / 8;
+            let bytes = bytes - lists;
+            DedupStates {
+                // Least recently used out first: a state is read once
+                // (taken), so a policy by frequency would keep the first
+                // states it admitted and turn every later one away.
+                states: moka::sync::Cache::builder()
+                    .max_capacity(bytes)
+                    .eviction_policy(EvictionPolicy::lru())
+                    .weigher(|_: &u128, s: &Slot<Option<Resume>>| {
+                        clamp(s.lock().map_or(0, |s| s.as_ref().map_or(0, weight)))
+                    })
+                    .build(),
+                starts: moka::sync::Cache::builder()
+                    .max_capacity(lists)
+                    .eviction_policy(EvictionPolicy::lru())
+                    .weigher(|_: &u64, l: &Slot<VecDeque<Candidate>>| {
+                        let n = l.lock().map_or(0, |l| l.capacity());
+                        clamp(n * std::mem::size_of::<Candidate>() + 64)
+                    })
+                    .build(),
+                bytes,
+            }
         })
     }
 
-    /// The state `body` continues, taken out: the newest kept for a
+    /// The state `body` continues, taken out: the newest kept (under the
+    /// same `seed`: plan and client, see [`conversation_seed`]) for a
     /// conversation that begins with its first bytes and whose messages
     /// it begins with, byte for byte.
-    pub fn find(&self, body: &[u8], plan: &Plan) -> Option<Resume> {
-        let start = start_key(plan, body)?;
+    pub fn find(&self, body: &[u8], seed: u64) -> Option<Resume> {
+        if body.len() < MIN_BODY {
+            return None;
+        }
+        let start = start_key(seed, body)?;
         let list = self.starts.get(&start)?;
         let fits: Vec<Candidate> = {
             let list = list.lock().ok()?;
@@ -112,9 +136,10 @@ impl DedupStates {
                 .collect()
         };
         for c in fits {
-            if prefix_key(plan, &body[..c.end]) != c.key {
+            if prefix_key(seed, &body[..c.end]) != c.key {
                 continue;
             }
+            // Taken (or gone: evicted): no longer a candidate either way.
             if let Ok(mut l) = list.lock() {
                 l.retain(|o| o.key != c.key);
             }
@@ -132,7 +157,10 @@ impl DedupStates {
     /// Keeps what was read of `body`: `scan` as its walk left it (before
     /// its images were decoded) and dedup's `state` (not when the two
     /// together are over the bound).
-    pub fn keep(&self, body: &[u8], plan: &Plan, scan: Scan, state: State) {
+    pub fn keep(&self, body: &[u8], seed: u64, scan: Scan, state: State) {
+        if body.len() < MIN_BODY {
+            return;
+        }
         let Some((scan, end)) = scan.upto_messages() else {
             return;
         };
@@ -142,18 +170,16 @@ impl DedupStates {
         let prefix = &body[..end];
         // The next request begins with `prefix`: its first bytes must be
         // in it.
-        let Some(start) = start_key(plan, prefix) else {
+        let Some(start) = start_key(seed, prefix) else {
             return;
         };
         let resume = Resume { scan, end, state };
         if weight(&resume) as u64 > self.bytes {
             return;
         }
-        let key = prefix_key(plan, prefix);
+        let key = prefix_key(seed, prefix);
         self.states.insert(key, Arc::new(Mutex::new(Some(resume))));
-        let list = self
-            .starts
-            .get_with(start, || Arc::new(Mutex::new(VecDeque::new())));
+        let list = self.starts.get(&start).unwrap_or_default();
         if let Ok(mut l) = list.lock() {
             l.retain(|o| o.key != key);
             l.push_back(Candidate {
@@ -165,21 +191,25 @@ impl DedupStates {
                 l.pop_front();
             }
         }
+        // Put back to be weighed as it is now.
+        self.starts.insert(start, list);
     }
 
-    /// Bytes held (after pending evictions).
+    /// Bytes held by the states (after pending evictions).
     pub fn weight(&self) -> u64 {
         self.states.run_pending_tasks();
         self.states.weighted_size()
     }
 
-    /// `body` transformed by `plan` as the proxy does when nothing is to
-    /// be described, fitted or converted: continued from the state its
+    /// `body` transformed by `plan` for the client `tenant` (see
+    /// [`conversation_seed`]) as the proxy does when nothing is to be
+    /// described, fitted or converted: continued from the state its
     /// conversation's previous request left when one is kept, its own
     /// state kept (the benches' and tests' way; the proxy runs the same
     /// steps around its other work).
-    pub fn rewrite(&self, body: &[u8], plan: &Plan) -> (Rewrite, Read) {
-        let resume = self.find(body, plan);
+    pub fn rewrite(&self, body: &[u8], plan: &Plan, tenant: u64) -> (Rewrite, Read) {
+        let seed = conversation_seed(plan, tenant);
+        let resume = self.find(body, seed);
         let (scanned, state) = match resume {
             Some(r) => match crate::transform::walk_from(body, plan, r.scan, r.end) {
                 Ok(s) => (Ok(s), Some(r.state)),
@@ -193,32 +223,30 @@ impl DedupStates {
         };
         let walked = scanned.scan().clone();
         scanned.resolve(body);
-        self.finish(scanned, body, state, walked)
-    }
-
-    /// Finishes `scanned` (nothing was replaced by a text made for it),
-    /// continuing dedup from `state`, and keeps what it read (`walked`:
-    /// its scan before its images were decoded).
-    pub fn finish(
-        &self,
-        scanned: Scanned,
-        body: &[u8],
-        state: Option<State>,
-        walked: Scan,
-    ) -> (Rewrite, Read) {
-        let plan = *scanned.plan();
         let (rewrite, left) = scanned.finish_from(body, &[], state);
-        if let Some(left) = left {
-            self.keep(body, &plan, walked, left);
-        }
-        let read = match rewrite.report.dedup_continued {
-            true => Read::Continued,
-            false => Read::Full,
-        };
+        let read = self.kept(body, seed, &rewrite, left, walked);
         (rewrite, read)
     }
-}
 
+    /// After a request's finish: keeps the state it `left` (with its walk,
+    /// `walked`), and says how it was read.
+    pub fn kept(
+        &self,
+        body: &[u8],
+        seed: u64,
+        rewrite: &Rewrite,
+        left: Option<State>,
+        walked: Scan,
+    ) -> Read {
+        if let Some(left) = left {
+            self.keep(body, seed, walked, left);
+        }
+        match rewrite.report.dedup_continued {
+            true => Read::Continued,
+            false => Read::Full,
+        }
+    }
+}
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,9 +277,9 @@ mod tests {
         }
     }
 
-    /// Conversation `c`'s first request: a task and a 4 KB tool result.
+    /// Conversation `c`'s first request: a task and a 20 KB tool result.
     fn body(c: usize) -> Vec<u8> {
-        let result: String = (0..100)
+        let result: String = (0..800)
             .map(|l| format!("conversation {c} line {l:03}\n"))
             .collect();
         serde_json::to_vec(&serde_json::json!({"model": "m", "messages": [
@@ -262,41 +290,72 @@ mod tests {
         .unwrap()
     }
 
+    /// `body(c)` one turn on.
+    fn next(c: usize) -> Vec<u8> {
+        let mut v: serde_json::Value = serde_json::from_slice(&body(c)).unwrap();
+        let msgs = v["messages"].as_array_mut().unwrap();
+        msgs.push(serde_json::json!({"role": "assistant", "content": "done"}));
+        msgs.push(serde_json::json!({"role": "user", "content": "thanks"}));
+        serde_json::to_vec(&v).unwrap()
+    }
+
     #[test]
-    fn the_states_kept_stay_within_their_bound() {
-        let states = DedupStates::new(64 << 10).unwrap();
+    fn the_states_kept_stay_within_their_bound_the_newest_kept() {
+        let bound = 1 << 20;
+        let states = DedupStates::new(bound).unwrap();
         let p = plan();
         for c in 0..200 {
-            let (_, read) = states.rewrite(&body(c), &p);
+            let (_, read) = states.rewrite(&body(c), &p, 0);
             assert_eq!(read, Read::Full);
         }
         let weight = states.weight();
-        assert!(weight <= 64 << 10, "{weight}");
-        // Something is kept: the newest conversations continue.
-        assert!(weight > 16 << 10, "{weight}");
+        assert!(weight <= bound, "{weight}");
+        assert!(weight > bound / 4, "{weight}");
+        // Least recently used out first: the newest conversations go on,
+        // the oldest were evicted.
+        assert_eq!(states.rewrite(&next(199), &p, 0).1, Read::Continued);
+        assert_eq!(states.rewrite(&next(198), &p, 0).1, Read::Continued);
+        assert_eq!(states.rewrite(&next(0), &p, 0).1, Read::Full);
     }
 
     #[test]
     fn a_state_is_taken_once_by_a_body_that_begins_with_its_messages() {
         let states = DedupStates::new(1 << 20).unwrap();
         let p = plan();
+        let seed = conversation_seed(&p, 0);
         let b = body(1);
-        assert_eq!(states.rewrite(&b, &p).1, Read::Full);
+        assert_eq!(states.rewrite(&b, &p, 0).1, Read::Full);
         // The same request again (a retry) begins with its messages.
-        let r = states.find(&b, &p).expect("kept");
+        let r = states.find(&b, seed).expect("kept");
         assert_eq!(r.state.items(), 3);
-        assert!(states.find(&b, &p).is_none(), "taken twice");
-        // Put back, then a body that differs in its last message's last
-        // byte: its prefix is not the state's.
+        assert!(states.find(&b, seed).is_none(), "taken twice");
+        // Put back; a body that differs inside its prefix, past its first
+        // bytes and before its last (the whole prefix's hash tells), is
+        // not its continuation.
         let end = r.end;
-        states.keep(&b, &p, r.scan, r.state);
+        states.keep(&b, seed, r.scan, r.state);
         let mut other = b.clone();
-        other[end - 3] ^= 1;
-        assert!(states.find(&other, &p).is_none());
-        // Nor under another plan.
+        other[end / 2] ^= 1;
+        assert!(states.find(&other, seed).is_none());
+        // Nor under another plan, nor another client's.
         let mut q = p;
         q.vision = false;
-        assert!(states.find(&b, &q).is_none());
-        assert!(states.find(&b, &p).is_some());
+        assert!(states.find(&b, conversation_seed(&q, 0)).is_none());
+        assert!(states.find(&b, conversation_seed(&p, 7)).is_none());
+        assert!(states.find(&b, seed).is_some());
+    }
+
+    #[test]
+    fn a_small_body_is_read_in_full_and_leaves_nothing() {
+        let states = DedupStates::new(1 << 20).unwrap();
+        let p = plan();
+        let small = serde_json::to_vec(&serde_json::json!({"model": "m", "messages": [
+            {"role": "user", "content": "x".repeat(200)},
+            {"role": "assistant", "content": "y".repeat(200)},
+        ]}))
+        .unwrap();
+        assert!(small.len() < MIN_BODY);
+        states.rewrite(&small, &p, 0);
+        assert_eq!(states.weight(), 0);
     }
 }

@@ -198,6 +198,8 @@ pub struct Learnable {
     pub within: Within,
     /// The request's deadline: past it, no retry is sent.
     pub deadline: Instant,
+    /// Whose conversation it is (see [`tenant`]).
+    pub tenant: u64,
 }
 
 /// What a refusal taught, learned once the retry without it succeeded
@@ -350,11 +352,13 @@ async fn prepare_within(
         audio_unknown: resolved.caps.audio.is_none(),
         within,
         deadline,
+        tenant: tenant(asker.headers),
     });
     if !transform::needed(&plan) {
         return Ok(unchanged(body, learn));
     }
-    let mut prepared = run(rw, body, plan, &credential, within).await?;
+    let who = tenant(asker.headers);
+    let mut prepared = run(rw, body, plan, &credential, within, who).await?;
     prepared.learn = learn;
     Ok(prepared)
 }
@@ -468,6 +472,7 @@ impl Rewriter {
             plan,
             &learn.credential,
             learn.within,
+            learn.tenant,
         )
         .await
         .ok()?;
@@ -533,12 +538,41 @@ impl Rewriter {
     }
 }
 
+/// Whose conversation a request is, for the dedup states: a keyed hash of
+/// the client's credential headers (never the credential), 0 for none.
+fn tenant(headers: &HeaderMap) -> u64 {
+    let mut who = Vec::new();
+    for name in ["authorization", "x-api-key", "api-key", "x-goog-api-key"] {
+        if let Some(v) = headers.get(name) {
+            who.extend_from_slice(name.as_bytes());
+            who.push(0);
+            who.extend_from_slice(v.as_bytes());
+            who.push(0);
+        }
+    }
+    match who.is_empty() {
+        true => 0,
+        false => transform::tenant(&who),
+    }
+}
+
+/// What a request carries to its finish to continue its conversation:
+/// the states, its seed ([`transform::conversation_seed`]), the state it
+/// continues and its walk as it was (before its images were decoded).
+struct Carry {
+    states: Option<Arc<super::dedup_states::DedupStates>>,
+    seed: u64,
+    state: Option<transform::dedup::State>,
+    walked: Option<transform::walk::Scan>,
+}
+
 async fn run(
     rw: &Rewriter,
     body: Bytes,
     plan: Plan,
     credential: &Credentials,
     within: Within,
+    tenant: u64,
 ) -> Result<Prepared, VisorError> {
     let large = body.len() > INLINE_LIMIT;
     let started = Instant::now();
@@ -549,12 +583,13 @@ async fn run(
     let states = rw
         .dedup_states
         .clone()
-        .filter(|_| plan.rules.dedup.is_some());
+        .filter(|_| plan.rules.dedup.is_some() && body.len() >= super::dedup_states::MIN_BODY);
+    let seed = transform::conversation_seed(&plan, tenant);
     let metrics = rw.metrics.clone();
     // What the conversation's previous request left, when this body
     // begins with its messages (its prefix hashed here, at memory speed):
     // only the rest is walked and read.
-    let (prefix, state) = match states.as_ref().and_then(|s| s.find(&body, &plan)) {
+    let (prefix, state) = match states.as_ref().and_then(|s| s.find(&body, seed)) {
         Some(r) => (Some((r.scan, r.end)), Some(r.state)),
         None => (None, None),
     };
@@ -578,15 +613,15 @@ async fn run(
             .is_some_and(|m| b.len() as u64 > m);
         let subjects: Vec<_> = scanned.subjects(&b).into_iter().map(|(_, s)| s).collect();
         let media = scanned.media(&b);
+        let carry = Carry {
+            states,
+            seed,
+            state,
+            walked,
+        };
         match subjects.is_empty() && media.is_empty() && fits.is_empty() && !over {
-            true => Err(Box::new(finish(
-                states.as_deref().zip(walked),
-                &metrics,
-                scanned,
-                &b,
-                state,
-            ))),
-            false => Ok((scanned, (subjects, media, fits))),
+            true => Err(Box::new(finish(carry, &metrics, scanned, &b, &[]))),
+            false => Ok((scanned, (subjects, media, fits), carry)),
         }
     };
     // The walk skips strings it does not need (a kept image's base64) at
@@ -609,7 +644,7 @@ async fn run(
     let mut failed: Vec<String> = Vec::new();
     let rewrite = match scanned {
         Err(done) => *done,
-        Ok((mut scanned, (subjects, media, fits))) => {
+        Ok((mut scanned, (subjects, media, fits), carry)) => {
             fit_images(rw, &mut scanned, fits, &body, within.stop_at).await;
             let texts = Texts {
                 subjects,
@@ -619,7 +654,7 @@ async fn run(
                 within,
             };
             let (described, finishing) =
-                describe_then_finish(rw, &body, large, scanned, texts).await?;
+                describe_then_finish(rw, &body, large, (scanned, carry), texts).await?;
             spent += finishing;
             failed = described.failed;
             described.rewrite
@@ -644,19 +679,26 @@ async fn run(
     })
 }
 
-/// A request with nothing to describe, fit or convert finished: from its
-/// conversation's dedup state when one is kept (counted).
+/// A request finished: from its conversation's dedup state when one is
+/// kept, the state it leaves kept, and how it was read counted.
 fn finish(
-    states: Option<(&super::dedup_states::DedupStates, transform::walk::Scan)>,
+    carry: Carry,
     metrics: &Metrics,
     scanned: transform::Scanned,
     body: &[u8],
-    state: Option<transform::dedup::State>,
+    descriptions: &[(String, Arc<str>)],
 ) -> Rewrite {
-    let Some((states, walked)) = states else {
-        return scanned.finish(body, &[]);
+    let Carry {
+        states,
+        seed,
+        state,
+        walked,
+    } = carry;
+    let (Some(states), Some(walked)) = (states, walked) else {
+        return scanned.finish(body, descriptions);
     };
-    let (rewrite, read) = states.finish(scanned, body, state, walked);
+    let (rewrite, left) = scanned.finish_from(body, descriptions, state);
+    let read = states.kept(body, seed, &rewrite, left, walked);
     metrics.dedup_reads.with_label_values(&[read.label()]).inc();
     rewrite
 }
@@ -719,7 +761,7 @@ async fn describe_then_finish(
     rw: &Rewriter,
     body: &Bytes,
     large: bool,
-    scanned: transform::Scanned,
+    (scanned, carry): (transform::Scanned, Carry),
     texts: Texts<'_>,
 ) -> Result<(Described, std::time::Duration), VisorError> {
     let Texts {
@@ -753,9 +795,12 @@ async fn describe_then_finish(
     // `server.max_body_bytes`.
     let again = (!documents.is_empty()).then(|| (scanned.clone(), descriptions.clone()));
     let b = body.clone();
-    let mut rewrite = off_thread(large, move || scanned.finish(&b, &descriptions))
-        .await
-        .unwrap_or_default();
+    let metrics = rw.metrics.clone();
+    let mut rewrite = off_thread(large, move || {
+        finish(carry, &metrics, scanned, &b, &descriptions)
+    })
+    .await
+    .unwrap_or_default();
     let limit = usize::try_from(rw.max_body_bytes)
         .unwrap_or(usize::MAX)
         .max(body.len());

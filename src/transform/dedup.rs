@@ -429,7 +429,7 @@ pub fn run(
     // Responses `instructions` (a state continues only with the same).
     let top = top_level_instructions(scan, body);
     let instructions = {
-        let mut x = xxhash_rust::xxh3::Xxh3::new();
+        let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*super::SEED);
         for t in &top {
             x.update(&t.len().to_le_bytes());
             x.update(t.as_bytes());

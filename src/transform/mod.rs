@@ -464,26 +464,43 @@ static SEED: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
 /// The bytes of a body's beginning [`start_key`] reads.
 pub const START: usize = 128;
 
-/// The key of what was read of a request's messages up to the end of its
-/// last one, `prefix` (the body up to there): a keyed hash (xxh3-128,
-/// seeded per process) of the plan and those bytes. The next request of
-/// the conversation begins with the same bytes; what follows them (the
-/// instructions outside the message list included) is read again.
-pub fn prefix_key(plan: &Plan, prefix: &[u8]) -> u128 {
+/// Whose conversations a kept state may continue: requests under `plan`
+/// from one client (`tenant`: a keyed hash of its credential, 0 for
+/// none), so that one client's requests never take, nor time, another's
+/// states. Keyed per process.
+pub fn conversation_seed(plan: &Plan, tenant: u64) -> u64 {
     let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*SEED);
     x.update(format!("{plan:?}").as_bytes());
+    x.update(&tenant.to_le_bytes());
+    x.digest()
+}
+
+/// A keyed hash of a client's credential (`tenant` of
+/// [`conversation_seed`]): never the credential itself.
+pub fn tenant(credential: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(credential, *SEED)
+}
+
+/// The key of what was read of a request's messages up to the end of its
+/// last one, `prefix` (the body up to there): a keyed hash (xxh3-128) of
+/// the [`conversation_seed`] and those bytes. The next request of the
+/// conversation begins with the same bytes; what follows them (the
+/// instructions outside the message list included) is read again.
+pub fn prefix_key(seed: u64, prefix: &[u8]) -> u128 {
+    let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*SEED);
+    x.update(&seed.to_le_bytes());
     x.update(&prefix.len().to_le_bytes());
     x.update(prefix);
     x.digest128()
 }
 
 /// Which conversation a body may continue, from its first [`START`]
-/// bytes and the plan (keyed like [`prefix_key`]); `None` for a body
-/// shorter than that.
-pub fn start_key(plan: &Plan, body: &[u8]) -> Option<u64> {
+/// bytes and the [`conversation_seed`]; `None` for a body shorter than
+/// that.
+pub fn start_key(seed: u64, body: &[u8]) -> Option<u64> {
     let start = body.get(..START)?;
     let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*SEED);
-    x.update(format!("{plan:?}").as_bytes());
+    x.update(&seed.to_le_bytes());
     x.update(start);
     Some(x.digest())
 }
@@ -545,6 +562,9 @@ pub struct Scanned {
     /// Images found as base64 in a text, sent to a model that can see as
     /// image parts beside that text (see [`hoists`]).
     hoisted: Vec<bool>,
+    /// Messages a continued walk did not read again (see [`walk_from`]):
+    /// their texts are not dedup's work either.
+    read_before: usize,
 }
 
 /// Finds the images in `body`. `Err` holds the finished rewrite when
@@ -561,7 +581,7 @@ pub fn walk(body: &[u8], plan: &Plan) -> Result<Scanned, Box<Rewrite>> {
     if !needed(plan) {
         return Err(Box::default());
     }
-    walked(body, plan, walk::scan(body, plan.shape))
+    walked(body, plan, walk::scan(body, plan.shape), 0)
 }
 
 /// [`walk`] of a body that begins with the messages `prefix` was scanned
@@ -576,7 +596,13 @@ pub fn walk_from(
     if !needed(plan) {
         return Err(Box::default());
     }
-    walked(body, plan, walk::scan_from(body, plan.shape, prefix, end))
+    let before = prefix.items.len();
+    walked(
+        body,
+        plan,
+        walk::scan_from(body, plan.shape, prefix, end),
+        before,
+    )
 }
 
 /// A walk's scan decided.
@@ -584,6 +610,7 @@ fn walked(
     body: &[u8],
     plan: &Plan,
     scan: std::result::Result<walk::Scan, json::Malformed>,
+    read_before: usize,
 ) -> Result<Scanned, Box<Rewrite>> {
     let scan = match scan {
         Ok(s) => s,
@@ -605,6 +632,7 @@ fn walked(
         scan,
         plan: *plan,
         fates,
+        read_before,
     })
 }
 
@@ -909,6 +937,7 @@ impl Scanned {
                 .scan
                 .texts
                 .iter()
+                .filter(|t| t.item >= self.read_before)
                 .map(|t| self.scan.spot_literal_len(t.spot))
                 .sum(),
             None => 0,
@@ -952,6 +981,7 @@ impl Scanned {
             mut fates,
             fitted,
             hoisted,
+            ..
         } = self;
         // A hoisted image visor cannot write as a part (a type the
         // providers do not take, no size read) is replaced instead.

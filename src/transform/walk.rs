@@ -536,27 +536,42 @@ impl Scan {
     /// About how much memory it holds, in bytes.
     pub fn size(&self) -> usize {
         use std::mem::size_of;
+        let source = |s: &Source| match s {
+            Source::Encoded { media_type } | Source::Inline { media_type, .. } => {
+                media_type.capacity()
+            }
+            Source::Url(s) | Source::File(s) => s.capacity(),
+            Source::Broken(_) => 0,
+        };
+        let medium = |m: &Medium| match m {
+            Medium::Image => 0,
+            Medium::Document { name, .. } => name.as_ref().map_or(0, String::capacity),
+            Medium::Audio { format } => format.as_ref().map_or(0, String::capacity),
+        };
         let images: usize = self
             .images
             .iter()
             .map(|f| {
                 size_of::<Found>()
-                    + f.sha256.len()
-                    + f.role.len()
-                    + f.path.len()
+                    + f.sha256.capacity()
+                    + f.role.capacity()
+                    + f.path.capacity()
+                    + source(&f.source)
+                    + medium(&f.medium)
+                    + f.markers.capacity() * size_of::<Range<usize>>()
                     + f.bytes.as_ref().map_or(0, |b| b.len())
             })
             .sum();
         let spots: usize = self
             .spots
             .iter()
-            .map(|s| size_of::<Spot>() + s.text.as_ref().map_or(0, String::len))
+            .map(|s| size_of::<Spot>() + s.text.as_ref().map_or(0, String::capacity))
             .sum();
         images
             + spots
-            + self.items.len() * size_of::<Item>()
-            + self.texts.len() * size_of::<TextAt>()
-            + self.call_ids.len() * size_of::<(usize, u32, Str)>()
+            + self.items.capacity() * size_of::<Item>()
+            + self.texts.capacity() * size_of::<TextAt>()
+            + self.call_ids.capacity() * size_of::<(usize, u32, Str)>()
             + self
                 .collapsible
                 .iter()

@@ -26,7 +26,7 @@ impl Kept {
     /// that state's messages, and what it read kept.
     fn finish(&mut self, body: &[u8], plan: &Plan) -> Option<Vec<u8>> {
         let found = self.states.iter().rposition(|(key, end, _, _)| {
-            *end < body.len() && prefix_key(plan, &body[..*end]) == *key
+            *end < body.len() && prefix_key(conversation_seed(plan, 0), &body[..*end]) == *key
         });
         let (walked, state) = match found.map(|i| self.states.remove(i)) {
             Some((_, end, scan, state)) => (walk_from(body, plan, scan, end), Some(state)),
@@ -41,8 +41,12 @@ impl Kept {
         let (rewrite, left) = scanned.finish_from(body, &[], state);
         self.continued += usize::from(rewrite.report.dedup_continued);
         if let (Some(left), Some((scan, end))) = (left, kept.upto_messages()) {
-            self.states
-                .push((prefix_key(plan, &body[..end]), end, scan, left));
+            self.states.push((
+                prefix_key(conversation_seed(plan, 0), &body[..end]),
+                end,
+                scan,
+                left,
+            ));
         }
         rewrite.body
     }

@@ -612,8 +612,13 @@ async fn dedup_never_costs_the_agent_what_it_needs_to_act() {
 fn rereading_agent(turns: usize) -> Vec<Value> {
     let file = view(60);
     let lines: Vec<&str> = file.lines().collect();
+    // A long system prompt (tool descriptions, rules): every request is
+    // over the 16 KiB under which visor reads in full and keeps nothing.
+    let rules: String = (0..340)
+        .map(|i| format!("Rule {i}: keep the change small and run the tests.\n"))
+        .collect();
     let mut msgs = vec![
-        json!({"role": "system", "content": "You are a coding agent."}),
+        json!({"role": "system", "content": format!("You are a coding agent.\n{rules}")}),
         json!({"role": "user", "content": "Fix the failing test in pipeline.py."}),
     ];
     for t in 0..turns {
@@ -686,9 +691,10 @@ async fn a_conversation_continued_reaches_the_upstream_as_read_in_full() {
     assert_eq!(read(&evicted, "full"), f64::from(turns));
 }
 
-/// Two requests of one conversation at once: the second finds the state
-/// taken by the first and reads in full; both reach the upstream as one
-/// read in full would send them, and the conversation goes on.
+/// Two requests of one conversation sent at once (whether they overlap is
+/// the scheduler's: when they do, the second finds the state taken by the
+/// first and reads in full): both reach the upstream as one read in full
+/// would send them, and the conversation goes on.
 #[tokio::test]
 async fn one_conversations_requests_at_once_each_read_right() {
     let mock = MockUpstream::start(|_| chat_ok()).await;
