@@ -295,3 +295,81 @@ fn a_different_plan_never_continues_another_plans_state() {
     assert_eq!(only_a.finish(&last, &a), rewrite(&last, &a).body);
     assert_eq!(only_a.continued, 1);
 }
+
+/// `v` written with its `first` member first (serde_json writes keys
+/// sorted), pretty-printed or compact.
+fn written(v: &Value, first: &str, pretty: bool) -> Vec<u8> {
+    let obj = v.as_object().unwrap();
+    let write = |x: &Value| match pretty {
+        true => serde_json::to_string_pretty(x).unwrap(),
+        false => serde_json::to_string(x).unwrap(),
+    };
+    let mut parts = vec![format!("{:?}:{}", first, write(&obj[first]))];
+    for (k, x) in obj {
+        if k != first {
+            parts.push(format!("{k:?}:{}", write(x)));
+        }
+    }
+    let sep = if pretty { ",\n  " } else { "," };
+    format!("{{{}}}", parts.join(sep)).into_bytes()
+}
+
+/// Requests as bytes: each continued from the states the earlier ones
+/// left, compared with its full read; how many continued.
+fn same_as_full_bytes(requests: &[Vec<u8>], plan: &Plan) -> usize {
+    let mut kept = Kept::default();
+    for (t, body) in requests.iter().enumerate() {
+        let full = rewrite(body, plan).body;
+        assert!(full == kept.finish(body, plan), "request {t} differs");
+    }
+    kept.continued
+}
+
+#[test]
+fn system_first_pretty_bodies_and_responses_input_continue_the_same() {
+    let file = file(30);
+    let mut anthropic = Vec::new();
+    let mut chat = Vec::new();
+    let mut responses = Vec::new();
+    let (mut a_msgs, mut c_msgs, mut r_items) = (
+        vec![json!({"role": "user", "content": "Read it."})],
+        vec![json!({"role": "user", "content": "Read it."})],
+        vec![json!({"role": "user", "content": "Read it."})],
+    );
+    for t in 0..8 {
+        let out = format!("{}\npass {t}", file[..20].join("\n"));
+        a_msgs.push(json!({"role": "assistant", "content": [{"type": "tool_use", "id": format!("t{t}"), "name": "read", "input": {}}]}));
+        a_msgs.push(json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": format!("t{t}"), "content": out}]}));
+        c_msgs.push(call(&format!("c{t}")));
+        c_msgs.push(tool(&format!("c{t}"), &out));
+        r_items.push(json!({"type": "function_call", "call_id": format!("r{t}"), "name": "read", "arguments": "{}"}));
+        r_items.push(
+            json!({"type": "function_call_output", "call_id": format!("r{t}"), "output": out}),
+        );
+        let a = json!({"model": "claude-sonnet-4-5", "max_tokens": 100, "system": file[..10].join("\n"), "messages": a_msgs});
+        anthropic.push(written(&a, "system", false));
+        chat.push(written(
+            &json!({"model": "gpt-4o", "messages": c_msgs}),
+            "model",
+            true,
+        ));
+        let r = json!({"model": "gpt-4o", "instructions": file[..10].join("\n"), "input": r_items});
+        responses.push(written(&r, "instructions", false));
+    }
+    assert!(String::from_utf8_lossy(&anthropic[0]).starts_with("{\"system\""));
+    assert!(String::from_utf8_lossy(&chat[0]).contains(",\n  \"messages\""));
+    for (requests, shape) in [
+        (&anthropic, Shape::Messages),
+        (&chat, Shape::Chat),
+        (&responses, Shape::Responses),
+    ] {
+        let p = plan(shape, true, DEFAULTS);
+        let continued = same_as_full_bytes(requests, &p);
+        assert_eq!(continued, requests.len() - 1, "{shape:?}");
+        // Dedup did rewrite them: what is compared is a rewrite.
+        assert!(
+            rewrite(requests.last().unwrap(), &p).report.lines_omitted > 50,
+            "{shape:?}"
+        );
+    }
+}
