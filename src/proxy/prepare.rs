@@ -556,6 +556,49 @@ fn tenant(headers: &HeaderMap) -> u64 {
     }
 }
 
+/// The states a request may continue from and leave its own in (none for
+/// a body under [`super::dedup_states::MIN_BODY`] or without dedup), its
+/// seed, and what the conversation's previous request left when this body
+/// begins with its messages (its prefix hashed here, at memory speed):
+/// the walk up to where they end, and dedup's state.
+#[allow(clippy::type_complexity)]
+fn continuing(
+    rw: &Rewriter,
+    body: &[u8],
+    plan: &Plan,
+    tenant: u64,
+) -> (
+    Option<Arc<super::dedup_states::DedupStates>>,
+    u64,
+    Option<(transform::walk::Scan, usize)>,
+    Option<transform::dedup::State>,
+) {
+    let states = rw
+        .dedup_states
+        .clone()
+        .filter(|_| plan.rules.dedup.is_some() && body.len() >= super::dedup_states::MIN_BODY);
+    let seed = transform::conversation_seed(plan, tenant);
+    match states.as_ref().and_then(|s| s.find(body, seed)) {
+        Some(r) => (states, seed, Some((r.scan, r.end)), Some(r.state)),
+        None => (states, seed, None, None),
+    }
+}
+
+/// The walk of `body`: only what follows `prefix` (the walk of the
+/// previous request, up to where its messages end) when there is one.
+fn walk_on(
+    prefix: Option<(transform::walk::Scan, usize)>,
+    body: &[u8],
+    plan: &Plan,
+) -> Result<transform::Scanned, Box<Rewrite>> {
+    match prefix {
+        Some((scan, end)) => {
+            transform::walk_from(body, plan, scan, end).or_else(|_| transform::walk(body, plan))
+        }
+        None => transform::walk(body, plan),
+    }
+}
+
 /// What a request carries to its finish to continue its conversation:
 /// the states, its seed ([`transform::conversation_seed`]), the state it
 /// continues and its walk as it was (before its images were decoded).
@@ -580,25 +623,9 @@ async fn run(
     // (one trip to the blocking pool for a large body, not two).
     let b = body.clone();
     let fitter = rw.fitter.clone();
-    let states = rw
-        .dedup_states
-        .clone()
-        .filter(|_| plan.rules.dedup.is_some() && body.len() >= super::dedup_states::MIN_BODY);
-    let seed = transform::conversation_seed(&plan, tenant);
     let metrics = rw.metrics.clone();
-    // What the conversation's previous request left, when this body
-    // begins with its messages (its prefix hashed here, at memory speed):
-    // only the rest is walked and read.
-    let (prefix, state) = match states.as_ref().and_then(|s| s.find(&body, seed)) {
-        Some(r) => (Some((r.scan, r.end)), Some(r.state)),
-        None => (None, None),
-    };
-    let walk = move |b: &[u8], plan: &Plan| match prefix {
-        Some((scan, end)) => {
-            transform::walk_from(b, plan, scan, end).or_else(|_| transform::walk(b, plan))
-        }
-        None => transform::walk(b, plan),
-    };
+    let (states, seed, prefix, state) = continuing(rw, &body, &plan, tenant);
+    let walk = move |b: &[u8], plan: &Plan| walk_on(prefix, b, plan);
     let resolve = move |mut scanned: transform::Scanned| {
         // The walk as it is, kept for the next request of the conversation.
         let walked = states.as_ref().map(|_| scanned.scan().clone());

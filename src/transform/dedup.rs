@@ -428,14 +428,7 @@ pub fn run(
     // Instructions outside the message list: Anthropic `system`,
     // Responses `instructions` (a state continues only with the same).
     let top = top_level_instructions(scan, body);
-    let instructions = {
-        let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*super::SEED);
-        for t in &top {
-            x.update(&t.len().to_le_bytes());
-            x.update(t.as_bytes());
-        }
-        x.digest128()
-    };
+    let instructions = hash_texts(&top);
     let resume = resume.filter(|s| {
         plain
             && s.d.blocks == blocks
@@ -511,6 +504,16 @@ pub fn run(
         }),
         continued,
     )
+}
+
+/// A keyed hash of texts, in order.
+fn hash_texts(texts: &[String]) -> u128 {
+    let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*super::SEED);
+    for t in texts {
+        x.update(&t.len().to_le_bytes());
+        x.update(t.as_bytes());
+    }
+    x.digest128()
 }
 
 fn set(slots: &mut [Option<String>], at: usize, text: String) {

@@ -1057,6 +1057,44 @@ impl Walker<'_> {
         spot
     }
 
+    /// A part's own content's texts, once its type is known: a
+    /// `tool_result` takes image blocks beside them; any other part with
+    /// content of its own takes text.
+    fn settle(&mut self, own_spots: Range<usize>, f: &PartFields) {
+        let kind = match f.ty.as_ref().is_some_and(|t| t.is(self.src, "tool_result")) {
+            true => Container::ToolResult,
+            false => Container::Other,
+        };
+        for spot in &mut self.out.spots[own_spots] {
+            if spot.container == Container::Pending {
+                spot.container = kind;
+            }
+        }
+    }
+
+    /// An Anthropic document (or search result) whose source is content
+    /// blocks: images among them are images like any other.
+    fn document_content(
+        &mut self,
+        f: &mut PartFields,
+        msg: &mut Msg,
+        path: &str,
+        in_tool: bool,
+        depth: usize,
+    ) -> Result<()> {
+        let src = self.src;
+        if let Some(inner) = f.source_content.take()
+            && f.ty.as_ref().is_some_and(|t| t.is(src, "document"))
+        {
+            let mut sub = Cursor::at(src, inner.start);
+            let p = format!("{path}.source.content");
+            let outer_container = std::mem::replace(&mut msg.container, Container::Other);
+            self.content(&mut sub, msg, &p, in_tool, depth + 1)?;
+            msg.container = outer_container;
+        }
+        Ok(())
+    }
+
     /// Walks one content part. Returns what it is for a possible collapse:
     /// a text part, an image, or `None` for anything else.
     fn part(
@@ -1102,29 +1140,9 @@ impl Walker<'_> {
             }
             Ok(())
         })?;
-        // Its content's own texts: a `tool_result` takes image blocks
-        // beside them; any other part with content of its own takes text.
-        let kind = match f.ty.as_ref().is_some_and(|t| t.is(src, "tool_result")) {
-            true => Container::ToolResult,
-            false => Container::Other,
-        };
-        for spot in &mut self.out.spots[own_spots] {
-            if spot.container == Container::Pending {
-                spot.container = kind;
-            }
-        }
+        self.settle(own_spots, &f);
         msg.cache_markers |= !f.markers.is_empty();
-        // An Anthropic document (or search result) whose source is content
-        // blocks: images among them are images like any other.
-        if let Some(inner) = f.source_content.take()
-            && f.ty.as_ref().is_some_and(|t| t.is(src, "document"))
-        {
-            let mut sub = Cursor::at(src, inner.start);
-            let p = format!("{path}.source.content");
-            let outer_container = std::mem::replace(&mut msg.container, Container::Other);
-            self.content(&mut sub, msg, &p, in_tool, depth + 1)?;
-            msg.container = outer_container;
-        }
+        self.document_content(&mut f, msg, path, in_tool, depth)?;
         let tool_result = f.ty.as_ref().is_some_and(|t| t.is(src, "tool_result"));
         let Some(ty) = f.ty.as_ref() else {
             return Ok(None);
