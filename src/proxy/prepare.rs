@@ -27,6 +27,10 @@ use crate::upstream::UpstreamBody;
 /// Bodies larger than this are transformed on the blocking pool, so a
 /// multi-megabyte image does not hold up the other connections of a worker.
 const INLINE_LIMIT: usize = 256 * 1024;
+/// A body walked on the worker (for a model that can see) is finished on
+/// the blocking pool past this size, whatever its work: its copies alone
+/// take a while.
+const HEAVY_BODY: usize = 4 << 20;
 
 /// What the transform phase (and the learning after a refusal) reads: the
 /// model table, the rules built at load, the part that turns media into
@@ -585,18 +589,30 @@ fn continuing(
 }
 
 /// The walk of `body`: only what follows `prefix` (the walk of the
-/// previous request, up to where its messages end) when there is one.
+/// previous request, up to where its messages end) when there is one; and
+/// the dedup `state` that goes with it, when dedup will continue it.
+#[allow(clippy::type_complexity)]
 fn walk_on(
     prefix: Option<(transform::walk::Scan, usize)>,
+    state: Option<transform::dedup::State>,
     body: &[u8],
     plan: &Plan,
-) -> Result<transform::Scanned, Box<Rewrite>> {
-    match prefix {
+) -> Result<(transform::Scanned, Option<transform::dedup::State>), Box<Rewrite>> {
+    let mut scanned = match prefix {
         Some((scan, end)) => {
-            transform::walk_from(body, plan, scan, end).or_else(|_| transform::walk(body, plan))
+            transform::walk_from(body, plan, scan, end).or_else(|_| transform::walk(body, plan))?
         }
-        None => transform::walk(body, plan),
-    }
+        None => transform::walk(body, plan)?,
+    };
+    let state = state.filter(|s| scanned.continues(s, body));
+    Ok((scanned, state))
+}
+
+/// Whether a request walked on the worker is finished on the blocking
+/// pool: much text to read (a continued walk's work is its new texts) or
+/// images to decode, or a body of several MiB (its copies alone).
+fn heavy(walked: &transform::Scanned, body: &[u8]) -> bool {
+    walked.work() > INLINE_LIMIT || body.len() > HEAVY_BODY
 }
 
 /// What a request carries to its finish to continue its conversation:
@@ -625,32 +641,33 @@ async fn run(
     let fitter = rw.fitter.clone();
     let metrics = rw.metrics.clone();
     let (states, seed, prefix, state) = continuing(rw, &body, &plan, tenant);
-    let walk = move |b: &[u8], plan: &Plan| walk_on(prefix, b, plan);
-    let resolve = move |mut scanned: transform::Scanned| {
-        // The walk as it is, kept for the next request of the conversation.
-        let walked = states.as_ref().map(|_| scanned.scan().clone());
-        scanned.resolve(&b);
-        let fits = scanned.fit_jobs(&b, 0, &|q| fitter.quick(q));
-        // Over the provider's request bound with no image over its own:
-        // the request pass still runs.
-        let over = scanned
-            .plan()
-            .fit
-            .max_request_bytes
-            .is_some_and(|m| b.len() as u64 > m);
-        let subjects: Vec<_> = scanned.subjects(&b).into_iter().map(|(_, s)| s).collect();
-        let media = scanned.media(&b);
-        let carry = Carry {
-            states,
-            seed,
-            state,
-            walked,
+    let walk = move |b: &[u8], plan: &Plan| walk_on(prefix, state, b, plan);
+    let resolve =
+        move |(mut scanned, state): (transform::Scanned, Option<transform::dedup::State>)| {
+            // The walk as it is, kept for the next request of the conversation.
+            let walked = states.as_ref().map(|_| scanned.scan().clone());
+            scanned.resolve(&b);
+            let fits = scanned.fit_jobs(&b, 0, &|q| fitter.quick(q));
+            // Over the provider's request bound with no image over its own:
+            // the request pass still runs.
+            let over = scanned
+                .plan()
+                .fit
+                .max_request_bytes
+                .is_some_and(|m| b.len() as u64 > m);
+            let subjects: Vec<_> = scanned.subjects(&b).into_iter().map(|(_, s)| s).collect();
+            let media = scanned.media(&b);
+            let carry = Carry {
+                states,
+                seed,
+                state,
+                walked,
+            };
+            match subjects.is_empty() && media.is_empty() && fits.is_empty() && !over {
+                true => Err(Box::new(finish(carry, &metrics, scanned, &b, &[]))),
+                false => Ok((scanned, (subjects, media, fits), carry)),
+            }
         };
-        match subjects.is_empty() && media.is_empty() && fits.is_empty() && !over {
-            true => Err(Box::new(finish(carry, &metrics, scanned, &b, &[]))),
-            false => Ok((scanned, (subjects, media, fits), carry)),
-        }
-    };
     // The walk skips strings it does not need (a kept image's base64) at
     // memory speed, so a large body for a model that can see is walked here
     // and goes to the blocking pool only when there is real work: images to
@@ -658,7 +675,7 @@ async fn run(
     let scanned = match large && plan.vision {
         true => match walk(&body, &plan) {
             Err(done) => Some(Err(done)),
-            Ok(walked) => off_thread(walked.work() > INLINE_LIMIT, move || resolve(walked)).await,
+            Ok(walked) => off_thread(heavy(&walked.0, &body), move || resolve(walked)).await,
         },
         false => {
             let b = body.clone();

@@ -544,21 +544,40 @@ impl State {
         self.items
     }
 
+    /// Whether [`run`] will continue it for a request of `scan` read with
+    /// `blocks` whose texts are the client's: the same rules and the same
+    /// instructions outside the message list.
+    pub fn fits(&self, scan: &Scan, body: &[u8], blocks: Blocks) -> bool {
+        self.d.blocks == blocks
+            && self.items <= scan.items.len()
+            && self.instructions == hash_texts(&top_level_instructions(scan, body))
+    }
+
     /// About how much memory it holds, in bytes.
     pub fn size(&self) -> usize {
         let places = |p: &Places| p.nodes.capacity() * 12 + p.newest.capacity() * 16;
+        let text = |s: &Option<String>| s.as_ref().map_or(0, String::capacity);
         let sent: usize = self
             .d
             .sent
             .iter()
-            .map(|s| s.lines.capacity() * 24 + s.hashes.capacity() * 8 + 96)
+            .map(|s| {
+                s.lines.capacity() * 24
+                    + s.hashes.capacity() * 8
+                    + text(&s.label)
+                    + text(&s.call_id)
+                    + 96
+            })
             .sum();
+        let whole: usize = self.d.whole.values().map(|v| v.capacity() * 24 + 24).sum();
         self.d.kept.capacity()
             + sent
             + places(&self.d.pairs)
             + places(&self.d.singles)
-            + self.d.whole.capacity() * 48
-            + self.d.items.keys().map(|k| k.len() + 48).sum::<usize>()
+            + self.d.whole.capacity() * 16
+            + whole
+            + self.d.items.capacity() * 32
+            + self.d.items.keys().map(String::capacity).sum::<usize>()
             + (self.d.instruction_lines.capacity() + self.d.instruction_pairs.capacity()) * 8
             + self.d.status.capacity() * 40
             + self

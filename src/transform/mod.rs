@@ -908,6 +908,24 @@ impl Scanned {
         &self.scan
     }
 
+    /// Whether dedup will continue `state` for this request: its texts are
+    /// the client's (no image replaced or hoisted) and the state
+    /// [`dedup::State::fits`]. When not, the state is of no use and every
+    /// text is dedup's work again ([`Scanned::work`]).
+    pub fn continues(&mut self, state: &dedup::State, body: &[u8]) -> bool {
+        let texts_kept =
+            self.fates.iter().all(|f| *f == Fate::Kept) && !self.hoisted.contains(&true);
+        let fits = self
+            .plan
+            .rules
+            .dedup
+            .is_some_and(|blocks| state.fits(&self.scan, body, blocks));
+        if !(texts_kept && fits) {
+            self.read_before = 0;
+        }
+        texts_kept && fits
+    }
+
     /// What becomes of each image.
     pub fn fates(&self) -> &[Fate] {
         &self.fates

@@ -373,3 +373,41 @@ fn system_first_pretty_bodies_and_responses_input_continue_the_same() {
         );
     }
 }
+
+#[test]
+fn a_continued_walks_work_is_its_new_texts_unless_dedup_reads_all_again() {
+    // Anthropic `system` after the messages: the walk continues whether
+    // or not it changed; dedup only when it did not.
+    let file = file(40);
+    let turn = |n: usize, system: &str| {
+        let mut msgs = vec![json!({"role": "user", "content": "Read it."})];
+        for t in 0..n {
+            msgs.push(json!({"role": "assistant", "content": [{"type": "tool_use", "id": format!("t{t}"), "name": "read", "input": {}}]}));
+            msgs.push(json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": format!("t{t}"), "content": format!("{}\npass {t}", file.join("\n"))}]}));
+        }
+        serde_json::to_vec(&json!({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs, "system": system})).unwrap()
+    };
+    let p = plan(Shape::Messages, true, DEFAULTS);
+    let (first, next) = (turn(6, "Be brief."), turn(7, "Be brief."));
+    let mut scanned = walk(&first, &p).unwrap();
+    let walked = scanned.scan().clone();
+    scanned.resolve(&first);
+    let whole_work = walk(&next, &p).unwrap().work();
+    let (_, state) = scanned.finish_from(&first, &[], None);
+    let state = state.unwrap();
+    let (prefix, end) = walked.upto_messages().unwrap();
+    // The same instructions: continued, its work the last result's text.
+    let mut same = walk_from(&next, &p, prefix.clone(), end).unwrap();
+    assert!(same.continues(&state, &next));
+    assert!(
+        same.work() * 5 < whole_work,
+        "{} of {whole_work}",
+        same.work()
+    );
+    // Changed instructions: the walk continued, dedup reads all again,
+    // and says so in its work.
+    let changed = turn(7, "Be thorough.");
+    let mut other = walk_from(&changed, &p, prefix, end).unwrap();
+    assert!(!other.continues(&state, &changed));
+    assert_eq!(other.work(), whole_work);
+}

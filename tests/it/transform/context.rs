@@ -730,3 +730,34 @@ async fn one_conversations_requests_at_once_each_read_right() {
     let continued = |t: &str| counter(t, "visor_dedup_reads_total", ("read", "continued"));
     assert!(continued(&after) - continued(&before) >= 8.0);
 }
+
+/// States are kept per client: a client that sends another's conversation
+/// (its exact bytes) reads it in full, never continuing — nor timing —
+/// the other's state; each client's own next turn continues.
+#[tokio::test]
+async fn one_clients_state_is_never_anothers() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let msgs = rereading_agent(6);
+    let url = visor.url("/v1/chat/completions");
+    let send_as = |key: &'static str, t: usize| {
+        let body = serde_json::to_vec(&json!({"model": "gpt-4o", "messages": msgs[..t]})).unwrap();
+        let mut req = post_json(&url, body);
+        req.headers_mut()
+            .insert("authorization", format!("Bearer {key}").parse().unwrap());
+        send(req)
+    };
+    let read = |text: &str, how: &str| counter(text, "visor_dedup_reads_total", ("read", how));
+    let m0 = visor.metrics().await;
+    assert_eq!(send_as("sk-alice", 5).await.0, 200);
+    // Bob sends Alice's next turn: nothing of Alice's is his.
+    assert_eq!(send_as("sk-bob", 7).await.0, 200);
+    let m1 = visor.metrics().await;
+    assert_eq!(read(&m1, "continued") - read(&m0, "continued"), 0.0);
+    assert_eq!(read(&m1, "full") - read(&m0, "full"), 2.0);
+    // Alice's next turn continues hers, Bob's his.
+    assert_eq!(send_as("sk-alice", 7).await.0, 200);
+    assert_eq!(send_as("sk-bob", 9).await.0, 200);
+    let m2 = visor.metrics().await;
+    assert_eq!(read(&m2, "continued") - read(&m1, "continued"), 2.0);
+}
