@@ -339,6 +339,11 @@ async fn prepare_within(
         },
         transcriber: for_service(rw.media.transcriber()),
     };
+    // Whose conversation it is: only for a body that may leave a state.
+    let who = match body.len() >= super::dedup_states::MIN_BODY {
+        true => tenant(asker.headers),
+        false => 0,
+    };
     // A model of unknown vision: an upstream refusal of its images can be
     // learned from, once, by sending the original again without them.
     let learn = (!resolved.known() && might_hold_images(&body)
@@ -356,12 +361,11 @@ async fn prepare_within(
         audio_unknown: resolved.caps.audio.is_none(),
         within,
         deadline,
-        tenant: tenant(asker.headers),
+        tenant: who,
     });
     if !transform::needed(&plan) {
         return Ok(unchanged(body, learn));
     }
-    let who = tenant(asker.headers);
     let mut prepared = run(rw, body, plan, &credential, within, who).await?;
     prepared.learn = learn;
     Ok(prepared)
@@ -577,14 +581,18 @@ fn continuing(
     Option<(transform::walk::Scan, usize)>,
     Option<transform::dedup::State>,
 ) {
-    let states = rw
+    let Some(states) = rw
         .dedup_states
         .clone()
-        .filter(|_| plan.rules.dedup.is_some() && body.len() >= super::dedup_states::MIN_BODY);
+        .filter(|_| plan.rules.dedup.is_some() && body.len() >= super::dedup_states::MIN_BODY)
+    else {
+        // (A small request pays for none of it.)
+        return (None, 0, None, None);
+    };
     let seed = transform::conversation_seed(plan, tenant);
-    match states.as_ref().and_then(|s| s.find(body, seed)) {
-        Some(r) => (states, seed, Some((r.scan, r.end)), Some(r.state)),
-        None => (states, seed, None, None),
+    match states.find(body, seed) {
+        Some(r) => (Some(states), seed, Some((r.scan, r.end)), Some(r.state)),
+        None => (Some(states), seed, None, None),
     }
 }
 
