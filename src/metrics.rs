@@ -348,7 +348,7 @@ impl Transforms {
         let dedup_reads = counter_vec(
             registry,
             "visor_dedup_reads_total",
-            "Requests dedup read, by how: continued (only the messages new since the conversation's previous request, from the state it left) or full (every message: a new conversation, one whose state was evicted, or one that changed an earlier message)",
+            "Requests of 8 KiB or more dedup read, by how: continued (only the messages new since the conversation's previous request, from the state it left) or full (every message: a new conversation, one whose state was evicted, or one that changed an earlier message)",
             &["read"],
         )?;
         for read in ["continued", "full"] {

@@ -256,22 +256,18 @@ impl DedupStates {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transform::{Limits, Plan, Rules, Shape, Takes, dedup};
+    use crate::transform::{Limits, Plan, Rules, Shape, Takes};
 
+    /// A model that can see, under the default `[images]` and `[dedup]`.
     fn plan() -> Plan {
-        let rules = Rules {
-            keep_turns: 2,
-            max_images: 10,
-            hard_max_images: None,
-            dedupe: true,
-            prompt_cache: true,
-            context_permille: 800,
-            context_window: None,
-            dedup: Some(dedup::Blocks {
-                min_lines: 2,
-                min_bytes: 64,
-            }),
-        };
+        let cfg = crate::config::Config::from_toml(
+            "[[upstream]]\nname = \"u\"\nbase_url = \"http://127.0.0.1:9/v1\"\n",
+            std::path::Path::new("test.toml"),
+            &|_| None,
+        )
+        .unwrap();
+        let rules = Rules::new(&cfg.images, &cfg.dedup, None, None);
+        assert!(rules.dedup.is_some());
         Plan {
             shape: Shape::Chat,
             vision: true,
