@@ -115,6 +115,51 @@ pub struct Anatomy {
     /// Where the body's top-level object starts (`{`), for inserting a
     /// field.
     pub open: usize,
+    /// What was read up to the end of the last message (when the messages
+    /// are a list of at least one): what [`Anatomy::into_prefix`] keeps.
+    at_end: Option<Marks>,
+}
+
+/// The reading as it stood at the end of the last message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Marks {
+    shape: Shape,
+    end: usize,
+    top: Top,
+    budget: usize,
+    /// Chat's first message, which the head holds.
+    first: Option<Element>,
+}
+
+/// What reading a body found up to the end of its last message: enough to
+/// read a later body of the conversation, which begins with the same bytes
+/// up to there, from that point on ([`Anatomy::of_from`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prefix {
+    marks: Marks,
+    open: usize,
+    /// The messages in order; in Messages and Responses, first a place for
+    /// the head.
+    list: Vec<Element>,
+}
+
+impl Prefix {
+    /// Where its messages end in the body it was read from.
+    pub fn end(&self) -> usize {
+        self.marks.end
+    }
+
+    /// About how much memory it holds, in bytes.
+    pub fn size(&self) -> usize {
+        use std::mem::size_of;
+        let blocks = |e: &Element| e.blocks.capacity() * size_of::<Block>();
+        let top = &self.marks.top;
+        size_of::<Prefix>()
+            + (top.tools.capacity() + top.system.capacity()) * size_of::<Block>()
+            + self.marks.first.as_ref().map_or(0, blocks)
+            + self.list.capacity() * size_of::<Element>()
+            + self.list.iter().map(blocks).sum::<usize>()
+    }
 }
 
 impl Anatomy {
@@ -122,7 +167,50 @@ impl Anatomy {
     /// its API expects, or one with more than [`MAX_ITEMS`] messages and
     /// blocks.
     pub fn of(shape: Shape, body: &[u8]) -> Option<Anatomy> {
-        read(shape, body).ok()
+        let mut c = Cursor::new(body);
+        if c.kind().ok()? != Kind::Object {
+            return None;
+        }
+        let mut r = Reading::new(shape);
+        let whole = c.object(|c, key| r.member(c, &key)).ok()?;
+        r.open = whole.start;
+        r.anatomy(body).ok()
+    }
+
+    /// [`Anatomy::of`] `body`, which begins with the bytes `prefix` was
+    /// read from, up to its end: only what follows is read (read in full
+    /// when the prefix is another API's, or ends beyond the body).
+    pub fn of_from(shape: Shape, body: &[u8], prefix: Prefix) -> Option<Anatomy> {
+        if prefix.marks.shape != shape || prefix.marks.end > body.len() {
+            return Anatomy::of(shape, body);
+        }
+        let end = prefix.marks.end;
+        let mut r = Reading::resumed(prefix);
+        let mut c = Cursor::at(body, end);
+        let read = c
+            .array_rest(0, |c, _| r.message(c))
+            .and_then(|()| {
+                r.mark_end(r.last_end.unwrap_or(end));
+                c.object_rest(|c, key| r.member(c, &key))
+            })
+            .and_then(|()| r.anatomy(body));
+        read.ok()
+    }
+
+    /// What this reading keeps for the conversation's next request
+    /// (`None` when its messages were not a list of at least one).
+    pub fn into_prefix(self) -> Option<Prefix> {
+        let mut marks = self.at_end?;
+        let mut list = self.elements;
+        if let Some(first) = marks.first.take() {
+            // Chat: the head goes back to being its first message.
+            *list.first_mut()? = first;
+        }
+        Some(Prefix {
+            marks,
+            open: self.open,
+            list,
+        })
     }
 
     pub fn total_tokens(&self) -> u64 {
@@ -145,147 +233,251 @@ impl Budget {
     }
 }
 
-/// What a request's top level holds besides its elements.
-#[derive(Default)]
+/// What a request's top level holds besides its messages.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Top {
     tools: Vec<Block>,
     system: Vec<Block>,
-    messages: Option<Vec<Element>>,
     marked: bool,
     chained: bool,
     has_cache_key: bool,
 }
 
-/// One pass over the body: the tools, the system prompt and the messages
-/// walked where they are; everything else skipped.
-fn read(shape: Shape, body: &[u8]) -> Result<Anatomy> {
-    let mut c = Cursor::new(body);
-    if c.kind()? != Kind::Object {
-        return Err(Malformed);
+/// A place for the head, before the messages of Messages and Responses.
+fn no_head() -> Element {
+    Element {
+        hash: 0,
+        tokens: 0,
+        role: Role::Other,
+        blocks: Vec::new(),
     }
-    let items = match shape {
-        Shape::Responses => "input",
-        Shape::Chat | Shape::Messages => "messages",
-    };
-    let mut budget = Budget(MAX_ITEMS);
-    let mut top = Top::default();
-    let whole = c.object(|c, key| {
+}
+
+/// One pass over the body's top level: the tools, the system prompt and
+/// the messages walked where they are; everything else skipped.
+struct Reading {
+    shape: Shape,
+    items: &'static str,
+    budget: Budget,
+    top: Top,
+    /// The messages; in Messages and Responses, after a place for the head.
+    list: Vec<Element>,
+    /// Where the last message read ends.
+    last_end: Option<usize>,
+    at_end: Option<Marks>,
+    open: usize,
+}
+
+impl Reading {
+    fn new(shape: Shape) -> Reading {
+        Reading {
+            shape,
+            items: match shape {
+                Shape::Responses => "input",
+                Shape::Chat | Shape::Messages => "messages",
+            },
+            budget: Budget(MAX_ITEMS),
+            top: Top::default(),
+            list: Reading::empty(shape),
+            last_end: None,
+            at_end: None,
+            open: 0,
+        }
+    }
+
+    fn empty(shape: Shape) -> Vec<Element> {
+        match shape {
+            Shape::Chat => Vec::new(),
+            Shape::Messages | Shape::Responses => vec![no_head()],
+        }
+    }
+
+    /// Where `prefix` stopped, its messages read.
+    fn resumed(prefix: Prefix) -> Reading {
+        let Prefix { marks, open, list } = prefix;
+        let mut r = Reading::new(marks.shape);
+        r.budget = Budget(marks.budget);
+        r.top = marks.top;
+        r.list = list;
+        r.last_end = Some(marks.end);
+        r.open = open;
+        r
+    }
+
+    fn member(&mut self, c: &mut Cursor<'_>, key: &Str) -> Result<()> {
         let src = c.src();
+        let shape = self.shape;
         if key.is(src, "tools") && c.kind()? == Kind::Array {
             c.array(|c, _| {
-                budget.take()?;
-                top.tools.push(block_at(c)?);
+                self.budget.take()?;
+                self.top.tools.push(block_at(c)?);
                 Ok(())
             })?;
         } else if key.is(src, "system") && shape == Shape::Messages
             || key.is(src, "instructions") && shape == Shape::Responses
         {
-            top.system = content(c, &mut budget)?;
-        } else if key.is(src, items) {
-            top.messages = Some(messages(c, &mut budget)?);
+            self.top.system = content(c, &mut self.budget)?;
+        } else if key.is(src, self.items) {
+            self.messages(c)?;
         } else {
             let at = c.skip()?;
             if key.is(src, "cache_control") {
-                top.marked = true;
+                self.top.marked = true;
             } else if key.is(src, "previous_response_id") {
-                top.chained = &src[at] != b"null";
+                self.top.chained = &src[at] != b"null";
             } else if key.is(src, "prompt_cache_key") {
-                top.has_cache_key = true;
+                self.top.has_cache_key = true;
             }
         }
         Ok(())
-    })?;
-    let mut messages = top.messages.unwrap_or_default();
-    let mut a = Anatomy {
-        marked: top.marked
-            || top.tools.iter().chain(&top.system).any(|b| b.marked)
-            || messages.iter().any(|m| m.blocks.iter().any(|b| b.marked)),
-        chained: top.chained,
-        has_cache_key: top.has_cache_key,
-        tools: top.tools.len(),
-        open: whole.start,
-        // Before Chat's first message joins the head.
-        first_user: messages
-            .iter()
-            .find(|m| m.role == Role::User)
-            .map_or(0, |m| m.hash),
-        ..Anatomy::default()
-    };
-    let mut head = Element {
-        hash: 0,
-        tokens: 0,
-        role: Role::Other,
-        blocks: top.tools,
-    };
-    head.blocks.extend(top.system);
-    let mut h = Xxh3::new();
-    for b in &head.blocks {
-        hash_block(&mut h, body, b)?;
-        head.tokens += b.tokens;
     }
-    if shape == Shape::Chat && !messages.is_empty() {
-        // Chat's system prompt is its first message: the head holds it.
-        let first = messages.remove(0);
-        h.update(&first.hash.to_le_bytes());
-        head.tokens += first.tokens;
-        head.blocks.extend(first.blocks);
-    }
-    head.hash = h.digest();
-    if a.first_user == 0 {
-        a.first_user = head.hash;
-    }
-    a.elements.push(head);
-    a.elements.extend(messages);
-    Ok(a)
-}
 
-/// The messages (or Responses input): an array of them, or a string that
-/// is one user message.
-fn messages(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Vec<Element>> {
-    let body = c.src();
-    let mut out = Vec::new();
-    match c.kind()? {
-        Kind::String => {
-            let s = c.string()?;
-            let block = text_block(body, &s);
-            let mut h = Xxh3::new();
-            hash_block(&mut h, body, &block)?;
-            out.push(Element {
-                hash: h.digest(),
-                tokens: block.tokens,
-                role: Role::User,
-                blocks: vec![block],
-            });
+    /// The messages (or Responses input): an array of them, or a string
+    /// that is one user message.
+    fn messages(&mut self, c: &mut Cursor<'_>) -> Result<()> {
+        let body = c.src();
+        self.list = Reading::empty(self.shape);
+        self.last_end = None;
+        self.at_end = None;
+        match c.kind()? {
+            Kind::String => {
+                let s = c.string()?;
+                let block = text_block(body, &s);
+                let mut h = Xxh3::new();
+                hash_block(&mut h, body, &block)?;
+                self.list.push(Element {
+                    hash: h.digest(),
+                    tokens: block.tokens,
+                    role: Role::User,
+                    blocks: vec![block],
+                });
+            }
+            Kind::Array => {
+                c.array(|c, _| self.message(c))?;
+                if let Some(end) = self.last_end {
+                    self.mark_end(end);
+                }
+            }
+            _ => {
+                c.skip()?;
+            }
         }
-        Kind::Array => {
-            c.array(|c, _| {
-                budget.take()?;
-                out.push(message(c, budget)?);
-                Ok(())
-            })?;
-        }
-        _ => {
-            c.skip()?;
-        }
+        Ok(())
     }
-    Ok(out)
+
+    fn message(&mut self, c: &mut Cursor<'_>) -> Result<()> {
+        self.budget.take()?;
+        let (element, end) = message(c, &mut self.budget)?;
+        self.list.push(element);
+        self.last_end = Some(end);
+        Ok(())
+    }
+
+    /// The reading as it stands at the end of the last message, `end`.
+    fn mark_end(&mut self, end: usize) {
+        self.at_end = Some(Marks {
+            shape: self.shape,
+            end,
+            top: self.top.clone(),
+            budget: self.budget.0,
+            first: None,
+        });
+    }
+
+    /// The head made (Chat's with its first message), and the elements.
+    fn anatomy(self, body: &[u8]) -> Result<Anatomy> {
+        let Reading {
+            shape,
+            top,
+            mut list,
+            mut at_end,
+            open,
+            ..
+        } = self;
+        let messages = match shape {
+            Shape::Chat => &list[..],
+            Shape::Messages | Shape::Responses => list.get(1..).unwrap_or_default(),
+        };
+        let mut a = Anatomy {
+            marked: top.marked
+                || top.tools.iter().chain(&top.system).any(|b| b.marked)
+                || messages.iter().any(|m| m.blocks.iter().any(|b| b.marked)),
+            chained: top.chained,
+            has_cache_key: top.has_cache_key,
+            tools: top.tools.len(),
+            open,
+            // Before Chat's first message joins the head.
+            first_user: messages
+                .iter()
+                .find(|m| m.role == Role::User)
+                .map_or(0, |m| m.hash),
+            ..Anatomy::default()
+        };
+        let mut head = Element {
+            hash: 0,
+            tokens: 0,
+            role: Role::Other,
+            blocks: top.tools,
+        };
+        head.blocks.extend(top.system);
+        let mut h = Xxh3::new();
+        for b in &head.blocks {
+            hash_block(&mut h, body, b)?;
+            head.tokens += b.tokens;
+        }
+        match (shape, list.first_mut()) {
+            // Chat's system prompt is its first message: the head holds it.
+            (Shape::Chat, Some(first)) => {
+                h.update(&first.hash.to_le_bytes());
+                head.tokens += first.tokens;
+                match at_end {
+                    // Kept whole for the next request.
+                    Some(_) => head.blocks.extend(first.blocks.iter().cloned()),
+                    None => head.blocks.append(&mut first.blocks),
+                }
+                head.hash = h.digest();
+                let first = std::mem::replace(first, head);
+                if let Some(m) = at_end.as_mut() {
+                    m.first = Some(first);
+                }
+            }
+            (Shape::Chat, None) => {
+                head.hash = h.digest();
+                list.push(head);
+            }
+            (_, first) => {
+                head.hash = h.digest();
+                match first {
+                    Some(place) => *place = head,
+                    None => list.push(head),
+                }
+            }
+        }
+        if a.first_user == 0 {
+            a.first_user = list[0].hash;
+        }
+        a.elements = list;
+        a.at_end = at_end;
+        Ok(a)
+    }
 }
 
 /// One message (or Responses item): its role, its content's blocks, its
-/// tokens, and its hash as the provider reads it.
-fn message(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Element> {
+/// tokens, and its hash as the provider reads it; and where it ends.
+fn message(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<(Element, usize)> {
     let body = c.src();
     if c.kind()? != Kind::Object {
         let before = c.spaces();
         let r = c.skip()?;
         let mut h = Xxh3::new();
         feed(&mut h, body, r.clone(), &[], c.spaces() != before);
-        return Ok(Element {
+        let element = Element {
             hash: h.digest(),
             tokens: r.len() as u64 / BYTES_PER_TOKEN,
             role: Role::Other,
             blocks: Vec::new(),
-        });
+        };
+        return Ok((element, r.end));
     }
     let mut role = Role::Other;
     let mut blocks = Vec::new();
@@ -336,12 +528,13 @@ fn message(c: &mut Cursor<'_>, budget: &mut Budget) -> Result<Element> {
         }
         _ => feed(&mut h, body, range.clone(), &cuts, spaced),
     }
-    Ok(Element {
+    let element = Element {
         hash: h.digest(),
         tokens,
         role,
         blocks: mark_last(blocks, rest.marked),
-    })
+    };
+    Ok((element, range.end))
 }
 
 /// A string content is hashed as the one text block it stands for.
@@ -918,5 +1111,159 @@ mod tests {
     fn not_an_object_is_none() {
         assert!(Anatomy::of(Shape::Chat, b"[1]").is_none());
         assert!(Anatomy::of(Shape::Chat, b"{\"messages\":").is_none());
+    }
+
+    /// A message of a generated conversation: `k` picks its kind.
+    fn message_text(shape: Shape, k: u8, i: usize) -> String {
+        let spaced = if k.is_multiple_of(7) { " " } else { "" };
+        match (shape, k % 6) {
+            (_, 0) => format!(r#"{{"role":"user","content":"task {i}: \"fix\" it\n"}}"#),
+            (Shape::Responses, 1) => {
+                format!(
+                    r#"{{"type":"function_call","call_id":"c{i}","name":"sh","arguments":"{{}}"}}"#
+                )
+            }
+            (Shape::Responses, 2) => {
+                format!(r#"{{"type":"function_call_output","call_id":"c{i}","output":"out {i}"}}"#)
+            }
+            (Shape::Chat, 1) => format!(
+                r#"{{"role":"assistant","content":null,"tool_calls":[{{"id":"c{i}","type":"function","function":{{"name":"sh","arguments":"{{}}"}}}}]}}"#
+            ),
+            (Shape::Chat, 2) => {
+                format!(r#"{{"role":"tool","tool_call_id":"c{i}","content":"line {i}\n"}}"#)
+            }
+            (_, 1) => format!(
+                r#"{{"role":"assistant","content":[{{"type":"thinking","thinking":"t"}},{{"type":"text","text":"calling"}},{{"type":"tool_use","id":"c{i}","name":"sh","input":{{}}}}]}}"#
+            ),
+            (_, 2) => format!(
+                r#"{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"c{i}","content":[{{"type":"text","text":"out {i}"}}]}}]}}"#
+            ),
+            (_, 3) => format!(
+                r#"{{"role":"user",{spaced}"content":[{{"type":"text","text":"marked {i}","cache_control":{{"type":"ephemeral"}}}}]}}"#
+            ),
+            (_, 4) => r#"{"role":"assistant","content":"   "}"#.to_owned(),
+            _ => {
+                format!(r#"{{ "role": "system", "content": [ {{"type":"text","text":"s{i}"}} ] }}"#)
+            }
+        }
+    }
+
+    /// A body of `shape` with `messages`, other members before and after.
+    fn conversation_body(shape: Shape, messages: &[String], before: u8, after: u8) -> String {
+        let tools = r#""tools":[{"name":"sh","input_schema":{"cache_control":1}}]"#;
+        let system = match shape {
+            Shape::Messages => r#""system":[{"type":"text","text":"be brief"}]"#,
+            Shape::Responses => r#""instructions":"be brief""#,
+            Shape::Chat => r#""temperature":0"#,
+        };
+        let key = match shape {
+            Shape::Responses => "input",
+            _ => "messages",
+        };
+        let mut head = vec![r#""model":"m""#.to_owned()];
+        if before & 1 == 1 {
+            head.push(tools.to_owned());
+        }
+        if before & 2 == 2 {
+            head.push(system.to_owned());
+        }
+        let mut tail = Vec::new();
+        if before & 1 == 0 {
+            tail.push(tools.to_owned());
+        }
+        if before & 2 == 0 {
+            tail.push(system.to_owned());
+        }
+        match after % 4 {
+            0 => tail.push(r#""prompt_cache_key":"k""#.to_owned()),
+            1 => tail.push(r#""cache_control":{"type":"ephemeral"}"#.to_owned()),
+            2 => tail.push(r#""previous_response_id":null"#.to_owned()),
+            _ => {}
+        }
+        head.push(format!("\"{key}\": [\n{}\n]", messages.join(",\n")));
+        head.extend(tail);
+        format!("{{{}}}", head.join(", "))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
+        /// Each turn read from where the turn before's messages ended (its
+        /// prefix from a continued reading too) is the turn read in full,
+        /// whatever follows the messages, in each API.
+        #[test]
+        fn a_reading_continued_is_the_reading_in_full(
+            shape in proptest::sample::select(vec![Shape::Chat, Shape::Messages, Shape::Responses]),
+            kinds in proptest::collection::vec(0u8..42, 1..14),
+            before in 0u8..4,
+            turns in proptest::collection::vec((1usize..4, 0u8..8), 1..6),
+        ) {
+            let mut messages: Vec<String> = Vec::new();
+            let mut prefix: Option<Prefix> = None;
+            let mut k = kinds.iter().cycle();
+            for (i, &(added, after)) in turns.iter().enumerate() {
+                for _ in 0..added {
+                    let n = messages.len();
+                    messages.push(message_text(shape, *k.next().unwrap(), n));
+                }
+                // The members before the messages stay; those after change.
+                let body = conversation_body(shape, &messages, before, after);
+                let full = Anatomy::of(shape, body.as_bytes());
+                let continued = match prefix.take() {
+                    Some(p) => Anatomy::of_from(shape, body.as_bytes(), p),
+                    None => Anatomy::of(shape, body.as_bytes()),
+                };
+                proptest::prop_assert_eq!(&continued, &full, "turn {}: {}", i, body);
+                let full = full.unwrap();
+                proptest::prop_assert_eq!(
+                    full.at_end.as_ref().map(|m| m.end),
+                    body.rfind("}\n]").map(|e| e + 1)
+                );
+                prefix = continued.and_then(Anatomy::into_prefix);
+            }
+        }
+    }
+
+    #[test]
+    fn a_prefix_of_another_api_or_past_the_body_reads_in_full() {
+        let messages = vec![message_text(Shape::Chat, 0, 0)];
+        let body = conversation_body(Shape::Chat, &messages, 3, 0);
+        let prefix = Anatomy::of(Shape::Chat, body.as_bytes())
+            .unwrap()
+            .into_prefix()
+            .unwrap();
+        let other = conversation_body(Shape::Messages, &messages, 3, 0);
+        assert_eq!(
+            Anatomy::of_from(Shape::Messages, other.as_bytes(), prefix.clone()),
+            Anatomy::of(Shape::Messages, other.as_bytes())
+        );
+        assert_eq!(
+            Anatomy::of_from(
+                Shape::Chat,
+                &body.as_bytes()[..prefix.end() - 1],
+                prefix.clone()
+            ),
+            None
+        );
+        assert!(prefix.size() > std::mem::size_of::<Prefix>());
+        // No list of messages: nothing to continue from.
+        let string = r#"{"input":"hi"}"#;
+        assert!(
+            Anatomy::of(Shape::Responses, string.as_bytes())
+                .unwrap()
+                .into_prefix()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn the_bound_holds_across_a_continued_reading() {
+        let body = |n: usize| format!(r#"{{"messages":[{}0]}}"#, "0,".repeat(n));
+        let half = body(MAX_ITEMS / 2);
+        let prefix = Anatomy::of(Shape::Chat, half.as_bytes())
+            .unwrap()
+            .into_prefix()
+            .unwrap();
+        let over = body(MAX_ITEMS);
+        assert!(Anatomy::of_from(Shape::Chat, over.as_bytes(), prefix).is_none());
     }
 }

@@ -70,6 +70,49 @@ pub struct Asked<'a> {
     pub min_tokens: Option<u32>,
     /// The request may be changed (`x-visor-transform` is not `off`).
     pub may_change: bool,
+    /// What was read of the conversation's previous request, which this
+    /// one begins with up to the end of its messages (the caller checked
+    /// the received bytes; the sent ones are checked here).
+    pub continues: Option<Prefixes>,
+    /// Keep what is read of this request ([`Applied::prefixes`]).
+    pub leaves: bool,
+}
+
+/// What was read of a request up to the end of its messages, as received
+/// and as sent, for its conversation's next request to read only what
+/// follows ([`anatomy::Anatomy::of_from`]).
+#[derive(Debug, Clone)]
+pub struct Prefixes {
+    received: anatomy::Prefix,
+    sent: Sent,
+}
+
+/// The body as sent, against the body as received.
+#[derive(Debug, Clone)]
+enum Sent {
+    /// It was the same body.
+    Same,
+    /// Another body, read up to the end of its messages, and a hash of
+    /// its bytes up to there.
+    Read(anatomy::Prefix, u64),
+    /// Another body, nothing kept of it.
+    Unread,
+}
+
+impl Prefixes {
+    /// Where the received body's messages end.
+    pub fn end(&self) -> usize {
+        self.received.end()
+    }
+
+    /// About how much memory it holds, in bytes.
+    pub fn size(&self) -> usize {
+        self.received.size()
+            + match &self.sent {
+                Sent::Read(p, _) => p.size(),
+                Sent::Same | Sent::Unread => 0,
+            }
+    }
 }
 
 /// What the proxy does with a request's caching.
@@ -83,6 +126,8 @@ pub struct Applied {
     /// and the log line. `None`: not followed (a Responses request that
     /// continues a stored response, a body visor cannot read).
     pub seen: Option<Seen>,
+    /// What was read of the request, when [`Asked::leaves`].
+    pub prefixes: Option<Prefixes>,
 }
 
 /// What is known of a request's caching before its answer, and what is
@@ -179,6 +224,55 @@ pub struct Settled {
     pub at: Option<usize>,
 }
 
+/// The request as received and, when the transforms changed it, as sent
+/// (`None` for either: a body that is not its API's object). Each read
+/// from where the conversation's previous request's messages ended when
+/// [`Asked::continues`] (the sent one when its bytes up to there are the
+/// same).
+fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<Anatomy>)> {
+    let shape = asked.shape;
+    let (from_received, from_sent) = match asked.continues.take() {
+        Some(p) => (Some(p.received), Some(p.sent)),
+        None => (None, None),
+    };
+    let of = |body: &[u8], from: Option<anatomy::Prefix>| match from {
+        Some(p) => Anatomy::of_from(shape, body, p),
+        None => Anatomy::of(shape, body),
+    };
+    let received = of(asked.received, from_received)?;
+    // The same bytes (most often the same buffer: not compared).
+    let (p, r) = (asked.prepared, asked.received);
+    if p.as_ptr() == r.as_ptr() && p.len() == r.len() || p == r {
+        return Some((received, None));
+    }
+    let from = match from_sent {
+        Some(Sent::Read(prefix, hash))
+            if prefix.end() <= p.len()
+                && xxhash_rust::xxh3::xxh3_64(&p[..prefix.end()]) == hash =>
+        {
+            Some(prefix)
+        }
+        _ => None,
+    };
+    Some((received, Some(of(p, from)?)))
+}
+
+/// What is kept of a request's reading for its conversation's next one.
+fn prefixes(received: Anatomy, rewritten: Option<Anatomy>, prepared: &[u8]) -> Option<Prefixes> {
+    let sent = match rewritten.map(Anatomy::into_prefix) {
+        None => Sent::Same,
+        Some(Some(p)) if p.end() <= prepared.len() => {
+            let hash = xxhash_rust::xxh3::xxh3_64(&prepared[..p.end()]);
+            Sent::Read(p, hash)
+        }
+        Some(_) => Sent::Unread,
+    };
+    Some(Prefixes {
+        received: received.into_prefix()?,
+        sent,
+    })
+}
+
 impl Settled {
     /// `client at message 3`, `expired`… for the log line.
     pub fn miss(&self) -> Option<String> {
@@ -215,21 +309,11 @@ impl PromptCache {
     /// judges the request against the previous one of its conversation.
     /// Nothing is kept yet: [`PromptCache::keep`] does, once the provider
     /// took the request.
-    pub async fn apply(&self, asked: Asked<'_>) -> Applied {
-        let Some(received) = Anatomy::of(asked.shape, asked.received) else {
+    pub async fn apply(&self, mut asked: Asked<'_>) -> Applied {
+        let Some((received, rewritten)) = read(&mut asked) else {
             return Applied::default();
         };
-        let rewritten;
-        let sent = match asked.prepared == asked.received {
-            true => &received,
-            false => match Anatomy::of(asked.shape, asked.prepared) {
-                Some(a) => {
-                    rewritten = a;
-                    &rewritten
-                }
-                None => return Applied::default(),
-            },
-        };
+        let sent = rewritten.as_ref().unwrap_or(&received);
         if received.chained {
             return Applied::default();
         }
@@ -282,6 +366,9 @@ impl PromptCache {
             conversation,
             record,
         });
+        if asked.leaves {
+            applied.prefixes = prefixes(received, rewritten, asked.prepared);
+        }
         applied
     }
 

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use moka::policy::EvictionPolicy;
 
+use crate::prompt_cache::Prefixes;
 use crate::transform::dedup::State;
 use crate::transform::walk::Scan;
 use crate::transform::{Plan, Rewrite, conversation_seed, prefix_key, start_key};
@@ -31,11 +32,13 @@ const CANDIDATES: usize = 1024;
 const TAIL: usize = 64;
 
 /// What a request continues: the walk and dedup's state of the request
-/// before, whose messages end at `end`.
+/// before, whose messages end at `end`, and what the prompt cache read of
+/// it (added once it did: [`DedupStates::attach`]).
 pub struct Resume {
     pub scan: Scan,
     pub end: usize,
     pub state: State,
+    pub cache: Option<Prefixes>,
 }
 
 /// A kept state's place: where its prefix ends, its key, a hash of the
@@ -80,7 +83,7 @@ impl Read {
 }
 
 fn weight(r: &Resume) -> usize {
-    r.state.size() + r.scan.size() + 64
+    r.state.size() + r.scan.size() + r.cache.as_ref().map_or(0, Prefixes::size) + 64
 }
 
 fn clamp(n: usize) -> u32 {
@@ -157,26 +160,27 @@ impl DedupStates {
 
     /// Keeps what was read of `body`: `scan` as its walk left it (before
     /// its images were decoded) and dedup's `state` (not when the two
-    /// together are over the bound).
-    pub fn keep(&self, body: &[u8], seed: u64, scan: Scan, state: State) {
+    /// together are over the bound); the key it is kept under.
+    pub fn keep(&self, body: &[u8], seed: u64, scan: Scan, state: State) -> Option<u128> {
         if body.len() < MIN_BODY {
-            return;
+            return None;
         }
-        let Some((scan, end)) = scan.upto_messages() else {
-            return;
-        };
+        let (scan, end) = scan.upto_messages()?;
         if state.items() != scan.items.len() || end > body.len() {
-            return;
+            return None;
         }
         let prefix = &body[..end];
         // The next request begins with `prefix`: its first bytes must be
         // in it.
-        let Some(start) = start_key(seed, prefix) else {
-            return;
+        let start = start_key(seed, prefix)?;
+        let resume = Resume {
+            scan,
+            end,
+            state,
+            cache: None,
         };
-        let resume = Resume { scan, end, state };
         if weight(&resume) as u64 > self.bytes {
-            return;
+            return None;
         }
         let key = prefix_key(seed, prefix);
         self.states.insert(key, Arc::new(Mutex::new(Some(resume))));
@@ -198,6 +202,31 @@ impl DedupStates {
             }
             moka::ops::compute::Op::Put(list)
         });
+        Some(key)
+    }
+
+    /// Adds to the state kept under `key` what the prompt cache read of
+    /// its request (when it reads up to where the state's messages end),
+    /// the state weighed again. Nothing when the state was taken already.
+    pub fn attach(&self, key: u128, cache: Prefixes) {
+        let Some(slot) = self.states.get(&key) else {
+            return;
+        };
+        let fits = match slot.lock() {
+            Ok(mut s) => match s.as_mut() {
+                Some(r) if r.end == cache.end() => {
+                    r.cache = Some(cache);
+                    weight(r) as u64 <= self.bytes
+                }
+                _ => return,
+            },
+            Err(_) => return,
+        };
+        match fits {
+            // Put again, to be weighed with it.
+            true => self.states.insert(key, slot),
+            false => self.states.invalidate(&key),
+        }
     }
 
     /// Bytes held by the states (after pending evictions).
@@ -230,12 +259,13 @@ impl DedupStates {
         let walked = scanned.scan().clone();
         scanned.resolve(body);
         let (rewrite, left) = scanned.finish_from(body, &[], state);
-        let read = self.kept(body, seed, &rewrite, left, walked);
+        let (read, _) = self.kept(body, seed, &rewrite, left, walked);
         (rewrite, read)
     }
 
     /// After a request's finish: keeps the state it `left` (with its walk,
-    /// `walked`), and says how it was read.
+    /// `walked`); says how it was read, and the key the state is kept
+    /// under.
     pub fn kept(
         &self,
         body: &[u8],
@@ -243,14 +273,13 @@ impl DedupStates {
         rewrite: &Rewrite,
         left: Option<State>,
         walked: Scan,
-    ) -> Read {
-        if let Some(left) = left {
-            self.keep(body, seed, walked, left);
-        }
-        match rewrite.report.dedup_continued {
+    ) -> (Read, Option<u128>) {
+        let key = left.and_then(|left| self.keep(body, seed, walked, left));
+        let read = match rewrite.report.dedup_continued {
             true => Read::Continued,
             false => Read::Full,
-        }
+        };
+        (read, key)
     }
 }
 #[cfg(test)]

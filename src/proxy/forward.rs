@@ -615,8 +615,16 @@ async fn prompt_cache(
             .all(|&i| routes.upstreams[i].prompt_cache_key),
         min_tokens: state.rewrite.models.caps(model).cache_min_tokens,
         may_change,
+        continues: p.conversation.as_mut().and_then(|c| c.from.take()),
+        leaves: p
+            .conversation
+            .as_ref()
+            .is_some_and(|c| c.kept.get().is_some()),
     };
     let applied = state.cache.apply(asked).await;
+    if let (Some(c), Some(read)) = (&p.conversation, applied.prefixes) {
+        c.attach(read);
+    }
     p.report.breakpoints = applied.breakpoints;
     if let Some(body) = applied.body {
         // Not a Messages request: what was added is a prompt_cache_key.

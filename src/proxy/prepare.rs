@@ -5,7 +5,7 @@
 //! fails a request: a body the transforms cannot walk goes out unchanged.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use http::HeaderMap;
@@ -179,6 +179,28 @@ pub struct Prepared {
     /// Set when the model's vision is unknown and the body may hold images:
     /// an upstream refusal can then be learned from, once.
     pub learn: Option<Learnable>,
+    /// The request's place among its conversation's kept states (a body
+    /// of [`super::dedup_states::MIN_BODY`] or more, with dedup).
+    pub conversation: Option<Continues>,
+}
+
+/// What the prompt cache read of a conversation's previous request, kept
+/// with the state this request continued; and where this request's own
+/// state is kept (once it is), for the prompt cache's reading of it to
+/// join.
+pub struct Continues {
+    pub states: Arc<super::dedup_states::DedupStates>,
+    pub from: Option<crate::prompt_cache::Prefixes>,
+    pub kept: Arc<OnceLock<u128>>,
+}
+
+impl Continues {
+    /// Adds the prompt cache's reading of this request to its kept state.
+    pub fn attach(&self, read: crate::prompt_cache::Prefixes) {
+        if let Some(&key) = self.kept.get() {
+            self.states.attach(key, read);
+        }
+    }
 }
 
 pub struct Learnable {
@@ -290,6 +312,7 @@ async fn prepare_within(
         report: Report::default(),
         saving: None,
         learn,
+        conversation: None,
     };
     if opts.off {
         return Ok(unchanged(body, None));
@@ -568,7 +591,8 @@ fn tenant(headers: &HeaderMap) -> u64 {
 /// a body under [`super::dedup_states::MIN_BODY`] or without dedup), its
 /// seed, and what the conversation's previous request left when this body
 /// begins with its messages (its prefix hashed here, at memory speed):
-/// the walk up to where they end, and dedup's state.
+/// the walk up to where they end, dedup's state, and the prompt cache's
+/// reading.
 #[allow(clippy::type_complexity)]
 fn continuing(
     rw: &Rewriter,
@@ -580,6 +604,7 @@ fn continuing(
     u64,
     Option<(transform::walk::Scan, usize)>,
     Option<transform::dedup::State>,
+    Option<crate::prompt_cache::Prefixes>,
 ) {
     let Some(states) = rw
         .dedup_states
@@ -587,12 +612,18 @@ fn continuing(
         .filter(|_| plan.rules.dedup.is_some() && body.len() >= super::dedup_states::MIN_BODY)
     else {
         // (A small request pays for none of it.)
-        return (None, 0, None, None);
+        return (None, 0, None, None, None);
     };
     let seed = transform::conversation_seed(plan, tenant);
     match states.find(body, seed) {
-        Some(r) => (Some(states), seed, Some((r.scan, r.end)), Some(r.state)),
-        None => (Some(states), seed, None, None),
+        Some(r) => (
+            Some(states),
+            seed,
+            Some((r.scan, r.end)),
+            Some(r.state),
+            r.cache,
+        ),
+        None => (Some(states), seed, None, None, None),
     }
 }
 
@@ -625,12 +656,14 @@ fn heavy(walked: &transform::Scanned, body: &[u8]) -> bool {
 
 /// What a request carries to its finish to continue its conversation:
 /// the states, its seed ([`transform::conversation_seed`]), the state it
-/// continues and its walk as it was (before its images were decoded).
+/// continues and its walk as it was (before its images were decoded); and
+/// where the state it leaves is kept, once it is.
 struct Carry {
     states: Option<Arc<super::dedup_states::DedupStates>>,
     seed: u64,
     state: Option<transform::dedup::State>,
     walked: Option<transform::walk::Scan>,
+    kept: Arc<OnceLock<u128>>,
 }
 
 async fn run(
@@ -648,7 +681,13 @@ async fn run(
     let b = body.clone();
     let fitter = rw.fitter.clone();
     let metrics = rw.metrics.clone();
-    let (states, seed, prefix, state) = continuing(rw, &body, &plan, tenant);
+    let (states, seed, prefix, state, cache) = continuing(rw, &body, &plan, tenant);
+    let kept = Arc::new(OnceLock::new());
+    let conversation = states.clone().map(|states| Continues {
+        states,
+        from: cache,
+        kept: kept.clone(),
+    });
     let walk = move |b: &[u8], plan: &Plan| walk_on(prefix, state, b, plan);
     let resolve =
         move |(mut scanned, state): (transform::Scanned, Option<transform::dedup::State>)| {
@@ -670,6 +709,7 @@ async fn run(
                 seed,
                 state,
                 walked,
+                kept,
             };
             match subjects.is_empty() && media.is_empty() && fits.is_empty() && !over {
                 true => Err(Box::new(finish(carry, &metrics, scanned, &b, &[]))),
@@ -728,6 +768,7 @@ async fn run(
         report,
         saving,
         learn: None,
+        conversation,
     })
 }
 
@@ -745,12 +786,16 @@ fn finish(
         seed,
         state,
         walked,
+        kept,
     } = carry;
     let (Some(states), Some(walked)) = (states, walked) else {
         return scanned.finish(body, descriptions);
     };
     let (rewrite, left) = scanned.finish_from(body, descriptions, state);
-    let read = states.kept(body, seed, &rewrite, left, walked);
+    let (read, key) = states.kept(body, seed, &rewrite, left, walked);
+    if let Some(key) = key {
+        let _ = kept.set(key);
+    }
     metrics.dedup_reads.with_label_values(&[read.label()]).inc();
     rewrite
 }

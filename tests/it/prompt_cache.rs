@@ -594,3 +594,116 @@ async fn odd_bodies_are_forwarded_and_never_a_panic() {
         );
     }
 }
+
+/// Turn `k` of an agent that reads the same file again and again (dedup
+/// rewrites its later reads), in Messages (`chat`: false) or Chat; each
+/// request over the 8 KiB from which visor keeps a conversation's state.
+fn rereading(k: usize, chat: bool) -> Value {
+    let file: Vec<String> = (1..=40)
+        .map(|i| format!("{i:>4}:    total_{i} = add(parts[{i}], weight={i}.25)  # line {i}"))
+        .collect();
+    let read = |i: usize| {
+        let at = (i * 7) % 20;
+        format!(
+            "$ cat sum.py\n{}\nexit code 0",
+            file[at..at + 20].join("\n")
+        )
+    };
+    let task = "Make the totals add up.";
+    let mut messages = match chat {
+        true => vec![
+            json!({"role": "system", "content": words(800)}),
+            json!({"role": "user", "content": task}),
+        ],
+        false => vec![json!({"role": "user", "content": task})],
+    };
+    for i in 1..k {
+        let id = format!("call_{i}");
+        match chat {
+            true => {
+                messages.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "sh", "arguments": "{\"cmd\":\"cat sum.py\"}"}}]}));
+                messages.push(json!({"role": "tool", "tool_call_id": id, "content": read(i)}));
+            }
+            false => {
+                messages.push(json!({"role": "assistant", "content": [
+                    {"type": "tool_use", "id": id, "name": "sh", "input": {"cmd": "cat sum.py"}}]}));
+                messages.push(json!({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": id, "content": read(i)}]}));
+            }
+        }
+    }
+    match chat {
+        true => json!({"model": "gpt-test", "messages": messages}),
+        false => json!({"model": "claude-test", "max_tokens": 256, "system": words(800),
+                        "tools": [{"name": "sh", "description": "Run a shell command", "input_schema": {"type": "object"}}],
+                        "messages": messages}),
+    }
+}
+
+/// Each turn of a conversation through a visor that reads it on from
+/// where its previous request's messages ended (the prompt cache's reading
+/// kept with the conversation's dedup state) and through one that reads
+/// every request in full (`[dedup] state_bytes = 0`): the upstream gets
+/// the same bytes — visor's breakpoints in the same places, the same
+/// `prompt_cache_key` — and the client the same `x-visor-cache`, for
+/// Messages to an Anthropic-kind upstream and Chat to one that opted in to
+/// the key; the bodies dedup rewrote as well as those it left.
+#[tokio::test]
+async fn a_conversation_read_on_from_its_previous_request_is_cached_as_read_in_full() {
+    let upstreams = |sims: &[Arc<CacheSim>; 2]| {
+        let (a, b) = (sims[0].clone(), sims[1].clone());
+        async move { (anthropic(a).await, anthropic(b).await) }
+    };
+    let sims = [Arc::new(CacheSim::default()), Arc::new(CacheSim::default())];
+    let (m1, m2) = upstreams(&sims).await;
+    let (k1, k2) = (openai().await, openai().await);
+    let keyed = |m: &MockUpstream, k: &MockUpstream, extra: &str| {
+        format!(
+            "{extra}\n{}api_key = \"sk-ant-upstream\"\nauth = \"x-api-key\"\nmodels = [\"claude-*\"]\n{}prompt_cache_key = true\nmodels = [\"gpt-*\"]\n",
+            m.upstream_toml("claude"),
+            k.upstream_toml("keyed")
+        )
+    };
+    let on = Visor::start(&keyed(&m1, &k1, "")).await;
+    let full = Visor::start(&keyed(&m2, &k2, "[dedup]\nstate_bytes = 0\n")).await;
+    let mut rewritten = 0;
+    for chat in [false, true] {
+        let (m1, m2) = match chat {
+            false => (&m1, &m2),
+            true => (&k1, &k2),
+        };
+        for k in 1..=12 {
+            let body = rereading(k, chat).to_string();
+            let mut seen = Vec::new();
+            for (visor, mock) in [(&on, m1), (&full, m2)] {
+                let (status, h, answer) = match chat {
+                    false => post_messages(visor, body.clone(), &[]).await,
+                    true => send(post_json(&visor.url("/v1/chat/completions"), body.clone())).await,
+                };
+                assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+                let sent = mock.recorded().pop().unwrap().body;
+                let saved = h
+                    .get("x-visor-bytes-saved")
+                    .map_or(0, |v| v.to_str().unwrap().parse::<u64>().unwrap());
+                seen.push((sent, cache_header(&h), saved));
+            }
+            assert_eq!(
+                seen[0].0, seen[1].0,
+                "chat {chat}, turn {k}: the upstream's bytes"
+            );
+            assert_eq!(seen[0].1, seen[1].1, "chat {chat}, turn {k}: x-visor-cache");
+            assert!(!seen[0].1.is_empty(), "chat {chat}, turn {k}: judged");
+            rewritten += usize::from(seen[0].2 > 0);
+        }
+    }
+    // Both kinds of body were compared: some dedup rewrote, some it left.
+    assert!((4..24).contains(&rewritten), "{rewritten} of 24 rewritten");
+    let continued = metric(
+        &on.metrics().await,
+        "visor_dedup_reads_total",
+        &[("read", "continued")],
+    );
+    assert!(continued.unwrap_or(0.0) >= 20.0, "{continued:?}");
+    let sent = m1.recorded();
+    assert!(markers(&sent.last().unwrap().body).len() >= 2);
+}
