@@ -111,9 +111,16 @@ async fn visor(upstream: SocketAddr, data: &Path) -> SocketAddr {
 type Http = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
 async fn once(client: &Http, addr: SocketAddr, body: &Bytes) -> Duration {
+    send(client, addr, body, "on").await
+}
+
+/// One request with `x-visor-transform: transform` (`off`: visor holds,
+/// checks and forwards the body, and changes nothing).
+async fn send(client: &Http, addr: SocketAddr, body: &Bytes, transform: &str) -> Duration {
     let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
         .header("content-type", "application/json")
         .header("authorization", "Bearer sk-bench")
+        .header("x-visor-transform", transform)
         .body(Full::new(body.clone()))
         .unwrap();
     let started = Instant::now();
@@ -137,12 +144,28 @@ async fn added(
     body: &Bytes,
     rounds: usize,
 ) -> f64 {
+    added_with(client, direct, through, body, rounds, "on")
+        .await
+        .0
+}
+
+/// The added time with `x-visor-transform: transform`, and the direct
+/// median (µs).
+async fn added_with(
+    client: &Http,
+    direct: SocketAddr,
+    through: SocketAddr,
+    body: &Bytes,
+    rounds: usize,
+    transform: &str,
+) -> (f64, f64) {
     let (mut d, mut v) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         d.push(once(client, direct, body).await);
-        v.push(once(client, through, body).await);
+        v.push(send(client, through, body, transform).await);
     }
-    (median(v).as_secs_f64() - median(d).as_secs_f64()) * 1e6
+    let direct = median(d).as_secs_f64() * 1e6;
+    (median(v).as_secs_f64() * 1e6 - direct, direct)
 }
 
 /// A generated tool-calling agent: a system prompt, the task, then rounds
@@ -265,13 +288,24 @@ fn main() {
         }
         // Every turn goes through visor once, as the agent sends it; every
         // `sample`th is measured.
-        println!("generated agent (1,000 turns, every {sample}th measured):");
+        // Beside each: the request straight to the mock (what one more
+        // hop that holds the body must at least pay again: it is received
+        // whole, then sent) and visor's added time with its transforms off.
+        println!("generated agent (1,000 turns, every {sample}th measured; direct, and added with x-visor-transform: off):");
         let mut agent = Agent::new();
         for n in 1..=1000 {
             let body = agent.turn();
             if n == 1 || n % sample.max(1) == 0 {
                 let us = added(&client, up, through, &body, rounds).await;
-                println!("  turn {:>4} {:>9} bytes  {:>8.1} µs", n, body.len(), us);
+                let (off, direct) = added_with(&client, up, through, &body, rounds, "off").await;
+                println!(
+                    "  turn {:>4} {:>9} bytes  {:>8.1} µs   direct {:>8.1} µs   off {:>8.1} µs",
+                    n,
+                    body.len(),
+                    us,
+                    direct,
+                    off
+                );
             } else {
                 once(&client, through, &body).await;
             }

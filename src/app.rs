@@ -117,6 +117,8 @@ pub fn build(
         store,
         life,
         telemetry,
+        checked: (config.dedup.state_bytes > 0)
+            .then(|| Arc::new(crate::proxy::checked_prefixes::CheckedPrefixes::new())),
     })
 }
 

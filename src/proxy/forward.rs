@@ -317,8 +317,14 @@ async fn read_model_and_body(
     let limit = state.server.max_body_bytes;
     if call.shape.is_some() {
         let hint = content_length(&parts.headers).unwrap_or(0);
-        return match tokio::time::timeout_at(call.deadline, read_validated(body, limit, hint)).await
-        {
+        // A large body may begin with one its client sent before.
+        let resumable = state
+            .checked
+            .as_ref()
+            .filter(|_| hint >= super::dedup_states::MIN_BODY as u64)
+            .and_then(|c| c.for_body(super::prepare::tenant(&parts.headers), hint));
+        let read = read_validated(body, limit, hint, resumable);
+        return match tokio::time::timeout_at(call.deadline, read).await {
             Ok(Ok((model, bytes))) => Ok((model, Held::Whole(bytes))),
             Ok(Err(e)) => Err(e.into()),
             Err(_) => Err(VisorError::BodyTimeout.into()),
@@ -1261,8 +1267,9 @@ async fn read_validated(
     mut body: RequestBody,
     limit: u64,
     hint: u64,
+    resumable: Option<super::checked_prefixes::Resumable>,
 ) -> Result<(Option<String>, Bytes), VisorError> {
-    let mut whole = WholeBody::new(hint.min(limit));
+    let mut whole = WholeBody::resuming(hint.min(limit), resumable);
     let mut total: u64 = 0;
     while let Some(frame) = body.frame().await {
         let frame =

@@ -2,6 +2,7 @@
 
 mod admission;
 pub mod body;
+pub mod checked_prefixes;
 pub mod coalesce;
 pub mod dedup_states;
 mod edge;
@@ -71,6 +72,9 @@ pub struct AppState {
     pub life: Lifecycle,
     /// OpenTelemetry traces (`[telemetry]`; `None`: off).
     pub telemetry: Option<Arc<crate::telemetry::Telemetry>>,
+    /// Where clients' bodies were checked, for their next requests
+    /// (phase 2; `None`: `[dedup] state_bytes = 0`).
+    pub checked: Option<Arc<checked_prefixes::CheckedPrefixes>>,
 }
 
 /// Where requests go: the upstreams in config order, their pooled client,

@@ -195,6 +195,22 @@ pub struct Continues {
 }
 
 impl Continues {
+    /// For a request that may continue its conversation (`states`): with
+    /// the prompt cache's reading it continues from, and where its own
+    /// state's key will be.
+    fn new(
+        states: Option<Arc<super::dedup_states::DedupStates>>,
+        from: Option<crate::prompt_cache::Prefixes>,
+    ) -> (Option<Continues>, Arc<OnceLock<u128>>) {
+        let kept = Arc::new(OnceLock::new());
+        let c = states.map(|states| Continues {
+            states,
+            from,
+            kept: kept.clone(),
+        });
+        (c, kept)
+    }
+
     /// Adds the prompt cache's reading of this request to its kept state.
     pub fn attach(&self, read: crate::prompt_cache::Prefixes) {
         if let Some(&key) = self.kept.get() {
@@ -571,7 +587,7 @@ impl Rewriter {
 
 /// Whose conversation a request is, for the dedup states: a keyed hash of
 /// the client's credential headers (never the credential), 0 for none.
-fn tenant(headers: &HeaderMap) -> u64 {
+pub(super) fn tenant(headers: &HeaderMap) -> u64 {
     let mut who = Vec::new();
     for name in ["authorization", "x-api-key", "api-key", "x-goog-api-key"] {
         if let Some(v) = headers.get(name) {
@@ -682,12 +698,7 @@ async fn run(
     let fitter = rw.fitter.clone();
     let metrics = rw.metrics.clone();
     let (states, seed, prefix, state, cache) = continuing(rw, &body, &plan, tenant);
-    let kept = Arc::new(OnceLock::new());
-    let conversation = states.clone().map(|states| Continues {
-        states,
-        from: cache,
-        kept: kept.clone(),
-    });
+    let (conversation, kept) = Continues::new(states.clone(), cache);
     let walk = move |b: &[u8], plan: &Plan| walk_on(prefix, state, b, plan);
     let resolve =
         move |(mut scanned, state): (transform::Scanned, Option<transform::dedup::State>)| {

@@ -15,6 +15,8 @@
 //!   (before its model) is refused ([`JsonScanner::error`]). A
 //!   `multipart/form-data` body's `model` field is found by [`FormScanner`].
 
+use super::checked_prefixes::{Mark, Resumable};
+
 /// What a scan of a whole body found.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Probed {
@@ -31,21 +33,41 @@ pub struct WholeBody {
     first: Option<bytes::Bytes>,
     buf: bytes::BytesMut,
     hint: usize,
+    /// The client's checked prefixes this body may continue.
+    resumable: Option<Resumable>,
+    /// The check waits for the whole body (it may continue one of them).
+    waiting: bool,
 }
 
 impl WholeBody {
     /// `hint`: the expected size (`Content-Length`, capped by the limit).
     pub fn new(hint: u64) -> Self {
+        Self::resuming(hint, None)
+    }
+
+    /// [`WholeBody::new`] for a body that may continue one its client sent
+    /// before (checked only after the bytes they share).
+    pub fn resuming(hint: u64, resumable: Option<Resumable>) -> Self {
         Self {
             scanner: JsonScanner::new(),
             first: None,
             buf: bytes::BytesMut::new(),
             hint: usize::try_from(hint).unwrap_or(0),
+            resumable,
+            waiting: false,
         }
     }
 
     pub fn push(&mut self, data: bytes::Bytes) {
-        self.scanner.feed(&data);
+        let at_start = self.first.is_none() && self.buf.is_empty();
+        if let Some(r) = self.resumable.as_mut().filter(|_| at_start)
+            && data.len() >= crate::transform::START
+        {
+            self.waiting = r.look_up(&data);
+        }
+        if !self.waiting {
+            self.scanner.feed(&data);
+        }
         match self.first.take() {
             None if self.buf.is_empty() => self.first = Some(data),
             None => self.buf.extend_from_slice(&data),
@@ -59,15 +81,37 @@ impl WholeBody {
 
     /// The model and the body, or why it is not a JSON object.
     pub fn finish(self) -> Result<(Option<String>, bytes::Bytes), String> {
-        let probed = self.scanner.finish()?;
         let bytes = match self.first {
             Some(f) => f,
             None => self.buf.freeze(),
         };
+        let mut scanner = self.scanner;
+        // Checked from where a body it begins with was, or whole.
+        let (hashed, from) = match self.resumable.as_ref().filter(|_| self.waiting) {
+            Some(r) => match r.resume(&bytes) {
+                Some((s, hashed)) => {
+                    let end = hashed.end();
+                    scanner = s;
+                    scanner.feed(&bytes[end..]);
+                    (Some(hashed), end)
+                }
+                None => {
+                    scanner.feed(&bytes);
+                    (None, 0)
+                }
+            },
+            None => (None, 0),
+        };
+        let mark = Mark::of(&scanner);
+        let probed = scanner.finish()?;
         // JSON is UTF-8 (RFC 8259): a body that is not would reach the
-        // upstream as bytes no JSON parser there accepts the same way.
-        if let Err(e) = std::str::from_utf8(&bytes) {
-            return Err(format!("invalid UTF-8 at byte {}", e.valid_up_to()));
+        // upstream as bytes no JSON parser there accepts the same way. (The
+        // bytes a checked body shared end after an ASCII `}`.)
+        if let Err(e) = std::str::from_utf8(&bytes[from..]) {
+            return Err(format!("invalid UTF-8 at byte {}", from + e.valid_up_to()));
+        }
+        if let Some(r) = &self.resumable {
+            r.keep(&bytes, mark, probed.model.as_deref(), hashed);
         }
         Ok((probed.model, bytes))
     }
@@ -168,6 +212,14 @@ pub struct JsonScanner {
     seen_model: bool,
     model: Option<String>,
     error: Option<String>,
+    /// Where the top-level `model` key (any case) was read.
+    model_key_at: Option<u64>,
+    /// The top-level member being read is `messages` or `input`.
+    in_items: bool,
+    /// Just after the last container that ended as an element of the
+    /// top-level `messages` (or `input`) array: where the body may be
+    /// taken up again ([`JsonScanner::resumed`]).
+    items_end: Option<u64>,
 }
 
 impl Default for JsonScanner {
@@ -189,7 +241,40 @@ impl JsonScanner {
             seen_model: false,
             model: None,
             error: None,
+            model_key_at: None,
+            in_items: false,
+            items_end: None,
         }
+    }
+
+    /// A scanner that goes on from `end` of a body whose bytes up to there
+    /// are known to be a JSON object's, with `end` just after an element of
+    /// its top-level `messages` (or `input`) array ([`JsonScanner::items_end`]
+    /// of a scan of them): what it read before, the `model` key (`seen`, in
+    /// any case) and value.
+    pub fn resumed(end: u64, seen_model: bool, model: Option<String>) -> Self {
+        Self {
+            state: State::AfterValue,
+            stack: vec![b'{', b'['],
+            offset: end,
+            seen_model,
+            model,
+            model_key_at: seen_model.then_some(0),
+            in_items: true,
+            items_end: Some(end),
+            ..Self::new()
+        }
+    }
+
+    /// Where the last element of the top-level `messages` (or `input`)
+    /// array that is an object or array ends, once read.
+    pub fn items_end(&self) -> Option<u64> {
+        self.items_end
+    }
+
+    /// Whether the top-level `model` key (any case) came before `end`.
+    pub fn model_key_before(&self, end: u64) -> bool {
+        self.model_key_at.is_some_and(|at| at < end)
     }
 
     /// True once the model's value has been read (or the body is invalid):
@@ -272,6 +357,9 @@ impl JsonScanner {
                     if let Err(why) = self.structure(b) {
                         return self.fail(i, why);
                     }
+                    if matches!(b, b'}' | b']') && self.in_items && self.stack.len() == 2 {
+                        self.items_end = Some(self.offset + i as u64 + 1);
+                    }
                 }
             }
             i += 1;
@@ -310,7 +398,7 @@ impl JsonScanner {
                 }
                 let i = i + off;
                 match chunk[i] {
-                    b'"' => self.end_string(key),
+                    b'"' => self.end_string(key, self.offset + i as u64),
                     b'\\' => {
                         self.capture(b"\\");
                         self.state = State::Escape { key };
@@ -475,7 +563,8 @@ impl JsonScanner {
         }
     }
 
-    fn end_string(&mut self, key: bool) {
+    /// The string that ends at `at` read.
+    fn end_string(&mut self, key: bool, at: u64) {
         if key {
             self.state = State::Colon;
             // `model` in any case (Go's encoding/json matches keys so):
@@ -495,6 +584,10 @@ impl JsonScanner {
                     ),
                 },
             };
+            if self.stack.len() == 1 {
+                self.in_items =
+                    !self.key_overflow && (self.key == b"messages" || self.key == b"input");
+            }
             if any_case {
                 if self.seen_model {
                     self.state = State::Failed;
@@ -502,6 +595,7 @@ impl JsonScanner {
                     return;
                 }
                 self.seen_model = true;
+                self.model_key_at = Some(at);
                 self.model_next = exact;
             }
             return;

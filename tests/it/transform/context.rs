@@ -761,3 +761,49 @@ async fn one_clients_state_is_never_anothers() {
     let m2 = visor.metrics().await;
     assert_eq!(read(&m2, "continued") - read(&m1, "continued"), 2.0);
 }
+
+/// A conversation's next request is checked only after the bytes it
+/// shares with the request before (known the same by their hash): a body
+/// whose messages go on but that breaks after them, or that changed a
+/// byte before, is refused with what a visor keeping no conversation
+/// states says; the turn itself goes through.
+#[tokio::test]
+async fn a_continued_body_is_refused_and_routed_as_one_read_whole() {
+    let mock = MockUpstream::start(|_| chat_ok()).await;
+    let on = Visor::for_mock(&mock, "").await;
+    let full = Visor::for_mock(&mock, "[dedup]\nstate_bytes = 0\n").await;
+    let msgs = rereading_agent(12);
+    let body = |t: usize, tail: &str| {
+        let m = serde_json::to_string(&msgs[..t]).unwrap();
+        format!(r#"{{"model":"gpt-4o","messages":{m}{tail}}}"#).into_bytes()
+    };
+    let answer = |visor: &Visor, b: Vec<u8>| {
+        let url = visor.url("/v1/chat/completions");
+        async move {
+            let (status, _, text) = send(post_json(&url, b)).await;
+            (status, String::from_utf8_lossy(&text).into_owned())
+        }
+    };
+    // The turn before, checked whole and kept.
+    for visor in [&on, &full] {
+        assert_eq!(answer(visor, body(15, "")).await.0, 200);
+    }
+    let broken = [
+        body(17, r#","temperature":tru"#),
+        body(17, r#","Model":"other""#),
+        body(17, ",\"user\":\"\u{1}\""),
+        // A control byte in the third message: before the bytes' end.
+        String::from_utf8(body(17, ""))
+            .unwrap()
+            .replacen("Fix", "Fi\u{1}", 1)
+            .into_bytes(),
+    ];
+    for (i, b) in broken.into_iter().enumerate() {
+        let (got, want) = (answer(&on, b.clone()).await, answer(&full, b).await);
+        assert_eq!(got.0, 400, "case {i}: {}", got.1);
+        assert_eq!(got, want, "case {i}");
+    }
+    let recorded = mock.count();
+    assert_eq!(answer(&on, body(17, "")).await.0, 200);
+    assert_eq!(mock.count(), recorded + 1);
+}
