@@ -35,6 +35,25 @@ pub fn without_media_of_json(body: &Bytes) -> Option<Bytes> {
     kept(body, true)
 }
 
+/// [`without_media_of_json`] of a body whose first `clean` bytes are known
+/// to hold nothing it replaces: they are, up to just after its last
+/// message (outside any string), a body that was found so. Only what
+/// follows is looked at; also whether the whole body holds nothing (then
+/// it is kept as it came).
+pub fn without_media_of_json_after(body: &Bytes, clean: usize) -> (Option<Bytes>, bool) {
+    let clean = clean.min(body.len());
+    if !may_hold_media_or_secrets_after(body, clean) {
+        return (Some(body.clone()), true);
+    }
+    (stripped(body), false)
+}
+
+fn stripped(body: &Bytes) -> Option<Bytes> {
+    let mut v: Value = serde_json::from_slice(body).ok()?;
+    strip(&mut v, 0);
+    serde_json::to_vec(&v).ok().map(Bytes::from)
+}
+
 fn kept(body: &Bytes, checked: bool) -> Option<Bytes> {
     // Most requests hold nothing to strip: kept as they came, once one
     // pass says so (the caller's own copy: see `Inspector::hold`).
@@ -46,9 +65,7 @@ fn kept(body: &Bytes, checked: bool) -> Option<Bytes> {
         }
         return Some(body.clone());
     }
-    let mut v: Value = serde_json::from_slice(body).ok()?;
-    strip(&mut v, 0);
-    serde_json::to_vec(&v).ok().map(Bytes::from)
+    stripped(body)
 }
 
 /// Whether `body` may hold something [`without_media`] replaces: a long
@@ -58,10 +75,19 @@ fn kept(body: &Bytes, checked: bool) -> Option<Bytes> {
 /// false positive only costs the full read; a body of any size that holds
 /// none of them (an agent's text history) is kept as it came.
 fn may_hold_media_or_secrets(body: &[u8]) -> bool {
-    if finder(Word::Base64Url).find(body).is_some() || std::str::from_utf8(body).is_err() {
+    may_hold_media_or_secrets_after(body, 0)
+}
+
+/// [`may_hold_media_or_secrets`] of what follows `from`, a point outside
+/// any string after an ASCII byte: no word, string or run that holds
+/// `from - 1` can be one of them, and the runs are counted in the same
+/// 64-byte blocks as from the start.
+fn may_hold_media_or_secrets_after(body: &[u8], from: usize) -> bool {
+    let rest = &body[from..];
+    if finder(Word::Base64Url).find(rest).is_some() || std::str::from_utf8(rest).is_err() {
         return true;
     }
-    long_runs(body) || may_hold_secrets(body)
+    long_runs(&body[from - from % 64..]) || may_hold_secrets(rest)
 }
 
 /// Whether `body` may hold a run of [`MIN_RUN`] base64 characters
@@ -689,5 +715,44 @@ mod tests {
             two.keep(i, k(1));
         }
         assert!(two.get(1).is_none() && two.get(2).is_some() && two.used() == 2);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// A body whose first bytes, up to just after its last clean
+        /// message, are a body found to hold nothing, is kept as a read of
+        /// it all keeps it — whatever follows (a data URL, a base64 run of
+        /// any alignment, a credential key, a signed URL, a byte array,
+        /// escapes) — and said clean exactly when it is.
+        #[test]
+        fn what_follows_a_clean_prefix_is_stripped_as_in_a_whole_read(
+            clean in proptest::collection::vec(0usize..60, 1..20),
+            added in proptest::collection::vec(0u8..9, 0..4),
+            pad in 0usize..64,
+        ) {
+            let png: Vec<u8> = (0..900u32).map(|i| (i * 7 % 251) as u8).collect();
+            let text = |n: usize| format!(r#"{{"role":"tool","content":"line {n}: key token auth \"x\"\n{}"}}"#, "y".repeat(n));
+            let mut messages: Vec<String> = clean.iter().map(|&n| text(n)).collect();
+            let prefix = format!(r#"{{"model":"m","messages":[{}"#, messages.join(","));
+            let first = format!("{prefix}]}}");
+            let (_, first_clean) = without_media_of_json_after(&Bytes::from(first.clone()), 0);
+            proptest::prop_assert!(first_clean);
+            for a in &added {
+                messages.push(match a {
+                    0 => format!(r#"{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{}"}}}}]}}"#, b64(&png)),
+                    1 => format!(r#"{{"role":"tool","content":"{}{}"}}"#, "z".repeat(pad), b64(&png)),
+                    2 => r#"{"role":"user","api_key":"sk-SECRET"}"#.to_owned(),
+                    3 => r#"{"role":"user","content":"https://x.example/f?X-Amz-Signature=abc"}"#.to_owned(),
+                    4 => format!(r#"{{"role":"user","data":[{}]}}"#, vec!["7"; 300].join(",")),
+                    5 => r#"{"role":"user","content":"\u0068ttps://x.example/?sig=1&token=2"}"#.to_owned(),
+                    _ => text(pad),
+                });
+            }
+            let next = Bytes::from(format!(r#"{{"model":"m","messages":[{}]}}"#, messages.join(",")));
+            let after = without_media_of_json_after(&next, prefix.len());
+            let whole = without_media_of_json_after(&next, 0);
+            proptest::prop_assert_eq!(&after, &whole);
+            proptest::prop_assert_eq!(after.0, without_media_of_json(&next));
+        }
     }
 }

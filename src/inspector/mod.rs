@@ -512,8 +512,39 @@ impl Inspector {
         self.hold_checked(body, true)
     }
 
+    /// [`Inspector::hold_json`] of a body whose first `clean` bytes are
+    /// known to hold nothing to strip (see
+    /// [`bodies::without_media_of_json_after`]); `found_clean` is set when
+    /// the whole body holds nothing either (a large body's, once read).
+    pub fn hold_json_after(
+        &self,
+        body: &Bytes,
+        clean: usize,
+        found_clean: Option<Arc<std::sync::atomic::AtomicBool>>,
+    ) -> Option<Held> {
+        if !self.holds(body)
+            || body.len() <= RAW_MAX
+            || tokio::runtime::Handle::try_current().is_err()
+        {
+            return self.hold_json(body);
+        }
+        let b = body.clone();
+        Some(Held::Stripping(tokio::task::spawn_blocking(move || {
+            let (kept, whole) = bodies::without_media_of_json_after(&b, clean);
+            if let (true, Some(f)) = (whole, found_clean) {
+                f.store(true, Ordering::Relaxed);
+            }
+            kept
+        })))
+    }
+
+    /// A body of this size is kept.
+    fn holds(&self, body: &Bytes) -> bool {
+        self.enabled && body.len() <= self.body_bytes.saturating_mul(4) && self.body_bytes != 0
+    }
+
     fn hold_checked(&self, body: &Bytes, json: bool) -> Option<Held> {
-        if !self.enabled || body.len() > self.body_bytes.saturating_mul(4) || self.body_bytes == 0 {
+        if !self.holds(body) {
             return None;
         }
         if body.len() <= RAW_MAX || tokio::runtime::Handle::try_current().is_err() {

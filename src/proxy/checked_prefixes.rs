@@ -13,6 +13,7 @@
 //! its `model`.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use moka::policy::EvictionPolicy;
@@ -39,6 +40,17 @@ pub struct Checked {
     /// model it named.
     model_key: bool,
     model: Option<Arc<str>>,
+    /// Set once the inspector found the body holds nothing it strips.
+    clean: Arc<AtomicBool>,
+}
+
+/// What a body shares with the one its client sent before, for the
+/// inspector: its first `clean` bytes are that body's, which held nothing
+/// to strip; `mark`, set once this body is found to hold nothing either.
+#[derive(Debug, Default)]
+pub struct Shared {
+    pub clean: usize,
+    pub mark: Option<Arc<AtomicBool>>,
 }
 
 type List = Arc<Mutex<VecDeque<Checked>>>;
@@ -171,8 +183,9 @@ impl Resumable {
     }
 
     /// The scanner for the whole `body`, from the newest candidate whose
-    /// bytes it begins with, and the hash up to there; `None`: none is.
-    pub fn resume(&self, body: &[u8]) -> Option<(JsonScanner, Hashed)> {
+    /// bytes it begins with, the hash up to there, and whether those bytes
+    /// were found to hold nothing the inspector strips; `None`: none is.
+    pub fn resume(&self, body: &[u8]) -> Option<(JsonScanner, Hashed, bool)> {
         let candidates = self.candidates.as_ref()?;
         for c in candidates {
             if c.end >= body.len() || tail(&body[..c.end]) != c.tail {
@@ -182,7 +195,7 @@ impl Resumable {
             if h == c.hash {
                 let model = c.model.as_deref().map(str::to_owned);
                 let scanner = JsonScanner::resumed(c.end as u64, c.model_key, model);
-                return Some((scanner, hashed));
+                return Some((scanner, hashed, c.clean.load(Ordering::Relaxed)));
             }
         }
         None
@@ -190,17 +203,21 @@ impl Resumable {
 
     /// Keeps where `body`, found to be a JSON object, ends its messages
     /// (`mark`: [`Mark::of`] its scanner), and its `model`; `hashed`: its
-    /// hash so far.
-    pub fn keep(&self, body: &[u8], mark: Mark, model: Option<&str>, hashed: Option<Hashed>) {
-        let Some(end) = mark.end else {
-            return;
-        };
+    /// hash so far. The flag to set once the body is found to hold nothing
+    /// the inspector strips.
+    pub fn keep(
+        &self,
+        body: &[u8],
+        mark: Mark,
+        model: Option<&str>,
+        hashed: Option<Hashed>,
+    ) -> Option<Arc<AtomicBool>> {
+        let end = mark.end?;
         if body.len() < MIN_BODY || end > body.len() {
-            return;
+            return None;
         }
-        let Some(start) = CheckedPrefixes::start(self.tenant, &body[..end]) else {
-            return;
-        };
+        let start = CheckedPrefixes::start(self.tenant, &body[..end])?;
+        let clean = Arc::new(AtomicBool::new(false));
         let hashed = hashed
             .filter(|h| h.at <= end)
             .unwrap_or_else(|| Hashed::new(self.tenant));
@@ -212,6 +229,7 @@ impl Resumable {
             hash,
             model_key,
             model: model.filter(|_| model_key).map(Arc::from),
+            clean: clean.clone(),
         };
         self.checked.starts.entry(start).and_compute_with(|found| {
             let list = found.map(|e| e.into_value()).unwrap_or_default();
@@ -224,6 +242,7 @@ impl Resumable {
             }
             moka::ops::compute::Op::Put(list)
         });
+        Some(clean)
     }
 }
 

@@ -75,6 +75,28 @@ use crate::telemetry::AttemptSpan;
 use crate::transform::Shape;
 use crate::upstream::{BodyState, LimitedBody, RequestBody, ResponseBody, UpstreamBody};
 
+/// The body as the client sent it, held for the inspector: a small one
+/// copied, a large one stripped of its media as soon as it is read (only
+/// after what it shares with its client's body before, when that held
+/// nothing to strip).
+fn hold_for_inspector(
+    state: &AppState,
+    call: &mut Call,
+    held: &Held,
+) -> Option<crate::inspector::Held> {
+    match held {
+        // A request of a known API was checked to be JSON as it was read.
+        Held::Whole(b) if call.shape.is_some() => {
+            let shared = std::mem::take(&mut call.shared);
+            state
+                .inspector
+                .hold_json_after(b, shared.clean, shared.mark)
+        }
+        Held::Whole(b) => state.inspector.hold(b),
+        Held::Streamed(_) => None,
+    }
+}
+
 /// The phases, in order (see the module's list). Each returns what the next
 /// needs, or a [`Stop`] that the edge ([`super::edge::Edge::answer`]) turns
 /// into visor's answer.
@@ -85,14 +107,7 @@ pub async fn handle(
 ) -> Result<Response<ProxyBody>, Stop> {
     let (mut call, parts, body) = Call::new(state, req)?; // 1. limit
     let held = read_body(state, &mut call, &parts, body).await?; // 2. body
-    // The inspector keeps the body as the client sent it (a small one
-    // copied, a large one stripped of its media as soon as it is read).
-    let client_body = match &held {
-        // A request of a known API was checked to be JSON as it was read.
-        Held::Whole(b) if call.shape.is_some() => state.inspector.hold_json(b),
-        Held::Whole(b) => state.inspector.hold(b),
-        Held::Streamed(_) => None,
-    };
+    let client_body = hold_for_inspector(state, &mut call, &held);
     edge.model_read(call.model.as_deref());
     call.index = state.routes.route(call.model.as_deref())?; // 3. route
     edge.routed(call.index, call.model.as_deref());
@@ -195,6 +210,8 @@ struct Call {
     index: usize,
     /// The body's size as the client sent it (when known).
     bytes_in: u64,
+    /// What a body read whole shares with its client's body before.
+    shared: super::checked_prefixes::Shared,
     /// The request's trace, when traced; its attempts' target once routed.
     trace: Option<crate::telemetry::Trace>,
     target: Option<super::traced::Target>,
@@ -275,6 +292,7 @@ impl Call {
             model: None,
             index: 0,
             bytes_in: content_length(&parts.headers).unwrap_or(0),
+            shared: Default::default(),
             trace,
             target: None,
         };
@@ -300,20 +318,22 @@ async fn read_body(
     parts: &http::request::Parts,
     body: RequestBody,
 ) -> Result<Held, Stop> {
-    let (model, held) = read_model_and_body(state, call, parts, body).await?;
+    let (model, held, shared) = read_model_and_body(state, call, parts, body).await?;
     call.model = model;
+    call.shared = shared;
     if let Held::Whole(b) = &held {
         call.bytes_in = b.len() as u64;
     }
     Ok(held)
 }
 
+#[allow(clippy::type_complexity)]
 async fn read_model_and_body(
     state: &AppState,
     call: &Call,
     parts: &http::request::Parts,
     body: RequestBody,
-) -> Result<(Option<String>, Held), Stop> {
+) -> Result<(Option<String>, Held, super::checked_prefixes::Shared), Stop> {
     let limit = state.server.max_body_bytes;
     if call.shape.is_some() {
         let hint = content_length(&parts.headers).unwrap_or(0);
@@ -325,7 +345,7 @@ async fn read_model_and_body(
             .and_then(|c| c.for_body(super::prepare::tenant(&parts.headers), hint));
         let read = read_validated(body, limit, hint, resumable);
         return match tokio::time::timeout_at(call.deadline, read).await {
-            Ok(Ok((model, bytes))) => Ok((model, Held::Whole(bytes))),
+            Ok(Ok((model, bytes, shared))) => Ok((model, Held::Whole(bytes), shared)),
             Ok(Err(e)) => Err(e.into()),
             Err(_) => Err(VisorError::BodyTimeout.into()),
         };
@@ -353,7 +373,7 @@ async fn read_model_and_body(
                 Err(_) => return Err(VisorError::BodyTimeout.into()),
             }
         }
-        return Ok((None, Held::Streamed(b)));
+        return Ok((None, Held::Streamed(b), Default::default()));
     }
     // The route depends on the model: read it from the body whatever the
     // Content-Type says (a JSON object, or a multipart form's `model`
@@ -375,7 +395,7 @@ async fn read_model_and_body(
         Ok::<_, VisorError>((model, b))
     };
     match tokio::time::timeout_at(call.deadline, read).await {
-        Ok(Ok((model, b))) => Ok((model, Held::Streamed(b))),
+        Ok(Ok((model, b))) => Ok((model, Held::Streamed(b), Default::default())),
         Ok(Err(e)) => Err(e.into()),
         Err(_) => Err(VisorError::BodyTimeout.into()),
     }
@@ -1268,7 +1288,7 @@ async fn read_validated(
     limit: u64,
     hint: u64,
     resumable: Option<super::checked_prefixes::Resumable>,
-) -> Result<(Option<String>, Bytes), VisorError> {
+) -> Result<(Option<String>, Bytes, super::checked_prefixes::Shared), VisorError> {
     let mut whole = WholeBody::resuming(hint.min(limit), resumable);
     let mut total: u64 = 0;
     while let Some(frame) = body.frame().await {
@@ -1283,8 +1303,7 @@ async fn read_validated(
         }
         whole.push(data);
     }
-    let (model, bytes) = whole.finish().map_err(VisorError::InvalidJson)?;
-    Ok((model, bytes))
+    whole.finish_shared().map_err(VisorError::InvalidJson)
 }
 
 /// Finds a body's model as it streams: a JSON object's top-level `model`,

@@ -15,7 +15,7 @@
 //!   (before its model) is refused ([`JsonScanner::error`]). A
 //!   `multipart/form-data` body's `model` field is found by [`FormScanner`].
 
-use super::checked_prefixes::{Mark, Resumable};
+use super::checked_prefixes::{Mark, Resumable, Shared};
 
 /// What a scan of a whole body found.
 #[derive(Debug, PartialEq, Eq)]
@@ -81,26 +81,32 @@ impl WholeBody {
 
     /// The model and the body, or why it is not a JSON object.
     pub fn finish(self) -> Result<(Option<String>, bytes::Bytes), String> {
+        self.finish_shared().map(|(m, b, _)| (m, b))
+    }
+
+    /// [`WholeBody::finish`], and what the body shares with the one its
+    /// client sent before.
+    pub fn finish_shared(self) -> Result<(Option<String>, bytes::Bytes, Shared), String> {
         let bytes = match self.first {
             Some(f) => f,
             None => self.buf.freeze(),
         };
         let mut scanner = self.scanner;
         // Checked from where a body it begins with was, or whole.
-        let (hashed, from) = match self.resumable.as_ref().filter(|_| self.waiting) {
+        let (hashed, from, clean) = match self.resumable.as_ref().filter(|_| self.waiting) {
             Some(r) => match r.resume(&bytes) {
-                Some((s, hashed)) => {
+                Some((s, hashed, clean)) => {
                     let end = hashed.end();
                     scanner = s;
                     scanner.feed(&bytes[end..]);
-                    (Some(hashed), end)
+                    (Some(hashed), end, clean)
                 }
                 None => {
                     scanner.feed(&bytes);
-                    (None, 0)
+                    (None, 0, false)
                 }
             },
-            None => (None, 0),
+            None => (None, 0, false),
         };
         let mark = Mark::of(&scanner);
         let probed = scanner.finish()?;
@@ -110,10 +116,14 @@ impl WholeBody {
         if let Err(e) = std::str::from_utf8(&bytes[from..]) {
             return Err(format!("invalid UTF-8 at byte {}", from + e.valid_up_to()));
         }
-        if let Some(r) = &self.resumable {
-            r.keep(&bytes, mark, probed.model.as_deref(), hashed);
-        }
-        Ok((probed.model, bytes))
+        let shared = Shared {
+            clean: if clean { from } else { 0 },
+            mark: self
+                .resumable
+                .as_ref()
+                .and_then(|r| r.keep(&bytes, mark, probed.model.as_deref(), hashed)),
+        };
+        Ok((probed.model, bytes, shared))
     }
 }
 

@@ -691,3 +691,51 @@ async fn open_means_open_to_this_machine_and_bodies_keep_no_credential() {
     assert_eq!(status, 303);
     assert!(h["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
 }
+
+/// A conversation's large requests (read off the worker): each one's
+/// body is looked at for credentials and media only after the bytes it
+/// shares with the request before, which held none — and what a later
+/// turn adds is still taken out.
+#[tokio::test]
+async fn a_continued_conversation_keeps_no_credential_or_image_its_new_turn_adds() {
+    let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    // Over the 256 KiB from which a body is read off the worker.
+    let mut messages: Vec<Value> = (0..40)
+        .map(|i| json!({"role": "tool", "content": format!("output {i}: {}", "a b ".repeat(2000))}))
+        .collect();
+    let body = |m: &[Value]| json!({"model": "m", "messages": m}).to_string();
+    for turn in 0..2 {
+        messages.push(json!({"role": "user", "content": format!("go on {turn}")}));
+        let id = format!("req-turn-{turn}");
+        send(with_id(
+            "/v1/chat/completions",
+            &visor,
+            &id,
+            body(&messages),
+        ))
+        .await;
+        // Kept (so its body was looked at) before the next turn.
+        detail(&visor, &id, None).await;
+    }
+    let png: Vec<u8> = (0..3000u32).map(|i| (i * 7 % 251) as u8).collect();
+    messages.push(json!({"role": "user", "api_key": "sk-turn-SECRET", "content": [
+        {"type": "text", "text": "and this"},
+        {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", base64_encode(&png))}}]}));
+    send(with_id(
+        "/v1/chat/completions",
+        &visor,
+        "req-turn-2",
+        body(&messages),
+    ))
+    .await;
+    let d = detail(&visor, "req-turn-2", None).await;
+    assert_eq!(d["request"]["bodies_kept"], true);
+    let text = d.to_string();
+    assert!(!text.contains("SECRET"), "a credential was kept");
+    assert!(
+        !text.contains(&base64_encode(&png)[..200]),
+        "image bytes were kept"
+    );
+    assert!(text.contains("[redacted]") && text.contains("[base64: 3000 bytes"));
+}
