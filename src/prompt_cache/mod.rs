@@ -20,6 +20,7 @@ pub mod breakpoints;
 pub mod ledger;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -92,9 +93,10 @@ pub struct Prefixes {
 enum Sent {
     /// It was the same body.
     Same,
-    /// Another body, read up to the end of its messages, and a hash of
-    /// its bytes up to there.
-    Read(anatomy::Prefix, u64),
+    /// Another body, read up to the end of its messages, a hash of its
+    /// bytes up to there, and a flag the inspector sets once it finds the
+    /// body holds nothing it strips.
+    Read(anatomy::Prefix, u64, Arc<AtomicBool>),
     /// Another body, nothing kept of it.
     Unread,
 }
@@ -109,7 +111,7 @@ impl Prefixes {
     pub fn size(&self) -> usize {
         self.received.size()
             + match &self.sent {
-                Sent::Read(p, _) => p.size(),
+                Sent::Read(p, ..) => p.size(),
                 Sent::Same | Sent::Unread => 0,
             }
     }
@@ -128,6 +130,13 @@ pub struct Applied {
     pub seen: Option<Seen>,
     /// What was read of the request, when [`Asked::leaves`].
     pub prefixes: Option<Prefixes>,
+    /// The body as sent (when the transforms changed it) begins with this
+    /// many bytes of the conversation's previous one as sent, which held
+    /// nothing the inspector strips.
+    pub sent_clean: usize,
+    /// Set by the inspector once it finds the body as sent (not
+    /// [`Applied::body`]) holds nothing it strips.
+    pub sent_mark: Option<Arc<AtomicBool>>,
 }
 
 /// What is known of a request's caching before its answer, and what is
@@ -228,8 +237,8 @@ pub struct Settled {
 /// (`None` for either: a body that is not its API's object). Each read
 /// from where the conversation's previous request's messages ended when
 /// [`Asked::continues`] (the sent one when its bytes up to there are the
-/// same).
-fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<Anatomy>)> {
+/// same: then also how many of them held nothing the inspector strips).
+fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<Anatomy>, usize)> {
     let shape = asked.shape;
     let (from_received, from_sent) = match asked.continues.take() {
         Some(p) => (Some(p.received), Some(p.sent)),
@@ -243,34 +252,47 @@ fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<Anatomy>)> {
     // The same bytes (most often the same buffer: not compared).
     let (p, r) = (asked.prepared, asked.received);
     if p.as_ptr() == r.as_ptr() && p.len() == r.len() || p == r {
-        return Some((received, None));
+        return Some((received, None, 0));
     }
-    let from = match from_sent {
-        Some(Sent::Read(prefix, hash))
+    let (from, clean) = match from_sent {
+        Some(Sent::Read(prefix, hash, clean))
             if prefix.end() <= p.len()
                 && xxhash_rust::xxh3::xxh3_64(&p[..prefix.end()]) == hash =>
         {
-            Some(prefix)
+            let clean = match clean.load(Ordering::Relaxed) {
+                true => prefix.end(),
+                false => 0,
+            };
+            (Some(prefix), clean)
         }
-        _ => None,
+        _ => (None, 0),
     };
-    Some((received, Some(of(p, from)?)))
+    Some((received, Some(of(p, from)?), clean))
 }
 
-/// What is kept of a request's reading for its conversation's next one.
-fn prefixes(received: Anatomy, rewritten: Option<Anatomy>, prepared: &[u8]) -> Option<Prefixes> {
+/// What is kept of a request's reading for its conversation's next one;
+/// and, for a body sent that is not the one received, the flag for the
+/// inspector to set.
+fn prefixes(
+    received: Anatomy,
+    rewritten: Option<Anatomy>,
+    prepared: &[u8],
+) -> (Option<Prefixes>, Option<Arc<AtomicBool>>) {
+    let mut mark = None;
     let sent = match rewritten.map(Anatomy::into_prefix) {
         None => Sent::Same,
         Some(Some(p)) if p.end() <= prepared.len() => {
             let hash = xxhash_rust::xxh3::xxh3_64(&prepared[..p.end()]);
-            Sent::Read(p, hash)
+            let clean = Arc::new(AtomicBool::new(false));
+            mark = Some(clean.clone());
+            Sent::Read(p, hash, clean)
         }
         Some(_) => Sent::Unread,
     };
-    Some(Prefixes {
-        received: received.into_prefix()?,
-        sent,
-    })
+    let Some(received) = received.into_prefix() else {
+        return (None, None);
+    };
+    (Some(Prefixes { received, sent }), mark)
 }
 
 impl Settled {
@@ -310,7 +332,7 @@ impl PromptCache {
     /// Nothing is kept yet: [`PromptCache::keep`] does, once the provider
     /// took the request.
     pub async fn apply(&self, mut asked: Asked<'_>) -> Applied {
-        let Some((received, rewritten)) = read(&mut asked) else {
+        let Some((received, rewritten, sent_clean)) = read(&mut asked) else {
             return Applied::default();
         };
         let sent = rewritten.as_ref().unwrap_or(&received);
@@ -319,7 +341,10 @@ impl PromptCache {
         }
         let min = asked.min_tokens.map_or(DEFAULT_MIN_TOKENS, u64::from);
         let conversation = conversation(asked.session, asked.key_name, received.first_user);
-        let mut applied = Applied::default();
+        let mut applied = Applied {
+            sent_clean,
+            ..Applied::default()
+        };
         let mut placed = Vec::new();
         if asked.shape == Shape::Messages
             && asked.anthropic_kind
@@ -367,7 +392,9 @@ impl PromptCache {
             record,
         });
         if asked.leaves {
-            applied.prefixes = prefixes(received, rewritten, asked.prepared);
+            let (prefixes, mark) = prefixes(received, rewritten, asked.prepared);
+            applied.prefixes = prefixes;
+            applied.sent_mark = mark;
         }
         applied
     }

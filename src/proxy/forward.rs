@@ -651,6 +651,14 @@ async fn prompt_cache(
     if let (Some(c), Some(read)) = (&p.conversation, applied.prefixes) {
         c.attach(read);
     }
+    if applied.body.is_none() {
+        // The body as sent is the transforms' (no marker or key added):
+        // what it shares with the one before holds for it.
+        p.shared = super::checked_prefixes::Shared {
+            clean: applied.sent_clean,
+            mark: applied.sent_mark,
+        };
+    }
     p.report.breakpoints = applied.breakpoints;
     if let Some(body) = applied.body {
         // Not a Messages request: what was added is a prompt_cache_key.
@@ -1033,9 +1041,13 @@ async fn respond(
             inspector: state.inspector.clone(),
             id: call.request_id.clone(),
             upstream_body: prepared
-                .as_ref()
+                .as_mut()
                 .filter(|p| p.body.len() as u64 != call.bytes_in || changed)
-                .and_then(|p| state.inspector.hold_json(&p.body)),
+                .and_then(|p| {
+                    let shared = std::mem::take(&mut p.shared);
+                    let inspector = &state.inspector;
+                    inspector.hold_json_after(&p.body, shared.clean, shared.mark)
+                }),
             summary,
             client_body,
             report: prepared.as_mut().map(|p| std::mem::take(&mut p.report)),

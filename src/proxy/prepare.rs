@@ -182,6 +182,9 @@ pub struct Prepared {
     /// The request's place among its conversation's kept states (a body
     /// of [`super::dedup_states::MIN_BODY`] or more, with dedup).
     pub conversation: Option<Continues>,
+    /// What `body` shares with the conversation's previous body as sent,
+    /// for the inspector (set by the prompt cache's reading).
+    pub shared: super::checked_prefixes::Shared,
 }
 
 /// What the prompt cache read of a conversation's previous request, kept
@@ -269,6 +272,18 @@ pub struct Asker<'a> {
 }
 
 impl Prepared {
+    /// `body` sent as it came.
+    fn unchanged(body: Bytes, learn: Option<Learnable>) -> Prepared {
+        Prepared {
+            body,
+            report: Report::default(),
+            saving: None,
+            learn,
+            conversation: None,
+            shared: Default::default(),
+        }
+    }
+
     pub fn upstream_body(&self) -> UpstreamBody {
         UpstreamBody {
             prefix: VecDeque::from([self.body.clone()]),
@@ -323,13 +338,7 @@ async fn prepare_within(
         stop_at: Some(deadline.checked_sub(reserve).unwrap_or(deadline)),
         ..Within::unbounded_time(&rw.media)
     };
-    let unchanged = |body: Bytes, learn| Prepared {
-        body,
-        report: Report::default(),
-        saving: None,
-        learn,
-        conversation: None,
-    };
+    let unchanged = Prepared::unchanged;
     if opts.off {
         return Ok(unchanged(body, None));
     }
@@ -775,11 +784,10 @@ async fn run(
     }
     let saving = (!artifacts.is_empty()).then(|| save(rw, artifacts));
     Ok(Prepared {
-        body: new.map(Bytes::from).unwrap_or(body),
         report,
         saving,
-        learn: None,
         conversation,
+        ..Prepared::unchanged(new.map(Bytes::from).unwrap_or(body), None)
     })
 }
 

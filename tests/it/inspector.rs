@@ -693,16 +693,23 @@ async fn open_means_open_to_this_machine_and_bodies_keep_no_credential() {
 }
 
 /// A conversation's large requests (read off the worker): each one's
-/// body is looked at for credentials and media only after the bytes it
-/// shares with the request before, which held none — and what a later
-/// turn adds is still taken out.
+/// body, and its rewrite as sent (dedup shortens the files read again),
+/// is looked at for credentials and media only after the bytes it shares
+/// with the request before, which held none — and what a later turn adds
+/// is still taken out of both.
 #[tokio::test]
 async fn a_continued_conversation_keeps_no_credential_or_image_its_new_turn_adds() {
     let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
     let visor = Visor::for_mock(&mock, "").await;
     // Over the 256 KiB from which a body is read off the worker.
+    let file: String = (0..400)
+        .map(|l| format!("{l:>4}  let value_{l} = compute(input_{l}, {l});\n"))
+        .collect();
     let mut messages: Vec<Value> = (0..40)
-        .map(|i| json!({"role": "tool", "content": format!("output {i}: {}", "a b ".repeat(2000))}))
+        .map(|i| {
+            let log = format!("run {i}: {}", format!("step{i} ").repeat(1200));
+            json!({"role": "tool", "content": format!("$ cat lib.rs # {i}\n{file}{log}")})
+        })
         .collect();
     let body = |m: &[Value]| json!({"model": "m", "messages": m}).to_string();
     for turn in 0..2 {
@@ -718,24 +725,41 @@ async fn a_continued_conversation_keeps_no_credential_or_image_its_new_turn_adds
         // Kept (so its body was looked at) before the next turn.
         detail(&visor, &id, None).await;
     }
+    // A credential (the same plan: its state goes on), then an image.
     let png: Vec<u8> = (0..3000u32).map(|i| (i * 7 % 251) as u8).collect();
-    messages.push(json!({"role": "user", "api_key": "sk-turn-SECRET", "content": [
-        {"type": "text", "text": "and this"},
-        {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", base64_encode(&png))}}]}));
-    send(with_id(
-        "/v1/chat/completions",
-        &visor,
-        "req-turn-2",
-        body(&messages),
-    ))
-    .await;
-    let d = detail(&visor, "req-turn-2", None).await;
-    assert_eq!(d["request"]["bodies_kept"], true);
-    let text = d.to_string();
-    assert!(!text.contains("SECRET"), "a credential was kept");
-    assert!(
-        !text.contains(&base64_encode(&png)[..200]),
-        "image bytes were kept"
-    );
-    assert!(text.contains("[redacted]") && text.contains("[base64: 3000 bytes"));
+    let image = format!("data:image/png;base64,{}", base64_encode(&png));
+    let added = [
+        json!({"role": "user", "api_key": "sk-turn-SECRET", "content": "and this"}),
+        json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}),
+    ];
+    for (turn, m) in added.into_iter().enumerate() {
+        messages.push(m);
+        let id = format!("req-added-{turn}");
+        send(with_id(
+            "/v1/chat/completions",
+            &visor,
+            &id,
+            body(&messages),
+        ))
+        .await;
+        let d = detail(&visor, &id, None).await;
+        assert_eq!(d["request"]["bodies_kept"], true);
+        let sent = mock.recorded().pop().unwrap().body;
+        assert!(sent.len() < body(&messages).len() / 2, "dedup rewrote it");
+        let text = d.to_string();
+        assert!(
+            !text.contains("SECRET"),
+            "turn {turn}: a credential was kept"
+        );
+        assert!(
+            !text.contains(&base64_encode(&png)[..200]),
+            "turn {turn}: image bytes were kept"
+        );
+        assert!(text.contains("[redacted]"), "turn {turn}");
+        assert_eq!(
+            text.contains("[base64: 3000 bytes"),
+            turn == 1,
+            "turn {turn}"
+        );
+    }
 }
