@@ -21,7 +21,9 @@ pub mod ledger;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+
 use std::time::Duration;
+use xxhash_rust::xxh3::Xxh3;
 
 use bytes::Bytes;
 use http::HeaderValue;
@@ -238,7 +240,7 @@ pub struct Settled {
 /// from where the conversation's previous request's messages ended when
 /// [`Asked::continues`] (the sent one when its bytes up to there are the
 /// same: then also how many of them held nothing the inspector strips).
-fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<Anatomy>, usize)> {
+fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<SentBody>)> {
     let shape = asked.shape;
     let (from_received, from_sent) = match asked.continues.take() {
         Some(p) => (Some(p.received), Some(p.sent)),
@@ -252,22 +254,39 @@ fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<Anatomy>, usize)> {
     // The same bytes (most often the same buffer: not compared).
     let (p, r) = (asked.prepared, asked.received);
     if p.as_ptr() == r.as_ptr() && p.len() == r.len() || p == r {
-        return Some((received, None, 0));
+        return Some((received, None));
     }
-    let (from, clean) = match from_sent {
-        Some(Sent::Read(prefix, hash, clean))
-            if prefix.end() <= p.len()
-                && xxhash_rust::xxh3::xxh3_64(&p[..prefix.end()]) == hash =>
-        {
-            let clean = match clean.load(Ordering::Relaxed) {
-                true => prefix.end(),
-                false => 0,
-            };
-            (Some(prefix), clean)
+    let (mut from, mut clean, mut hashed) = (None, 0, None);
+    if let Some(Sent::Read(prefix, hash, was_clean)) = from_sent
+        && prefix.end() <= p.len()
+    {
+        let mut h = Xxh3::new();
+        h.update(&p[..prefix.end()]);
+        if h.digest() == hash {
+            if was_clean.load(Ordering::Relaxed) {
+                clean = prefix.end();
+            }
+            hashed = Some((h, prefix.end()));
+            from = Some(prefix);
         }
-        _ => (None, 0),
+    }
+    let anatomy = of(p, from)?;
+    let sent = SentBody {
+        anatomy,
+        clean,
+        hashed,
     };
-    Some((received, Some(of(p, from)?), clean))
+    Some((received, Some(sent)))
+}
+
+/// The body as sent, when it is not the one received: its reading; how
+/// many of its first bytes are the conversation's previous body as sent,
+/// which held nothing the inspector strips; the hash of the bytes it
+/// shares with that body (to go on to its own prefix's).
+struct SentBody {
+    anatomy: Anatomy,
+    clean: usize,
+    hashed: Option<(Xxh3, usize)>,
 }
 
 /// What is kept of a request's reading for its conversation's next one;
@@ -275,14 +294,19 @@ fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<Anatomy>, usize)> {
 /// inspector to set.
 fn prefixes(
     received: Anatomy,
-    rewritten: Option<Anatomy>,
+    rewritten: Option<SentBody>,
     prepared: &[u8],
 ) -> (Option<Prefixes>, Option<Arc<AtomicBool>>) {
     let mut mark = None;
-    let sent = match rewritten.map(Anatomy::into_prefix) {
+    let sent = match rewritten.map(|s| (s.anatomy.into_prefix(), s.hashed)) {
         None => Sent::Same,
-        Some(Some(p)) if p.end() <= prepared.len() => {
-            let hash = xxhash_rust::xxh3::xxh3_64(&prepared[..p.end()]);
+        Some((Some(p), hashed)) if p.end() <= prepared.len() => {
+            // Hashed on from where the bytes shared with the body before end.
+            let (mut h, at) = hashed
+                .filter(|&(_, at)| at <= p.end())
+                .unwrap_or_else(|| (Xxh3::new(), 0));
+            h.update(&prepared[at..p.end()]);
+            let hash = h.digest();
             let clean = Arc::new(AtomicBool::new(false));
             mark = Some(clean.clone());
             Sent::Read(p, hash, clean)
@@ -332,10 +356,11 @@ impl PromptCache {
     /// Nothing is kept yet: [`PromptCache::keep`] does, once the provider
     /// took the request.
     pub async fn apply(&self, mut asked: Asked<'_>) -> Applied {
-        let Some((received, rewritten, sent_clean)) = read(&mut asked) else {
+        let Some((received, rewritten)) = read(&mut asked) else {
             return Applied::default();
         };
-        let sent = rewritten.as_ref().unwrap_or(&received);
+        let sent = rewritten.as_ref().map_or(&received, |s| &s.anatomy);
+        let sent_clean = rewritten.as_ref().map_or(0, |s| s.clean);
         if received.chained {
             return Applied::default();
         }
