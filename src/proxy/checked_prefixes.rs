@@ -47,10 +47,42 @@ pub struct Checked {
 /// What a body shares with the one its client sent before, for the
 /// inspector: its first `clean` bytes are that body's, which held nothing
 /// to strip; `mark`, set once this body is found to hold nothing either.
+/// And the digests its check computed.
 #[derive(Debug, Default)]
 pub struct Shared {
     pub clean: usize,
     pub mark: Option<Arc<AtomicBool>>,
+    pub digests: Digests,
+}
+
+/// The [`crate::transform::prefix_digest`]s a body's check computed — of
+/// its bytes up to where the body it continues ended its messages, and up
+/// to where its own end — for the body whose bytes are at `body` (address
+/// and length: a body that is not the one checked, a session's history
+/// added, has none).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Digests {
+    body: (usize, usize),
+    pub before: Option<(usize, u128)>,
+    pub now: Option<(usize, u128)>,
+}
+
+impl Digests {
+    /// The digests of `body`, when they are its.
+    pub fn of(self, body: &[u8]) -> Digests {
+        match self.body == (body.as_ptr() as usize, body.len()) {
+            true => self,
+            false => Digests::default(),
+        }
+    }
+
+    pub fn new(body: &[u8], before: Option<(usize, u128)>, now: Option<(usize, u128)>) -> Self {
+        Digests {
+            body: (body.as_ptr() as usize, body.len()),
+            before,
+            now,
+        }
+    }
 }
 
 type List = Arc<Mutex<VecDeque<Checked>>>;
@@ -59,25 +91,34 @@ pub struct CheckedPrefixes {
     starts: moka::sync::Cache<u64, List>,
 }
 
-/// The keyed hash of a body's bytes up to a prefix's end, for `tenant`,
-/// as it goes: verified at a candidate's end, then carried on to the
-/// body's own.
+/// The keyed hash of a body's bytes up to a prefix's end
+/// ([`crate::transform::prefix_digest`]) as it goes: checked at a
+/// candidate's end, then carried on to the body's own.
 #[derive(Clone)]
 pub struct Hashed {
     at: usize,
     hasher: Xxh3,
+    /// The digest up to `at`.
+    digest: u128,
 }
 
 impl Hashed {
-    fn new(tenant: u64) -> Hashed {
-        let mut hasher = Xxh3::with_seed(crate::transform::tenant(b"checked prefixes"));
-        hasher.update(&tenant.to_le_bytes());
-        Hashed { at: 0, hasher }
+    fn new() -> Hashed {
+        Hashed {
+            at: 0,
+            hasher: crate::transform::prefix_hasher(),
+            digest: 0,
+        }
     }
 
     /// Where the bytes hashed end.
     pub fn end(&self) -> usize {
         self.at
+    }
+
+    /// The digest of the bytes up to [`Hashed::end`].
+    pub fn digest(&self) -> u128 {
+        self.digest
     }
 
     fn upto(mut self, body: &[u8], end: usize) -> (Hashed, u128) {
@@ -86,6 +127,7 @@ impl Hashed {
             self.at = end;
         }
         let h = self.hasher.digest128();
+        self.digest = h;
         (self, h)
     }
 }
@@ -191,7 +233,7 @@ impl Resumable {
             if c.end >= body.len() || tail(&body[..c.end]) != c.tail {
                 continue;
             }
-            let (hashed, h) = Hashed::new(self.tenant).upto(body, c.end);
+            let (hashed, h) = Hashed::new().upto(body, c.end);
             if h == c.hash {
                 let model = c.model.as_deref().map(str::to_owned);
                 let scanner = JsonScanner::resumed(c.end as u64, c.model_key, model);
@@ -204,23 +246,21 @@ impl Resumable {
     /// Keeps where `body`, found to be a JSON object, ends its messages
     /// (`mark`: [`Mark::of`] its scanner), and its `model`; `hashed`: its
     /// hash so far. The flag to set once the body is found to hold nothing
-    /// the inspector strips.
+    /// the inspector strips, and the digest up to the messages' end.
     pub fn keep(
         &self,
         body: &[u8],
         mark: Mark,
         model: Option<&str>,
         hashed: Option<Hashed>,
-    ) -> Option<Arc<AtomicBool>> {
+    ) -> Option<(Arc<AtomicBool>, (usize, u128))> {
         let end = mark.end?;
         if body.len() < MIN_BODY || end > body.len() {
             return None;
         }
         let start = CheckedPrefixes::start(self.tenant, &body[..end])?;
         let clean = Arc::new(AtomicBool::new(false));
-        let hashed = hashed
-            .filter(|h| h.at <= end)
-            .unwrap_or_else(|| Hashed::new(self.tenant));
+        let hashed = hashed.filter(|h| h.at <= end).unwrap_or_else(Hashed::new);
         let (_, hash) = hashed.upto(body, end);
         let model_key = mark.model_key;
         let checked = Checked {
@@ -242,7 +282,7 @@ impl Resumable {
             }
             moka::ops::compute::Op::Put(list)
         });
-        Some(clean)
+        Some((clean, (end, hash)))
     }
 }
 

@@ -20,7 +20,7 @@ use moka::policy::EvictionPolicy;
 use crate::prompt_cache::Prefixes;
 use crate::transform::dedup::State;
 use crate::transform::walk::Scan;
-use crate::transform::{Plan, Rewrite, conversation_seed, prefix_key, start_key};
+use crate::transform::{Plan, Rewrite, conversation_seed, prefix_digest, prefix_key_of, start_key};
 
 /// Bodies shorter than this are read in full and leave no state (the
 /// bookkeeping of a state, about 20 µs, is what reading about 8 KB costs).
@@ -124,8 +124,9 @@ impl DedupStates {
     /// The state `body` continues, taken out: the newest kept (under the
     /// same `seed`: plan and client, see [`conversation_seed`]) for a
     /// conversation that begins with its first bytes and whose messages
-    /// it begins with, byte for byte.
-    pub fn find(&self, body: &[u8], seed: u64) -> Option<Resume> {
+    /// it begins with, byte for byte. `known`: the body's
+    /// [`prefix_digest`] up to a point, when computed already.
+    pub fn find(&self, body: &[u8], seed: u64, known: Option<(usize, u128)>) -> Option<Resume> {
         if body.len() < MIN_BODY {
             return None;
         }
@@ -140,7 +141,11 @@ impl DedupStates {
                 .collect()
         };
         for c in fits {
-            if prefix_key(seed, &body[..c.end]) != c.key {
+            let digest = match known {
+                Some((end, d)) if end == c.end => d,
+                _ => prefix_digest(&body[..c.end]),
+            };
+            if prefix_key_of(seed, c.end, digest) != c.key {
                 continue;
             }
             // Taken (or gone: evicted): no longer a candidate either way.
@@ -160,8 +165,15 @@ impl DedupStates {
 
     /// Keeps what was read of `body`: `scan` as its walk left it (before
     /// its images were decoded) and dedup's `state` (not when the two
-    /// together are over the bound); the key it is kept under.
-    pub fn keep(&self, body: &[u8], seed: u64, scan: Scan, state: State) -> Option<u128> {
+    /// together are over the bound); the key it is kept under. `known`: as
+    /// for [`DedupStates::find`].
+    pub fn keep(
+        &self,
+        body: &[u8],
+        (seed, known): (u64, Option<(usize, u128)>),
+        scan: Scan,
+        state: State,
+    ) -> Option<u128> {
         if body.len() < MIN_BODY {
             return None;
         }
@@ -182,7 +194,11 @@ impl DedupStates {
         if weight(&resume) as u64 > self.bytes {
             return None;
         }
-        let key = prefix_key(seed, prefix);
+        let digest = match known {
+            Some((at, d)) if at == end => d,
+            _ => prefix_digest(prefix),
+        };
+        let key = prefix_key_of(seed, end, digest);
         self.states.insert(key, Arc::new(Mutex::new(Some(resume))));
         let candidate = Candidate {
             end,
@@ -243,7 +259,7 @@ impl DedupStates {
     /// steps around its other work).
     pub fn rewrite(&self, body: &[u8], plan: &Plan, tenant: u64) -> (Rewrite, Read) {
         let seed = conversation_seed(plan, tenant);
-        let resume = self.find(body, seed);
+        let resume = self.find(body, seed, None);
         let (scanned, state) = match resume {
             Some(r) => match crate::transform::walk_from(body, plan, r.scan, r.end) {
                 Ok(s) => (Ok(s), Some(r.state)),
@@ -259,7 +275,7 @@ impl DedupStates {
         let walked = scanned.scan().clone();
         scanned.resolve(body);
         let (rewrite, left) = scanned.finish_from(body, &[], state);
-        let (read, _) = self.kept(body, seed, &rewrite, left, walked);
+        let (read, _) = self.kept(body, seed, &rewrite, left, (walked, None));
         (rewrite, read)
     }
 
@@ -272,9 +288,9 @@ impl DedupStates {
         seed: u64,
         rewrite: &Rewrite,
         left: Option<State>,
-        walked: Scan,
+        (walked, known): (Scan, Option<(usize, u128)>),
     ) -> (Read, Option<u128>) {
-        let key = left.and_then(|left| self.keep(body, seed, walked, left));
+        let key = left.and_then(|left| self.keep(body, (seed, known), walked, left));
         let read = match rewrite.report.dedup_continued {
             true => Read::Continued,
             false => Read::Full,
@@ -357,23 +373,30 @@ mod tests {
         let b = body(1);
         assert_eq!(states.rewrite(&b, &p, 0).1, Read::Full);
         // The same request again (a retry) begins with its messages.
-        let r = states.find(&b, seed).expect("kept");
+        let r = states.find(&b, seed, None).expect("kept");
         assert_eq!(r.state.items(), 3);
-        assert!(states.find(&b, seed).is_none(), "taken twice");
+        assert!(states.find(&b, seed, None).is_none(), "taken twice");
         // Put back; a body that differs inside its prefix, past its first
         // bytes and before its last (the whole prefix's hash tells), is
         // not its continuation.
         let end = r.end;
-        states.keep(&b, seed, r.scan, r.state);
+        states.keep(&b, (seed, None), r.scan, r.state);
         let mut other = b.clone();
         other[end / 2] ^= 1;
-        assert!(states.find(&other, seed).is_none());
+        assert!(states.find(&other, seed, None).is_none());
         // Nor under another plan, nor another client's.
         let mut q = p;
         q.vision = false;
-        assert!(states.find(&b, conversation_seed(&q, 0)).is_none());
-        assert!(states.find(&b, conversation_seed(&p, 7)).is_none());
-        assert!(states.find(&b, seed).is_some());
+        assert!(states.find(&b, conversation_seed(&q, 0), None).is_none());
+        assert!(states.find(&b, conversation_seed(&p, 7), None).is_none());
+        // A digest the body's check computed is taken for its own end
+        // only: a wrong one there is no match, one for another end is not
+        // used.
+        let digest = crate::transform::prefix_digest(&b[..end]);
+        assert!(states.find(&b, seed, Some((end, digest ^ 1))).is_none());
+        let r = states.find(&b, seed, Some((end + 1, digest ^ 1))).unwrap();
+        states.keep(&b, (seed, Some((end, digest))), r.scan, r.state);
+        assert!(states.find(&b, seed, Some((end, digest))).is_some());
     }
 
     #[test]

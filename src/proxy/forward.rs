@@ -87,10 +87,8 @@ fn hold_for_inspector(
     match held {
         // A request of a known API was checked to be JSON as it was read.
         Held::Whole(b) if call.shape.is_some() => {
-            let shared = std::mem::take(&mut call.shared);
-            state
-                .inspector
-                .hold_json_after(b, shared.clean, shared.mark)
+            let (clean, mark) = (call.shared.clean, call.shared.mark.take());
+            state.inspector.hold_json_after(b, clean, mark)
         }
         Held::Whole(b) => state.inspector.hold(b),
         Held::Streamed(_) => None,
@@ -594,6 +592,7 @@ async fn transform(
     let asker = prepare::Asker {
         headers: &parts.headers,
         upstream: call.index,
+        digests: call.shared.digests,
     };
     let opts = std::mem::take(&mut call.opts);
     // Read under the request's deadline: past it, 504 and nothing sent.
@@ -657,6 +656,7 @@ async fn prompt_cache(
         p.shared = super::checked_prefixes::Shared {
             clean: applied.sent_clean,
             mark: applied.sent_mark,
+            ..Default::default()
         };
     }
     p.report.breakpoints = applied.breakpoints;

@@ -269,6 +269,9 @@ pub struct Retry {
 pub struct Asker<'a> {
     pub headers: &'a HeaderMap,
     pub upstream: usize,
+    /// The digests the body's check computed (see
+    /// [`super::checked_prefixes::Digests`]).
+    pub digests: super::checked_prefixes::Digests,
 }
 
 impl Prepared {
@@ -414,7 +417,8 @@ async fn prepare_within(
     if !transform::needed(&plan) {
         return Ok(unchanged(body, learn));
     }
-    let mut prepared = run(rw, body, plan, &credential, within, who).await?;
+    let digests = asker.digests.of(&body);
+    let mut prepared = run(rw, body, plan, &credential, within, (who, digests)).await?;
     prepared.learn = learn;
     Ok(prepared)
 }
@@ -528,7 +532,7 @@ impl Rewriter {
             plan,
             &learn.credential,
             learn.within,
-            learn.tenant,
+            (learn.tenant, Default::default()),
         )
         .await
         .ok()?;
@@ -624,6 +628,7 @@ fn continuing(
     body: &[u8],
     plan: &Plan,
     tenant: u64,
+    digest: Option<(usize, u128)>,
 ) -> (
     Option<Arc<super::dedup_states::DedupStates>>,
     u64,
@@ -640,7 +645,7 @@ fn continuing(
         return (None, 0, None, None, None);
     };
     let seed = transform::conversation_seed(plan, tenant);
-    match states.find(body, seed) {
+    match states.find(body, seed, digest) {
         Some(r) => (
             Some(states),
             seed,
@@ -689,6 +694,9 @@ struct Carry {
     state: Option<transform::dedup::State>,
     walked: Option<transform::walk::Scan>,
     kept: Arc<OnceLock<u128>>,
+    /// The body's digest up to where its messages end, when its check
+    /// computed it.
+    digest: Option<(usize, u128)>,
 }
 
 async fn run(
@@ -697,7 +705,7 @@ async fn run(
     plan: Plan,
     credential: &Credentials,
     within: Within,
-    tenant: u64,
+    (tenant, digests): (u64, super::checked_prefixes::Digests),
 ) -> Result<Prepared, VisorError> {
     let large = body.len() > INLINE_LIMIT;
     let started = Instant::now();
@@ -706,7 +714,7 @@ async fn run(
     let b = body.clone();
     let fitter = rw.fitter.clone();
     let metrics = rw.metrics.clone();
-    let (states, seed, prefix, state, cache) = continuing(rw, &body, &plan, tenant);
+    let (states, seed, prefix, state, cache) = continuing(rw, &body, &plan, tenant, digests.before);
     let (conversation, kept) = Continues::new(states.clone(), cache);
     let walk = move |b: &[u8], plan: &Plan| walk_on(prefix, state, b, plan);
     let resolve =
@@ -730,6 +738,7 @@ async fn run(
                 state,
                 walked,
                 kept,
+                digest: digests.now,
             };
             match subjects.is_empty() && media.is_empty() && fits.is_empty() && !over {
                 true => Err(Box::new(finish(carry, &metrics, scanned, &b, &[]))),
@@ -806,12 +815,13 @@ fn finish(
         state,
         walked,
         kept,
+        digest,
     } = carry;
     let (Some(states), Some(walked)) = (states, walked) else {
         return scanned.finish(body, descriptions);
     };
     let (rewrite, left) = scanned.finish_from(body, descriptions, state);
-    let (read, key) = states.kept(body, seed, &rewrite, left, walked);
+    let (read, key) = states.kept(body, seed, &rewrite, left, (walked, digest));
     if let Some(key) = key {
         let _ = kept.set(key);
     }

@@ -15,7 +15,7 @@
 //!   (before its model) is refused ([`JsonScanner::error`]). A
 //!   `multipart/form-data` body's `model` field is found by [`FormScanner`].
 
-use super::checked_prefixes::{Mark, Resumable, Shared};
+use super::checked_prefixes::{Digests, Mark, Resumable, Shared};
 
 /// What a scan of a whole body found.
 #[derive(Debug, PartialEq, Eq)]
@@ -116,12 +116,15 @@ impl WholeBody {
         if let Err(e) = std::str::from_utf8(&bytes[from..]) {
             return Err(format!("invalid UTF-8 at byte {}", from + e.valid_up_to()));
         }
+        let before = hashed.as_ref().map(|h| (h.end(), h.digest()));
+        let kept = self
+            .resumable
+            .as_ref()
+            .and_then(|r| r.keep(&bytes, mark, probed.model.as_deref(), hashed));
         let shared = Shared {
             clean: if clean { from } else { 0 },
-            mark: self
-                .resumable
-                .as_ref()
-                .and_then(|r| r.keep(&bytes, mark, probed.model.as_deref(), hashed)),
+            digests: Digests::new(&bytes, before, kept.as_ref().map(|k| k.1)),
+            mark: kept.map(|k| k.0),
         };
         Ok((probed.model, bytes, shared))
     }

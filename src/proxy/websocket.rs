@@ -1022,6 +1022,7 @@ impl Relay {
         let asker = prepare::Asker {
             headers: &self.headers,
             upstream: 0,
+            digests: Default::default(),
         };
         let body = Bytes::from(text.clone());
         // An event is a request: read under its own deadline.

@@ -483,15 +483,35 @@ pub fn tenant(credential: &[u8]) -> u64 {
 
 /// The key of what was read of a request's messages up to the end of its
 /// last one, `prefix` (the body up to there): a keyed hash (xxh3-128) of
-/// the [`conversation_seed`] and those bytes. The next request of the
-/// conversation begins with the same bytes; what follows them (the
-/// instructions outside the message list included) is read again.
+/// the [`conversation_seed`] and those bytes ([`prefix_digest`]). The next
+/// request of the conversation begins with the same bytes; what follows
+/// them (the instructions outside the message list included) is read
+/// again.
 pub fn prefix_key(seed: u64, prefix: &[u8]) -> u128 {
+    prefix_key_of(seed, prefix.len(), prefix_digest(prefix))
+}
+
+/// [`prefix_key`] of a prefix of `len` bytes whose [`prefix_digest`] is
+/// known (the proxy's check of the body as it came computed it).
+pub fn prefix_key_of(seed: u64, len: usize, digest: u128) -> u128 {
     let mut x = xxhash_rust::xxh3::Xxh3::with_seed(*SEED);
     x.update(&seed.to_le_bytes());
-    x.update(&prefix.len().to_le_bytes());
+    x.update(&len.to_le_bytes());
+    x.update(&digest.to_le_bytes());
+    x.digest128()
+}
+
+/// A keyed hash (xxh3-128, keyed per process) of a body's bytes up to a
+/// point: [`prefix_hasher`] fed them.
+pub fn prefix_digest(prefix: &[u8]) -> u128 {
+    let mut x = prefix_hasher();
     x.update(prefix);
     x.digest128()
+}
+
+/// The hasher of [`prefix_digest`], to feed as the bytes come.
+pub fn prefix_hasher() -> xxhash_rust::xxh3::Xxh3 {
+    xxhash_rust::xxh3::Xxh3::with_seed(SEED.rotate_left(17) ^ 0x7072_6566_6978)
 }
 
 /// Which conversation a body may continue, from its first [`START`]
