@@ -53,6 +53,9 @@ pub struct Metrics {
     pub telemetry_spans: IntCounterVec,
     /// `visor_dedup_reads_total{read}`: continued, full.
     pub dedup_reads: IntCounterVec,
+    /// `visor_prefix_reads_total{part, read}`: json, prompt_cache,
+    /// inspector; continued, full.
+    pub prefix_reads: IntCounterVec,
     pub describe: IntCounterVec,
     /// `visor_credential_refused_total{role, upstream}`
     pub credential_refused: IntCounterVec,
@@ -115,6 +118,7 @@ impl Metrics {
             inspector_dropped: transforms.inspector_dropped,
             telemetry_spans: transforms.telemetry_spans,
             dedup_reads: transforms.dedup_reads,
+            prefix_reads: transforms.prefix_reads,
             describe: describer.describe,
             credential_refused: describer.credential_refused,
             describe_duration: describer.describe_duration,
@@ -290,6 +294,7 @@ struct Transforms {
     inspector_dropped: IntCounter,
     telemetry_spans: IntCounterVec,
     dedup_reads: IntCounterVec,
+    prefix_reads: IntCounterVec,
 }
 
 impl Transforms {
@@ -345,18 +350,11 @@ impl Transforms {
         for result in ["exported", "dropped", "failed"] {
             telemetry_spans.with_label_values(&[result]);
         }
-        let dedup_reads = counter_vec(
-            registry,
-            "visor_dedup_reads_total",
-            "Requests of 8 KiB or more dedup read, by how: continued (only the messages new since the conversation's previous request, from the state it left) or full (every message: a new conversation, one whose state was evicted, or one that changed an earlier message)",
-            &["read"],
-        )?;
-        for read in ["continued", "full"] {
-            dedup_reads.with_label_values(&[read]);
-        }
+        let (dedup_reads, prefix_reads) = reads(registry)?;
         Ok(Self {
             telemetry_spans,
             dedup_reads,
+            prefix_reads,
             images,
             media,
             bytes_saved,
@@ -388,6 +386,32 @@ impl Transforms {
             )?,
         })
     }
+}
+
+/// `visor_dedup_reads_total` and `visor_prefix_reads_total`, every label
+/// at 0 from the start.
+fn reads(registry: &Registry) -> Result<(IntCounterVec, IntCounterVec), prometheus::Error> {
+    let dedup_reads = counter_vec(
+        registry,
+        "visor_dedup_reads_total",
+        "Requests of 8 KiB or more dedup read, by how: continued (only the messages new since the conversation's previous request, from the state it left) or full (every message: a new conversation, one whose state was evicted, or one that changed an earlier message)",
+        &["read"],
+    )?;
+    for read in ["continued", "full"] {
+        dedup_reads.with_label_values(&[read]);
+    }
+    let prefix_reads = counter_vec(
+        registry,
+        "visor_prefix_reads_total",
+        "Large requests' other readings by how: continued (only what follows the bytes shared with the conversation's previous request) or full. part: json (the JSON check of a body of 8 KiB or more whose first bytes match one its client sent), prompt_cache (each request with a dedup state), inspector (bodies over 256 KiB it keeps)",
+        &["part", "read"],
+    )?;
+    for part in ["json", "prompt_cache", "inspector"] {
+        for read in ["continued", "full"] {
+            prefix_reads.with_label_values(&[part, read]);
+        }
+    }
+    Ok((dedup_reads, prefix_reads))
 }
 
 /// The describer and transcriber calls, and the description cache.

@@ -538,6 +538,12 @@ impl Inspector {
         })))
     }
 
+    /// `body` is kept, and looked at off the worker (where
+    /// [`Inspector::hold_json_after`] skips what is known clean).
+    pub fn holds_large(&self, body: &Bytes) -> bool {
+        self.holds(body) && body.len() > RAW_MAX
+    }
+
     /// A body of this size is kept.
     fn holds(&self, body: &Bytes) -> bool {
         self.enabled && body.len() <= self.body_bytes.saturating_mul(4) && self.body_bytes != 0

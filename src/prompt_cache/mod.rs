@@ -98,12 +98,22 @@ enum Sent {
     /// Another body, read up to the end of its messages, a hash of its
     /// bytes up to there, and a flag the inspector sets once it finds the
     /// body holds nothing it strips.
-    Read(anatomy::Prefix, u64, Arc<AtomicBool>),
+    Read(anatomy::Prefix, u128, Arc<AtomicBool>),
     /// Another body, nothing kept of it.
     Unread,
 }
 
 impl Prefixes {
+    /// What reading `body` (sent as received) keeps.
+    #[cfg(test)]
+    pub(crate) fn of(shape: Shape, body: &[u8]) -> Option<Prefixes> {
+        let received = Anatomy::of(shape, body)?.into_prefix()?;
+        Some(Prefixes {
+            received,
+            sent: Sent::Same,
+        })
+    }
+
     /// Where the received body's messages end.
     pub fn end(&self) -> usize {
         self.received.end()
@@ -139,6 +149,8 @@ pub struct Applied {
     /// Set by the inspector once it finds the body as sent (not
     /// [`Applied::body`]) holds nothing it strips.
     pub sent_mark: Option<Arc<AtomicBool>>,
+    /// The body as received was read on from [`Asked::continues`].
+    pub continued: bool,
 }
 
 /// What is known of a request's caching before its answer, and what is
@@ -239,8 +251,9 @@ pub struct Settled {
 /// (`None` for either: a body that is not its API's object). Each read
 /// from where the conversation's previous request's messages ended when
 /// [`Asked::continues`] (the sent one when its bytes up to there are the
-/// same: then also how many of them held nothing the inspector strips).
-fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<SentBody>)> {
+/// same: then also how many of them held nothing the inspector strips);
+/// and whether the received one was read on so.
+fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<SentBody>, bool)> {
     let shape = asked.shape;
     let (from_received, from_sent) = match asked.continues.take() {
         Some(p) => (Some(p.received), Some(p.sent)),
@@ -250,20 +263,25 @@ fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<SentBody>)> {
         Some(p) => Anatomy::of_from(shape, body, p),
         None => Anatomy::of(shape, body),
     };
+    let continued = from_received
+        .as_ref()
+        .is_some_and(|p| p.end() <= asked.received.len());
     let received = of(asked.received, from_received)?;
     // The same bytes (most often the same buffer: not compared).
     let (p, r) = (asked.prepared, asked.received);
     if p.as_ptr() == r.as_ptr() && p.len() == r.len() || p == r {
-        return Some((received, None));
+        return Some((received, None, continued));
     }
     let (mut from, mut clean, mut hashed) = (None, 0, None);
     if let Some(Sent::Read(prefix, hash, was_clean)) = from_sent
         && prefix.end() <= p.len()
     {
-        let mut h = Xxh3::new();
+        let mut h = crate::transform::prefix_hasher();
         h.update(&p[..prefix.end()]);
-        if h.digest() == hash {
-            if was_clean.load(Ordering::Relaxed) {
+        if h.digest128() == hash {
+            // (After a closing bracket: no string or run crosses there.)
+            let closed = p[..prefix.end()].ends_with(b"}") || p[..prefix.end()].ends_with(b"]");
+            if was_clean.load(Ordering::Relaxed) && closed {
                 clean = prefix.end();
             }
             hashed = Some((h, prefix.end()));
@@ -276,7 +294,7 @@ fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<SentBody>)> {
         clean,
         hashed,
     };
-    Some((received, Some(sent)))
+    Some((received, Some(sent), continued))
 }
 
 /// The body as sent, when it is not the one received: its reading; how
@@ -304,9 +322,9 @@ fn prefixes(
             // Hashed on from where the bytes shared with the body before end.
             let (mut h, at) = hashed
                 .filter(|&(_, at)| at <= p.end())
-                .unwrap_or_else(|| (Xxh3::new(), 0));
+                .unwrap_or_else(|| (crate::transform::prefix_hasher(), 0));
             h.update(&prepared[at..p.end()]);
-            let hash = h.digest();
+            let hash = h.digest128();
             let clean = Arc::new(AtomicBool::new(false));
             mark = Some(clean.clone());
             Sent::Read(p, hash, clean)
@@ -356,7 +374,7 @@ impl PromptCache {
     /// Nothing is kept yet: [`PromptCache::keep`] does, once the provider
     /// took the request.
     pub async fn apply(&self, mut asked: Asked<'_>) -> Applied {
-        let Some((received, rewritten)) = read(&mut asked) else {
+        let Some((received, rewritten, continued)) = read(&mut asked) else {
             return Applied::default();
         };
         let sent = rewritten.as_ref().map_or(&received, |s| &s.anatomy);
@@ -368,6 +386,7 @@ impl PromptCache {
         let conversation = conversation(asked.session, asked.key_name, received.first_user);
         let mut applied = Applied {
             sent_clean,
+            continued,
             ..Applied::default()
         };
         let mut placed = Vec::new();

@@ -240,8 +240,13 @@ impl DedupStates {
         };
         match fits {
             // Put again, to be weighed with it.
-            true => self.states.insert(key, slot),
+            true => self.states.insert(key, slot.clone()),
             false => self.states.invalidate(&key),
+        }
+        // Taken meanwhile (the lock let go before the put): not put back
+        // empty.
+        if slot.lock().map_or(true, |s| s.is_none()) {
+            self.states.invalidate(&key);
         }
     }
 
@@ -444,5 +449,42 @@ mod tests {
                 "conversation {c}"
             );
         }
+    }
+
+    /// What the prompt cache read of a request joins its kept state when
+    /// it read up to the same end, and is taken with it; not when its end
+    /// differs, nor once the state was taken.
+    #[test]
+    fn the_prompt_caches_reading_joins_the_state_of_its_request() {
+        let states = DedupStates::new(1 << 20).unwrap();
+        let p = plan();
+        let seed = conversation_seed(&p, 0);
+        let b = body(1);
+        let read = crate::prompt_cache::Prefixes::of(Shape::Chat, &b).unwrap();
+        let r = {
+            states.rewrite(&b, &p, 0);
+            states.find(&b, seed, None).unwrap()
+        };
+        assert_eq!(read.end(), r.end, "the walk and the reading end alike");
+        let key = states.keep(&b, (seed, None), r.scan, r.state).unwrap();
+        let before = states.weight();
+        states.attach(key, read.clone());
+        assert!(states.weight() > before, "weighed with it");
+        let r = states.find(&b, seed, None).unwrap();
+        assert_eq!(r.cache.as_ref().map(|c| c.end()), Some(read.end()));
+        // Another end: not joined.
+        let key = states.keep(&b, (seed, None), r.scan, r.state).unwrap();
+        let other = crate::prompt_cache::Prefixes::of(Shape::Chat, &next(1)).unwrap();
+        assert_ne!(other.end(), read.end());
+        states.attach(key, other);
+        let r = states.find(&b, seed, None).unwrap();
+        assert!(r.cache.is_none());
+        // Taken: nothing put back.
+        let key = states.keep(&b, (seed, None), r.scan, r.state).unwrap();
+        assert!(states.find(&b, seed, None).is_some());
+        states.attach(key, read);
+        assert!(states.find(&b, seed, None).is_none());
+        states.states.run_pending_tasks();
+        assert_eq!(states.states.entry_count(), 0);
     }
 }

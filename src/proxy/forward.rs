@@ -88,11 +88,21 @@ fn hold_for_inspector(
         // A request of a known API was checked to be JSON as it was read.
         Held::Whole(b) if call.shape.is_some() => {
             let (clean, mark) = (call.shared.clean, call.shared.mark.take());
+            if state.inspector.holds_large(b) {
+                count_prefix_read(&state.metrics, "inspector", clean > 0);
+            }
             state.inspector.hold_json_after(b, clean, mark)
         }
         Held::Whole(b) => state.inspector.hold(b),
         Held::Streamed(_) => None,
     }
+}
+
+/// `visor_prefix_reads_total{part, read}`: `part` read on from the bytes
+/// shared with the conversation's previous request, or in full.
+fn count_prefix_read(metrics: &Metrics, part: &str, continued: bool) {
+    let read = if continued { "continued" } else { "full" };
+    metrics.prefix_reads.with_label_values(&[part, read]).inc();
 }
 
 /// The phases, in order (see the module's list). Each returns what the next
@@ -317,6 +327,10 @@ async fn read_body(
     body: RequestBody,
 ) -> Result<Held, Stop> {
     let (model, held, shared) = read_model_and_body(state, call, parts, body).await?;
+    if shared.waited {
+        let resumed = shared.digests.before.is_some();
+        count_prefix_read(&state.metrics, "json", resumed);
+    }
     call.model = model;
     call.shared = shared;
     if let Held::Whole(b) = &held {
@@ -647,6 +661,9 @@ async fn prompt_cache(
             .is_some_and(|c| c.kept.get().is_some()),
     };
     let applied = state.cache.apply(asked).await;
+    if p.conversation.is_some() {
+        count_prefix_read(&state.metrics, "prompt_cache", applied.continued);
+    }
     if let (Some(c), Some(read)) = (&p.conversation, applied.prefixes) {
         c.attach(read);
     }
@@ -1046,6 +1063,9 @@ async fn respond(
                 .and_then(|p| {
                     let shared = std::mem::take(&mut p.shared);
                     let inspector = &state.inspector;
+                    if inspector.holds_large(&p.body) {
+                        count_prefix_read(&state.metrics, "inspector", shared.clean > 0);
+                    }
                     inspector.hold_json_after(&p.body, shared.clean, shared.mark)
                 }),
             summary,

@@ -122,6 +122,7 @@ impl WholeBody {
             .as_ref()
             .and_then(|r| r.keep(&bytes, mark, probed.model.as_deref(), hashed));
         let shared = Shared {
+            waited: self.waiting,
             clean: if clean { from } else { 0 },
             digests: Digests::new(&bytes, before, kept.as_ref().map(|k| k.1)),
             mark: kept.map(|k| k.0),
@@ -370,7 +371,13 @@ impl JsonScanner {
                     if let Err(why) = self.structure(b) {
                         return self.fail(i, why);
                     }
-                    if matches!(b, b'}' | b']') && self.in_items && self.stack.len() == 2 {
+                    // An element of the top-level array closed (not a
+                    // member of an object-valued `messages`).
+                    if matches!(b, b'}' | b']')
+                        && self.in_items
+                        && self.stack.len() == 2
+                        && self.stack[1] == b'['
+                    {
                         self.items_end = Some(self.offset + i as u64 + 1);
                     }
                 }

@@ -762,4 +762,17 @@ async fn a_continued_conversation_keeps_no_credential_or_image_its_new_turn_adds
             "turn {turn}"
         );
     }
+    // Looked at after the shared bytes: the second turn's body, the
+    // credential's turn as received and as sent (each after a clean one);
+    // the rest in full (the first, the one after the credential).
+    let m = visor.metrics().await;
+    let read = |r| {
+        metric(
+            &m,
+            "visor_prefix_reads_total",
+            &[("part", "inspector"), ("read", r)],
+        )
+    };
+    assert_eq!(read("continued"), Some(4.0));
+    assert_eq!(read("full"), Some(4.0));
 }

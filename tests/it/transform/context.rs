@@ -806,4 +806,16 @@ async fn a_continued_body_is_refused_and_routed_as_one_read_whole() {
     let recorded = mock.count();
     assert_eq!(answer(&on, body(17, "")).await.0, 200);
     assert_eq!(mock.count(), recorded + 1);
+    // The turn was checked on from the turn before (the bodies refused
+    // are not counted).
+    let m = on.metrics().await;
+    let json = |read| {
+        metric(
+            &m,
+            "visor_prefix_reads_total",
+            &[("part", "json"), ("read", read)],
+        )
+    };
+    assert_eq!(json("continued"), Some(1.0));
+    assert_eq!(json("full"), Some(0.0));
 }
