@@ -316,9 +316,11 @@ fn replace_runs(s: &str) -> Option<String> {
         }
         let start = i;
         loop {
-            // A megabyte payload: 32 bytes at a time while they are all
-            // base64 (a test the compiler makes in a few instructions).
-            while let Some(block) = b.get(i..i + 32)
+            // A megabyte payload: once a run is long, 32 bytes at a time
+            // while they are all base64 (a test the compiler makes in a few
+            // instructions; words of prose never get that far).
+            while i - start >= 32
+                && let Some(block) = b.get(i..i + 32)
                 && block.iter().fold(true, |all, &c| all & is_b64(c))
             {
                 i += 32;
@@ -807,6 +809,64 @@ mod tests {
             let text = format!("see {plain} here");
             let replaced = replace_runs(&text).unwrap();
             proptest::prop_assert_eq!(replaced, format!("see {want} here"));
+        }
+    }
+
+    /// `replace_runs` as it was, a byte at a time: the oracle.
+    fn runs_bytewise(s: &str) -> Option<String> {
+        if s.len() < MIN_RUN {
+            return None;
+        }
+        let b = s.as_bytes();
+        let mut out: Option<String> = None;
+        let (mut i, mut copied) = (0, 0);
+        while i < b.len() {
+            let data_url = b[..i].ends_with(b";base64,");
+            if !is_b64(b[i]) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < b.len() && (is_b64(b[i]) || continues_run(b, i)) {
+                i += 1;
+            }
+            let run = &s[start..i];
+            let long = run.len() >= MIN_RUN || (data_url && run.len() >= 64);
+            if long && run.bytes().any(|c| c.is_ascii_digit() || c == b'/') {
+                let o = out.get_or_insert_with(String::new);
+                o.push_str(&s[copied..start]);
+                o.push_str(&reference(run));
+                copied = i;
+            }
+        }
+        let mut o = out?;
+        o.push_str(&s[copied..]);
+        Some(o)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+        /// Runs read 32 bytes at a time end where a byte-by-byte read ends
+        /// them: inside a block, at an escape, a line break, an escaped
+        /// slash, a letter that is not ASCII, a data URL's comma.
+        #[test]
+        fn runs_end_where_a_bytewise_read_ends_them(
+            parts in proptest::collection::vec(
+                proptest::sample::select(vec!["A", "9", "/", "+", "\\", "n", "\n", "\r\n", "\\/", "\\n", "é", " ", ";base64,", "QUJD", "=", "-", "_"]),
+                200..1200,
+            ),
+            long in 0usize..4,
+        ) {
+            let mut s: String = parts.concat();
+            // Some long runs too, at any offset.
+            for k in 0..long {
+                let mut at = s.len() * k / 4;
+                while !s.is_char_boundary(at) {
+                    at -= 1;
+                }
+                s.insert_str(at, &"Zm9vYmFy0123/+".repeat(50));
+            }
+            proptest::prop_assert_eq!(replace_runs(&s), runs_bytewise(&s));
         }
     }
 }
