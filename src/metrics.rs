@@ -403,7 +403,7 @@ fn reads(registry: &Registry) -> Result<(IntCounterVec, IntCounterVec), promethe
     let prefix_reads = counter_vec(
         registry,
         "visor_prefix_reads_total",
-        "Large requests' other readings by how: continued (only what follows the bytes shared with the conversation's previous request) or full. part: json (accepted bodies of 8 KiB or more whose first 128 bytes match one their client sent), prompt_cache (each request of 8 KiB or more with dedup on), inspector (each body over 256 KiB it keeps: a request's body as received and as sent are two)",
+        "Large requests' other readings by how: continued (only what follows the bytes shared with the conversation's previous request) or full. part: json (accepted bodies of 8 KiB or more whose first 128 bytes match one their client sent), prompt_cache (each request of 8 KiB or more with dedup on), inspector (each body of 8 KiB or more it keeps: a request's body as received and as sent are two)",
         &["part", "read"],
     )?;
     for part in ["json", "prompt_cache", "inspector"] {

@@ -164,6 +164,10 @@ pub enum Held {
     Raw(Bytes),
     /// A body already checked to be JSON.
     Json(Bytes),
+    /// A body checked to be JSON whose first bytes are known to hold
+    /// nothing to strip, and the flag to set when the rest holds nothing
+    /// either ([`Inspector::hold_json_after`]).
+    JsonAfter(Bytes, usize, Option<Arc<std::sync::atomic::AtomicBool>>),
     Stripping(tokio::task::JoinHandle<Option<Bytes>>),
 }
 
@@ -204,9 +208,25 @@ pub const QUEUE_BYTES: usize = 32 * 1024 * 1024;
 impl Held {
     fn raw_len(&self) -> usize {
         match self {
-            Held::Raw(b) | Held::Json(b) => b.len(),
+            Held::Raw(b) | Held::Json(b) | Held::JsonAfter(b, ..) => b.len(),
             Held::Stripping(_) => 0,
         }
+    }
+}
+
+/// A held body as kept (not one still being stripped off the worker).
+fn strip_held(h: Option<Held>) -> Option<Bytes> {
+    match h? {
+        Held::Raw(b) => bodies::without_media(&b),
+        Held::Json(b) => bodies::without_media_of_json(&b),
+        Held::JsonAfter(b, clean, found_clean) => {
+            let (kept, whole) = bodies::without_media_of_json_after(&b, clean);
+            if let (true, Some(f)) = (whole, found_clean) {
+                f.store(true, Ordering::Relaxed);
+            }
+            kept
+        }
+        Held::Stripping(_) => None,
     }
 }
 
@@ -485,10 +505,8 @@ impl Inspector {
         let raw = r.client.as_ref().map_or(0, Held::raw_len)
             + r.upstream.as_ref().map_or(0, Held::raw_len);
         let strip = |h: Option<Held>| match h {
-            Some(Held::Raw(b)) => bodies::without_media(&b),
-            Some(Held::Json(b)) => bodies::without_media_of_json(&b),
             Some(Held::Stripping(h)) => runtime.block_on(h).ok().flatten(),
-            None => None,
+            h => strip_held(h),
         };
         let (client, upstream) = (strip(r.client), strip(r.upstream));
         self.queued.fetch_sub(raw, Ordering::Relaxed);
@@ -522,11 +540,12 @@ impl Inspector {
         clean: usize,
         found_clean: Option<Arc<std::sync::atomic::AtomicBool>>,
     ) -> Option<Held> {
-        if !self.holds(body)
-            || body.len() <= RAW_MAX
-            || tokio::runtime::Handle::try_current().is_err()
-        {
-            return self.hold_json(body);
+        if !self.holds(body) {
+            return None;
+        }
+        if body.len() <= RAW_MAX || tokio::runtime::Handle::try_current().is_err() {
+            // Copied, and looked at when recorded (see `hold_checked`).
+            return Some(Held::JsonAfter(copy_small(body), clean, found_clean));
         }
         let b = body.clone();
         Some(Held::Stripping(tokio::task::spawn_blocking(move || {
@@ -538,14 +557,8 @@ impl Inspector {
         })))
     }
 
-    /// `body` is kept, and looked at off the worker (where
-    /// [`Inspector::hold_json_after`] skips what is known clean).
-    pub fn holds_large(&self, body: &Bytes) -> bool {
-        self.holds(body) && body.len() > RAW_MAX
-    }
-
     /// A body of this size is kept.
-    fn holds(&self, body: &Bytes) -> bool {
+    pub fn holds(&self, body: &Bytes) -> bool {
         self.enabled && body.len() <= self.body_bytes.saturating_mul(4) && self.body_bytes != 0
     }
 
@@ -575,12 +588,7 @@ impl Inspector {
             return;
         }
         if !self.threaded.load(Ordering::Acquire) {
-            let strip = |h: Option<Held>| match h {
-                Some(Held::Raw(b)) => bodies::without_media(&b),
-                Some(Held::Json(b)) => bodies::without_media_of_json(&b),
-                _ => None,
-            };
-            let (c, u) = (strip(r.client), strip(r.upstream));
+            let (c, u) = (strip_held(r.client), strip_held(r.upstream));
             let mut summary = r.summary;
             r.names.write(&mut summary);
             self.keep_record(summary, c, u, r.report);

@@ -88,7 +88,7 @@ fn hold_for_inspector(
         // A request of a known API was checked to be JSON as it was read.
         Held::Whole(b) if call.shape.is_some() => {
             let (clean, mark) = (call.shared.clean, call.shared.mark.take());
-            if state.inspector.holds_large(b) {
+            if b.len() >= super::dedup_states::MIN_BODY && state.inspector.holds(b) {
                 count_prefix_read(&state.metrics, "inspector", clean > 0);
             }
             state.inspector.hold_json_after(b, clean, mark)
@@ -1063,7 +1063,7 @@ async fn respond(
                 .and_then(|p| {
                     let shared = std::mem::take(&mut p.shared);
                     let inspector = &state.inspector;
-                    if inspector.holds_large(&p.body) {
+                    if p.body.len() >= super::dedup_states::MIN_BODY && inspector.holds(&p.body) {
                         count_prefix_read(&state.metrics, "inspector", shared.clean > 0);
                     }
                     inspector.hold_json_after(&p.body, shared.clean, shared.mark)

@@ -776,3 +776,39 @@ async fn a_continued_conversation_keeps_no_credential_or_image_its_new_turn_adds
     assert_eq!(read("continued"), Some(4.0));
     assert_eq!(read("full"), Some(4.0));
 }
+
+/// The same for bodies of 8 to 256 KiB, looked at when their request is
+/// recorded: the next turn is looked at after the bytes it shares with a
+/// body found clean, and a credential it adds is still taken out.
+#[tokio::test]
+async fn a_continued_conversation_of_small_bodies_is_looked_at_after_its_clean_prefix() {
+    let mock = MockUpstream::start(|_: &Recorded| chat_ok()).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let mut messages: Vec<Value> = (0..6)
+        .map(|i| json!({"role": "tool", "content": format!("run {i}: {}", format!("step{i} ").repeat(300))}))
+        .collect();
+    let added = [
+        json!({"role": "user", "content": "go on"}),
+        json!({"role": "user", "content": "and again"}),
+        json!({"role": "user", "password": "turn-SECRET", "content": "with this"}),
+    ];
+    for (turn, m) in added.into_iter().enumerate() {
+        messages.push(m);
+        let body = json!({"model": "m", "messages": messages}).to_string();
+        assert!((8 << 10..256 << 10).contains(&body.len()));
+        let id = format!("req-small-{turn}");
+        send(with_id("/v1/chat/completions", &visor, &id, body)).await;
+        let d = detail(&visor, &id, None).await;
+        assert!(!d.to_string().contains("SECRET"), "turn {turn}");
+    }
+    let m = visor.metrics().await;
+    let read = |r| {
+        metric(
+            &m,
+            "visor_prefix_reads_total",
+            &[("part", "inspector"), ("read", r)],
+        )
+    };
+    assert_eq!(read("continued"), Some(2.0));
+    assert_eq!(read("full"), Some(1.0));
+}
