@@ -765,16 +765,7 @@ async fn a_continued_conversation_keeps_no_credential_or_image_its_new_turn_adds
     // Looked at after the shared bytes: the second turn's body, the
     // credential's turn as received and as sent (each after a clean one);
     // the rest in full (the first, the one after the credential).
-    let m = visor.metrics().await;
-    let read = |r| {
-        metric(
-            &m,
-            "visor_prefix_reads_total",
-            &[("part", "inspector"), ("read", r)],
-        )
-    };
-    assert_eq!(read("continued"), Some(4.0));
-    assert_eq!(read("full"), Some(4.0));
+    assert_eq!(prefix_reads(&visor, "inspector").await, (4.0, 4.0));
 }
 
 /// The same for bodies of 8 to 256 KiB, looked at when their request is
@@ -801,14 +792,5 @@ async fn a_continued_conversation_of_small_bodies_is_looked_at_after_its_clean_p
         let d = detail(&visor, &id, None).await;
         assert!(!d.to_string().contains("SECRET"), "turn {turn}");
     }
-    let m = visor.metrics().await;
-    let read = |r| {
-        metric(
-            &m,
-            "visor_prefix_reads_total",
-            &[("part", "inspector"), ("read", r)],
-        )
-    };
-    assert_eq!(read("continued"), Some(2.0));
-    assert_eq!(read("full"), Some(1.0));
+    assert_eq!(prefix_reads(&visor, "inspector").await, (2.0, 1.0));
 }

@@ -705,19 +705,8 @@ async fn a_conversation_read_on_from_its_previous_request_is_cached_as_read_in_f
     );
     assert!(continued.unwrap_or(0.0) >= 20.0, "{continued:?}");
     // The prompt cache read each of those on from the turn before too.
-    let m = on.metrics().await;
-    let read = |r| {
-        metric(
-            &m,
-            "visor_prefix_reads_total",
-            &[("part", "prompt_cache"), ("read", r)],
-        )
-    };
-    assert!(
-        read("continued").unwrap_or(0.0) >= 20.0,
-        "{:?}",
-        read("continued")
-    );
+    let (continued, _) = prefix_reads(&on, "prompt_cache").await;
+    assert!(continued >= 20.0, "{continued}");
     let sent = m1.recorded();
     assert!(markers(&sent.last().unwrap().body).len() >= 2);
 }

@@ -696,6 +696,22 @@ impl Visor {
 }
 
 /// A header-and-label match on a metrics line, returning its value.
+/// `visor_prefix_reads_total{part}` of `visor`: (continued, full).
+pub async fn prefix_reads(visor: &Visor, part: &str) -> (f64, f64) {
+    let m = visor.metrics().await;
+    let read = |r| {
+        metric(
+            &m,
+            "visor_prefix_reads_total",
+            &[("part", part), ("read", r)],
+        )
+    };
+    (
+        read("continued").unwrap_or(-1.0),
+        read("full").unwrap_or(-1.0),
+    )
+}
+
 pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))

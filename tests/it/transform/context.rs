@@ -808,14 +808,5 @@ async fn a_continued_body_is_refused_and_routed_as_one_read_whole() {
     assert_eq!(mock.count(), recorded + 1);
     // The turn was checked on from the turn before (the bodies refused
     // are not counted).
-    let m = on.metrics().await;
-    let json = |read| {
-        metric(
-            &m,
-            "visor_prefix_reads_total",
-            &[("part", "json"), ("read", read)],
-        )
-    };
-    assert_eq!(json("continued"), Some(1.0));
-    assert_eq!(json("full"), Some(0.0));
+    assert_eq!(prefix_reads(&on, "json").await, (1.0, 0.0));
 }
