@@ -27,7 +27,10 @@ pub struct Probed {
 /// its top-level `model` found), and the chunks are gathered into one
 /// contiguous buffer — sized once from `Content-Length` — that the
 /// transforms walk and that goes upstream as is when nothing changes. A body
-/// that came in one chunk is kept as it came, without a copy.
+/// that came in one chunk is kept as it came, without a copy. A body whose
+/// first bytes match one its client sent before waits until it has all
+/// come, and is validated only after the bytes it shares with that one
+/// (see [`super::checked_prefixes`]).
 pub struct WholeBody {
     scanner: JsonScanner,
     first: Option<bytes::Bytes>,
