@@ -355,9 +355,36 @@ fn continues_run(b: &[u8], i: usize) -> bool {
     }
 }
 
+/// Runs at least this long are remembered by [`reference`].
+const REMEMBERED_RUN: usize = 16 * 1024;
+
 /// `[base64: 12345 bytes, sha256:7ae32ec79dcb]` (the bytes it decodes to),
-/// or `[base64: 4000 characters]` when it does not decode.
+/// or `[base64: 4000 characters]` when it does not decode. A long run's is
+/// remembered (the newest 4,096, by a keyed hash of its text): an agent
+/// sends its screenshots again with every turn, and hashing the text costs
+/// a tenth of decoding it and hashing its bytes.
 fn reference(run: &str) -> String {
+    use std::sync::LazyLock;
+    static MADE: LazyLock<(u64, moka::sync::Cache<u128, std::sync::Arc<str>>)> =
+        LazyLock::new(|| {
+            let seed = crate::transform::tenant(b"inspector references");
+            (seed, moka::sync::Cache::new(4096))
+        });
+    if run.len() < REMEMBERED_RUN {
+        return made(run);
+    }
+    let (seed, made_before) = &*MADE;
+    let key = xxhash_rust::xxh3::xxh3_128_with_seed(run.as_bytes(), *seed);
+    if let Some(r) = made_before.get(&key) {
+        return r.to_string();
+    }
+    let r = made(run);
+    made_before.insert(key, std::sync::Arc::from(r.as_str()));
+    r
+}
+
+/// [`reference`], made.
+fn made(run: &str) -> String {
     let b = run.as_bytes();
     // Most runs are plain base64: decoded as they are, not copied.
     let plain = b.chunks(32).all(|c| {
@@ -868,5 +895,24 @@ mod tests {
             }
             proptest::prop_assert_eq!(replace_runs(&s), runs_bytewise(&s));
         }
+    }
+
+    /// A long payload's reference, remembered, is the one made from it,
+    /// the first time and after; a payload one byte apart is named by its
+    /// own bytes.
+    #[test]
+    fn a_remembered_reference_is_the_payloads_own() {
+        let data: Vec<u8> = (0..20_000u32).map(|i| (i * 31 % 253) as u8).collect();
+        let run = b64(&data);
+        assert!(run.len() >= REMEMBERED_RUN);
+        let want = made(&run);
+        assert!(want.starts_with("[base64: 20000 bytes, sha256:"), "{want}");
+        assert_eq!(reference(&run), want);
+        assert_eq!(reference(&run), want);
+        let mut other = data.clone();
+        other[10_000] ^= 1;
+        let other_run = b64(&other);
+        assert_eq!(reference(&other_run), made(&other_run));
+        assert_ne!(reference(&other_run), want);
     }
 }
