@@ -4,6 +4,11 @@
 //!   `"stream":true` gets an SSE stream of 16 content chunks, a usage chunk
 //!   and `[DONE]` (PACE_MS apart when given); anything else a small
 //!   chat.completion JSON. Request bodies are read whole first.
+//! - `loadkit proxy ADDR UPSTREAM` — the least a reverse proxy built on
+//!   hyper does: each request is passed, head and streaming body, to
+//!   `http://UPSTREAM` over a pooled keep-alive connection, and the answer
+//!   back the same way. No reading, no checks, no metrics: the floor that
+//!   visor's own work is measured above.
 //! - `loadkit first-byte URL BODY_FILE N` — sends N sequential requests on
 //!   one keep-alive connection and prints the p50 and p99 time from sending
 //!   to the first response body byte, in microseconds.
@@ -118,6 +123,56 @@ async fn mock(addr: &str, pace: Duration) -> std::io::Result<()> {
     }
 }
 
+async fn proxy(addr: &str, upstream: &str) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    eprintln!(
+        "proxy listening on {} for {upstream}",
+        listener.local_addr()?
+    );
+    let client =
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http::<Incoming>();
+    let authority: http::uri::Authority = upstream
+        .parse()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let _ = stream.set_nodelay(true);
+        let (client, authority) = (client.clone(), authority.clone());
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let (client, authority) = (client.clone(), authority.clone());
+                async move {
+                    let (mut parts, body) = req.into_parts();
+                    let mut uri = http::uri::Parts::from(parts.uri);
+                    uri.scheme = Some(http::uri::Scheme::HTTP);
+                    uri.authority = Some(authority);
+                    let sent = match http::Uri::from_parts(uri) {
+                        Ok(u) => {
+                            parts.uri = u;
+                            parts.headers.remove(http::header::HOST);
+                            client.request(Request::from_parts(parts, body)).await.ok()
+                        }
+                        Err(_) => None,
+                    };
+                    match sent {
+                        Some(resp) => Ok::<_, Infallible>(resp.map(|b| b.boxed())),
+                        None => {
+                            let mut r = Response::new(
+                                Full::new(Bytes::new()).map_err(|e| match e {}).boxed(),
+                            );
+                            *r.status_mut() = http::StatusCode::BAD_GATEWAY;
+                            Ok(r)
+                        }
+                    }
+                }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
 async fn first_byte(url: &str, body: Bytes, n: usize) -> Result<(), Box<dyn std::error::Error>> {
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(1)
@@ -162,6 +217,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let pace = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(0u64);
             rt.block_on(mock(addr, Duration::from_millis(pace)))?;
         }
+        Some("proxy") => {
+            let (Some(addr), Some(upstream)) = (args.get(2), args.get(3)) else {
+                return Err("usage: loadkit proxy ADDR UPSTREAM_HOST:PORT".into());
+            };
+            rt.block_on(proxy(addr, upstream))?;
+        }
         Some("first-byte") => {
             let (Some(url), Some(file)) = (args.get(2), args.get(3)) else {
                 return Err("usage: loadkit first-byte URL BODY_FILE N".into());
@@ -172,7 +233,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         _ => {
             return Err(
-                "usage: loadkit mock ADDR [PACE_MS] | loadkit first-byte URL BODY_FILE N".into(),
+                "usage: loadkit mock ADDR [PACE_MS] | loadkit proxy ADDR UPSTREAM | loadkit first-byte URL BODY_FILE N".into(),
             );
         }
     }

@@ -9,8 +9,8 @@
 //! [`crate::transform::START`] bytes), the newest [`PER_START`] prefixes,
 //! bounded in all by [`BYTES`] (least recently used out first). A body
 //! that matches none is checked whole, as one of under [`MIN_BODY`] always
-//! is. Nothing of a body is kept but its hash, where its messages end and
-//! its `model`.
+//! is. Nothing of a body is kept but its hash, where its messages end, its
+//! `model` and which of the [`Words`] it holds up to there.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,8 +40,74 @@ pub struct Checked {
     /// model it named.
     model_key: bool,
     model: Option<Arc<str>>,
+    /// The [`Words`] in its bytes up to `end`.
+    words: Words,
     /// Set once the inspector found the body holds nothing it strips.
     clean: Arc<AtomicBool>,
+}
+
+/// Which of [`Words::NEEDLES`] some bytes hold: what the transforms look
+/// for before reading a body (a body without the word `image` holds no
+/// image), known for a conversation's earlier bytes so that its next body
+/// is looked at only after them.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Words(u8);
+
+impl Words {
+    pub const NEEDLES: [&'static [u8]; 6] = [
+        b"image",
+        b"\"file\"",
+        b"\"input_file\"",
+        b"\"document\"",
+        b"\"input_audio\"",
+        b"\"audio\"",
+    ];
+    const ALL: u8 = (1 << Self::NEEDLES.len()) - 1;
+
+    /// The words in `bytes`, in one pass.
+    pub fn in_bytes(bytes: &[u8]) -> Words {
+        static SEARCHER: std::sync::LazyLock<Option<aho_corasick::AhoCorasick>> =
+            std::sync::LazyLock::new(|| aho_corasick::AhoCorasick::new(Words::NEEDLES).ok());
+        let Some(searcher) = SEARCHER.as_ref() else {
+            // (Literal needles always build a searcher.) A pass a needle.
+            let found = Self::NEEDLES.iter().enumerate();
+            return Words(
+                found.fold(0, |w, (i, n)| match memchr::memmem::find(bytes, n) {
+                    Some(_) => w | 1 << i,
+                    None => w,
+                }),
+            );
+        };
+        let mut seen = 0u8;
+        // Overlapping: a needle that shares bytes with another is found too.
+        for m in searcher.find_overlapping_iter(bytes) {
+            seen |= 1 << m.pattern().as_usize();
+            if seen == Self::ALL {
+                break;
+            }
+        }
+        Words(seen)
+    }
+
+    /// The words in `body[..to]`, `self` being those in `body[..from]`:
+    /// only the bytes after `from` (and a needle's length before) are read.
+    pub fn on(self, body: &[u8], from: usize, to: usize) -> Words {
+        let longest = Self::NEEDLES.iter().map(|n| n.len()).max().unwrap_or(1);
+        let to = to.min(body.len());
+        match from.min(to) {
+            0 => Words::in_bytes(&body[..to]),
+            from => {
+                Words(self.0 | Words::in_bytes(&body[(from + 1).saturating_sub(longest)..to]).0)
+            }
+        }
+    }
+
+    /// Whether `needle` (one of [`Words::NEEDLES`]) is among them; `None`
+    /// for another needle.
+    pub fn has(self, needle: &[u8]) -> Option<bool> {
+        let i = Self::NEEDLES.iter().position(|n| *n == needle)?;
+        Some(self.0 & (1 << i) != 0)
+    }
 }
 
 /// What a body shares with the one its client sent before, for the
@@ -68,6 +134,8 @@ pub struct Digests {
     body: (usize, usize),
     pub before: Option<(usize, u128)>,
     pub now: Option<(usize, u128)>,
+    /// The [`Words`] in the body's bytes up to the first number.
+    seen: Option<(usize, Words)>,
 }
 
 impl Digests {
@@ -84,6 +152,35 @@ impl Digests {
             body: (body.as_ptr() as usize, body.len()),
             before,
             now,
+            seen: None,
+        }
+    }
+
+    /// With the [`Words`] in the body's first `upto` bytes known.
+    pub fn seeing(self, upto: usize, words: Words) -> Self {
+        Digests {
+            seen: Some((upto, words)),
+            ..self
+        }
+    }
+
+    /// Whether `body` (the one these are [`Digests::of`]) holds `needle`:
+    /// for one of [`Words::NEEDLES`], only the bytes after those whose
+    /// words are known are read.
+    pub fn holds(&self, body: &[u8], needle: &[u8]) -> bool {
+        let known = self
+            .seen
+            .filter(|(upto, _)| {
+                *upto <= body.len() && self.body == (body.as_ptr() as usize, body.len())
+            })
+            .and_then(|(upto, words)| Some((upto, words.has(needle)?)));
+        match known {
+            Some((_, true)) => true,
+            Some((upto, false)) => {
+                let from = (upto + 1).saturating_sub(needle.len());
+                memchr::memmem::find(&body[from.min(upto)..], needle).is_some()
+            }
+            None => memchr::memmem::find(body, needle).is_some(),
         }
     }
 }
@@ -125,13 +222,69 @@ impl Hashed {
     }
 
     fn upto(mut self, body: &[u8], end: usize) -> (Hashed, u128) {
+        self.feed(body, end);
+        let h = self.hasher.digest128();
+        self.digest = h;
+        (self, h)
+    }
+
+    /// Hashes on up to `end` (no digest).
+    fn feed(&mut self, body: &[u8], end: usize) {
         if end > self.at {
             self.hasher.update(&body[self.at..end]);
             self.at = end;
         }
-        let h = self.hasher.digest128();
-        self.digest = h;
-        (self, h)
+    }
+}
+
+/// The hash of a body that may continue one of its candidates, taken on
+/// as its bytes come (while the rest is on its way), up to the furthest
+/// candidate's end, with the hash kept at each candidate's end.
+#[derive(Clone)]
+struct Hashing {
+    /// The candidates' ends still ahead, nearest first.
+    ahead: Vec<usize>,
+    hashed: Hashed,
+    /// The hash as it was at each end passed.
+    at_ends: Vec<Hashed>,
+}
+
+impl Hashing {
+    fn new(candidates: &[Checked]) -> Hashing {
+        let mut ahead: Vec<usize> = candidates.iter().map(|c| c.end).collect();
+        ahead.sort_unstable_by(|a, b| b.cmp(a));
+        ahead.dedup();
+        Hashing {
+            ahead,
+            hashed: Hashed::new(),
+            at_ends: Vec::new(),
+        }
+    }
+
+    /// On over `received` (the body's bytes so far).
+    fn on(&mut self, received: &[u8]) {
+        // `ahead` is kept furthest first: the nearest is popped.
+        while let Some(&end) = self.ahead.last() {
+            if end > received.len() {
+                self.hashed.feed(received, received.len());
+                return;
+            }
+            let (hashed, _) = self.hashed.clone().upto(received, end);
+            self.hashed = hashed.clone();
+            self.at_ends.push(hashed);
+            self.ahead.pop();
+        }
+    }
+
+    /// The hash of `body` up to `end`, from what was hashed already.
+    fn to(&self, body: &[u8], end: usize) -> (Hashed, u128) {
+        if let Some(h) = self.at_ends.iter().find(|h| h.at == end) {
+            return (h.clone(), h.digest);
+        }
+        match self.hashed.at <= end {
+            true => self.hashed.clone().upto(body, end),
+            false => Hashed::new().upto(body, end),
+        }
     }
 }
 
@@ -163,6 +316,8 @@ pub struct Resumable {
     /// `Some` once the first bytes were looked up: the candidates, newest
     /// first (none: the body is checked as it comes).
     candidates: Option<Vec<Checked>>,
+    /// The body's hash as it comes, once there are candidates.
+    hashing: Option<Hashing>,
 }
 
 impl Default for CheckedPrefixes {
@@ -200,6 +355,7 @@ impl CheckedPrefixes {
             checked: self.clone(),
             tenant,
             candidates: None,
+            hashing: None,
         })
     }
 
@@ -224,24 +380,38 @@ impl Resumable {
             .and_then(|l| l.lock().ok().map(|l| l.iter().rev().cloned().collect()))
             .unwrap_or_default();
         let any = !found.is_empty();
+        self.hashing = any.then(|| Hashing::new(&found));
         self.candidates = Some(found);
         any
     }
 
+    /// Hashes on over the body's bytes so far (`received`), when it has
+    /// candidates: the hash is then ready, or nearly, when the body is
+    /// whole.
+    pub fn on(&mut self, received: &[u8]) {
+        if let Some(h) = self.hashing.as_mut() {
+            h.on(received);
+        }
+    }
+
     /// The scanner for the whole `body`, from the newest candidate whose
-    /// bytes it begins with, the hash up to there, and whether those bytes
-    /// were found to hold nothing the inspector strips; `None`: none is.
-    pub fn resume(&self, body: &[u8]) -> Option<(JsonScanner, Hashed, bool)> {
+    /// bytes it begins with, the hash up to there, the [`Words`] in those
+    /// bytes, and whether they were found to hold nothing the inspector
+    /// strips; `None`: none is.
+    pub fn resume(&self, body: &[u8]) -> Option<(JsonScanner, Hashed, Words, bool)> {
         let candidates = self.candidates.as_ref()?;
         for c in candidates {
             if c.end >= body.len() || tail(&body[..c.end]) != c.tail {
                 continue;
             }
-            let (hashed, h) = Hashed::new().upto(body, c.end);
+            let (hashed, h) = match &self.hashing {
+                Some(hashing) => hashing.to(body, c.end),
+                None => Hashed::new().upto(body, c.end),
+            };
             if h == c.hash {
                 let model = c.model.as_deref().map(str::to_owned);
                 let scanner = JsonScanner::resumed(c.end as u64, c.model_key, model);
-                return Some((scanner, hashed, c.clean.load(Ordering::Relaxed)));
+                return Some((scanner, hashed, c.words, c.clean.load(Ordering::Relaxed)));
             }
         }
         None
@@ -249,15 +419,16 @@ impl Resumable {
 
     /// Keeps where `body`, found to be a JSON object, ends its messages
     /// (`mark`: [`Mark::of`] its scanner), and its `model`; `hashed`: its
-    /// hash so far. The flag to set once the body is found to hold nothing
-    /// the inspector strips, and the digest up to the messages' end.
+    /// hash so far, `words` those of its first bytes (from [`Resumable::resume`]).
+    /// The flag to set once the body is found to hold nothing the inspector
+    /// strips, the digest up to the messages' end, and the words up to there.
     pub fn keep(
         &self,
         body: &[u8],
         mark: Mark,
         model: Option<&str>,
-        hashed: Option<Hashed>,
-    ) -> Option<(Arc<AtomicBool>, (usize, u128))> {
+        (hashed, words): (Option<Hashed>, Option<(usize, Words)>),
+    ) -> Option<(Arc<AtomicBool>, (usize, u128), Words)> {
         let end = mark.end?;
         if body.len() < MIN_BODY || end > body.len() {
             return None;
@@ -267,12 +438,15 @@ impl Resumable {
         let hashed = hashed.filter(|h| h.at <= end).unwrap_or_else(Hashed::new);
         let (_, hash) = hashed.upto(body, end);
         let model_key = mark.model_key;
+        let (from, words) = words.filter(|(at, _)| *at <= end).unwrap_or_default();
+        let words = words.on(body, from, end);
         let checked = Checked {
             end,
             tail: tail(&body[..end]),
             hash,
             model_key,
             model: model.filter(|_| model_key).map(Arc::from),
+            words,
             clean: clean.clone(),
         };
         self.checked.starts.entry(start).and_compute_with(|found| {
@@ -286,7 +460,7 @@ impl Resumable {
             }
             moka::ops::compute::Op::Put(list)
         });
-        Some((clean, (end, hash)))
+        Some((clean, (end, hash), words))
     }
 }
 
@@ -397,6 +571,84 @@ mod tests {
                 before_ok |= whole.is_ok() && listed;
             }
         }
+    }
+
+    /// A message with `needle` (an index into [`Words::NEEDLES`]; others:
+    /// none) in its text at `at`, and a needle's first bytes at its end.
+    fn message_with(needle: usize, at: usize) -> String {
+        let mut text = "y".repeat(1600);
+        if let Some(n) = Words::NEEDLES.get(needle) {
+            let n = String::from_utf8_lossy(n).replace('"', "\\\"");
+            text.insert_str(at.min(text.len()), &n);
+        }
+        format!(r#"{{"role":"user","content":"{text} \"inp"}}"#)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Whether a body holds each word, looked for only after the bytes
+        /// it shares with its conversation's body before, is what a look
+        /// at all of it finds, turn after turn; each turn goes on from the
+        /// one before, however its bytes came.
+        #[test]
+        fn a_continued_body_holds_the_words_a_look_at_all_of_it_finds(
+            placed in proptest::collection::vec((0usize..12, 0usize..1700), 24..48),
+            model_first in any::<bool>(),
+            tails in proptest::collection::vec(0usize..12, 4..8),
+            piece in prop_oneof![Just(usize::MAX), 500usize..7000],
+        ) {
+            let checked = Arc::new(CheckedPrefixes::new());
+            let mut messages = Vec::new();
+            let mut p = placed.iter();
+            for (turn, t) in tails.iter().enumerate() {
+                for _ in 0..6 {
+                    let (n, at) = p.next().copied().unwrap_or((9, 0));
+                    messages.push(message_with(n, at));
+                }
+                let tail = match Words::NEEDLES.get(*t) {
+                    Some(n) => format!(
+                        r#","tools":[{{"type":"{}"}}]"#,
+                        String::from_utf8_lossy(n).replace('"', "\\\"")
+                    ),
+                    None => String::new(),
+                };
+                let text = body(&messages, model_first, &tail);
+                // Pushed as it comes, in pieces: hashed on as they come.
+                let mut w = WholeBody::resuming(text.len() as u64, checked.for_body(3, text.len() as u64));
+                for c in text.as_bytes().chunks(piece) {
+                    w.push(Bytes::copy_from_slice(c));
+                }
+                let (_, bytes, shared) = w.finish_shared().unwrap();
+                let digests = shared.digests.of(&bytes);
+                prop_assert_eq!(digests.seen.is_some(), true, "turn {}", turn);
+                prop_assert_eq!(digests.before.is_some(), turn > 0, "turn {}", turn);
+                for n in Words::NEEDLES {
+                    let all = memchr::memmem::find(&bytes, n).is_some();
+                    prop_assert_eq!(digests.holds(&bytes, n), all, "turn {} {:?}", turn, String::from_utf8_lossy(n));
+                }
+                // Another body, or a needle not kept: looked for in all of it.
+                prop_assert!(Digests::default().holds(b"an image", b"image"));
+                prop_assert!(!digests.holds(b"an image", b"\"pdf\""));
+            }
+        }
+    }
+
+    #[test]
+    fn words_read_on_from_a_point_are_the_words_of_the_whole() {
+        let text = br#"{"a":"im","b":"age \"file\" "input_audio" x"#;
+        for from in 0..text.len() {
+            let before = Words::in_bytes(&text[..from]);
+            for to in from..=text.len() {
+                assert_eq!(
+                    before.on(text, from, to),
+                    Words::in_bytes(&text[..to]),
+                    "{from}..{to}"
+                );
+            }
+        }
+        assert_eq!(Words::in_bytes(b"image").has(b"image"), Some(true));
+        assert_eq!(Words::in_bytes(b"imag").has(b"image"), Some(false));
+        assert_eq!(Words::default().has(b"pdf"), None);
     }
 
     fn conversation(n: usize) -> String {

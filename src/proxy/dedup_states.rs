@@ -39,6 +39,9 @@ pub struct Resume {
     pub end: usize,
     pub state: State,
     pub cache: Option<Prefixes>,
+    /// Its bytes, counted once when kept and once more when `cache` is
+    /// added (the cache's weigher reads this, at every put).
+    weight: usize,
 }
 
 /// A kept state's place: where its prefix ends, its key, a hash of the
@@ -82,10 +85,6 @@ impl Read {
     }
 }
 
-fn weight(r: &Resume) -> usize {
-    r.state.size() + r.scan.size() + r.cache.as_ref().map_or(0, Prefixes::size) + 64
-}
-
 fn clamp(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
@@ -105,7 +104,7 @@ impl DedupStates {
                     .max_capacity(bytes)
                     .eviction_policy(EvictionPolicy::lru())
                     .weigher(|_: &u128, s: &Slot<Option<Resume>>| {
-                        clamp(s.lock().map_or(0, |s| s.as_ref().map_or(0, weight)))
+                        clamp(s.lock().map_or(0, |s| s.as_ref().map_or(0, |r| r.weight)))
                     })
                     .build(),
                 starts: moka::sync::Cache::builder()
@@ -186,12 +185,13 @@ impl DedupStates {
         // in it.
         let start = start_key(seed, prefix)?;
         let resume = Resume {
+            weight: state.size() + scan.size() + 64,
             scan,
             end,
             state,
             cache: None,
         };
-        if weight(&resume) as u64 > self.bytes {
+        if resume.weight as u64 > self.bytes {
             return None;
         }
         let digest = match known {
@@ -231,8 +231,10 @@ impl DedupStates {
         let fits = match slot.lock() {
             Ok(mut s) => match s.as_mut() {
                 Some(r) if r.end == cache.end() => {
+                    let before = r.cache.as_ref().map_or(0, Prefixes::size);
+                    r.weight = r.weight - before + cache.size();
                     r.cache = Some(cache);
-                    weight(r) as u64 <= self.bytes
+                    r.weight as u64 <= self.bytes
                 }
                 _ => return,
             },

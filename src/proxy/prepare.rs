@@ -346,6 +346,10 @@ async fn prepare_within(
         return Ok(unchanged(body, None));
     }
     let mut resolved = rw.models.resolve(model.unwrap_or(""), opts.vision);
+    // A conversation's body is looked for words only after the bytes its
+    // previous body shared, when those are known.
+    let digests = asker.digests.of(&body);
+    let might_hold_images = |body: &[u8]| digests.holds(body, b"image");
     // A model another replica may have learned (a shared store): asked of
     // the store now, not at the next 30 s refresh, so this request does not
     // pay the refusal round trip again.
@@ -398,7 +402,7 @@ async fn prepare_within(
     // A model of unknown vision: an upstream refusal of its images can be
     // learned from, once, by sending the original again without them.
     let learn = (!resolved.known() && might_hold_images(&body)
-        || might_hold_media(&body, plan.takes, &resolved.caps))
+        || might_hold_media(&|w| digests.holds(&body, w), plan.takes, &resolved.caps))
     .then(|| Learnable {
         shape,
         rules: plan.rules,
@@ -417,7 +421,6 @@ async fn prepare_within(
     if !transform::needed(&plan) {
         return Ok(unchanged(body, learn));
     }
-    let digests = asker.digests.of(&body);
     let mut prepared = run(rw, body, plan, &credential, within, (who, digests)).await?;
     prepared.learn = learn;
     Ok(prepared)
@@ -1076,14 +1079,10 @@ async fn off_thread<T: Send + 'static>(
 }
 
 /// A cheap test before keeping a body for a possible retry.
-fn might_hold_images(body: &[u8]) -> bool {
-    memchr::memmem::find(body, b"image").is_some()
-}
-
-/// Whether the body may hold a document or audio the model is only
-/// assumed to take (no row states it): a refusal can then be learned from.
-fn might_hold_media(body: &[u8], takes: Takes, caps: &crate::models::Caps) -> bool {
-    let has = |w: &[u8]| memchr::memmem::find(body, w).is_some();
+/// Whether the body (`has`: whether it holds a word) may hold a document
+/// or audio the model is only assumed to take (no row states it): a
+/// refusal can then be learned from.
+fn might_hold_media(has: &dyn Fn(&[u8]) -> bool, takes: Takes, caps: &crate::models::Caps) -> bool {
     (takes.pdf
         && caps.pdf.is_none()
         && (has(b"\"file\"") || has(b"\"input_file\"") || has(b"\"document\"")))

@@ -80,6 +80,13 @@ impl WholeBody {
                 self.buf.extend_from_slice(&data);
             }
         }
+        // A body that may continue one its client sent: hashed as it comes.
+        if let Some(r) = self.resumable.as_mut().filter(|_| self.waiting) {
+            match &self.first {
+                Some(f) => r.on(f),
+                None => r.on(&self.buf),
+            }
+        }
     }
 
     /// The model and the body, or why it is not a JSON object.
@@ -96,20 +103,20 @@ impl WholeBody {
         };
         let mut scanner = self.scanner;
         // Checked from where a body it begins with was, or whole.
-        let (hashed, from, clean) = match self.resumable.as_ref().filter(|_| self.waiting) {
+        let (hashed, words, from, clean) = match self.resumable.as_ref().filter(|_| self.waiting) {
             Some(r) => match r.resume(&bytes) {
-                Some((s, hashed, clean)) => {
+                Some((s, hashed, words, clean)) => {
                     let end = hashed.end();
                     scanner = s;
                     scanner.feed(&bytes[end..]);
-                    (Some(hashed), end, clean)
+                    (Some(hashed), Some((end, words)), end, clean)
                 }
                 None => {
                     scanner.feed(&bytes);
-                    (None, 0, false)
+                    (None, None, 0, false)
                 }
             },
-            None => (None, 0, false),
+            None => (None, None, 0, false),
         };
         let mark = Mark::of(&scanner);
         let probed = scanner.finish()?;
@@ -123,11 +130,15 @@ impl WholeBody {
         let kept = self
             .resumable
             .as_ref()
-            .and_then(|r| r.keep(&bytes, mark, probed.model.as_deref(), hashed));
+            .and_then(|r| r.keep(&bytes, mark, probed.model.as_deref(), (hashed, words)));
+        let mut digests = Digests::new(&bytes, before, kept.as_ref().map(|k| k.1));
+        if let Some((_, (end, _), words)) = &kept {
+            digests = digests.seeing(*end, *words);
+        }
         let shared = Shared {
             waited: self.waiting,
             clean: if clean { from } else { 0 },
-            digests: Digests::new(&bytes, before, kept.as_ref().map(|k| k.1)),
+            digests,
             mark: kept.map(|k| k.0),
         };
         Ok((probed.model, bytes, shared))
