@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Load comparison: the mock upstream directly, through visor, and through
-# nginx as a plain reverse proxy — same load generator (wrk), same settings,
-# one run. Prints req/s, p50, p99 and what each proxy adds over direct.
+# Load comparison: the mock upstream directly, through visor, through nginx
+# as a plain reverse proxy, and through the least proxy hyper makes
+# (`loadkit proxy`: no reading, no checks, no metrics) — same load generator
+# (wrk), same settings, one run. Prints req/s, p50, p99, what each proxy adds
+# over direct, and each proxy's CPU time per small request.
 #
 #   benches/load.sh                # c=32, 10 s per run
 #   DURATION=5 CONNS=16 benches/load.sh
@@ -15,7 +17,7 @@ cd "$(dirname "$0")/.."
 DURATION="${DURATION:-10}"
 CONNS="${CONNS:-32}"
 THREADS="${THREADS:-2}"
-MOCK_PORT=19100; PACED_PORT=19101; VISOR_PORT=19200; NGINX_PORT=19300
+MOCK_PORT=19100; PACED_PORT=19101; VISOR_PORT=19200; NGINX_PORT=19300; HYPER_PORT=19400
 WORK=target/load
 mkdir -p "$WORK"
 
@@ -69,6 +71,7 @@ trap cleanup EXIT
 
 "$KIT" mock "127.0.0.1:$MOCK_PORT" 2>/dev/null & pids+=($!)
 "$KIT" mock "127.0.0.1:$PACED_PORT" 5 2>/dev/null & pids+=($!)
+"$KIT" proxy "127.0.0.1:$HYPER_PORT" "127.0.0.1:$MOCK_PORT" 2>/dev/null & HYPER_PID=$!; pids+=($HYPER_PID)
 
 cat > "$WORK/visor.toml" <<TOML
 [server]
@@ -126,14 +129,20 @@ NGINX
 nginx -c "$PWD/$WORK/nginx.conf" -e "$PWD/$WORK/nginx-error.log" & pids+=($!)
 
 wait_port() { for _ in $(seq 1 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 not up"; exit 1; }
-for p in $MOCK_PORT $PACED_PORT $VISOR_PORT $NGINX_PORT; do wait_port "$p"; done
+for p in $MOCK_PORT $PACED_PORT $VISOR_PORT $NGINX_PORT $HYPER_PORT; do wait_port "$p"; done
 
 rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 hwm_kb() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
 IDLE_RSS=$(rss_kb "$VISOR_PID")
 
+# CPU time (user + system, clock ticks) of processes, summed.
+ticks() { local s=0 p; for p in "$@"; do s=$((s + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo "$s"; }
+NGINX_PIDS=$(pgrep -P "$(cat "$WORK/nginx.pid")" | tr '\n' ' ')
+declare -A CPU_PIDS=([visor]="$VISOR_PID" [nginx]="$NGINX_PIDS" [hyper]="$HYPER_PID")
+HZ=$(getconf CLK_TCK)
+
 # ---- runs
-declare -A RPS P50 P99
+declare -A RPS P50 P99 REQS CPU_US
 to_us() { # wrk latency like 1.23ms / 456.00us / 1.02s → microseconds
   awk -v v="$1" 'BEGIN { n=v+0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n*1000; else if (v ~ /s$/) print n*1000000; else print n }'
 }
@@ -143,6 +152,7 @@ run() { # key url lua conns
   RPS[$1]=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
   P50[$1]=$(to_us "$(echo "$out" | awk '$1=="50%" {print $2}')")
   P99[$1]=$(to_us "$(echo "$out" | awk '$1=="99%" {print $2}')")
+  REQS[$1]=$(echo "$out" | awk '/requests in/ {print $1}')
   local errs; errs=$(echo "$out" | grep -E "Non-2xx|Socket errors" || true)
   [ -n "$errs" ] && echo "  $1: $errs" >&2
   return 0
@@ -152,17 +162,23 @@ declare -A URL=(
   [direct]="http://127.0.0.1:$MOCK_PORT/v1/chat/completions"
   [visor]="http://127.0.0.1:$VISOR_PORT/v1/chat/completions"
   [nginx]="http://127.0.0.1:$NGINX_PORT/v1/chat/completions"
+  [hyper]="http://127.0.0.1:$HYPER_PORT/v1/chat/completions"
 )
 for w in small stream large-vision; do
-  for t in direct visor nginx; do
+  for t in direct visor nginx hyper; do
     echo "running $w via $t (c=$CONNS, ${DURATION}s)" >&2
+    [ "$w" = small ] && [ "$t" != direct ] && before=$(ticks ${CPU_PIDS[$t]})
     run "$w/$t" "${URL[$t]}" "$w" "$CONNS"
+    if [ "$w" = small ] && [ "$t" != direct ]; then
+      CPU_US[$t]=$(awk -v a="$before" -v b="$(ticks ${CPU_PIDS[$t]})" -v n="${REQS[$w/$t]}" -v hz="$HZ" \
+        'BEGIN { if (n > 0) printf "%.1f", (b - a) / hz * 1e6 / n; else print "-" }')
+    fi
   done
   # VmHWM is the peak resident size so far.
   [ "$w" = stream ] && PEAK_RSS_SMALL=$(hwm_kb "$VISOR_PID")
 done
 PEAK_RSS=$(hwm_kb "$VISOR_PID")
-for t in direct visor nginx; do
+for t in direct visor nginx hyper; do
   echo "running small via $t (c=1, ${DURATION}s)" >&2
   run "c1/$t" "${URL[$t]}" small 1
 done
@@ -190,7 +206,7 @@ echo
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo); wrk -t$THREADS -d${DURATION}s; $(date -u +%F)"
 printf '%-14s %-7s %10s %10s %10s %9s\n' workload via "req/s" "p50 us" "p99 us" "x direct"
 for w in small stream large-vision c1; do
-  for t in direct visor nginx; do
+  for t in direct visor nginx hyper; do
     k="$w/$t"
     ratio=$(awk -v a="${RPS[$k]}" -v b="${RPS[$w/direct]}" 'BEGIN { if (b>0) printf "%.2f", a/b; else print "-" }')
     printf '%-14s %-7s %10s %10s %10s %9s\n' "$w" "$t" "${RPS[$k]}" "${P50[$k]}" "${P99[$k]}" "$ratio"
@@ -198,9 +214,11 @@ for w in small stream large-vision c1; do
 done
 echo
 for w in small stream large-vision; do
-  awk -v w="$w" -v v="${RPS[$w/visor]}" -v n="${RPS[$w/nginx]}" 'BEGIN { printf "%-13s visor/nginx req/s = %.2f\n", w, v/n }'
+  awk -v w="$w" -v v="${RPS[$w/visor]}" -v n="${RPS[$w/nginx]}" -v h="${RPS[$w/hyper]}" \
+    'BEGIN { printf "%-13s visor/nginx req/s = %.2f, visor/hyper = %.2f\n", w, v/n, v/h }'
 done
-for t in visor nginx; do
+echo "CPU per small request (c=$CONNS, user + system): visor ${CPU_US[visor]} us, nginx ${CPU_US[nginx]} us, hyper ${CPU_US[hyper]} us"
+for t in visor nginx hyper; do
   awk -v t="$t" -v p50="${P50[c1/$t]}" -v d50="${P50[c1/direct]}" -v p99="${P99[c1/$t]}" -v d99="${P99[c1/direct]}" \
     'BEGIN { printf "c=1 added by %-5s p50 %+.0f us, p99 %+.0f us\n", t, p50-d50, p99-d99 }'
 done

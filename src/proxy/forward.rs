@@ -174,19 +174,27 @@ pub async fn handle(
         answer,
         retry_head,
     } = sent;
-    let answer = match learn(
-        &state.rewrite,
-        &call,
-        edge,
-        &mut prepared,
-        &exchange,
-        retry_head,
-        answer,
-    )
-    .await?
-    {
-        Learned::Answer(answer) => answer, // 7. learn
-        Learned::Passed(head, body) => return Ok(edge.passed(head, body)),
+    // 7. learn: only an answer that may be a refusal to learn from waits
+    // for it (boxed: its state is not carried by every request's future).
+    let may_learn = retry_head.is_some()
+        && prepared.as_ref().is_some_and(|p| p.learn.is_some())
+        && may_be_refusal(answer.resp.status(), answer.resp.headers());
+    let answer = match may_learn {
+        false => answer,
+        true => match Box::pin(learn(
+            &state.rewrite,
+            &call,
+            edge,
+            &mut prepared,
+            &exchange,
+            retry_head,
+            answer,
+        ))
+        .await?
+        {
+            Learned::Answer(answer) => answer,
+            Learned::Passed(head, body) => return Ok(edge.passed(head, body)),
+        },
     };
     let outgoing = Outgoing {
         prepared,
@@ -504,7 +512,8 @@ async fn send<'s>(
         upstreams: chain,
         model: call.model.as_deref(),
     };
-    send_chain(to, call, edge, &parts, chain, prepared, session).await
+    // Boxed: only routes with fallbacks carry its state.
+    Box::pin(send_chain(to, call, edge, &parts, chain, prepared, session)).await
 }
 
 /// What phase 4 found of a session.
@@ -959,10 +968,12 @@ async fn learn(
     // The refused attempt is over (the retry is an attempt of its own).
     drop(answer.attempt);
     let model = call.model.as_deref().unwrap_or("");
+    // Boxed: a refusal's retry is rare, and its state (6 KB) would
+    // otherwise be part of every request's future, copied at each await.
     let Some(prepare::Retry {
         prepared: retry,
         lesson,
-    }) = rewrite.after_refusal(&learn, model, &error_body).await
+    }) = Box::pin(rewrite.after_refusal(&learn, model, &error_body)).await
     else {
         // Not about what it was assumed to take: the upstream's answer,
         // as it was.
