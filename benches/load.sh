@@ -50,7 +50,23 @@ sed 's/"model": "gpt-oss-120b"/"model": "gpt-4o"/' "$WORK/large-image-4mb.json" 
 # The same 4 MB request for a text-only model: the image is replaced.
 cp "$WORK/large-image-4mb.json" "$WORK/large-strip.json"
 
-for name in small stream large-vision large-strip; do
+# A 1.2 MB agent conversation (1,000 messages of prose), sent again and
+# again one at a time: what a hop adds to a large body. visor holds it
+# whole, and goes on from the same body sent before; nginx buffers it
+# (its default, in memory here); the bare hyper proxy streams it through.
+python3 - "$WORK/conversation.json" <<'PY'
+import json, random, sys
+random.seed(1)
+words = "the a file path line error test build module function return value".split()
+messages = [{"role": "system", "content": "You are a coding agent."}]
+while len(json.dumps(messages)) < 1_200_000:
+    n = len(messages)
+    role = "user" if n % 2 else "assistant"
+    messages.append({"role": role, "content": f"step {n}: " + " ".join(random.choice(words) for _ in range(200))})
+open(sys.argv[1], "w").write(json.dumps({"model": "gpt-4o", "messages": messages}))
+PY
+
+for name in small stream large-vision large-strip conversation; do
   cat > "$WORK/$name.lua" <<LUA
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -182,6 +198,10 @@ for t in direct visor nginx hyper; do
   echo "running small via $t (c=1, ${DURATION}s)" >&2
   run "c1/$t" "${URL[$t]}" small 1
 done
+for t in direct visor nginx hyper; do
+  echo "running conversation via $t (c=1, ${DURATION}s)" >&2
+  run "conv/$t" "${URL[$t]}" conversation 1
+done
 
 # The image path: 4 MB bodies for a text-only model, through visor only
 # (nginx and the mock would just pass the image on). Peak memory is measured
@@ -205,7 +225,7 @@ FB[nginx]=$("$KIT" first-byte "http://127.0.0.1:$NGINX_PORT/paced/v1/chat/comple
 echo
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo); wrk -t$THREADS -d${DURATION}s; $(date -u +%F)"
 printf '%-14s %-7s %10s %10s %10s %9s\n' workload via "req/s" "p50 us" "p99 us" "x direct"
-for w in small stream large-vision c1; do
+for w in small stream large-vision c1 conv; do
   for t in direct visor nginx hyper; do
     k="$w/$t"
     ratio=$(awk -v a="${RPS[$k]}" -v b="${RPS[$w/direct]}" 'BEGIN { if (b>0) printf "%.2f", a/b; else print "-" }')
@@ -221,6 +241,10 @@ echo "CPU per small request (c=$CONNS, user + system): visor ${CPU_US[visor]} us
 for t in visor nginx hyper; do
   awk -v t="$t" -v p50="${P50[c1/$t]}" -v d50="${P50[c1/direct]}" -v p99="${P99[c1/$t]}" -v d99="${P99[c1/direct]}" \
     'BEGIN { printf "c=1 added by %-5s p50 %+.0f us, p99 %+.0f us\n", t, p50-d50, p99-d99 }'
+done
+for t in visor nginx hyper; do
+  awk -v t="$t" -v p50="${P50[conv/$t]}" -v d50="${P50[conv/direct]}" \
+    'BEGIN { printf "1.2 MB conversation, c=1, added by %-5s p50 %+.0f us\n", t, p50-d50 }'
 done
 for t in direct visor nginx; do echo "paced stream first byte via $t: ${FB[$t]}"; done
 awk -v r="${RPS[strip/visor]}" -v p50="${P50[strip/visor]}" -v p99="${P99[strip/visor]}" -v c="$STRIP_CONNS" \

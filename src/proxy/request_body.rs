@@ -28,9 +28,9 @@ pub struct Probed {
 /// contiguous buffer — sized once from `Content-Length` — that the
 /// transforms walk and that goes upstream as is when nothing changes. A body
 /// that came in one chunk is kept as it came, without a copy. A body whose
-/// first bytes match one its client sent before waits until it has all
-/// come, and is validated only after the bytes it shares with that one
-/// (see [`super::checked_prefixes`]).
+/// first bytes match one its client sent before is hashed as it comes,
+/// waits until it has all come, and is validated only after the bytes it
+/// shares with that one (see [`super::checked_prefixes`]).
 pub struct WholeBody {
     scanner: JsonScanner,
     first: Option<bytes::Bytes>,
