@@ -153,7 +153,14 @@ IDLE_RSS=$(rss_kb "$VISOR_PID")
 
 # CPU time (user + system, clock ticks) of processes, summed.
 ticks() { local s=0 p; for p in "$@"; do s=$((s + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo "$s"; }
-NGINX_PIDS=$(pgrep -P "$(cat "$WORK/nginx.pid")" | tr '\n' ' ')
+# nginx writes its pid file and starts its workers after it listens.
+NGINX_PIDS=""
+for _ in $(seq 1 50); do
+  NGINX_PIDS=$( { pgrep -P "$(cat "$WORK/nginx.pid" 2>/dev/null)" 2>/dev/null || true; } | tr '\n' ' ')
+  [ -n "${NGINX_PIDS// }" ] && break
+  sleep 0.1
+done
+[ -n "${NGINX_PIDS// }" ] || { echo "nginx workers not found"; exit 1; }
 declare -A CPU_PIDS=([visor]="$VISOR_PID" [nginx]="$NGINX_PIDS" [hyper]="$HYPER_PID")
 HZ=$(getconf CLK_TCK)
 
@@ -235,7 +242,7 @@ done
 echo
 for w in small stream large-vision; do
   awk -v w="$w" -v v="${RPS[$w/visor]}" -v n="${RPS[$w/nginx]}" -v h="${RPS[$w/hyper]}" \
-    'BEGIN { printf "%-13s visor/nginx req/s = %.2f, visor/hyper = %.2f\n", w, v/n, v/h }'
+    'BEGIN { if (n > 0 && h > 0) printf "%-13s visor/nginx req/s = %.2f, visor/hyper = %.2f\n", w, v/n, v/h; else printf "%-13s (a run gave no figure)\n", w }'
 done
 echo "CPU per small request (c=$CONNS, user + system): visor ${CPU_US[visor]} us, nginx ${CPU_US[nginx]} us, hyper ${CPU_US[hyper]} us"
 for t in visor nginx hyper; do

@@ -28,6 +28,11 @@ const PER_START: usize = 64;
 const BYTES: u64 = 16 << 20;
 /// The bytes before a prefix's end a candidate is checked by first.
 const TAIL: usize = 64;
+/// A body that continues none has its [`Words`] looked for (one pass up
+/// to its messages' end) only when they end within this many bytes: a
+/// first body larger (a large image sent once) is not read for them, and
+/// the bodies that continue it are looked at whole, as without them.
+const WORDS_FIRST_MAX: usize = 1 << 20;
 
 /// One body checked up to the end of its last message.
 #[derive(Debug, Clone)]
@@ -40,8 +45,8 @@ pub struct Checked {
     /// model it named.
     model_key: bool,
     model: Option<Arc<str>>,
-    /// The [`Words`] in its bytes up to `end`.
-    words: Words,
+    /// The [`Words`] in its bytes up to `end`, when they were looked for.
+    words: Option<Words>,
     /// Set once the inspector found the body holds nothing it strips.
     clean: Arc<AtomicBool>,
 }
@@ -52,6 +57,9 @@ pub struct Checked {
 /// is looked at only after them.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Words(u8);
+
+/// The [`Words`] of a body's bytes up to a point, and the point.
+pub type WordsAt = (usize, Words);
 
 impl Words {
     pub const NEEDLES: [&'static [u8]; 6] = [
@@ -135,7 +143,7 @@ pub struct Digests {
     pub before: Option<(usize, u128)>,
     pub now: Option<(usize, u128)>,
     /// The [`Words`] in the body's bytes up to the first number.
-    seen: Option<(usize, Words)>,
+    seen: Option<WordsAt>,
 }
 
 impl Digests {
@@ -242,7 +250,7 @@ impl Hashed {
 /// candidate's end, with the hash kept at each candidate's end.
 #[derive(Clone)]
 struct Hashing {
-    /// The candidates' ends still ahead, nearest first.
+    /// The candidates' ends still ahead, furthest first.
     ahead: Vec<usize>,
     hashed: Hashed,
     /// The hash as it was at each end passed.
@@ -307,6 +315,15 @@ impl Mark {
             model_key: end.is_some_and(|e| scanner.model_key_before(e as u64)),
         }
     }
+}
+
+/// What [`Resumable::keep`] kept of a body: the flag to set once it is
+/// found to hold nothing the inspector strips, its digest up to its
+/// messages' end, and the [`Words`] up to there (when looked for).
+pub struct Kept {
+    pub clean: Arc<AtomicBool>,
+    pub digest: (usize, u128),
+    pub words: Option<Words>,
 }
 
 /// A body to check: its client, and the prefixes it may continue.
@@ -398,7 +415,7 @@ impl Resumable {
     /// bytes it begins with, the hash up to there, the [`Words`] in those
     /// bytes, and whether they were found to hold nothing the inspector
     /// strips; `None`: none is.
-    pub fn resume(&self, body: &[u8]) -> Option<(JsonScanner, Hashed, Words, bool)> {
+    pub fn resume(&self, body: &[u8]) -> Option<(JsonScanner, Hashed, Option<WordsAt>, bool)> {
         let candidates = self.candidates.as_ref()?;
         for c in candidates {
             if c.end >= body.len() || tail(&body[..c.end]) != c.tail {
@@ -411,7 +428,8 @@ impl Resumable {
             if h == c.hash {
                 let model = c.model.as_deref().map(str::to_owned);
                 let scanner = JsonScanner::resumed(c.end as u64, c.model_key, model);
-                return Some((scanner, hashed, c.words, c.clean.load(Ordering::Relaxed)));
+                let words = c.words.map(|w| (c.end, w));
+                return Some((scanner, hashed, words, c.clean.load(Ordering::Relaxed)));
             }
         }
         None
@@ -427,8 +445,8 @@ impl Resumable {
         body: &[u8],
         mark: Mark,
         model: Option<&str>,
-        (hashed, words): (Option<Hashed>, Option<(usize, Words)>),
-    ) -> Option<(Arc<AtomicBool>, (usize, u128), Words)> {
+        (hashed, words): (Option<Hashed>, Option<WordsAt>),
+    ) -> Option<Kept> {
         let end = mark.end?;
         if body.len() < MIN_BODY || end > body.len() {
             return None;
@@ -438,8 +456,10 @@ impl Resumable {
         let hashed = hashed.filter(|h| h.at <= end).unwrap_or_else(Hashed::new);
         let (_, hash) = hashed.upto(body, end);
         let model_key = mark.model_key;
-        let (from, words) = words.filter(|(at, _)| *at <= end).unwrap_or_default();
-        let words = words.on(body, from, end);
+        let words = match words.filter(|(at, _)| *at <= end) {
+            Some((from, words)) => Some(words.on(body, from, end)),
+            None => (end <= WORDS_FIRST_MAX).then(|| Words::in_bytes(&body[..end])),
+        };
         let checked = Checked {
             end,
             tail: tail(&body[..end]),
@@ -460,7 +480,11 @@ impl Resumable {
             }
             moka::ops::compute::Op::Put(list)
         });
-        Some((clean, (end, hash), words))
+        Some(Kept {
+            clean,
+            digest: (end, hash),
+            words,
+        })
     }
 }
 
@@ -630,6 +654,32 @@ mod tests {
                 prop_assert!(Digests::default().holds(b"an image", b"image"));
                 prop_assert!(!digests.holds(b"an image", b"\"pdf\""));
             }
+        }
+    }
+
+    /// A first body over [`WORDS_FIRST_MAX`] is not read for its words: it
+    /// and the bodies that continue it are looked at whole, and say the same.
+    #[test]
+    fn a_large_first_body_leaves_no_words_and_its_next_is_looked_at_whole() {
+        let checked = Arc::new(CheckedPrefixes::new());
+        let mut messages: Vec<String> = (0..700).map(|i| message_with(i % 9, i)).collect();
+        for turn in 0..2 {
+            let text = body(&messages, true, "");
+            assert!(text.len() > WORDS_FIRST_MAX);
+            let mut w =
+                WholeBody::resuming(text.len() as u64, checked.for_body(5, text.len() as u64));
+            w.push(Bytes::copy_from_slice(text.as_bytes()));
+            let (_, bytes, shared) = w.finish_shared().unwrap();
+            let digests = shared.digests.of(&bytes);
+            assert_eq!(digests.before.is_some(), turn > 0);
+            assert!(digests.seen.is_none(), "turn {turn}");
+            for n in Words::NEEDLES {
+                assert_eq!(
+                    digests.holds(&bytes, n),
+                    memchr::memmem::find(&bytes, n).is_some()
+                );
+            }
+            messages.push(message_with(0, 5));
         }
     }
 

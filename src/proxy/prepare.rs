@@ -778,16 +778,8 @@ async fn run(
                 credential,
                 within,
             };
-            // Boxed: the describer's state (9 KB) is carried only by the
-            // requests that have something to describe.
-            let (described, finishing) = Box::pin(describe_then_finish(
-                rw,
-                &body,
-                large,
-                (scanned, carry),
-                texts,
-            ))
-            .await?;
+            let describing = describe_then_finish(rw, &body, large, (scanned, carry), texts);
+            let (described, finishing) = Box::pin(describing).await?;
             spent += finishing;
             failed = described.failed;
             described.rewrite
@@ -895,6 +887,8 @@ struct Described {
 /// the deadline: what is not done keeps its placeholder), then the request
 /// finished with them — again with its documents cut, should their text
 /// take it past `server.max_body_bytes`. Also the time spent finishing.
+/// Its caller boxes it: its state (9 KB) is then carried only by the
+/// requests that have something to describe.
 async fn describe_then_finish(
     rw: &Rewriter,
     body: &Bytes,

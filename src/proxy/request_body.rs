@@ -15,7 +15,7 @@
 //!   (before its model) is refused ([`JsonScanner::error`]). A
 //!   `multipart/form-data` body's `model` field is found by [`FormScanner`].
 
-use super::checked_prefixes::{Digests, Mark, Resumable, Shared};
+use super::checked_prefixes::{Digests, Kept, Mark, Resumable, Shared};
 
 /// What a scan of a whole body found.
 #[derive(Debug, PartialEq, Eq)]
@@ -109,7 +109,7 @@ impl WholeBody {
                     let end = hashed.end();
                     scanner = s;
                     scanner.feed(&bytes[end..]);
-                    (Some(hashed), Some((end, words)), end, clean)
+                    (Some(hashed), words, end, clean)
                 }
                 None => {
                     scanner.feed(&bytes);
@@ -131,15 +131,20 @@ impl WholeBody {
             .resumable
             .as_ref()
             .and_then(|r| r.keep(&bytes, mark, probed.model.as_deref(), (hashed, words)));
-        let mut digests = Digests::new(&bytes, before, kept.as_ref().map(|k| k.1));
-        if let Some((_, (end, _), words)) = &kept {
+        let mut digests = Digests::new(&bytes, before, kept.as_ref().map(|k| k.digest));
+        if let Some(Kept {
+            digest: (end, _),
+            words: Some(words),
+            ..
+        }) = &kept
+        {
             digests = digests.seeing(*end, *words);
         }
         let shared = Shared {
             waited: self.waiting,
             clean: if clean { from } else { 0 },
             digests,
-            mark: kept.map(|k| k.0),
+            mark: kept.map(|k| k.clean),
         };
         Ok((probed.model, bytes, shared))
     }
