@@ -3,13 +3,15 @@
 # as a plain reverse proxy, and through the least proxy hyper makes
 # (`loadkit proxy`: no reading, no checks, no metrics) — same load generator
 # (wrk), same settings, one run. Prints req/s, p50, p99, what each proxy adds
-# over direct, and each proxy's CPU time per small request.
+# over direct, each proxy's CPU time per small request, and how long a
+# copy of 1.2 MB out of cache took before and after the runs (on a shared
+# host it moves by 3x within minutes, and a large body's figures with it).
 #
 #   benches/load.sh                # c=32, 10 s per run
 #   DURATION=5 CONNS=16 benches/load.sh
 #
 # Needs wrk and nginx (apt-get install -y wrk nginx-light; done here when
-# missing and running as root) and python3 for the 4 MB fixture.
+# missing and running as root) and python3 for the 4 MB fixture and the memory probe.
 # Everything listens on 127.0.0.1 and every run is bounded by DURATION.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +78,34 @@ wrk.body = f:read("*a")
 f:close()
 LUA
 done
+
+# The host's memory, as a request of 1.2 MB meets it: a copy of 1.2 MB
+# between buffers out of cache (walking 256 MiB) and within cache (the same
+# buffers again). On a shared host the first varies with the neighbours'
+# load; every pass a proxy makes over a large body pays it.
+memory_probe() {
+  python3 - <<'PY'
+import ctypes, time
+n, span = 1_200_000, 256 << 20
+src, dst = bytearray(span), bytearray(span)
+for i in range(0, span, 4096):
+    src[i] = dst[i] = 1
+s = ctypes.addressof(ctypes.c_char.from_buffer(src))
+d = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+k = span // n
+t = time.perf_counter()
+for r in range(2):
+    for i in range(k):
+        ctypes.memmove(d + i * n, s + i * n, n)
+cold = (time.perf_counter() - t) / (2 * k)
+t = time.perf_counter()
+for _ in range(200):
+    ctypes.memmove(d, s, n)
+hot = (time.perf_counter() - t) / 200
+print(f"1.2 MB copied out of cache {cold * 1e3:.2f} ms ({n / cold / 1e9:.1f} GB/s), in cache {hot * 1e3:.2f} ms ({n / hot / 1e9:.1f} GB/s)")
+PY
+}
+MEMORY_BEFORE=$(memory_probe)
 
 # ---- servers
 pids=()
@@ -254,6 +284,8 @@ for t in visor nginx hyper; do
     'BEGIN { printf "1.2 MB conversation, c=1, added by %-5s p50 %+.0f us\n", t, p50-d50 }'
 done
 for t in direct visor nginx; do echo "paced stream first byte via $t: ${FB[$t]}"; done
+echo "memory before the runs: $MEMORY_BEFORE"
+echo "memory after the runs:  $(memory_probe)"
 awk -v r="${RPS[strip/visor]}" -v p50="${P50[strip/visor]}" -v p99="${P99[strip/visor]}" -v c="$STRIP_CONNS" \
     -v base="$STRIP_BASE" -v hwm="$STRIP_HWM" -v size="$STRIP_SIZE" \
   'BEGIN { per=(hwm-base)*1024/c; printf "4 MB image replaced (c=%d): %s req/s, p50 %.0f us, p99 %.0f us; peak RSS %.0f MB over %.0f MB before = %.1f MB per request in flight (%.1fx the body)\n", c, r, p50, p99, hwm/1024, base/1024, per/1048576, per/size }'
