@@ -237,13 +237,23 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     memchr::memmem::find(hay, needle).is_some()
 }
 
+/// A searcher made once: every streamed event is searched for these, and
+/// `memmem::find` would build its searcher again on each call.
+macro_rules! finder {
+    ($needle:expr) => {{
+        static FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+            std::sync::LazyLock::new(|| memchr::memmem::Finder::new($needle));
+        &*FINDER
+    }};
+}
+
 /// Parses one SSE line if it is `data: {…"usage": {…}…}`; otherwise
 /// counts the generated text it carries.
 fn sse_line(line: &[u8], usage: &mut Usage) {
     let Some(payload) = sse::data(line) else {
         return;
     };
-    let Some(at) = memchr::memmem::find(payload, b"\"usage\"") else {
+    let Some(at) = finder!(b"\"usage\"").find(payload) else {
         usage.text_bytes += text_bytes(payload);
         return;
     };
@@ -267,7 +277,7 @@ fn sse_line(line: &[u8], usage: &mut Usage) {
 /// `.output_item.done`, `.function_call_arguments.done`…, and the
 /// response's end): not counted again.
 fn repeats_text(payload: &[u8]) -> bool {
-    let Some(at) = memchr::memmem::find(payload, b"\"type\":\"response.") else {
+    let Some(at) = finder!(b"\"type\":\"response.").find(payload) else {
         return false;
     };
     let value = &payload[at + 8..];
@@ -301,7 +311,7 @@ pub fn text_bytes(payload: &[u8]) -> u64 {
         b"reasoning_content",
     ];
     let mut n = 0;
-    for at in memchr::memmem::find_iter(payload, b"\":") {
+    for at in finder!(b"\":").find_iter(payload) {
         let Some(open) = memchr::memrchr(b'"', &payload[..at]) else {
             continue;
         };

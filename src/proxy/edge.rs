@@ -101,7 +101,11 @@ impl Counts {
 
     /// The `x-visor-*` counts of a transformed endpoint.
     pub fn write(self, headers: &mut HeaderMap) {
-        let num = |n: i64| HeaderValue::from(n);
+        // Most requests change nothing: a zero needs no allocation.
+        let num = |n: i64| match n {
+            0 => HeaderValue::from_static("0"),
+            n => HeaderValue::from(n),
+        };
         headers.insert(
             header::HeaderName::from_static("x-visor-images-replaced"),
             num(self.images_replaced as i64),

@@ -1258,7 +1258,12 @@ impl<'a> Exchange<'a> {
 }
 
 fn set_content_length(headers: &mut HeaderMap, len: usize) {
-    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    // An unchanged body keeps the one length its client sent (no new value).
+    let kept = headers.get_all(header::CONTENT_LENGTH).iter().count() == 1
+        && content_length(headers) == Some(len as u64);
+    if !kept {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
     headers.remove(header::TRANSFER_ENCODING);
 }
 
@@ -1446,4 +1451,35 @@ async fn scan_model(
     };
     let rest = (!ended).then(|| LimitedBody::new(body, limit - held, exceeded));
     Ok((model, UpstreamBody { prefix, rest }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_length_is_set_to_the_body_sent_and_said_once() {
+        let length = |values: &[&str], len: usize| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(header::CONTENT_LENGTH, HeaderValue::from_str(v).unwrap());
+            }
+            h.insert(
+                header::TRANSFER_ENCODING,
+                HeaderValue::from_static("chunked"),
+            );
+            set_content_length(&mut h, len);
+            assert!(h.get(header::TRANSFER_ENCODING).is_none());
+            h.get_all(header::CONTENT_LENGTH)
+                .iter()
+                .map(|v| v.to_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        };
+        // Unchanged: the client's value stays; changed or absent: the new one.
+        assert_eq!(length(&["120"], 120), ["120"]);
+        assert_eq!(length(&["120"], 95), ["95"]);
+        assert_eq!(length(&[], 95), ["95"]);
+        // Said twice by the client: sent once.
+        assert_eq!(length(&["120", "120"], 120), ["120"]);
+    }
 }
