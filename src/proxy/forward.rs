@@ -1258,9 +1258,13 @@ impl<'a> Exchange<'a> {
 }
 
 fn set_content_length(headers: &mut HeaderMap, len: usize) {
-    // An unchanged body keeps the one length its client sent (no new value).
-    let kept = headers.get_all(header::CONTENT_LENGTH).iter().count() == 1
-        && content_length(headers) == Some(len as u64);
+    // An unchanged body keeps the one length its client sent (no new
+    // value), when it was written as `len` is: digits, no leading zero.
+    let mut said = headers.get_all(header::CONTENT_LENGTH).iter();
+    let kept = match (said.next(), said.next()) {
+        (Some(v), None) => written_as(v.as_bytes(), len),
+        _ => false,
+    };
     if !kept {
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
     }
@@ -1315,6 +1319,17 @@ async fn read_error_body(
             UpstreamFailure::FirstByteTimeout,
         )),
     }
+}
+
+/// `v` is `len` in decimal as a header value writes it: digits only, no
+/// leading zero.
+fn written_as(v: &[u8], len: usize) -> bool {
+    let canonical = v.iter().all(u8::is_ascii_digit) && (v.len() == 1 || v.first() != Some(&b'0'));
+    canonical
+        && std::str::from_utf8(v)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+            == Some(len as u64)
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
@@ -1479,7 +1494,21 @@ mod tests {
         assert_eq!(length(&["120"], 120), ["120"]);
         assert_eq!(length(&["120"], 95), ["95"]);
         assert_eq!(length(&[], 95), ["95"]);
-        // Said twice by the client: sent once.
+        assert_eq!(length(&["0"], 0), ["0"]);
+        // Said twice by the client, or with leading zeros: written anew.
         assert_eq!(length(&["120", "120"], 120), ["120"]);
+        assert_eq!(length(&["0120"], 120), ["120"]);
+        assert_eq!(length(&["00"], 0), ["0"]);
+    }
+
+    #[test]
+    fn an_unchanged_length_is_the_clients_value_not_a_new_one() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from(120u64));
+        let before = h[header::CONTENT_LENGTH].as_bytes().as_ptr();
+        set_content_length(&mut h, 120);
+        assert_eq!(h[header::CONTENT_LENGTH].as_bytes().as_ptr(), before);
+        set_content_length(&mut h, 95);
+        assert_ne!(h[header::CONTENT_LENGTH].as_bytes().as_ptr(), before);
     }
 }
