@@ -49,9 +49,77 @@ pub fn without_media_of_json_after(body: &Bytes, clean: usize) -> (Option<Bytes>
 }
 
 fn stripped(body: &Bytes) -> Option<Bytes> {
-    let mut v: Value = serde_json::from_slice(body).ok()?;
+    // A megabyte image's string is cut to its reference before the body
+    // is parsed: the document is built of what remains.
+    let cut = cut_long_strings(body);
+    let mut v: Value = serde_json::from_slice(cut.as_deref().unwrap_or(body)).ok()?;
     strip(&mut v, 0);
     serde_json::to_vec(&v).ok().map(Bytes::from)
+}
+
+/// `body` with each string value of [`REMEMBERED_RUN`] bytes or more that
+/// reads the same parsed as written (no escape, no control character,
+/// UTF-8) and is not a URL replaced by what [`strip`] would make of it
+/// ([`replace_runs`]); `None` when there is none. What `strip` then does
+/// with the cut body is what it does with the whole: such a string's
+/// runs are what the parsed string's are, its references hold no run,
+/// and keys (which `strip` leaves) are not cut.
+fn cut_long_strings(body: &[u8]) -> Option<Vec<u8>> {
+    if body.len() < REMEMBERED_RUN {
+        return None;
+    }
+    let mut out: Option<Vec<u8>> = None;
+    let (mut i, mut copied) = (0, 0);
+    while let Some(q) = memchr::memchr(b'"', &body[i..]) {
+        let start = i + q + 1;
+        // The string's end, and whether it holds an escape.
+        let (mut end, mut escaped) = (start, false);
+        loop {
+            let Some(k) = memchr::memchr2(b'"', b'\\', &body[end..]) else {
+                return out.map(|mut o| {
+                    o.extend_from_slice(&body[copied..]);
+                    o
+                });
+            };
+            end += k;
+            if body[end] == b'"' {
+                break;
+            }
+            escaped = true;
+            end += 2;
+            if end >= body.len() {
+                return None;
+            }
+        }
+        i = end + 1;
+        let content = &body[start..end];
+        let key = body[i..]
+            .iter()
+            .find(|c| !c.is_ascii_whitespace())
+            .is_some_and(|&c| c == b':');
+        if escaped || key || content.len() < REMEMBERED_RUN {
+            continue;
+        }
+        if content.starts_with(b"http://") || content.starts_with(b"https://") {
+            continue;
+        }
+        if content.iter().fold(false, |any, &c| any | (c < 0x20)) {
+            continue;
+        }
+        let Ok(text) = std::str::from_utf8(content) else {
+            continue;
+        };
+        if let Some(r) = replace_runs(text) {
+            let o = out.get_or_insert_with(|| Vec::with_capacity(body.len() / 4));
+            o.extend_from_slice(&body[copied..start]);
+            o.extend_from_slice(r.as_bytes());
+            copied = end;
+        }
+    }
+    out.map(|mut o| {
+        o.extend_from_slice(&body[copied..]);
+        o
+    })
 }
 
 fn kept(body: &Bytes, checked: bool) -> Option<Bytes> {
@@ -808,6 +876,79 @@ mod tests {
             let whole = without_media_of_json_after(&next, 0);
             proptest::prop_assert_eq!(&after, &whole);
             proptest::prop_assert_eq!(after.0, without_media_of_json(&next));
+        }
+    }
+
+    #[test]
+    fn a_megabyte_image_is_cut_to_its_reference_before_the_body_is_parsed() {
+        let png: Vec<u8> = (0..800_000u32).map(|i| (i % 253) as u8).collect();
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{}"}}}}]}}]}}"#,
+            b64(&png)
+        );
+        let cut = cut_long_strings(body.as_bytes()).unwrap();
+        assert!(cut.len() < 300, "{}", String::from_utf8_lossy(&cut));
+        let kept = stripped(&Bytes::from(body)).unwrap();
+        assert!(
+            std::str::from_utf8(&kept)
+                .unwrap()
+                .contains("[base64: 800000 bytes, sha256:")
+        );
+        // Nothing long: nothing cut.
+        assert!(cut_long_strings(&vec![b' '; 20_000]).is_none());
+    }
+
+    /// [`stripped`] as it was: the whole body parsed, then stripped.
+    fn stripped_whole(body: &Bytes) -> Option<Bytes> {
+        let mut v: Value = serde_json::from_slice(body).ok()?;
+        strip(&mut v, 0);
+        serde_json::to_vec(&v).ok().map(Bytes::from)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+        /// A body whose long strings are cut before it is parsed is
+        /// stripped as the whole body parsed is: a megabyte image, a data
+        /// URL, a run written with escapes or line breaks, a long key, a
+        /// long signed URL, a credential, headers, a byte array, prose, a
+        /// run after text or between texts, and bodies that are not JSON.
+        #[test]
+        fn long_strings_cut_first_are_stripped_as_in_a_whole_parse(
+            parts in proptest::collection::vec((0u8..14, 0usize..40), 1..6),
+            broken in 0u8..6,
+        ) {
+            let data: Vec<u8> = (0..13_000u32).map(|i| (i * 7 % 251) as u8).collect();
+            let run = b64(&data);
+            let fields: Vec<String> = parts.iter().enumerate().map(|(i, &(kind, n))| {
+                let pad = "word ".repeat(n);
+                match kind {
+                    0 => format!(r#""f{i}":"{run}""#),
+                    1 => format!(r#""f{i}":"data:image/png;base64,{run}""#),
+                    2 => format!(r#""f{i}":"{pad}{run} and {run}{pad}""#),
+                    3 => format!(r#""f{i}":"{}""#, run.replace('/', "\\/")),
+                    4 => format!(r#""f{i}":"{}""#, run.as_bytes().chunks(76).map(|c| std::str::from_utf8(c).unwrap()).collect::<Vec<_>>().join("\\n")),
+                    5 => format!(r#""{run}":"{pad}""#),
+                    6 => format!(r#""f{i}":"https://x.example/f?X-Amz-Signature={run}""#),
+                    7 => format!(r#""api_key":"{run}""#),
+                    8 => format!(r#""headers":{{"authorization":"{run}","n":{n}}}"#),
+                    9 => format!(r#""f{i}":[{}]"#, vec!["7"; 300 + n].join(",")),
+                    10 => format!(r#""f{i}":{{"deep":["{pad}", "{run}", {n}]}}"#),
+                    11 => format!(r#""f{i}":"{}""#, "prose without digits ".repeat(900 + n)),
+                    // A raw line break in a string: not JSON.
+                    12 => format!("\"f{i}\":\"{}\n{}\"", &run[..9000], &run[9000..]),
+                    _ => format!(r#""f{i}":"{pad}""#),
+                }
+            }).collect();
+            let mut body = format!("{{{}}}", fields.join(","));
+            match broken {
+                // Not JSON: cut or not, nothing is kept.
+                0 => body.push(','),
+                1 => body.insert(body.len() / 2, '"'),
+                2 => body.truncate(body.len() - 2),
+                _ => {}
+            }
+            let body = Bytes::from(body);
+            proptest::prop_assert_eq!(stripped(&body), stripped_whole(&body));
         }
     }
 
