@@ -110,7 +110,9 @@ fn cut_long_strings(body: &[u8]) -> Option<Vec<u8>> {
             continue;
         };
         if let Some(r) = replace_runs(text) {
-            let o = out.get_or_insert_with(|| Vec::with_capacity(body.len() / 4));
+            // Each later cut only shortens what this one leaves.
+            let o =
+                out.get_or_insert_with(|| Vec::with_capacity(body.len() - content.len() + r.len()));
             o.extend_from_slice(&body[copied..start]);
             o.extend_from_slice(r.as_bytes());
             copied = end;
@@ -896,6 +898,11 @@ mod tests {
         );
         // Nothing long: nothing cut.
         assert!(cut_long_strings(&vec![b' '; 20_000]).is_none());
+        // A long key, spaced from its colon as a pretty printer writes it,
+        // is a key: never cut.
+        let key = Bytes::from(format!("{{\n  \"{}\" \t: 1\n}}", b64(&png[..20_000])));
+        assert!(cut_long_strings(&key).is_none());
+        assert_eq!(stripped(&key), stripped_whole(&key));
     }
 
     /// [`stripped`] as it was: the whole body parsed, then stripped.
@@ -914,7 +921,7 @@ mod tests {
         /// run after text or between texts, and bodies that are not JSON.
         #[test]
         fn long_strings_cut_first_are_stripped_as_in_a_whole_parse(
-            parts in proptest::collection::vec((0u8..14, 0usize..40), 1..6),
+            parts in proptest::collection::vec((0u8..17, 0usize..40), 1..6),
             broken in 0u8..6,
         ) {
             let data: Vec<u8> = (0..13_000u32).map(|i| (i * 7 % 251) as u8).collect();
@@ -936,18 +943,30 @@ mod tests {
                     11 => format!(r#""f{i}":"{}""#, "prose without digits ".repeat(900 + n)),
                     // A raw line break in a string: not JSON.
                     12 => format!("\"f{i}\":\"{}\n{}\"", &run[..9000], &run[9000..]),
+                    // Escapes a raw read would take otherwise: a run after
+                    // `\/`, a `\u0041` inside one, a backslash then `n`.
+                    13 => format!(r#""f{i}":"\/{run}""#),
+                    14 => format!(r#""f{i}":"{}\u0041{}""#, &run[..9000], &run[9000..]),
+                    15 => format!(r#""f{i}":"{}\\n{}""#, &run[..9000], &run[9000..]),
                     _ => format!(r#""f{i}":"{pad}""#),
                 }
             }).collect();
             let mut body = format!("{{{}}}", fields.join(","));
+            // A string the cut takes: one is cut before the parse.
+            let cuts = parts.iter().any(|&(k, _)| matches!(k, 0 | 1 | 2 | 7 | 8 | 10));
             match broken {
                 // Not JSON: cut or not, nothing is kept.
                 0 => body.push(','),
                 1 => body.insert(body.len() / 2, '"'),
                 2 => body.truncate(body.len() - 2),
+                // Space before a key's colon.
+                3 => body = body.replace("\":", "\" :"),
                 _ => {}
             }
             let body = Bytes::from(body);
+            if cuts && broken > 2 {
+                proptest::prop_assert!(cut_long_strings(&body).is_some());
+            }
             proptest::prop_assert_eq!(stripped(&body), stripped_whole(&body));
         }
     }
