@@ -310,12 +310,21 @@ pub fn text_bytes(payload: &[u8]) -> u64 {
         b"reasoning",
         b"reasoning_content",
     ];
+    const LONGEST_KEY: usize = b"reasoning_content".len();
     let mut n = 0;
-    for at in finder!(b"\":").find_iter(payload) {
-        let Some(open) = memchr::memrchr(b'"', &payload[..at]) else {
+    // Each `":` (a key's end): found by its colon and the quote before it
+    // (a two-byte `memmem` search cost more than the event's reading), the
+    // key's opening quote within the longest key's length (or the key is
+    // none of them).
+    for colon in memchr::memchr_iter(b':', payload) {
+        let Some(at) = colon.checked_sub(1).filter(|&q| payload[q] == b'"') else {
             continue;
         };
-        if !KEYS.contains(&&payload[open + 1..at]) {
+        let from = at.saturating_sub(LONGEST_KEY + 1);
+        let Some(open) = payload[from..at].iter().rposition(|&b| b == b'"') else {
+            continue;
+        };
+        if !KEYS.contains(&&payload[from + open + 1..at]) {
             continue;
         }
         let mut i = at + 2;
@@ -347,6 +356,71 @@ mod tests {
         let mut h = http::HeaderMap::new();
         h.insert(http::header::CONTENT_TYPE, ct.parse().unwrap());
         h
+    }
+
+    /// The count as it was first written (every `":` found by `memmem`):
+    /// the oracle of the colon-first reading.
+    fn text_bytes_by_memmem(payload: &[u8]) -> u64 {
+        if repeats_text(payload) {
+            return 0;
+        }
+        const KEYS: [&[u8]; 8] = [
+            b"content",
+            b"arguments",
+            b"delta",
+            b"text",
+            b"partial_json",
+            b"thinking",
+            b"reasoning",
+            b"reasoning_content",
+        ];
+        let mut n = 0;
+        for at in memchr::memmem::find_iter(payload, b"\":") {
+            let Some(open) = memchr::memrchr(b'"', &payload[..at]) else {
+                continue;
+            };
+            if !KEYS.contains(&&payload[open + 1..at]) {
+                continue;
+            }
+            let mut i = at + 2;
+            while payload.get(i).is_some_and(u8::is_ascii_whitespace) {
+                i += 1;
+            }
+            if payload.get(i) != Some(&b'"') {
+                continue;
+            }
+            let start = i + 1;
+            let mut end = start;
+            while end < payload.len() {
+                match payload[end] {
+                    b'\\' => end += 2,
+                    b'"' => break,
+                    _ => end += 1,
+                }
+            }
+            n += (end.min(payload.len()) - start) as u64;
+        }
+        n
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn text_bytes_found_by_colon_as_by_memmem(
+            parts in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    "\"", ":", "\\", " ", "content", "delta", "text", "x", "{", "}",
+                    ",", "\":", "\"content\":\"", "\"type\":\"response.", "done",
+                    "reasoning_content", "_", "xxxxxxxxxxxxxxxx",
+                ]),
+                0..40,
+            )
+        ) {
+            let payload = parts.concat();
+            proptest::prop_assert_eq!(
+                text_bytes(payload.as_bytes()),
+                text_bytes_by_memmem(payload.as_bytes())
+            );
+        }
     }
 
     #[test]

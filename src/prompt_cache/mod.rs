@@ -187,6 +187,10 @@ impl Seen {
     /// known before the answer.
     pub fn header(&self) -> HeaderValue {
         let v = &self.verdict;
+        if v.readable == 0 && v.cause.is_none() {
+            // Most requests: nothing readable and nothing missed.
+            return HeaderValue::from_static("readable=0");
+        }
         let text = match v.cause {
             Some(c) => format!("readable={}; miss={}", v.readable, c.label()),
             None => format!("readable={}", v.readable),
@@ -447,6 +451,9 @@ impl PromptCache {
     /// is one and it answers, else from this process.
     async fn previous(&self, conversation: u64) -> Option<Arc<Record>> {
         let local = self.recent.get(&conversation).await;
+        if !self.store.is_shared() {
+            return local;
+        }
         match self.store.record(&format!("{conversation:016x}")).await {
             Shared::Done(Some(bytes)) => Record::decode(&bytes).map(Arc::new).or(local),
             Shared::Done(None) => None,

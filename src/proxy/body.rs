@@ -345,9 +345,13 @@ impl ObservedBody {
         };
         let usage = self.usage.finish();
         let m = &f.metrics;
-        let status = f.status.to_string();
+        // A status code's label is its three digits, written without a
+        // formatter.
+        let code = f.status.min(999);
+        let digits = [100, 10, 1].map(|d| b'0' + (code / d % 10) as u8);
+        let status = std::str::from_utf8(&digits).unwrap_or("000");
         m.requests
-            .with_label_values(&[&*f.upstream, f.model.as_str(), status.as_str(), &f.key])
+            .with_label_values(&[&*f.upstream, f.model.as_str(), status, &f.key])
             .inc();
         let elapsed = f.started.elapsed();
         m.request_duration

@@ -79,6 +79,17 @@ impl From<(VisorError, UpstreamFailure)> for Stop {
     }
 }
 
+// The counts' names, made once (`from_static` outside a constant checks
+// its name at each call).
+static X_VISOR_IMAGES_REPLACED: header::HeaderName =
+    header::HeaderName::from_static("x-visor-images-replaced");
+static X_VISOR_MEDIA_REPLACED: header::HeaderName =
+    header::HeaderName::from_static("x-visor-media-replaced");
+static X_VISOR_BYTES_SAVED: header::HeaderName =
+    header::HeaderName::from_static("x-visor-bytes-saved");
+static X_VISOR_HISTORY_USED: header::HeaderName =
+    header::HeaderName::from_static("x-visor-history-used");
+
 /// What the transforms did to a request, for the `x-visor-*` headers and the
 /// log line.
 #[derive(Clone, Copy)]
@@ -107,21 +118,15 @@ impl Counts {
             n => HeaderValue::from(n),
         };
         headers.insert(
-            header::HeaderName::from_static("x-visor-images-replaced"),
+            X_VISOR_IMAGES_REPLACED.clone(),
             num(self.images_replaced as i64),
         );
         headers.insert(
-            header::HeaderName::from_static("x-visor-media-replaced"),
+            X_VISOR_MEDIA_REPLACED.clone(),
             num(self.media_replaced as i64),
         );
-        headers.insert(
-            header::HeaderName::from_static("x-visor-bytes-saved"),
-            num(self.bytes_saved.max(0)),
-        );
-        headers.insert(
-            header::HeaderName::from_static("x-visor-history-used"),
-            num(self.history_used as i64),
-        );
+        headers.insert(X_VISOR_BYTES_SAVED.clone(), num(self.bytes_saved.max(0)));
+        headers.insert(X_VISOR_HISTORY_USED.clone(), num(self.history_used as i64));
     }
 }
 

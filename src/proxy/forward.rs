@@ -58,7 +58,7 @@ use tokio::time::Sleep;
 use super::admission::{Asking, Gate, Grant, write_standing};
 use super::body::{Finish, InflightGuard, Inspected, ObservedBody, ProxyBody, Traced};
 use super::edge::{Counts, Edge, Stop};
-use super::headers::{Caller, for_the_client, upstream_request_headers};
+use super::headers::{Caller, X_VISOR_CACHE, for_the_client, upstream_request_headers};
 use super::prepare::{self, Options, Prepared, Rewriter};
 use super::request_body::{FormScanner, JsonScanner, WholeBody};
 use super::session_turn::{self, Recorder, Sessions};
@@ -653,7 +653,7 @@ async fn prompt_cache(
         key_name: &grant.label,
         session: parts
             .headers
-            .get("x-visor-session")
+            .get(&super::headers::X_VISOR_SESSION)
             .and_then(|v| v.to_str().ok())
             .map(str::trim),
         anthropic_kind: upstream.auth == AuthMode::XApiKey,
@@ -1036,7 +1036,7 @@ async fn respond(
     }
     for_the_client(&mut head);
     if let Some(seen) = &cache {
-        head.headers.insert("x-visor-cache", seen.header());
+        head.headers.insert(X_VISOR_CACHE.clone(), seen.header());
         // The provider took it: the next request of its conversation is
         // judged against it (kept before the client can send that one).
         if head.status.is_success() {

@@ -8,6 +8,13 @@ use sha2::{Digest, Sha256};
 use crate::config::{Secret, Upstream};
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// visor's request headers, named once (a name looked up as a `&str` is
+/// parsed and checked on every request).
+pub static X_VISOR_TRANSFORM: HeaderName = HeaderName::from_static("x-visor-transform");
+pub static X_VISOR_VISION: HeaderName = HeaderName::from_static("x-visor-vision");
+pub static X_VISOR_SESSION: HeaderName = HeaderName::from_static("x-visor-session");
+pub static X_VISOR_HISTORY: HeaderName = HeaderName::from_static("x-visor-history");
+pub static X_VISOR_CACHE: HeaderName = HeaderName::from_static("x-visor-cache");
 pub use crate::upstream::{X_API_KEY, own_credential};
 
 /// Headers that belong to one connection, never forwarded (RFC 9110 §7.6.1).
@@ -25,6 +32,11 @@ const HOP_BY_HOP: &[&str] = &[
 
 /// Removes hop-by-hop headers, including those the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most heads carry none of them (and a `Connection` header is one):
+    // one pass over the names finds out, without hashing a name to remove.
+    if !headers.keys().any(|k| HOP_BY_HOP.contains(&k.as_str())) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -201,8 +213,20 @@ fn new_request_id() -> HeaderValue {
     }
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let (a, b) = SEED.with(|s| (s.hash_one(n), s.hash_one(!n)));
-    let id = format!("req_{a:016x}{b:016x}");
-    HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
+    HeaderValue::from_bytes(&id_text(a, b))
+        .unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
+}
+
+/// `req_` and the 32 hex digits of `a` then `b`, written without a
+/// formatter (once per request).
+fn id_text(a: u64, b: u64) -> [u8; 36] {
+    let mut id = *b"req_00000000000000000000000000000000";
+    for (i, digit) in id[4..].iter_mut().enumerate() {
+        let word = if i < 16 { a } else { b };
+        let nibble = (word >> (60 - 4 * (i % 16))) & 0xf;
+        *digit = b"0123456789abcdef"[nibble as usize];
+    }
+    id
 }
 
 /// An upstream's response head made visor's: without the hop-by-hop
@@ -270,6 +294,25 @@ mod tests {
     }
 
     #[test]
+    fn each_hop_by_hop_header_goes_alone_and_a_head_without_one_stays_whole() {
+        for name in HOP_BY_HOP {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+            h.insert(*name, "x".parse().unwrap());
+            strip_hop_by_hop(&mut h);
+            assert!(h.get(*name).is_none(), "{name} kept");
+            assert_eq!(h.len(), 1, "{name}: {h:?}");
+        }
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        h.append("x-tag", "a".parse().unwrap());
+        h.append("x-tag", "b".parse().unwrap());
+        let before = h.clone();
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h, before);
+    }
+
+    #[test]
     fn upstream_key_replaces_client_key() {
         let id = HeaderValue::from_static("r");
         let mut h = client_headers();
@@ -314,6 +357,21 @@ mod tests {
         assert!(!keys.accepts(&h));
         h.insert(&X_API_KEY, "k1".parse().unwrap());
         assert!(keys.accepts(&h));
+    }
+
+    #[test]
+    fn a_new_id_is_its_two_words_in_hex() {
+        for (a, b) in [
+            (0, u64::MAX),
+            (0x0123_4567_89ab_cdef, 1),
+            (u64::MAX / 3, 42),
+        ] {
+            let text = id_text(a, b);
+            assert_eq!(
+                std::str::from_utf8(&text).unwrap(),
+                format!("req_{a:016x}{b:016x}")
+            );
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -142,12 +142,12 @@ pub struct Options {
 
 impl Options {
     pub fn from_headers(headers: &HeaderMap) -> Result<Self, VisorError> {
-        let flag = |name: &str| {
+        let flag = |name: &HeaderName| {
             headers
                 .get(name)
                 .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase())
         };
-        let off = match flag("x-visor-transform").as_deref() {
+        let off = match flag(&super::headers::X_VISOR_TRANSFORM).as_deref() {
             None | Some("on") => false,
             Some("off") => true,
             Some(_) => {
@@ -156,7 +156,7 @@ impl Options {
                 ));
             }
         };
-        let vision = match flag("x-visor-vision").as_deref() {
+        let vision = match flag(&super::headers::X_VISOR_VISION).as_deref() {
             None => None,
             Some("true") => Some(true),
             Some("false") => Some(false),

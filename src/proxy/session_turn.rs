@@ -45,7 +45,7 @@ pub struct Opened {
 
 /// The session header of a request, if any: `Ok(None)` without one.
 pub fn requested(headers: &HeaderMap) -> Result<Option<String>, VisorError> {
-    let Some(v) = headers.get("x-visor-session") else {
+    let Some(v) = headers.get(&super::headers::X_VISOR_SESSION) else {
         return Ok(None);
     };
     let id = v
@@ -70,7 +70,7 @@ fn history_depth(
     max_depth: usize,
 ) -> Result<usize, VisorError> {
     let header = headers
-        .get("x-visor-history")
+        .get(&super::headers::X_VISOR_HISTORY)
         .map(|v| v.to_str().unwrap_or("?"));
     sessions::depth(header, default_depth, max_depth).map_err(bad)
 }

@@ -936,7 +936,11 @@ impl Walker<'_> {
             } else {
                 "output"
             };
-            let path = format!("{items_key}[{}].{which}", msg.index);
+            let path = PathAt::Item {
+                items: items_key,
+                index: msg.index,
+                field: which,
+            };
             let tool = key.is(src, "output");
             fields.content = self.content(c, msg, &path, tool, 0)?;
         } else {
@@ -1006,7 +1010,7 @@ impl Walker<'_> {
         &mut self,
         c: &mut Cursor<'_>,
         msg: &mut Msg,
-        path: &str,
+        path: &PathAt<'_>,
         in_tool: bool,
         depth: usize,
     ) -> Result<Option<ContentArray>> {
@@ -1020,7 +1024,7 @@ impl Walker<'_> {
                 let mut parts = Vec::new();
                 let mut simple = true;
                 let range = c.array(|c, j| {
-                    let p = format!("{path}[{j}]");
+                    let p = PathAt::Index(path, j);
                     match self.part(c, msg, &p, in_tool, depth)? {
                         Some(r) => parts.push(r),
                         None => simple = false,
@@ -1078,7 +1082,7 @@ impl Walker<'_> {
         &mut self,
         f: &mut PartFields,
         msg: &mut Msg,
-        path: &str,
+        path: &PathAt<'_>,
         in_tool: bool,
         depth: usize,
     ) -> Result<()> {
@@ -1087,7 +1091,7 @@ impl Walker<'_> {
             && f.ty.as_ref().is_some_and(|t| t.is(src, "document"))
         {
             let mut sub = Cursor::at(src, inner.start);
-            let p = format!("{path}.source.content");
+            let p = PathAt::Field(path, "source.content");
             let outer_container = std::mem::replace(&mut msg.container, Container::Other);
             self.content(&mut sub, msg, &p, in_tool, depth + 1)?;
             msg.container = outer_container;
@@ -1101,7 +1105,7 @@ impl Walker<'_> {
         &mut self,
         c: &mut Cursor<'_>,
         msg: &mut Msg,
-        path: &str,
+        path: &PathAt<'_>,
         in_tool: bool,
         depth: usize,
     ) -> Result<Option<PartRef>> {
@@ -1122,7 +1126,7 @@ impl Walker<'_> {
             if key.is(src, "content") {
                 // An Anthropic tool_result (or anything shaped like one):
                 // its content is a tool result of its own.
-                let p = format!("{path}.content");
+                let p = PathAt::Field(path, "content");
                 let outer = msg.unit;
                 let outer_container = msg.container;
                 msg.units += 1;
@@ -1163,7 +1167,7 @@ impl Walker<'_> {
                 role: String::new(),
                 in_tool_result: in_tool,
                 hoistable: false,
-                path: path.to_owned(),
+                path: path.to_string(),
                 site: Site::Part(range),
                 unit: msg.unit,
                 bytes: bytes.map(Bytes::from),
@@ -1701,5 +1705,64 @@ pub(super) fn role_of(role: Option<&str>, ty: Option<&str>, is_output: bool) -> 
         // function_call, reasoning, custom_tool_call, web_search_call, …:
         // what the model produced.
         (None, Some(_)) => Role::Assistant,
+    }
+}
+
+/// Where a walked value is (`messages[3].content[1]`), written out only
+/// when something is found there: most content holds nothing to report,
+/// and a path written for every message and part cost a `format!` each.
+#[derive(Clone, Copy)]
+enum PathAt<'p> {
+    /// `{items}[{index}].{field}`: a message's `content` or `output`.
+    Item {
+        items: &'p str,
+        index: usize,
+        field: &'static str,
+    },
+    /// `{parent}[{j}]`: a part of a content array.
+    Index(&'p PathAt<'p>, usize),
+    /// `{parent}.{field}`: content inside a part.
+    Field(&'p PathAt<'p>, &'static str),
+}
+
+impl std::fmt::Display for PathAt<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PathAt::Item {
+                items,
+                index,
+                field,
+            } => write!(f, "{items}[{index}].{field}"),
+            PathAt::Index(parent, j) => write!(f, "{parent}[{j}]"),
+            PathAt::Field(parent, field) => write!(f, "{parent}.{field}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_found_image_is_named_by_its_whole_path() {
+        let png = "iVBORw0KGgo=";
+        let body = format!(
+            r#"{{"model":"m","messages":[
+            {{"role":"user","content":"hi"}},
+            {{"role":"user","content":[{{"type":"text","text":"a"}},{{"type":"tool_result","tool_use_id":"t","content":[
+                {{"type":"text","text":"b"}},
+                {{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{png}"}}}}]}}]}},
+            {{"role":"user","content":[{{"type":"document","source":{{"type":"content","content":[
+                {{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{png}"}}}}]}}}}]}}]}}"#
+        );
+        let scan = scan(body.as_bytes(), Shape::Messages).unwrap();
+        let paths: Vec<&str> = scan.images.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "messages[1].content[1].content[1]",
+                "messages[2].content[0].source.content[0]"
+            ]
+        );
     }
 }
