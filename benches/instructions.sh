@@ -68,9 +68,9 @@ count() {
   wait_port "$port"
   local url="http://127.0.0.1:$port/v1/chat/completions"
   "$KIT" first-byte "$url" "$WORK/$body.json" 200 >/dev/null
-  callgrind_control --zero "$vg" >/dev/null
+  callgrind_control --zero "$vg" >/dev/null 2>&1
   "$KIT" first-byte "$url" "$WORK/$body.json" "$n" >/dev/null
-  callgrind_control --dump=measured "$vg" >/dev/null
+  callgrind_control --dump=measured "$vg" >/dev/null 2>&1
   kill "$vg" 2>/dev/null || true
   wait "$vg" 2>/dev/null || true
   local total
