@@ -2,16 +2,17 @@
 # Instructions per request: visor and the bare hyper proxy (`loadkit
 # proxy`), each run under valgrind's callgrind in front of the same mock
 # upstream, one request at a time. An instruction count does not move with
-# the neighbours' load on a shared host (a req/s figure moves by 3x there
-# within minutes), so a change's cost on the small-request path can be read
-# to a fraction of a per cent, before and after, on any machine.
+# the neighbours' load on a shared host (there, one binary's req/s moved by
+# 2-3x within a day), so a change's cost on the small-request path can be
+# read to within about a per cent, before and after, on any machine.
 #
 #   benches/instructions.sh                      # small chats and streams
 #   N=500 benches/instructions.sh                # fewer requests
 #   VISOR=/tmp/visor-old benches/instructions.sh # another build of visor
 #
 # What it counts is user-space work only: the kernel's share (the socket
-# reads and writes, about 9 us of CPU a request here) is not in it, and a
+# reads and writes; nginx's whole CPU per small request, kernel included,
+# is 11-13 us on the development machine) is not in it, and a
 # `rep movsb` copy counts one instruction a byte, so glibc's memcpy of a
 # large future weighs more here than in CPU time. Each run leaves its
 # profile in target/instructions/ (`callgrind_annotate --inclusive=yes
@@ -29,7 +30,7 @@ if ! command -v valgrind >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null
   else
-    echo "need valgrind (apt-get install valgrind)"; exit 1
+    echo "need valgrind (apt-get install valgrind)" >&2; exit 1
   fi
 fi
 
@@ -50,42 +51,59 @@ models = ["*"]
 TOML
 
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+cleanup() { for p in ${pids[@]+"${pids[@]}"}; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
-"$KIT" mock "127.0.0.1:$MOCK_PORT" 2>/dev/null & pids+=($!)
+trap 'exit 130' INT TERM
 
-wait_port() { for _ in $(seq 1 300); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.2; done; echo "port $1 not up"; exit 1; }
+port_free() { ! (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+for p in $MOCK_PORT $VISOR_PORT $HYPER_PORT; do
+  port_free "$p" || { echo "port $p is taken: stop what listens there" >&2; exit 1; }
+done
+wait_port() {
+  for _ in $(seq 1 300); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.2; done
+  echo "port $1 not up" >&2; exit 1
+}
 
-# count NAME PORT BODY REQUESTS -- COMMAND…: the instructions per request
-# of COMMAND over REQUESTS sequential requests, after 200 to warm it.
+"$KIT" mock "127.0.0.1:$MOCK_PORT" >/dev/null 2>&1 & pids+=($!)
+wait_port "$MOCK_PORT"
+
+# count KEY PORT BODY REQUESTS -- COMMAND…: sets IR[KEY] to the
+# instructions per request of COMMAND over REQUESTS sequential requests,
+# after 220 to warm it. Runs in this shell (not in a `$(…)`), so a failure
+# stops the script and what it starts is stopped with it.
+declare -A IR
 count() {
-  local name=$1 port=$2 body=$3 n=$4; shift 5
-  local out="$WORK/$name-$body.callgrind"
+  local key=$1 port=$2 body=$3 n=$4; shift 5
+  local out="$WORK/${key//\//-}.callgrind"
   rm -f "$out" "$out".*
   RUST_LOG=warn valgrind --tool=callgrind --dump-instr=no --callgrind-out-file="$out" "$@" \
-    2>"$WORK/$name.log" & local vg=$!
+    >/dev/null 2>"$out.log" &
+  local vg=$!
   pids+=($vg)
   wait_port "$port"
   local url="http://127.0.0.1:$port/v1/chat/completions"
   "$KIT" first-byte "$url" "$WORK/$body.json" 200 >/dev/null
-  callgrind_control --zero "$vg" >/dev/null 2>&1
+  callgrind_control --zero "$vg" >/dev/null 2>>"$out.ctl" ||
+    { echo "$key: callgrind_control --zero failed (see $out.ctl)" >&2; exit 1; }
+  # `first-byte` sends 20 requests of its own before the N it times.
   "$KIT" first-byte "$url" "$WORK/$body.json" "$n" >/dev/null
-  callgrind_control --dump=measured "$vg" >/dev/null 2>&1
+  callgrind_control --dump=measured "$vg" >/dev/null 2>>"$out.ctl" ||
+    { echo "$key: callgrind_control --dump=measured failed (see $out.ctl)" >&2; exit 1; }
   kill "$vg" 2>/dev/null || true
   wait "$vg" 2>/dev/null || true
   local total
   total=$(callgrind_annotate "$out.1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }')
-  [ -n "$total" ] || { echo "$name $body: no profile (see $WORK/$name.log)"; exit 1; }
-  echo $((total / n))
+  [ -n "$total" ] || { echo "$key: no profile (see $out.log)" >&2; exit 1; }
+  IR[$key]=$((total / (n + 20)))
 }
 
-declare -A IR
 for body in small stream; do
   n=$N; [ "$body" = stream ] && n=$((N / 2))
+  [ "$n" -ge 1 ] || { echo "N must be 2 or more" >&2; exit 1; }
   echo "counting $body via visor ($n requests)" >&2
-  IR[visor/$body]=$(count visor "$VISOR_PORT" "$body" "$n" -- "$VISOR" serve --config "$WORK/visor.toml")
+  count "visor/$body" "$VISOR_PORT" "$body" "$n" -- "$VISOR" serve --config "$WORK/visor.toml"
   echo "counting $body via hyper ($n requests)" >&2
-  IR[hyper/$body]=$(count hyper "$HYPER_PORT" "$body" "$n" -- "$KIT" proxy "127.0.0.1:$HYPER_PORT" "127.0.0.1:$MOCK_PORT")
+  count "hyper/$body" "$HYPER_PORT" "$body" "$n" -- "$KIT" proxy "127.0.0.1:$HYPER_PORT" "127.0.0.1:$MOCK_PORT"
 done
 
 echo
@@ -95,4 +113,4 @@ for body in small stream; do
   awk -v b="$body" -v v="${IR[visor/$body]}" -v h="${IR[hyper/$body]}" \
     'BEGIN { printf "%-8s %12d %12d %8.2f\n", b, v, h, v / h }'
 done
-echo "profiles: $WORK/*.callgrind.1"
+echo "profiles: $WORK/*.callgrind.1 (callgrind_annotate --inclusive=yes FILE)"

@@ -403,6 +403,20 @@ mod tests {
         n
     }
 
+    #[test]
+    fn the_longest_key_is_read_at_the_start_and_a_longer_one_never() {
+        for (payload, n) in [
+            (r#""reasoning_content":"ab""#, 2),
+            (r#"x"reasoning_content":"ab""#, 2),
+            (r#"{"reasoning_contentx":"ab"}"#, 0),
+            (r#"{"xreasoning_content":"ab"}"#, 0),
+            (r#"{"text": "a\"b"}"#, 4),
+        ] {
+            assert_eq!(text_bytes(payload.as_bytes()), n, "{payload}");
+            assert_eq!(text_bytes_by_memmem(payload.as_bytes()), n, "{payload}");
+        }
+    }
+
     proptest::proptest! {
         #[test]
         fn text_bytes_found_by_colon_as_by_memmem(
@@ -411,6 +425,7 @@ mod tests {
                     "\"", ":", "\\", " ", "content", "delta", "text", "x", "{", "}",
                     ",", "\":", "\"content\":\"", "\"type\":\"response.", "done",
                     "reasoning_content", "_", "xxxxxxxxxxxxxxxx",
+                    "\"reasoning_content\":\"ab", "\"reasoning_contentx\":\"ab",
                 ]),
                 0..40,
             )

@@ -451,6 +451,8 @@ impl PromptCache {
     /// is one and it answers, else from this process.
     async fn previous(&self, conversation: u64) -> Option<Arc<Record>> {
         let local = self.recent.get(&conversation).await;
+        // Only a shared store keeps records (`record` answers `NotShared`
+        // otherwise): the key is not written for one that does not.
         if !self.store.is_shared() {
             return local;
         }

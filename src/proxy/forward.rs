@@ -58,7 +58,9 @@ use tokio::time::Sleep;
 use super::admission::{Asking, Gate, Grant, write_standing};
 use super::body::{Finish, InflightGuard, Inspected, ObservedBody, ProxyBody, Traced};
 use super::edge::{Counts, Edge, Stop};
-use super::headers::{Caller, X_VISOR_CACHE, for_the_client, upstream_request_headers};
+use super::headers::{
+    Caller, X_VISOR_CACHE, X_VISOR_SESSION, for_the_client, upstream_request_headers,
+};
 use super::prepare::{self, Options, Prepared, Rewriter};
 use super::request_body::{FormScanner, JsonScanner, WholeBody};
 use super::session_turn::{self, Recorder, Sessions};
@@ -653,7 +655,7 @@ async fn prompt_cache(
         key_name: &grant.label,
         session: parts
             .headers
-            .get(&super::headers::X_VISOR_SESSION)
+            .get(&X_VISOR_SESSION)
             .and_then(|v| v.to_str().ok())
             .map(str::trim),
         anthropic_kind: upstream.auth == AuthMode::XApiKey,

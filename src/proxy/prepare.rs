@@ -12,6 +12,7 @@ use http::{HeaderMap, HeaderName};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::headers::{X_VISOR_TRANSFORM, X_VISOR_VISION};
 use crate::artifacts::Artifacts;
 use crate::error::VisorError;
 use crate::media_text::describe::{Credential, Describer, describe};
@@ -147,7 +148,7 @@ impl Options {
                 .get(name)
                 .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase())
         };
-        let off = match flag(&super::headers::X_VISOR_TRANSFORM).as_deref() {
+        let off = match flag(&X_VISOR_TRANSFORM).as_deref() {
             None | Some("on") => false,
             Some("off") => true,
             Some(_) => {
@@ -156,7 +157,7 @@ impl Options {
                 ));
             }
         };
-        let vision = match flag(&super::headers::X_VISOR_VISION).as_deref() {
+        let vision = match flag(&X_VISOR_VISION).as_deref() {
             None => None,
             Some("true") => Some(true),
             Some("false") => Some(false),

@@ -22,7 +22,7 @@ use http::HeaderMap;
 use serde_json::Value;
 use tokio_util::task::TaskTracker;
 
-use super::headers::ProxyKeys;
+use super::headers::{ProxyKeys, X_VISOR_HISTORY, X_VISOR_SESSION};
 use crate::api::{self, StreamedReply};
 use crate::error::VisorError;
 use crate::metrics::Metrics;
@@ -45,7 +45,7 @@ pub struct Opened {
 
 /// The session header of a request, if any: `Ok(None)` without one.
 pub fn requested(headers: &HeaderMap) -> Result<Option<String>, VisorError> {
-    let Some(v) = headers.get(&super::headers::X_VISOR_SESSION) else {
+    let Some(v) = headers.get(&X_VISOR_SESSION) else {
         return Ok(None);
     };
     let id = v
@@ -70,7 +70,7 @@ fn history_depth(
     max_depth: usize,
 ) -> Result<usize, VisorError> {
     let header = headers
-        .get(&super::headers::X_VISOR_HISTORY)
+        .get(&X_VISOR_HISTORY)
         .map(|v| v.to_str().unwrap_or("?"));
     sessions::depth(header, default_depth, max_depth).map_err(bad)
 }
