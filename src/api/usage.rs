@@ -327,25 +327,31 @@ pub fn text_bytes(payload: &[u8]) -> u64 {
         if !KEYS.contains(&&payload[from + open + 1..at]) {
             continue;
         }
-        let mut i = at + 2;
-        while payload.get(i).is_some_and(u8::is_ascii_whitespace) {
-            i += 1;
-        }
-        if payload.get(i) != Some(&b'"') {
-            continue;
-        }
-        let start = i + 1;
-        let mut end = start;
-        while end < payload.len() {
-            match payload[end] {
-                b'\\' => end += 2,
-                b'"' => break,
-                _ => end += 1,
-            }
-        }
-        n += (end.min(payload.len()) - start) as u64;
+        n += string_value_len(payload, at + 2);
     }
     n
+}
+
+/// The length, as written, of the string value after a key's `":` (`from`
+/// is just past it); 0 when the value is not a string.
+fn string_value_len(payload: &[u8], from: usize) -> u64 {
+    let mut i = from;
+    while payload.get(i).is_some_and(u8::is_ascii_whitespace) {
+        i += 1;
+    }
+    if payload.get(i) != Some(&b'"') {
+        return 0;
+    }
+    let start = i + 1;
+    let mut end = start;
+    while end < payload.len() {
+        match payload[end] {
+            b'\\' => end += 2,
+            b'"' => break,
+            _ => end += 1,
+        }
+    }
+    (end.min(payload.len()) - start) as u64
 }
 
 #[cfg(test)]
@@ -358,8 +364,9 @@ mod tests {
         h
     }
 
-    /// The count as it was first written (every `":` found by `memmem`):
-    /// the oracle of the colon-first reading.
+    /// The count as it was first written (every `":` found by `memmem`,
+    /// the key's quote by `memrchr`): the oracle of the colon-first
+    /// reading of keys (the value is read the same way by both).
     fn text_bytes_by_memmem(payload: &[u8]) -> u64 {
         if repeats_text(payload) {
             return 0;
@@ -382,23 +389,7 @@ mod tests {
             if !KEYS.contains(&&payload[open + 1..at]) {
                 continue;
             }
-            let mut i = at + 2;
-            while payload.get(i).is_some_and(u8::is_ascii_whitespace) {
-                i += 1;
-            }
-            if payload.get(i) != Some(&b'"') {
-                continue;
-            }
-            let start = i + 1;
-            let mut end = start;
-            while end < payload.len() {
-                match payload[end] {
-                    b'\\' => end += 2,
-                    b'"' => break,
-                    _ => end += 1,
-                }
-            }
-            n += (end.min(payload.len()) - start) as u64;
+            n += string_value_len(payload, at + 2);
         }
         n
     }
