@@ -292,6 +292,18 @@ fn repeats_text(payload: &[u8]) -> bool {
         )
 }
 
+/// The keys a stream carries its generated text in (see [`text_bytes`]).
+const TEXT_KEYS: [&[u8]; 8] = [
+    b"content",
+    b"arguments",
+    b"delta",
+    b"text",
+    b"partial_json",
+    b"thinking",
+    b"reasoning",
+    b"reasoning_content",
+];
+
 /// Bytes of generated text in one streamed event: the string values of the
 /// keys streams carry text in (Chat `content` and tool `arguments`,
 /// Responses `delta`, Anthropic `text`, `partial_json` and `thinking`,
@@ -300,16 +312,6 @@ pub fn text_bytes(payload: &[u8]) -> u64 {
     if repeats_text(payload) {
         return 0;
     }
-    const KEYS: [&[u8]; 8] = [
-        b"content",
-        b"arguments",
-        b"delta",
-        b"text",
-        b"partial_json",
-        b"thinking",
-        b"reasoning",
-        b"reasoning_content",
-    ];
     const LONGEST_KEY: usize = b"reasoning_content".len();
     let mut n = 0;
     // Each `":` (a key's end): found by its colon and the quote before it
@@ -324,7 +326,7 @@ pub fn text_bytes(payload: &[u8]) -> u64 {
         let Some(open) = payload[from..at].iter().rposition(|&b| b == b'"') else {
             continue;
         };
-        if !KEYS.contains(&&payload[from + open + 1..at]) {
+        if !TEXT_KEYS.contains(&&payload[from + open + 1..at]) {
             continue;
         }
         n += string_value_len(payload, at + 2);
@@ -371,22 +373,12 @@ mod tests {
         if repeats_text(payload) {
             return 0;
         }
-        const KEYS: [&[u8]; 8] = [
-            b"content",
-            b"arguments",
-            b"delta",
-            b"text",
-            b"partial_json",
-            b"thinking",
-            b"reasoning",
-            b"reasoning_content",
-        ];
         let mut n = 0;
         for at in memchr::memmem::find_iter(payload, b"\":") {
             let Some(open) = memchr::memrchr(b'"', &payload[..at]) else {
                 continue;
             };
-            if !KEYS.contains(&&payload[open + 1..at]) {
+            if !TEXT_KEYS.contains(&&payload[open + 1..at]) {
                 continue;
             }
             n += string_value_len(payload, at + 2);
