@@ -8,6 +8,8 @@
 #
 #   benches/instructions.sh                      # small chats and streams
 #   N=500 benches/instructions.sh                # fewer requests
+#   BODIES="conversation" benches/instructions.sh  # the 1.2 MB conversation
+#                                                # (N/50 requests, at least 20)
 #   VISOR=/tmp/visor-old benches/instructions.sh # another build of visor
 #
 # What it counts is user-space work only: the kernel's share (the socket
@@ -40,6 +42,8 @@ KIT=target/release/examples/loadkit
 
 echo '{"model":"gpt-4o","messages":[{"role":"user","content":"Say hello."}]}' > "$WORK/small.json"
 echo '{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello."}]}' > "$WORK/stream.json"
+BODIES="${BODIES:-small stream}"
+case " $BODIES " in *" conversation "*) python3 benches/conversation.py "$WORK/conversation.json" ;; esac
 cat > "$WORK/visor.toml" <<TOML
 [server]
 listen = "127.0.0.1:$VISOR_PORT"
@@ -97,8 +101,13 @@ count() {
   IR[$key]=$((total / (n + 20)))
 }
 
-for body in small stream; do
-  n=$N; [ "$body" = stream ] && n=$((N / 2))
+for body in $BODIES; do
+  case "$body" in
+    small) n=$N ;;
+    stream) n=$((N / 2)) ;;
+    conversation) n=$((N / 50)); [ "$n" -ge 20 ] || n=20 ;;
+    *) echo "unknown body $body (small, stream, conversation)" >&2; exit 1 ;;
+  esac
   [ "$n" -ge 1 ] || { echo "N must be 2 or more" >&2; exit 1; }
   echo "counting $body via visor ($n requests)" >&2
   count "visor/$body" "$VISOR_PORT" "$body" "$n" -- "$VISOR" serve --config "$WORK/visor.toml"
@@ -108,9 +117,9 @@ done
 
 echo
 echo "instructions per request (callgrind, user space; $(date -u +%F); $VISOR)"
-printf '%-8s %12s %12s %8s\n' request visor hyper "x hyper"
-for body in small stream; do
+printf '%-13s %12s %12s %8s\n' request visor hyper "x hyper"
+for body in $BODIES; do
   awk -v b="$body" -v v="${IR[visor/$body]}" -v h="${IR[hyper/$body]}" \
-    'BEGIN { printf "%-8s %12d %12d %8.2f\n", b, v, h, v / h }'
+    'BEGIN { printf "%-13s %12d %12d %8.2f\n", b, v, h, v / h }'
 done
 echo "profiles: $WORK/*.callgrind.1 (callgrind_annotate --inclusive=yes FILE)"

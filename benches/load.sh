@@ -56,17 +56,7 @@ cp "$WORK/large-image-4mb.json" "$WORK/large-strip.json"
 # again one at a time: what a hop adds to a large body. visor holds it
 # whole, and goes on from the same body sent before; nginx buffers it
 # (its default, in memory here); the bare hyper proxy streams it through.
-python3 - "$WORK/conversation.json" <<'PY'
-import json, random, sys
-random.seed(1)
-words = "the a file path line error test build module function return value".split()
-messages = [{"role": "system", "content": "You are a coding agent."}]
-while len(json.dumps(messages)) < 1_200_000:
-    n = len(messages)
-    role = "user" if n % 2 else "assistant"
-    messages.append({"role": role, "content": f"step {n}: " + " ".join(random.choice(words) for _ in range(200))})
-open(sys.argv[1], "w").write(json.dumps({"model": "gpt-4o", "messages": messages}))
-PY
+python3 benches/conversation.py "$WORK/conversation.json"
 
 for name in small stream large-vision large-strip conversation; do
   cat > "$WORK/$name.lua" <<LUA

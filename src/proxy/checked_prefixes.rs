@@ -30,8 +30,9 @@ const BYTES: u64 = 16 << 20;
 const TAIL: usize = 64;
 /// A body that continues none has its [`Words`] looked for (one pass up
 /// to its messages' end) only when they end within this many bytes: a
-/// first body larger (a large image sent once) is not read for them, and
-/// the bodies that continue it are looked at whole, as without them.
+/// first body larger (a large image sent once) is not read for them. The
+/// first body that continues it is (the one pass its own look would have
+/// made), and the bodies after it are read only after it.
 const WORDS_FIRST_MAX: usize = 1 << 20;
 
 /// One body checked up to the end of its last message.
@@ -453,12 +454,13 @@ impl Resumable {
         }
         let start = CheckedPrefixes::start(self.tenant, &body[..end])?;
         let clean = Arc::new(AtomicBool::new(false));
+        let continues = hashed.is_some();
         let hashed = hashed.filter(|h| h.at <= end).unwrap_or_else(Hashed::new);
         let (_, hash) = hashed.upto(body, end);
         let model_key = mark.model_key;
         let words = match words.filter(|(at, _)| *at <= end) {
             Some((from, words)) => Some(words.on(body, from, end)),
-            None => (end <= WORDS_FIRST_MAX).then(|| Words::in_bytes(&body[..end])),
+            None => (end <= WORDS_FIRST_MAX || continues).then(|| Words::in_bytes(&body[..end])),
         };
         let checked = Checked {
             end,
@@ -657,13 +659,18 @@ mod tests {
         }
     }
 
-    /// A first body over [`WORDS_FIRST_MAX`] is not read for its words: it
-    /// and the bodies that continue it are looked at whole, and say the same.
+    /// A first body over [`WORDS_FIRST_MAX`] is not read for its words (it
+    /// is looked at whole); the first body that continues it is, and the
+    /// bodies after that one are read only after it. All say what a look
+    /// at the whole body says.
     #[test]
-    fn a_large_first_body_leaves_no_words_and_its_next_is_looked_at_whole() {
+    fn a_large_first_body_leaves_no_words_and_its_next_learns_them() {
         let checked = Arc::new(CheckedPrefixes::new());
-        let mut messages: Vec<String> = (0..700).map(|i| message_with(i % 9, i)).collect();
-        for turn in 0..2 {
+        // One word in the first body; `image` only in the third's new message.
+        let mut messages: Vec<String> = (0..700)
+            .map(|i| message_with(if i == 3 { 1 } else { 9 }, i))
+            .collect();
+        for turn in 0..3 {
             let text = body(&messages, true, "");
             assert!(text.len() > WORDS_FIRST_MAX);
             let mut w =
@@ -672,14 +679,21 @@ mod tests {
             let (_, bytes, shared) = w.finish_shared().unwrap();
             let digests = shared.digests.of(&bytes);
             assert_eq!(digests.before.is_some(), turn > 0);
-            assert!(digests.seen.is_none(), "turn {turn}");
+            // Known up to this body's messages' end from its second turn.
+            let end = digests.now.map(|(end, _)| end);
+            assert_eq!(
+                digests.seen.map(|(at, _)| at),
+                end.filter(|_| turn > 0),
+                "turn {turn}"
+            );
             for n in Words::NEEDLES {
                 assert_eq!(
                     digests.holds(&bytes, n),
                     memchr::memmem::find(&bytes, n).is_some()
                 );
             }
-            messages.push(message_with(0, 5));
+            assert_eq!(digests.holds(&bytes, b"image"), turn == 2, "turn {turn}");
+            messages.push(message_with(if turn == 1 { 0 } else { 9 }, 5));
         }
     }
 
