@@ -697,11 +697,29 @@ struct Carry {
     states: Option<Arc<super::dedup_states::DedupStates>>,
     seed: u64,
     state: Option<transform::dedup::State>,
-    walked: Option<transform::walk::Scan>,
+    walked: Option<Walked>,
     kept: Arc<OnceLock<u128>>,
     /// The body's digest up to where its messages end, when its check
     /// computed it.
     digest: Option<(usize, u128)>,
+}
+
+/// The walk a request keeps for the next one of its conversation, as it
+/// was before its images were decoded: a copy taken then, or, for a walk
+/// that found no images (nothing decodes it), the walk itself once the
+/// request is finished.
+enum Walked {
+    Copy(transform::walk::Scan),
+    Itself,
+}
+
+impl Walked {
+    fn of(scan: &transform::walk::Scan) -> Walked {
+        match scan.images.is_empty() {
+            true => Walked::Itself,
+            false => Walked::Copy(scan.clone()),
+        }
+    }
 }
 
 async fn run(
@@ -725,7 +743,7 @@ async fn run(
     let resolve =
         move |(mut scanned, state): (transform::Scanned, Option<transform::dedup::State>)| {
             // The walk as it is, kept for the next request of the conversation.
-            let walked = states.as_ref().map(|_| scanned.scan().clone());
+            let walked = states.as_ref().map(|_| Walked::of(scanned.scan()));
             scanned.resolve(&b);
             let fits = scanned.fit_jobs(&b, 0, &|q| fitter.quick(q));
             // Over the provider's request bound with no image over its own:
@@ -825,7 +843,11 @@ fn finish(
     let (Some(states), Some(walked)) = (states, walked) else {
         return scanned.finish(body, descriptions);
     };
-    let (rewrite, left) = scanned.finish_from(body, descriptions, state);
+    let (rewrite, left, scan) = scanned.finish_keeping(body, descriptions, state);
+    let walked = match walked {
+        Walked::Copy(before) => before,
+        Walked::Itself => scan,
+    };
     let (read, key) = states.kept(body, seed, &rewrite, left, (walked, digest));
     if let Some(key) = key {
         let _ = kept.set(key);

@@ -1002,6 +1002,18 @@ impl Scanned {
         descriptions: &[(String, Arc<str>)],
         resume: Option<dedup::State>,
     ) -> (Rewrite, Option<dedup::State>) {
+        let (rewrite, state, _) = self.finish_keeping(body, descriptions, resume);
+        (rewrite, state)
+    }
+
+    /// [`Scanned::finish_from`], and the walk it read (which a finish
+    /// leaves as it was: only [`Scanned::resolve`] changes it).
+    pub fn finish_keeping(
+        self,
+        body: &[u8],
+        descriptions: &[(String, Arc<str>)],
+        resume: Option<dedup::State>,
+    ) -> (Rewrite, Option<dedup::State>, walk::Scan) {
         let keys: Vec<String> = (0..self.scan.images.len())
             .map(|i| {
                 let f = &self.scan.images[i];
@@ -1073,7 +1085,7 @@ impl Scanned {
         };
         let mut rewrite = done.report(body, &scan, &fates, &fitted, &hoisted, described);
         rewrite.report.dedup_continued = continued;
-        (rewrite, state)
+        (rewrite, state, scan)
     }
 }
 
