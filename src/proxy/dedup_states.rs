@@ -89,6 +89,34 @@ fn clamp(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
+/// The walk a request keeps for the next one of its conversation, as it
+/// was before its images were decoded: a copy taken then, or, for a walk
+/// that found no images (nothing decodes it), the walk itself once the
+/// request is finished.
+pub enum Walked {
+    Copy(Scan),
+    Itself,
+}
+
+impl Walked {
+    pub fn of(scan: &Scan) -> Walked {
+        match scan.images.is_empty() {
+            true => Walked::Itself,
+            false => Walked::Copy(scan.clone()),
+        }
+    }
+}
+
+impl Walked {
+    /// The walk to keep, given the one the finish read.
+    pub fn or(self, finished: Scan) -> Scan {
+        match self {
+            Walked::Copy(before) => before,
+            Walked::Itself => finished,
+        }
+    }
+}
+
 impl DedupStates {
     /// States and their candidates of at most `bytes` in all (an eighth
     /// for the candidates); `None` for 0 (every request read in full).
@@ -279,10 +307,10 @@ impl DedupStates {
             Err(done) => return (*done, Read::Full),
         };
         let state = state.filter(|s| scanned.continues(s, body));
-        let walked = scanned.scan().clone();
+        let walked = Walked::of(scanned.scan());
         scanned.resolve(body);
-        let (rewrite, left) = scanned.finish_from(body, &[], state);
-        let (read, _) = self.kept(body, seed, &rewrite, left, (walked, None));
+        let (rewrite, left, scan) = scanned.finish_keeping(body, &[], state);
+        let (read, _) = self.kept(body, seed, &rewrite, left, (walked.or(scan), None));
         (rewrite, read)
     }
 

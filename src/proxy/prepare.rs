@@ -12,6 +12,7 @@ use http::{HeaderMap, HeaderName};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::dedup_states::Walked;
 use super::headers::{X_VISOR_TRANSFORM, X_VISOR_VISION};
 use crate::artifacts::Artifacts;
 use crate::error::VisorError;
@@ -704,24 +705,6 @@ struct Carry {
     digest: Option<(usize, u128)>,
 }
 
-/// The walk a request keeps for the next one of its conversation, as it
-/// was before its images were decoded: a copy taken then, or, for a walk
-/// that found no images (nothing decodes it), the walk itself once the
-/// request is finished.
-enum Walked {
-    Copy(transform::walk::Scan),
-    Itself,
-}
-
-impl Walked {
-    fn of(scan: &transform::walk::Scan) -> Walked {
-        match scan.images.is_empty() {
-            true => Walked::Itself,
-            false => Walked::Copy(scan.clone()),
-        }
-    }
-}
-
 async fn run(
     rw: &Rewriter,
     body: Bytes,
@@ -844,10 +827,7 @@ fn finish(
         return scanned.finish(body, descriptions);
     };
     let (rewrite, left, scan) = scanned.finish_keeping(body, descriptions, state);
-    let walked = match walked {
-        Walked::Copy(before) => before,
-        Walked::Itself => scan,
-    };
+    let walked = walked.or(scan);
     let (read, key) = states.kept(body, seed, &rewrite, left, (walked, digest));
     if let Some(key) = key {
         let _ = kept.set(key);
