@@ -104,80 +104,12 @@ struct Details {
     cached_tokens: Option<u64>,
 }
 
-impl Carrier {
-    /// The members of the JSON object `json` that may carry a usage: the
-    /// counts read by `serde_json`, everything else skipped as the
-    /// transforms skip a request's (strings quote to quote), not parsed,
-    /// so an answer's text costs a few `memchr` calls whatever its length.
-    /// `None` where a whole parse finds no carrier: `json` is not an
-    /// object (or holds more after it), or a carrying member is repeated
-    /// or not of its shape. A body that is not JSON in its other members
-    /// is not refused for them (the answer passes to the client as it
-    /// came either way).
-    fn of(json: &[u8]) -> Option<Carrier> {
-        let mut found = Carrier::default();
-        members(json, ["usage", "response", "message"], |i, value| {
-            match i {
-                0 => found.usage = serde_json::from_slice(value).ok()?,
-                1 => found.response = Nested::of(value)?,
-                _ => found.message = Nested::of(value)?,
-            }
-            Some(())
-        })?;
-        Some(found)
-    }
-}
-
-impl Nested {
-    /// A `response` or `message` member's value read as [`Carrier::of`]
-    /// reads a body: `null` is none; `None`: not an object with at most
-    /// one `usage` of its shape.
-    fn of(value: &[u8]) -> Option<Option<Nested>> {
-        if value == b"null" {
-            return Some(None);
-        }
-        let mut usage = None;
-        members(value, ["usage"], |_, v| {
-            usage = serde_json::from_slice(v).ok()?;
-            Some(())
-        })?;
-        Some(Some(Nested { usage }))
-    }
-}
-
-/// Calls `read` with the index in `names` and the value of each member of
-/// the JSON object `json` named so, skipping the others; `None` when
-/// `json` is not an object alone, a name comes twice (a duplicate field
-/// to serde) or `read` says so.
-fn members<const N: usize>(
-    json: &[u8],
-    names: [&str; N],
-    mut read: impl FnMut(usize, &[u8]) -> Option<()>,
-) -> Option<()> {
-    use crate::transform::json::{Cursor, Malformed};
-    let mut seen = [false; N];
-    let mut c = Cursor::new(json);
-    let object = c.object(|c, key| {
-        let name = key.decode(json).ok_or(Malformed)?;
-        let Some(i) = names.iter().position(|n| *n == name) else {
-            return c.skip().map(drop);
-        };
-        let value = json.get(c.skip()?).ok_or(Malformed)?;
-        if std::mem::replace(&mut seen[i], true) {
-            return Err(Malformed);
-        }
-        read(i, value).ok_or(Malformed)
-    });
-    let end = object.ok()?.end;
-    json.get(end..)?.trim_ascii().is_empty().then_some(())
-}
-
 impl Usage {
     /// The usage carried by one JSON event (a WebSocket server event such
     /// as `response.completed`), if any.
     pub fn of_event(json: &[u8]) -> Option<Usage> {
         memchr::memmem::find(json, b"\"usage\"")?;
-        let c = Carrier::of(json)?;
+        let c = serde_json::from_slice::<Carrier>(json).ok()?;
         let mut u = Usage::default();
         u.merge(c);
         (u != Usage::default()).then_some(u)
@@ -277,15 +209,15 @@ impl UsageObserver {
             UsageObserver::Json { chunks, len } => {
                 let mut usage = Usage::default();
                 let parsed = if chunks.len() == 1 {
-                    Carrier::of(&chunks[0])
+                    serde_json::from_slice::<Carrier>(&chunks[0])
                 } else {
                     let mut all = Vec::with_capacity(len);
                     for c in &chunks {
                         all.extend_from_slice(c);
                     }
-                    Carrier::of(&all)
+                    serde_json::from_slice::<Carrier>(&all)
                 };
-                if let Some(c) = parsed {
+                if let Ok(c) = parsed {
                     usage.merge(c);
                 }
                 usage
@@ -335,7 +267,7 @@ fn sse_line(line: &[u8], usage: &mut Usage) {
         usage.text_bytes += text_bytes(payload);
         return;
     }
-    if let Some(c) = Carrier::of(payload.trim_ascii()) {
+    if let Ok(c) = serde_json::from_slice::<Carrier>(payload.trim_ascii()) {
         usage.merge(c);
     }
 }
@@ -676,99 +608,6 @@ mod tests {
             UsageObserver::for_response(&headers("audio/mpeg")),
             UsageObserver::Off
         ));
-    }
-
-    /// The usage a whole `serde_json` parse of the body finds: the oracle
-    /// of [`Carrier::of`].
-    fn usage_by_serde(json: &[u8]) -> Option<Usage> {
-        let c = serde_json::from_slice::<Carrier>(json).ok()?;
-        let mut u = Usage::default();
-        u.merge(c);
-        Some(u)
-    }
-
-    fn usage_read(json: &[u8]) -> Option<Usage> {
-        let c = Carrier::of(json)?;
-        let mut u = Usage::default();
-        u.merge(c);
-        Some(u)
-    }
-
-    /// A member's value: counts, a nested carrier, null, the wrong shape,
-    /// or other JSON (strings with escapes and the word `usage`).
-    fn value(kind: usize, n: u64) -> String {
-        let counts = format!(
-            r#"{{"prompt_tokens":{n},"output_tokens": {},"input_tokens_details":{{"cached_tokens":{}}},"cache_creation_input_tokens":3}}"#,
-            n / 2,
-            n % 7
-        );
-        match kind {
-            0 => counts,
-            1 => format!(
-                r#"{{"id":"r","output":[{{"text":"a \"usage\": {{}} \\ b"}}],"usage":{counts}}}"#
-            ),
-            2 => "null".into(),
-            3 => r#""usage""#.into(),
-            4 => r#"{"prompt_tokens":"many"}"#.into(),
-            5 => format!(r#"{{"usage":{counts},"usage":{counts}}}"#),
-            6 => r#"[{"message":{"content":"\"usage\":{\"prompt_tokens\":9}"}}, 1.5e3, true, {}]"#
-                .into(),
-            _ => format!(r#""\u00e9\n\t{n}""#),
-        }
-    }
-
-    proptest::proptest! {
-        /// A body's usage read from its carrying members alone is what a
-        /// whole parse reads, for any order, repetition, spacing and shape
-        /// of its members; and a body cut anywhere, or changed at one
-        /// byte, is never a panic, and never a usage a whole parse of a
-        /// valid object would not read.
-        #[test]
-        fn usage_read_from_its_members_as_from_the_whole_parse(
-            members in proptest::collection::vec(
-                (
-                    proptest::sample::select(vec![
-                        "usage", "response", "message", "choices", "id", "usag\\u0065", "x",
-                    ]),
-                    0usize..8,
-                    0u64..100_000,
-                    proptest::sample::select(vec!["", " ", "\n  "]),
-                ),
-                0..7,
-            ),
-            cut in proptest::prelude::any::<proptest::sample::Index>(),
-            flip in proptest::prelude::any::<(proptest::sample::Index, u8)>(),
-        ) {
-            let mut body = String::from("{");
-            for (i, (key, kind, n, space)) in members.iter().enumerate() {
-                if i > 0 {
-                    body.push(',');
-                }
-                body.push_str(&format!("{space}\"{key}\"{space}:{space}{}", value(*kind, *n)));
-            }
-            body.push_str(" }\n");
-            let json = body.as_bytes();
-            let read = usage_read(json);
-            proptest::prop_assert_eq!(read, usage_by_serde(json), "{}", body);
-            // More after the object: no carrier for either.
-            let more = [json, b"{}"].concat();
-            proptest::prop_assert_eq!(usage_read(&more), None);
-            proptest::prop_assert_eq!(usage_by_serde(&more), None);
-            for text in [
-                json[..cut.index(json.len())].to_vec(),
-                {
-                    let mut b = json.to_vec();
-                    let at = flip.0.index(b.len());
-                    b[at] = flip.1;
-                    b
-                },
-            ] {
-                let read = usage_read(&text);
-                if let Some(whole) = usage_by_serde(&text).filter(|_| text.first() == Some(&b'{')) {
-                    proptest::prop_assert_eq!(read, Some(whole));
-                }
-            }
-        }
     }
 }
 
