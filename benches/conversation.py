@@ -1,4 +1,4 @@
-"""Writes a 1.2 MB agent conversation (1,000 messages of prose) as one chat
+"""Writes a 1.2 MB agent conversation (about 1,000 messages of prose) as one chat
 request: what a hop adds to a large body that is sent again and again.
 Used by benches/load.sh and benches/instructions.sh.
 

@@ -8,7 +8,7 @@
 #
 #   benches/instructions.sh                      # small chats and streams
 #   N=500 benches/instructions.sh                # fewer requests
-#   BODIES="conversation" benches/instructions.sh  # the 1.2 MB conversation
+#   BODIES=conversation benches/instructions.sh  # the 1.2 MB conversation
 #                                                # (N/50 requests, at least 20)
 #   VISOR=/tmp/visor-old benches/instructions.sh # another build of visor
 #
@@ -19,7 +19,8 @@
 # large future weighs more here than in CPU time. Each run leaves its
 # profile in target/instructions/ (`callgrind_annotate --inclusive=yes
 # FILE` reads it). Needs valgrind (apt-get install valgrind; done here when
-# missing and running as root). Everything listens on 127.0.0.1.
+# missing and running as root), and python3 for the conversation.
+# Everything listens on 127.0.0.1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,7 +44,13 @@ KIT=target/release/examples/loadkit
 echo '{"model":"gpt-4o","messages":[{"role":"user","content":"Say hello."}]}' > "$WORK/small.json"
 echo '{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello."}]}' > "$WORK/stream.json"
 BODIES="${BODIES:-small stream}"
-case " $BODIES " in *" conversation "*) python3 benches/conversation.py "$WORK/conversation.json" ;; esac
+for body in $BODIES; do
+  case "$body" in
+    small|stream) ;;
+    conversation) python3 benches/conversation.py "$WORK/conversation.json" ;;
+    *) echo "unknown body $body (small, stream, conversation)" >&2; exit 1 ;;
+  esac
+done
 cat > "$WORK/visor.toml" <<TOML
 [server]
 listen = "127.0.0.1:$VISOR_PORT"
@@ -105,8 +112,7 @@ for body in $BODIES; do
   case "$body" in
     small) n=$N ;;
     stream) n=$((N / 2)) ;;
-    conversation) n=$((N / 50)); [ "$n" -ge 20 ] || n=20 ;;
-    *) echo "unknown body $body (small, stream, conversation)" >&2; exit 1 ;;
+    *) n=$((N / 50)); [ "$n" -ge 20 ] || n=20 ;; # the conversation
   esac
   [ "$n" -ge 1 ] || { echo "N must be 2 or more" >&2; exit 1; }
   echo "counting $body via visor ($n requests)" >&2

@@ -30,10 +30,14 @@ const BYTES: u64 = 16 << 20;
 const TAIL: usize = 64;
 /// A body that continues none has its [`Words`] looked for (one pass up
 /// to its messages' end) only when they end within this many bytes: a
-/// first body larger (a large image sent once) is not read for them. The
-/// first body that continues it is (the one pass its own look would have
-/// made), and the bodies after it are read only after it.
+/// first body larger (a large image sent once) is not read for them.
 const WORDS_FIRST_MAX: usize = 1 << 20;
+/// A body that continues one without words (a large first body, or the
+/// first seen after a restart) is read for them, once a conversation,
+/// when its messages end within this many bytes; the bodies after it are
+/// then read only after it, where without the words each would be
+/// searched whole (at most to a needle's first place) on every turn.
+const WORDS_CONTINUED_MAX: usize = 16 << 20;
 
 /// One body checked up to the end of its last message.
 #[derive(Debug, Clone)]
@@ -460,7 +464,13 @@ impl Resumable {
         let model_key = mark.model_key;
         let words = match words.filter(|(at, _)| *at <= end) {
             Some((from, words)) => Some(words.on(body, from, end)),
-            None => (end <= WORDS_FIRST_MAX || continues).then(|| Words::in_bytes(&body[..end])),
+            None => {
+                let within = match continues {
+                    true => WORDS_CONTINUED_MAX,
+                    false => WORDS_FIRST_MAX,
+                };
+                (end <= within).then(|| Words::in_bytes(&body[..end]))
+            }
         };
         let checked = Checked {
             end,

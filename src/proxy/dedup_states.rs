@@ -90,11 +90,13 @@ fn clamp(n: usize) -> u32 {
 }
 
 /// The walk a request keeps for the next one of its conversation, as it
-/// was before its images were decoded: a copy taken then, or, for a walk
-/// that found no images (nothing decodes it), the walk itself once the
-/// request is finished.
+/// was before its images were decoded. Only the image-indexed steps
+/// (`Scanned::resolve` and the fits) change a walk, so one that found no
+/// images or media is kept as its finish leaves it, without a copy.
 pub enum Walked {
+    /// A copy taken before the images were decoded.
     Copy(Scan),
+    /// The walk itself, taken back from its finish.
     Itself,
 }
 
@@ -105,9 +107,7 @@ impl Walked {
             false => Walked::Copy(scan.clone()),
         }
     }
-}
 
-impl Walked {
     /// The walk to keep, given the one the finish read.
     pub fn or(self, finished: Scan) -> Scan {
         match self {

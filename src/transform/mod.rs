@@ -1007,7 +1007,8 @@ impl Scanned {
     }
 
     /// [`Scanned::finish_from`], and the walk it read (which a finish
-    /// leaves as it was: only [`Scanned::resolve`] changes it).
+    /// leaves as it was: only [`Scanned::resolve`] and the fits change a
+    /// walk, and only at its images).
     pub fn finish_keeping(
         self,
         body: &[u8],
