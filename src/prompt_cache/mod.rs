@@ -23,7 +23,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use std::time::Duration;
-use xxhash_rust::xxh3::Xxh3;
 
 use bytes::Bytes;
 use http::HeaderValue;
@@ -308,7 +307,7 @@ fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<SentBody>, bool)> {
 struct SentBody {
     anatomy: Anatomy,
     clean: usize,
-    hashed: Option<(Xxh3, usize)>,
+    hashed: Option<(crate::transform::PrefixHasher, usize)>,
 }
 
 /// What is kept of a request's reading for its conversation's next one;

@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use moka::policy::EvictionPolicy;
-use xxhash_rust::xxh3::Xxh3;
 
 use super::dedup_states::MIN_BODY;
 use super::request_body::JsonScanner;
@@ -210,7 +209,7 @@ pub struct CheckedPrefixes {
 #[derive(Clone)]
 pub struct Hashed {
     at: usize,
-    hasher: Xxh3,
+    hasher: crate::transform::PrefixHasher,
     /// The digest up to `at`.
     digest: u128,
 }

@@ -510,8 +510,27 @@ pub fn prefix_digest(prefix: &[u8]) -> u128 {
 }
 
 /// The hasher of [`prefix_digest`], to feed as the bytes come.
-pub fn prefix_hasher() -> xxhash_rust::xxh3::Xxh3 {
-    xxhash_rust::xxh3::Xxh3::with_seed(SEED.rotate_left(17) ^ 0x7072_6566_6978)
+pub fn prefix_hasher() -> PrefixHasher {
+    PrefixHasher(twox_hash::XxHash3_128::with_seed(
+        SEED.rotate_left(17) ^ 0x7072_6566_6978,
+    ))
+}
+
+/// The hasher of [`prefix_digest`]: xxh3-128, keyed per process, whose
+/// stripes (the work on a large body) go 32 bytes at a time where the CPU
+/// has AVX2 (`twox-hash` chooses at run time; a build for any x86-64).
+#[derive(Clone)]
+pub struct PrefixHasher(twox_hash::XxHash3_128);
+
+impl PrefixHasher {
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.write(bytes);
+    }
+
+    /// The digest of the bytes fed so far (the hasher goes on).
+    pub fn digest128(&self) -> u128 {
+        self.0.finish_128()
+    }
 }
 
 /// Which conversation a body may continue, from its first [`START`]
