@@ -110,6 +110,7 @@ fn run_ok(cmd: &mut Command, what: &str) -> Result<String, String> {
 fn node_clients() -> Result<PathBuf, String> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     DIR.get_or_init(|| {
+        let _installing = install_lock("node-clients")?;
         let dir = tmp().join("node-clients");
         let lock =
             std::fs::read(clients_dir().join("package-lock.json")).map_err(|e| e.to_string())?;
@@ -162,6 +163,7 @@ fn venv_python() -> Result<PathBuf, String> {
     static PY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     PY.get_or_init(|| {
         let _venv = PY_VENV.lock().unwrap_or_else(|e| e.into_inner());
+        let _installing = install_lock("py-venv")?;
         let venv = tmp().join("py-venv");
         let python = venv.join("bin/python");
         let reqs = clients_dir().join("requirements.txt");

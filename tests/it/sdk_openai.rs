@@ -19,6 +19,7 @@ use support::*;
 
 fn venv_python() -> Result<PathBuf, String> {
     let _venv = PY_VENV.lock().unwrap_or_else(|e| e.into_inner());
+    let _installing = install_lock("py-venv")?;
     let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("py-venv");
     let python = venv.join("bin/python");
     let has_openai = |py: &PathBuf| {

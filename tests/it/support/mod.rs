@@ -927,6 +927,23 @@ pub fn fixture(name: &str) -> Bytes {
 /// and the client tests share that venv, and this process.
 pub static PY_VENV: Mutex<()> = Mutex::new(());
 
+/// An exclusive lock on `target/tmp/NAME.lock`, held until dropped:
+/// nextest runs each test in a process of its own, and two processes
+/// installing one environment at once each remove what the other wrote
+/// (`npm ci` begins by deleting `node_modules`).
+pub fn install_lock(name: &str) -> Result<std::fs::File, String> {
+    let tmp = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    std::fs::create_dir_all(tmp).map_err(|e| e.to_string())?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(tmp.join(format!("{name}.lock")))
+        .map_err(|e| e.to_string())?;
+    file.lock().map_err(|e| e.to_string())?;
+    Ok(file)
+}
+
 pub fn visor() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_visor"));
     c.current_dir(env!("CARGO_MANIFEST_DIR"));
