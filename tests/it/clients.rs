@@ -131,8 +131,13 @@ fn node_clients() -> Result<PathBuf, String> {
             println!("npm ci in {:.1} s", started.elapsed().as_secs_f64());
             std::fs::write(&stamp, &lock).map_err(|e| e.to_string())?;
         }
+        // Written only when changed: another test's process may be
+        // running node on them (a copy empties a file before it writes).
         for f in ["openai_node.mjs", "vercel_ai.mjs"] {
-            std::fs::copy(clients_dir().join(f), dir.join(f)).map_err(|e| e.to_string())?;
+            let text = std::fs::read(clients_dir().join(f)).map_err(|e| e.to_string())?;
+            if std::fs::read(dir.join(f)).ok().as_deref() != Some(&text[..]) {
+                std::fs::write(dir.join(f), text).map_err(|e| e.to_string())?;
+            }
         }
         Ok(dir)
     })

@@ -411,3 +411,26 @@ fn a_continued_walks_work_is_its_new_texts_unless_dedup_reads_all_again() {
     assert!(!other.continues(&state, &changed));
     assert_eq!(other.work(), whole_work);
 }
+
+proptest! {
+    /// The prefix hasher fed a body in any pieces, its digest taken at any
+    /// points on the way, gives at each point [`prefix_digest`] of the
+    /// bytes up to there: the check of a body as it comes and the dedup
+    /// state's key agree however the body was cut.
+    #[test]
+    fn the_prefix_hasher_in_pieces_digests_as_at_once(
+        body in proptest::collection::vec(any::<u8>(), 0..3000),
+        cuts in proptest::collection::vec(any::<proptest::sample::Index>(), 0..12),
+    ) {
+        let mut at: Vec<usize> = cuts.iter().map(|c| c.index(body.len() + 1)).collect();
+        at.push(body.len());
+        at.sort_unstable();
+        let mut h = prefix_hasher();
+        let mut from = 0;
+        for to in at {
+            h.update(&body[from..to]);
+            prop_assert_eq!(h.digest128(), prefix_digest(&body[..to]), "at {}", to);
+            from = to;
+        }
+    }
+}
