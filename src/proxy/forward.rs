@@ -150,40 +150,39 @@ pub async fn handle(
             .charge_sent(&mut grant, p.body.len() as u64)
             .await?;
     }
-    let sent = match send(
-        Sending::of(state),
-        &call,
-        edge,
-        parts,
-        &prepared,
-        &mut session,
-    )
-    .await
-    {
-        Ok(sent) => sent,
-        Err(stop) => {
-            // No answer: the session's new messages are stored (without a
-            // reply) before the client hears why, so what it sent is there
-            // when it asks again.
-            if let Some(storing) = session.recorder.as_mut().and_then(|r| r.finish(false)) {
-                storing.await;
+    // 6. send. (What it returns is taken apart within this block: a local
+    // moved out of stays in the future's state until its scope ends.)
+    let (exchange, mut answer, retry_head) = {
+        let sent = match send(
+            Sending::of(state),
+            &call,
+            edge,
+            parts,
+            &prepared,
+            &mut session,
+        )
+        .await
+        {
+            Ok(sent) => sent,
+            Err(stop) => {
+                // No answer: the session's new messages are stored (without
+                // a reply) before the client hears why, so what it sent is
+                // there when it asks again.
+                if let Some(storing) = session.recorder.as_mut().and_then(|r| r.finish(false)) {
+                    storing.await;
+                }
+                return Err(stop);
             }
-            return Err(stop);
-        }
+        };
+        (sent.exchange, sent.answer, sent.retry_head)
     };
-    let Sent {
-        exchange,
-        answer,
-        retry_head,
-    } = sent;
     // 7. learn: only an answer that may be a refusal to learn from waits
     // for it (boxed: its state is not carried by every request's future).
     let may_learn = retry_head.is_some()
         && prepared.as_ref().is_some_and(|p| p.learn.is_some())
         && may_be_refusal(answer.resp.status(), answer.resp.headers());
-    let answer = match may_learn {
-        false => answer,
-        true => match Box::pin(learn(
+    if may_learn {
+        let learned = Box::pin(learn(
             &state.rewrite,
             &call,
             edge,
@@ -192,12 +191,21 @@ pub async fn handle(
             retry_head,
             answer,
         ))
-        .await?
-        {
+        .await?;
+        answer = match learned {
             Learned::Answer(answer) => answer,
             Learned::Passed(head, body) => return Ok(edge.passed(head, body)),
-        },
-    };
+        };
+    }
+    // 8. respond: what the response waits for first, then the response
+    // built without another await (its state is not carried by this future).
+    settle(
+        state,
+        cache.as_ref(),
+        answer.resp.status(),
+        prepared.as_mut(),
+    )
+    .await;
     let outgoing = Outgoing {
         prepared,
         recorder: session.recorder,
@@ -205,7 +213,7 @@ pub async fn handle(
         cache,
         client_body,
     };
-    Ok(respond(state, call, &exchange, edge, outgoing, answer).await) // 8. respond
+    Ok(respond(state, call, &exchange, edge, outgoing, answer))
 }
 
 /// One request on its way, as the phases pass it on.
@@ -1011,10 +1019,31 @@ struct Outgoing {
     client_body: Option<crate::inspector::Held>,
 }
 
-/// Phase 8: status and headers passed through (plus the `x-visor-*`
-/// counts); once the replaced originals are on disk, the body streams back
-/// through an [`ObservedBody`] that counts the request when it ends.
-async fn respond(
+/// What phase 8 waits for before the response is returned: a request the
+/// provider took is kept for the prompt cache (the next request of its
+/// conversation is judged against it, and the client cannot send that one
+/// before it has this answer), and the replaced images are on disk (the
+/// write overlapped the upstream call).
+async fn settle(
+    state: &AppState,
+    cache: Option<&Seen>,
+    status: http::StatusCode,
+    prepared: Option<&mut Prepared>,
+) {
+    if let Some(seen) = cache
+        && status.is_success()
+    {
+        state.cache.keep(seen).await;
+    }
+    if let Some(saving) = prepared.and_then(|p| p.saving.take()) {
+        let _ = saving.await;
+    }
+}
+
+/// Phase 8, once [`settle`]d: status and headers passed through (plus the
+/// `x-visor-*` counts); the body streams back through an [`ObservedBody`]
+/// that counts the request when it ends.
+fn respond(
     state: &Arc<AppState>,
     mut call: Call,
     exchange: &Exchange<'_>,
@@ -1039,24 +1068,14 @@ async fn respond(
     for_the_client(&mut head);
     if let Some(seen) = &cache {
         head.headers.insert(X_VISOR_CACHE.clone(), seen.header());
-        // The provider took it: the next request of its conversation is
-        // judged against it (kept before the client can send that one).
-        if head.status.is_success() {
-            state.cache.keep(seen).await;
-        }
     }
     if let Some(v) = &grant.standing {
         write_standing(&mut head.headers, v);
     }
     // For the log line (the retry after a refusal may replace more images).
     let counts = prepared.as_ref().map(|p| Counts::of(&p.report));
-    if let Some(p) = prepared.as_mut() {
+    if let Some(p) = prepared.as_ref() {
         Counts::of(&p.report).write(&mut head.headers);
-        // The replaced images are on disk before the response is returned
-        // (the write overlapped the upstream call).
-        if let Some(saving) = p.saving.take() {
-            let _ = saving.await;
-        }
     }
     let usage = UsageObserver::for_response(&head.headers);
     let traced = call.traced(&head, answer.attempt);

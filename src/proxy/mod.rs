@@ -312,6 +312,14 @@ impl Service<Request<RequestBody>> for Router {
 
     fn call(&mut self, req: Request<RequestBody>) -> BoxFut {
         let state = self.state.clone();
-        Box::pin(async move { Ok(router::handle(state, req).await) })
+        in_box(|| async move { Ok(router::handle(state, req).await) })
     }
+}
+
+/// The future `make` returns, written into a box allocated first: a large
+/// future is then written once, where it stays. (`Box::pin(make())` builds
+/// it on the stack and copies all of its size into the box: 12 KB for a
+/// proxied request's, most of it not yet written.)
+pub(crate) fn in_box<F: Future>(make: impl FnOnce() -> F) -> Pin<Box<F>> {
+    Box::into_pin(Box::write(Box::new_uninit(), make()))
 }

@@ -423,8 +423,10 @@ async fn prepare_within(
     if !transform::needed(&plan) {
         return Ok(unchanged(body, learn));
     }
-    // Boxed: its state (6 KB) is copied once, not at each await above it.
-    let mut prepared = Box::pin(run(rw, body, plan, &credential, within, (who, digests))).await?;
+    // Boxed: its state (6 KB) is not carried by each future above it, and
+    // made in its box (not copied there).
+    let run = || run(rw, body, plan, &credential, within, (who, digests));
+    let mut prepared = super::in_box(run).await?;
     prepared.learn = learn;
     Ok(prepared)
 }
