@@ -197,9 +197,16 @@ pub async fn handle(
             Learned::Passed(head, body) => return Ok(edge.passed(head, body)),
         };
     }
-    // 8. respond: what the response waits for first, then the response
-    // built without another await (its state is not carried by this future).
-    settle(
+    // 8. respond: counted as an upstream error first (a client that leaves
+    // during the waits below does not take the count with it), then what
+    // the response waits for, then the response built without another
+    // await (its state is not carried by this future).
+    if answer.resp.status().is_server_error() {
+        state
+            .metrics
+            .upstream_error(&exchange.upstream, UpstreamFailure::Status5xx.label());
+    }
+    kept_and_saved(
         state,
         cache.as_ref(),
         answer.resp.status(),
@@ -1024,7 +1031,7 @@ struct Outgoing {
 /// conversation is judged against it, and the client cannot send that one
 /// before it has this answer), and the replaced images are on disk (the
 /// write overlapped the upstream call).
-async fn settle(
+async fn kept_and_saved(
     state: &AppState,
     cache: Option<&Seen>,
     status: http::StatusCode,
@@ -1040,7 +1047,7 @@ async fn settle(
     }
 }
 
-/// Phase 8, once [`settle`]d: status and headers passed through (plus the
+/// Phase 8, once [`kept_and_saved`]: status and headers passed through (plus the
 /// `x-visor-*` counts); the body streams back through an [`ObservedBody`]
 /// that counts the request when it ends.
 fn respond(
@@ -1060,11 +1067,6 @@ fn respond(
     } = out;
     let upstream = exchange.upstream.clone();
     let (mut head, incoming) = answer.resp.into_parts();
-    if head.status.is_server_error() {
-        state
-            .metrics
-            .upstream_error(&upstream, UpstreamFailure::Status5xx.label());
-    }
     for_the_client(&mut head);
     if let Some(seen) = &cache {
         head.headers.insert(X_VISOR_CACHE.clone(), seen.header());

@@ -425,8 +425,8 @@ async fn prepare_within(
     }
     // Boxed: its state (6 KB) is not carried by each future above it, and
     // made in its box (not copied there).
-    let run = || run(rw, body, plan, &credential, within, (who, digests));
-    let mut prepared = super::in_box(run).await?;
+    let mut prepared =
+        super::in_box(|| run(rw, body, plan, &credential, within, (who, digests))).await?;
     prepared.learn = learn;
     Ok(prepared)
 }
