@@ -11,6 +11,9 @@
 #   BODIES=conversation benches/instructions.sh  # the 1.2 MB conversation
 #                                                # (N/50 requests, at least 20)
 #   VISOR=/tmp/visor-old benches/instructions.sh # another build of visor
+#   LOG=info benches/instructions.sh             # visor with its default log
+#                                                # line (one a request); warn
+#                                                # otherwise, as in load.sh
 #
 # What it counts is user-space work only: the kernel's share (the socket
 # reads and writes; nginx's whole CPU per small request, kernel included,
@@ -25,6 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 N="${N:-2000}"
+LOG="${LOG:-warn}"
 WORK=target/instructions
 MOCK_PORT=19150; VISOR_PORT=19250; HYPER_PORT=19450
 mkdir -p "$WORK"
@@ -87,7 +91,7 @@ count() {
   local key=$1 port=$2 body=$3 n=$4; shift 5
   local out="$WORK/${key//\//-}.callgrind"
   rm -f "$out" "$out".*
-  RUST_LOG=warn valgrind --tool=callgrind --dump-instr=no --callgrind-out-file="$out" "$@" \
+  RUST_LOG=$LOG valgrind --tool=callgrind --dump-instr=no --callgrind-out-file="$out" "$@" \
     >/dev/null 2>"$out.log" &
   local vg=$!
   pids+=($vg)
@@ -122,7 +126,7 @@ for body in $BODIES; do
 done
 
 echo
-echo "instructions per request (callgrind, user space; $(date -u +%F); $VISOR)"
+echo "instructions per request (callgrind, user space; $(date -u +%F); $VISOR; RUST_LOG=$LOG)"
 printf '%-13s %12s %12s %8s\n' request visor hyper "x hyper"
 for body in $BODIES; do
   awk -v b="$body" -v v="${IR[visor/$body]}" -v h="${IR[hyper/$body]}" \

@@ -35,6 +35,7 @@ pub mod failure;
 pub mod image_fit;
 pub mod inspector;
 pub mod limits;
+pub mod log_format;
 pub mod media;
 pub mod media_text;
 pub mod metrics;

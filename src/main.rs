@@ -879,10 +879,14 @@ fn init_logging(format: visor::config::LogFormat) {
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_timer(visor::log_format::LogTime)
         .with_target(false);
     match format {
         visor::config::LogFormat::Json => fmt.json().with_current_span(false).init(),
+        // The stock line, written by visor's faster field formatter
+        // (byte for byte the same, as the clock above: src/log_format.rs).
         visor::config::LogFormat::Text => fmt
+            .fmt_fields(visor::log_format::LogFields)
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init(),
     }
