@@ -1002,6 +1002,11 @@ async fn learn(
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
     let (history_used, history_at) = (p.report.history_used, p.report.history_at);
+    // The refused attempt's originals go on being written without being
+    // waited for: the retry was prepared by the same rules with less taken
+    // (what was refused is replaced too), so its own write, which is
+    // waited for, holds every original the first one had, under the same
+    // names, and each file appears whole (artifacts.rs).
     *p = retry;
     p.report.history_used = history_used;
     p.report.history_at = history_at;
