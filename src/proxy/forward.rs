@@ -1002,11 +1002,13 @@ async fn learn(
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
     let (history_used, history_at) = (p.report.history_used, p.report.history_at);
-    // The refused attempt's originals go on being written without being
-    // waited for: the retry was prepared by the same rules with less taken
-    // (what was refused is replaced too), so its own write, which is
-    // waited for, holds every original the first one had, under the same
-    // names, and each file appears whole (artifacts.rs).
+    // The refused attempt's originals are on disk before the retry goes:
+    // the retry's own write does not hold them all (an image it fits
+    // again from the fit cache is not decoded, and not saved again). The
+    // write overlapped the refused round trip, so it is seldom waited for.
+    if let Some(first) = p.saving.take() {
+        let _ = first.await;
+    }
     *p = retry;
     p.report.history_used = history_used;
     p.report.history_at = history_at;
