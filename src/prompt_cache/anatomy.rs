@@ -179,7 +179,10 @@ impl Anatomy {
 
     /// [`Anatomy::of`] `body`, which begins with the bytes `prefix` was
     /// read from, up to its end: only what follows is read (read in full
-    /// when the prefix is another API's, or ends beyond the body).
+    /// when the prefix is another API's, ends beyond the body, or what
+    /// follows cannot be read on from there: a message list whose last
+    /// element was a number the next body goes on writing, `12` then
+    /// `123`).
     pub fn of_from(shape: Shape, body: &[u8], prefix: Prefix) -> Option<Anatomy> {
         if prefix.marks.shape != shape || prefix.marks.end > body.len() {
             return Anatomy::of(shape, body);
@@ -194,7 +197,7 @@ impl Anatomy {
                 c.object_rest(|c, key| r.member(c, &key))
             })
             .and_then(|()| r.anatomy(body));
-        read.ok()
+        read.ok().or_else(|| Anatomy::of(shape, body))
     }
 
     /// What this reading keeps for the conversation's next request
@@ -1253,6 +1256,26 @@ mod tests {
                 .into_prefix()
                 .is_none()
         );
+    }
+
+    #[test]
+    fn a_prefix_that_cannot_be_read_on_reads_in_full() {
+        // The list's last element a number the next body writes on: the
+        // bytes up to the prefix's end are the same, and only a full
+        // reading sees the message list as it is.
+        let first = r#"{"model":"m","messages":[{"role":"user","content":"hi"},12]}"#;
+        let prefix = Anatomy::of(Shape::Chat, first.as_bytes())
+            .unwrap()
+            .into_prefix()
+            .unwrap();
+        let next = r#"{"model":"m","messages":[{"role":"user","content":"hi"},123,{"role":"user","content":"x"}]}"#;
+        assert_eq!(
+            &next.as_bytes()[..prefix.end()],
+            &first.as_bytes()[..prefix.end()]
+        );
+        let full = Anatomy::of(Shape::Chat, next.as_bytes());
+        assert!(full.is_some());
+        assert_eq!(Anatomy::of_from(Shape::Chat, next.as_bytes(), prefix), full);
     }
 
     #[test]

@@ -127,16 +127,11 @@ pub async fn handle(
     let received = held.clone();
     let may_change = !call.opts.off;
     let mut prepared = transform(&state.rewrite, &mut call, &parts, held, &session).await?; // 5. transform
-    let cache = prompt_cache(
-        state,
-        &call,
-        &parts,
-        &grant,
-        received,
-        may_change,
-        &mut prepared,
-    )
-    .await; // 5c. cache
+    // (Kept for a refusal's retry, whose body is asked of the cache again.)
+    let conversation = parts.headers.get(&X_VISOR_SESSION).cloned();
+    let conversation = conversation.as_ref().and_then(|v| v.to_str().ok());
+    let asked = (conversation, &grant, may_change);
+    let mut cache = prompt_cache(state, &call, asked, received, prepared.as_mut()).await; // 5c. cache
     edge.prepared(prepared.as_ref().map(|p| Counts::of(&p.report)));
     if let (Some(t), Some(p)) = (&call.trace, &prepared) {
         traced::changes(t, &p.report, &p.body);
@@ -183,17 +178,21 @@ pub async fn handle(
         && may_be_refusal(answer.resp.status(), answer.resp.headers());
     if may_learn {
         let learned = Box::pin(learn(
-            &state.rewrite,
+            state,
             &call,
             edge,
             &mut prepared,
             &exchange,
-            retry_head,
+            (retry_head, (conversation, &grant, may_change)),
             answer,
         ))
         .await?;
         answer = match learned {
             Learned::Answer(answer) => answer,
+            Learned::Retried(answer, seen) => {
+                cache = seen;
+                answer
+            }
             Learned::Passed(head, body) => return Ok(edge.passed(head, body)),
         };
     }
@@ -645,18 +644,22 @@ async fn transform(
     Ok(Some(p))
 }
 
+/// What the prompt cache is asked with besides the bodies: the request's
+/// `x-visor-session`, its key's grant, and whether visor may change it
+/// (not `x-visor-transform: off`).
+type CacheAsk<'a> = (Option<&'a str>, &'a Grant, bool);
+
 /// Phase 5c: the prompt cache's breakpoints or key added to the body to
 /// send, and the request judged against its conversation's previous one.
+/// Asked again for a refusal's retry (another body).
 async fn prompt_cache(
     state: &AppState,
     call: &Call,
-    parts: &http::request::Parts,
-    grant: &Grant,
+    (session, grant, may_change): CacheAsk<'_>,
     received: Option<Bytes>,
-    may_change: bool,
-    prepared: &mut Option<Prepared>,
+    prepared: Option<&mut Prepared>,
 ) -> Option<Seen> {
-    let (Some(shape), Some(received), Some(p)) = (call.shape, received, prepared.as_mut()) else {
+    let (Some(shape), Some(received), Some(p)) = (call.shape, received, prepared) else {
         return None;
     };
     let routes = &state.routes;
@@ -668,11 +671,7 @@ async fn prompt_cache(
         prepared: &p.body,
         model,
         key_name: &grant.label,
-        session: parts
-            .headers
-            .get(&X_VISOR_SESSION)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim),
+        session: session.map(str::trim),
         anthropic_kind: upstream.auth == AuthMode::XApiKey,
         cache_key: upstream
             .chain
@@ -943,14 +942,12 @@ async fn send_chain<'s>(
     }
 }
 
-/// What phase 7 leaves (one value, moved once: its size does not matter).
-#[expect(
-    clippy::large_enum_variant,
-    reason = "one value, moved once: its size does not matter"
-)]
+/// What phase 7 leaves.
 enum Learned {
-    /// The upstream's answer to stream back (to the retry, if there was one).
+    /// The upstream's answer to stream back (no retry).
     Answer(Answer),
+    /// The retry's answer, and its body as the prompt cache judged it.
+    Retried(Answer, Option<Seen>),
     /// An upstream 4xx read whole that was not about images: passed back as
     /// it was.
     Passed(http::response::Parts, Bytes),
@@ -960,14 +957,15 @@ enum Learned {
 /// "images not supported" 4xx is retried once with the images replaced, and
 /// remembered as non-vision.
 async fn learn(
-    rewrite: &Rewriter,
+    state: &AppState,
     call: &Call,
     edge: &mut Edge<'_>,
     prepared: &mut Option<Prepared>,
     exchange: &Exchange<'_>,
-    retry_head: Option<RetryHead>,
+    (retry_head, asked): (Option<RetryHead>, CacheAsk<'_>),
     answer: Answer,
 ) -> Result<Learned, Stop> {
+    let rewrite = &state.rewrite;
     let Some(p) = prepared.as_mut() else {
         return Ok(Learned::Answer(answer));
     };
@@ -996,11 +994,6 @@ async fn learn(
         // as it was.
         return Ok(Learned::Passed(head, error_body));
     };
-    set_content_length(&mut headers, retry.body.len());
-    let mut req = Request::new(retry.upstream_body());
-    *req.method_mut() = method;
-    *req.uri_mut() = uri;
-    *req.headers_mut() = headers;
     let (history_used, history_at) = (p.report.history_used, p.report.history_at);
     // The refused attempt's originals are on disk before the retry goes:
     // the retry's own write does not hold them all (an image it fits
@@ -1012,12 +1005,21 @@ async fn learn(
     *p = retry;
     p.report.history_used = history_used;
     p.report.history_at = history_at;
+    // Another body: its breakpoints or key, as a request sent so at first
+    // would have had them (the client's body is the one the first asked
+    // with).
+    let seen = prompt_cache(state, call, asked, Some(learn.original), Some(&mut *p)).await;
     edge.prepared(Some(Counts::of(&p.report)));
+    set_content_length(&mut headers, p.body.len());
+    let mut req = Request::new(p.upstream_body());
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
     let answer = exchange.run(req, &call.exceeded, Instant::now()).await?;
     if answer.resp.status().is_success() {
         rewrite.learn(lesson).await;
     }
-    Ok(Learned::Answer(answer))
+    Ok(Learned::Retried(answer, seen))
 }
 
 /// What phase 8 sends back along with the answer: the rewrite (its counts

@@ -477,6 +477,54 @@ async fn a_streamed_answer_says_what_the_provider_read_and_wrote() {
     );
 }
 
+/// A model of unknown vision whose provider refuses its image: the retry,
+/// the image replaced, is another body, and is sent with the breakpoints
+/// a body sent so at first would have had (and judged as sent).
+#[tokio::test]
+async fn a_refusals_retry_is_sent_with_its_breakpoints() {
+    let sim = Arc::new(CacheSim::default());
+    let s = sim.clone();
+    let mock = MockUpstream::start(move |req: &Recorded| {
+        if String::from_utf8_lossy(&req.body).contains(r#""type":"image""#) {
+            return Reply::json(
+                400,
+                r#"{"type":"error","error":{"type":"invalid_request_error","message":"This model does not support image input."}}"#,
+            );
+        }
+        let usage = s.request(&req.body);
+        Reply::json(200, json!({"id": "m", "type": "message", "role": "assistant", "content": [], "usage": usage.json()}).to_string())
+    })
+    .await;
+    let visor = visor_for(&mock, "[images]\nnon_vision = \"strip\"\n").await;
+    let (url, _) = png_data_url("retry");
+    let data = url.split_once(',').unwrap().1.to_owned();
+    let mut body = tool_loop(3, &words(800));
+    body["model"] = json!("mystery-claude");
+    body["messages"][0]["content"] = json!([
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+        {"type": "text", "text": "Fix the failing test shown here."}]);
+    let (status, h, text) = post_messages(&visor, body.to_string(), &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&text));
+    let recs = mock.recorded();
+    assert_eq!(recs.len(), 2, "one refusal, one retry");
+    let (first, retry) = (markers(&recs[0].body), markers(&recs[1].body));
+    assert!(!first.is_empty(), "the first attempt had breakpoints");
+    assert!(!String::from_utf8_lossy(&recs[1].body).contains(r#""type":"image""#));
+    assert_eq!(
+        retry.len(),
+        first.len(),
+        "the retry too: {retry:?} / {first:?}"
+    );
+    assert!(cache_header(&h).starts_with("readable="), "{h:?}");
+    // Kept as sent: the same request again (its image replaced up front
+    // now) reads what the retry wrote, with no miss.
+    let (status, h, _) = post_messages(&visor, body.to_string(), &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.count(), 3);
+    let told = cache_header(&h);
+    assert!(readable(&told) > 0 && !told.contains("miss"), "{told}");
+}
+
 #[tokio::test]
 async fn a_refused_request_is_not_what_the_next_is_judged_against() {
     let sim = Arc::new(CacheSim::default());
