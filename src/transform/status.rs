@@ -7,16 +7,21 @@
 //!
 //! - exit and return codes in any form (`exit code: 1`, `Exit code 1`,
 //!   `<returncode>1</returncode>`, `Process exited with code 0`,
-//!   `[Command finished with exit code 0]`, `exit status 2`), signals;
+//!   `[Command finished with exit code 0]`, `exit status 2`, `rc=2`,
+//!   `exited 1`, `status: failed`), signals by name, a process's end
+//!   (`OOMKilled`), an HTTP status line (`HTTP/1.1 503 Service
+//!   Unavailable`), a system error's name (`ECONNREFUSED`);
 //! - the first and the last line of a traceback (`Traceback (most recent
 //!   call last):` and the exception line after its frames), panics;
 //! - error, warning and failure heads (`error:`, `error[E0425]:`,
 //!   `Error: …`, `ERROR …`, `warning:`, `FAILED …`, `FAIL`, `fatal:`,
+//!   `CRITICAL: …`, a label in capitals (`ACTION REQUIRED: …`),
 //!   `npm ERR!`, pytest's `E   …`, an exception's `ValueError: …`), and
 //!   tags that carry them (`<error>`, `<warning>`, `<tool_use_error>`);
 //! - sentences that report an outcome (`File updated. Please review…`,
 //!   `Your command ran successfully and did not produce any output.`,
-//!   `No such file or directory`, `3 failed, 2 passed`);
+//!   `No such file or directory`, `3 failed, 2 passed`, `0 passing, 3
+//!   failing`, `12 examples, 2 failures`, TAP's `not ok 3 - …`);
 //! - denials: permission, sandbox, approval (`Permission denied`,
 //!   `The user denied this operation.`, `… rejected …`);
 //! - timings (`Wall time: 0.5 seconds`, `real 0m0.12s`, `… in 0.31s`,
@@ -122,6 +127,10 @@ pub fn is_status(line: &str) -> bool {
     // SyntaxError: …`, `* error: …`).
     let bare = t.trim_start_matches(['-', '*', '•', '>', ' ']);
     code(&lower)
+        || keyed_code(&lower)
+        || ended(&lower)
+        || http_status(&lower)
+        || label(bare)
         || verdict(t)
         || traceback_head(bare)
         || head(bare)
@@ -202,6 +211,11 @@ fn addressed(t: &str) -> bool {
         "make sure",
         "ensure",
         "avoid",
+        "remember",
+        "forget",
+        "required",
+        "recommended",
+        "consider",
     ];
     lower
         .split(|c: char| !(c.is_alphanumeric() || c == '\''))
@@ -380,6 +394,162 @@ fn code(lower: &str) -> bool {
     })
 }
 
+/// A code or a status given as a key and its value (`rc=2`, `rc: 2`,
+/// `exit=1`, `exited 1`, `code=1`, `status: 1`, `status=failed`,
+/// `result: error`), not code that reads one (`status = self.status`,
+/// `if code == 1`).
+fn keyed_code(lower: &str) -> bool {
+    const KEYS: &[&str] = &[
+        "rc", "exit", "exited", "code", "status", "state", "result", "outcome", "ret", "retval",
+    ];
+    const VALUES: &[&str] = &[
+        "ok",
+        "success",
+        "succeeded",
+        "passed",
+        "pass",
+        "fail",
+        "failed",
+        "failure",
+        "error",
+        "errored",
+        "killed",
+        "crashed",
+        "aborted",
+        "timeout",
+        "timedout",
+        "cancelled",
+        "canceled",
+        "denied",
+        "rejected",
+        "completed",
+        "done",
+        "skipped",
+    ];
+    let b = lower.as_bytes();
+    KEYS.iter().any(|key| {
+        lower.match_indices(key).any(|(i, _)| {
+            let before = i.checked_sub(1).map(|k| b[k]);
+            if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'.') {
+                return false;
+            }
+            let rest = &lower[i + key.len()..];
+            // `key=`, `key:` or (`exit`, `exited`) `key N`.
+            let value = match rest.as_bytes().first() {
+                Some(b'=') if !rest[1..].starts_with('=') => &rest[1..],
+                Some(b':') => &rest[1..],
+                Some(b' ') if key.starts_with("exit") => rest,
+                _ => return false,
+            };
+            let value = value.trim_start_matches([' ', '"', '\'']);
+            let number = value.strip_prefix('-').unwrap_or(value);
+            let digits = number.bytes().take_while(u8::is_ascii_digit).count();
+            let word_end = value
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(value.len());
+            (digits > 0 && !number[digits..].starts_with(|c: char| c.is_alphanumeric() || c == '.'))
+                || (!key.starts_with("exit") && VALUES.contains(&&value[..word_end]))
+        })
+    })
+}
+
+/// How a process ended, by name: a signal (`SIGKILL`), `OOMKilled`, a
+/// system error (`ECONNREFUSED`, `ETIMEDOUT`, `ENOSPC`).
+fn ended(lower: &str) -> bool {
+    const NAMES: &[&str] = &[
+        "sigkill",
+        "sigterm",
+        "sigsegv",
+        "sigabrt",
+        "sigbus",
+        "sigint",
+        "sighup",
+        "sigpipe",
+        "sigill",
+        "sigfpe",
+        "sigquit",
+        "oomkilled",
+        "crashloopbackoff",
+        "enoent",
+        "eacces",
+        "eperm",
+        "eexist",
+        "enotdir",
+        "eisdir",
+        "einval",
+        "emfile",
+        "enfile",
+        "enospc",
+        "erofs",
+        "epipe",
+        "eagain",
+        "ebusy",
+        "enomem",
+        "enotempty",
+        "eloop",
+        "enametoolong",
+        "ebadf",
+        "eintr",
+        "eio",
+        "enxio",
+        "e2big",
+        "enoexec",
+        "etxtbsy",
+        "enotconn",
+        "econnrefused",
+        "econnreset",
+        "econnaborted",
+        "etimedout",
+        "ehostunreach",
+        "enetunreach",
+        "enetdown",
+        "eaddrinuse",
+        "eaddrnotavail",
+        "enotfound",
+        "eai_again",
+        "eproto",
+        "ecanceled",
+        "enotsup",
+        "eopnotsupp",
+        "edquot",
+        "esrch",
+    ];
+    words(lower).any(|w| NAMES.contains(&w))
+}
+
+/// An HTTP status line (`HTTP/1.1 503 Service Unavailable`, `< HTTP/2
+/// 404`), as a client prints what it got.
+fn http_status(lower: &str) -> bool {
+    lower.match_indices("http/").any(|(i, _)| {
+        let rest = &lower[i + 5..];
+        let version = rest
+            .bytes()
+            .take_while(|b| b.is_ascii_digit() || *b == b'.')
+            .count();
+        let code = rest[version..].strip_prefix(' ').unwrap_or("");
+        version > 0
+            && code.len() >= 3
+            && code.as_bytes()[..3].iter().all(u8::is_ascii_digit)
+            && !code[3..].starts_with(|c: char| c.is_ascii_digit())
+    })
+}
+
+/// A label in capitals that heads what follows (`ACTION REQUIRED: …`,
+/// `NOTE: …`, `ATTENTION: …`): a tool or a harness speaking to the reader.
+fn label(t: &str) -> bool {
+    let Some((key, value)) = t.split_once(':') else {
+        return false;
+    };
+    let words: Vec<&str> = key.split(' ').collect();
+    words.len() <= 3
+        && key.len() >= 4
+        && words
+            .iter()
+            .all(|w| w.len() >= 2 && w.bytes().all(|b| b.is_ascii_uppercase()))
+        && value.starts_with(' ')
+        && value.trim().len() >= 2
+}
+
 /// The first line of a traceback, a panic or an uncaught error.
 fn traceback_head(t: &str) -> bool {
     t.starts_with("Traceback (most recent call last)")
@@ -423,6 +593,17 @@ fn head(t: &str) -> bool {
         "panic",
         "PANIC",
         "Panic",
+        "critical",
+        "Critical",
+        "CRITICAL",
+        "crit",
+        "CRIT",
+        "alert",
+        "ALERT",
+        "emerg",
+        "EMERG",
+        "severe",
+        "SEVERE",
         "Exception",
         "Caused by",
         "npm ERR!",
@@ -703,12 +884,25 @@ fn outcome(t: &str, lower: &str) -> bool {
         "exception",
         "aborted",
         "crashed",
+        "critical",
+        "fatal",
     ];
     !code_like(&strip_code(t)) && words(lower).any(|w| STRONG.contains(&w))
 }
 
-/// `3 passed`, `1 failed`, `2 errors`, `Ran 12 tests`.
+/// `3 passed`, `1 failed`, `2 errors`, `Ran 12 tests`, `0 passing, 3
+/// failing`, `12 examples, 2 failures`; TAP's failed test and its counts
+/// (`not ok 3 - …`, `# fail 1`; a passed test's `ok 3 - …` is a per-test
+/// line, as `test a::b ... ok` is).
 fn test_count(lower: &str) -> bool {
+    let tap = |rest: &str| rest.starts_with(|c: char| c.is_ascii_digit());
+    if lower.strip_prefix("not ok ").is_some_and(tap)
+        || ["# pass ", "# fail ", "# tests ", "# skip ", "# todo "]
+            .iter()
+            .any(|p| lower.strip_prefix(p).is_some_and(|r| tap(r.trim_start())))
+    {
+        return true;
+    }
     let mut prev_number = false;
     for w in words(lower) {
         if prev_number
@@ -716,6 +910,14 @@ fn test_count(lower: &str) -> bool {
                 w,
                 "passed"
                     | "failed"
+                    | "passing"
+                    | "failing"
+                    | "pending"
+                    | "failures"
+                    | "failure"
+                    | "examples"
+                    | "assertions"
+                    | "specs"
                     | "errors"
                     | "error"
                     | "skipped"
@@ -941,6 +1143,39 @@ mod tests {
         "Review the changes and make sure they are as expected. Edit the file again if necessary.",
         "IMPORTANT: For any future changes to this file, use the final_file_content shown above as your reference.",
         "Now that you have the latest state of the file, try the operation again with fewer, more precise SEARCH blocks.",
+        // kinds a black-box run found missed inside a repeated run
+        // (2026-11-30): codes as a key and value, test summaries of other
+        // runners, HTTP status lines, severities, system errors, a
+        // process's end, labels and reminders addressed to the reader
+        "rc=2",
+        "rc: 1",
+        "exit=1",
+        "exited 1",
+        "code=1",
+        "status: 1",
+        "status=failed",
+        "result: error",
+        "job finished, status=failed",
+        "0 passing, 3 failing",
+        "  3 passing (12ms)",
+        "  2 pending",
+        "12 examples, 2 failures",
+        "not ok 3 - parses an empty file",
+        "# fail  1",
+        "HTTP/1.1 503 Service Unavailable",
+        "< HTTP/2 404",
+        "CRITICAL: disk full",
+        "2026-11-30 00:01:02 CRITICAL worker 3 lost its lease",
+        "[2026-11-30T00:01:02Z] FATAL could not bind 0.0.0.0:80",
+        "OOMKilled",
+        "Reason: OOMKilled",
+        "connect ETIMEDOUT 10.0.0.1:443",
+        "ECONNREFUSED 127.0.0.1:5432",
+        "write failed: ENOSPC",
+        "Terminated by SIGKILL",
+        "ACTION REQUIRED: rotate the key before Friday",
+        "ATTENTION: the staging database is read-only",
+        "Remember to run migrations.",
     ];
 
     /// Lines of output and code that are not status (they may go in a run).
@@ -980,6 +1215,20 @@ mod tests {
         "    12\tlogger.error(\"timed out\")",
         "src/a.py:12:    def foo():",
         "    # you can pass a custom parser here",
+        // near the forms above, and not status
+        "worker 3: processed 39 records from the nightly import batch without issues",
+        "    status = self.status",
+        "    if code == 1:",
+        "    return 0;",
+        "    rc = subprocess.call(args)",
+        "code: |",
+        "status: {{ .Values.status }}",
+        "see http/2 and http/3 in the docs",
+        "PATH",
+        "encoding: utf-8 (the default for this table of names)",
+        "okay 3 more to go",
+        "ok 1 - reads the config",
+        "passes 3 values through",
     ];
 
     #[test]

@@ -74,6 +74,51 @@ fn a_codex_exec_command_result_repeated_keeps_its_status_lines() {
     );
 }
 
+/// A run repeated whole, with outcomes inside it in forms other runners
+/// and tools print: each stays in the newest result, the run around it
+/// goes (found by a black-box run: the whole result was one note).
+#[test]
+fn outcomes_inside_a_repeated_run_stay_whatever_prints_them() {
+    let work: Vec<String> = (0..8)
+        .map(|i| {
+            format!(
+                "worker {i}: processed {} records from the nightly import batch",
+                i * 13
+            )
+        })
+        .collect();
+    let outcomes = [
+        "rc=2",
+        "0 passing, 3 failing",
+        "not ok 3 - parses an empty file",
+        "HTTP/1.1 503 Service Unavailable",
+        "CRITICAL: disk full",
+        "connect ECONNREFUSED 127.0.0.1:5432",
+        "Remember to run migrations.",
+    ];
+    let mut lines: Vec<&str> = Vec::new();
+    for o in outcomes {
+        lines.extend(work[..3].iter().map(String::as_str));
+        lines.push(o);
+    }
+    lines.extend(work.iter().map(String::as_str));
+    let log = lines.join("\n");
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "run it twice"},
+        call("c1"), tool("c1", &log),
+        call("c2"), tool("c2", &format!("second run:\n{log}")),
+    ]});
+    let (out, report) = chat(&body);
+    let newest = content(&out, 4);
+    for o in outcomes {
+        assert!(newest.lines().any(|l| l == o), "{o:?} went: {newest}");
+    }
+    assert!(
+        report.lines_omitted > 0,
+        "the repeated work still goes: {newest}"
+    );
+}
+
 #[test]
 fn a_claude_code_bash_result_keeps_its_exit_code() {
     let tests: Vec<String> = (0..8)
