@@ -426,6 +426,9 @@ fn keyed_code(lower: &str) -> bool {
         "done",
         "skipped",
     ];
+    if !lower.contains(['=', ':']) && !lower.contains("exit") {
+        return false;
+    }
     let b = lower.as_bytes();
     KEYS.iter().any(|key| {
         lower.match_indices(key).any(|(i, _)| {
@@ -514,7 +517,9 @@ fn ended(lower: &str) -> bool {
         "edquot",
         "esrch",
     ];
-    words(lower).any(|w| NAMES.contains(&w))
+    // (Each name begins with one of four letters: most words are not
+    // looked up.)
+    words(lower).any(|w| w.starts_with(['s', 'e', 'o', 'c']) && NAMES.contains(&w))
 }
 
 /// An HTTP status line (`HTTP/1.1 503 Service Unavailable`, `< HTTP/2
