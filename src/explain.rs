@@ -6,6 +6,9 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+
+use crate::config::upstreams::{Upstream, cache_kind};
 use crate::media_text::describe::{Describer, description_key};
 use crate::models::Resolved;
 use crate::store::Store;
@@ -91,6 +94,49 @@ pub async fn rewrite(body: &[u8], plan: &Plan, texts: &Texts<'_>) -> Rewrite {
     rewrite
 }
 
+/// What the prompt cache adds to what `rewrite` sends, as the proxy does
+/// for a request to the first of `upstreams` that takes `model` (none:
+/// nothing added): breakpoints on a Messages request to an Anthropic-kind
+/// upstream, or a `prompt_cache_key` where the upstream opted in. Asked as
+/// for a request without a proxy key and without `x-visor-session` (a key
+/// or a session would give another `prompt_cache_key`).
+pub fn with_cache(
+    cache: &crate::config::Cache,
+    upstreams: &[Upstream],
+    (shape, model, min_tokens): (Shape, &str, Option<u32>),
+    received: &[u8],
+    rewrite: &mut Rewrite,
+) {
+    let Some(index) = upstreams.iter().position(|u| u.matches(model)) else {
+        return;
+    };
+    let (anthropic_kind, cache_key) = cache_kind(upstreams, index);
+    let received = Bytes::copy_from_slice(received);
+    let prepared = match &rewrite.body {
+        Some(b) => Bytes::copy_from_slice(b),
+        None => received.clone(),
+    };
+    let asked = crate::prompt_cache::Asked {
+        shape,
+        received: &received,
+        prepared: &prepared,
+        model,
+        key_name: "none",
+        session: None,
+        anthropic_kind,
+        cache_key,
+        min_tokens,
+        may_change: true,
+        continues: None,
+        leaves: false,
+    };
+    if let Some((body, breakpoints)) = crate::prompt_cache::added(cache, asked) {
+        rewrite.report.breakpoints = breakpoints;
+        rewrite.report.cache_key = shape != Shape::Messages;
+        rewrite.body = Some(body.to_vec());
+    }
+}
+
 /// What the rewrite changed, and why.
 pub fn report(
     model: &str,
@@ -120,5 +166,7 @@ pub fn report(
         "items_omitted": rewrite.report.items_omitted,
         "images": rewrite.report.images,
         "skipped": rewrite.report.skipped,
+        "cache_breakpoints": rewrite.report.breakpoints,
+        "cache_key": rewrite.report.cache_key,
     })
 }

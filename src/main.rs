@@ -697,9 +697,11 @@ fn explain(
         },
     );
     let texts = visor::explain::Texts::Store(off.store.as_ref(), &cfg.describer.model);
-    let rewrite = off
+    let mut rewrite = off
         .rt
         .block_on(visor::explain::rewrite(&body, &plan, &texts));
+    let asked = (shape, model, resolved.caps.cache_min_tokens);
+    visor::explain::with_cache(&cfg.cache, &cfg.upstreams, asked, &body, &mut rewrite);
     let sent = rewrite.body.as_deref().unwrap_or(&body);
     if raw {
         return write_raw(sent);

@@ -109,6 +109,20 @@ impl Upstream {
     }
 }
 
+/// How the prompt cache treats a request routed to `upstreams[index]`:
+/// whether it is of the Anthropic kind (it caches at breakpoints), and
+/// whether every upstream of its chain opted in to `prompt_cache_key`.
+pub fn cache_kind(upstreams: &[Upstream], index: usize) -> (bool, bool) {
+    let Some(u) = upstreams.get(index) else {
+        return (false, false);
+    };
+    let key = u
+        .chain
+        .iter()
+        .all(|&i| upstreams.get(i).is_some_and(|c| c.prompt_cache_key));
+    (u.auth == AuthMode::XApiKey, key)
+}
+
 /// Checks every `[[upstream]]` and their fallbacks; `proxy_keys`: clients'
 /// own keys are never forwarded (so a fallback may lack a key of its own).
 pub(super) fn validate(raw: Vec<RawUpstream>, proxy_keys: bool, p: &mut Problems) -> Vec<Upstream> {

@@ -371,6 +371,11 @@ impl PromptCache {
         }
     }
 
+    /// The `[cache]` settings it follows.
+    pub fn config(&self) -> &Cache {
+        &self.config
+    }
+
     /// Adds visor's breakpoints (Messages, Anthropic kind, none set by the
     /// client) or a `prompt_cache_key` (an upstream that opted in), and
     /// judges the request against the previous one of its conversation.
@@ -387,31 +392,14 @@ impl PromptCache {
         }
         let min = asked.min_tokens.map_or(DEFAULT_MIN_TOKENS, u64::from);
         let conversation = conversation(asked.session, asked.key_name, received.first_user);
+        let (body, placed) = add(&self.config, &asked, sent, conversation);
         let mut applied = Applied {
+            body,
+            breakpoints: placed.len(),
             sent_clean,
             continued,
             ..Applied::default()
         };
-        let mut placed = Vec::new();
-        if asked.shape == Shape::Messages
-            && asked.anthropic_kind
-            && asked.may_change
-            && self.config.breakpoints
-        {
-            placed = breakpoints::place(sent, min);
-            if !placed.is_empty() {
-                let body = breakpoints::mark(asked.prepared, sent, &placed, self.config.ttl);
-                applied.body = Some(Bytes::from(body));
-                applied.breakpoints = placed.len();
-            }
-        }
-        if asked.shape != Shape::Messages
-            && asked.cache_key
-            && asked.may_change
-            && !sent.has_cache_key
-        {
-            applied.body = Some(with_cache_key(asked.prepared, sent, conversation));
-        }
         let record = Arc::new(Record::new(
             unix_ms(),
             asked.model,
@@ -480,6 +468,49 @@ impl PromptCache {
                 .await;
         }
     }
+}
+
+/// What [`PromptCache::apply`] adds to a body to send (its breakpoints, or
+/// a `prompt_cache_key`) and the breakpoints' count, without judging or
+/// keeping anything: `visor explain`'s dry run. `None`: nothing added.
+pub fn added(config: &Cache, mut asked: Asked<'_>) -> Option<(Bytes, usize)> {
+    let (received, rewritten, _) = read(&mut asked)?;
+    if received.chained {
+        return None;
+    }
+    let sent = rewritten.as_ref().map_or(&received, |s| &s.anatomy);
+    let conversation = conversation(asked.session, asked.key_name, received.first_user);
+    let (body, placed) = add(config, &asked, sent, conversation);
+    body.map(|b| (b, placed.len()))
+}
+
+/// The body `sent` (read from `asked.prepared`) with visor's breakpoints
+/// (Messages, Anthropic kind, none set by the client) or a
+/// `prompt_cache_key` (an upstream that opted in), and the breakpoints.
+fn add(
+    config: &Cache,
+    asked: &Asked<'_>,
+    sent: &Anatomy,
+    conversation: u64,
+) -> (Option<Bytes>, Vec<breakpoints::Place>) {
+    let min = asked.min_tokens.map_or(DEFAULT_MIN_TOKENS, u64::from);
+    let (mut body, mut placed) = (None, Vec::new());
+    if asked.shape == Shape::Messages
+        && asked.anthropic_kind
+        && asked.may_change
+        && config.breakpoints
+    {
+        placed = breakpoints::place(sent, min);
+        if !placed.is_empty() {
+            let marked = breakpoints::mark(asked.prepared, sent, &placed, config.ttl);
+            body = Some(Bytes::from(marked));
+        }
+    }
+    if asked.shape != Shape::Messages && asked.cache_key && asked.may_change && !sent.has_cache_key
+    {
+        body = Some(with_cache_key(asked.prepared, sent, conversation));
+    }
+    (body, placed)
 }
 
 /// A conversation: its `x-visor-session`, else its key name and first user

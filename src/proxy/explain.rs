@@ -100,10 +100,13 @@ pub async fn answer(state: &AppState, req: Request<RequestBody>) -> Response<Pro
             &Texts::Describer(&describer),
         ))
     });
-    let rewrite = match tokio::time::timeout(state.server.request_timeout, work).await {
+    let mut rewrite = match tokio::time::timeout(state.server.request_timeout, work).await {
         Ok(Ok(r)) => r,
         Ok(Err(_)) | Err(_) => return refuse(&state.metrics, VisorError::TransformTimeout),
     };
+    let upstreams = &state.routes.upstreams;
+    let asked = (shape, model.as_str(), resolved.caps.cache_min_tokens);
+    explain::with_cache(state.cache.config(), upstreams, asked, &body, &mut rewrite);
     let sent = rewrite.body.as_deref().unwrap_or(&body);
     let request: serde_json::Value = serde_json::from_slice(sent).unwrap_or_default();
     let out = serde_json::json!({

@@ -67,7 +67,7 @@ use super::session_turn::{self, Recorder, Sessions};
 use super::traced::{self, Target};
 use super::{AppState, RequestIdExt, Routes};
 use crate::api::usage::{SaidObserver, UsageObserver};
-use crate::config::{AuthMode, Server};
+use crate::config::Server;
 use crate::error::VisorError;
 use crate::failure::UpstreamFailure;
 use crate::inspector::{Changes, Summary};
@@ -662,8 +662,8 @@ async fn prompt_cache(
     let (Some(shape), Some(received), Some(p)) = (call.shape, received, prepared) else {
         return None;
     };
-    let routes = &state.routes;
-    let upstream = &routes.upstreams[call.index];
+    let (anthropic_kind, cache_key) =
+        crate::config::upstreams::cache_kind(&state.routes.upstreams, call.index);
     let model = call.model.as_deref().unwrap_or("");
     let asked = Asked {
         shape,
@@ -672,11 +672,8 @@ async fn prompt_cache(
         model,
         key_name: &grant.label,
         session: session.map(str::trim),
-        anthropic_kind: upstream.auth == AuthMode::XApiKey,
-        cache_key: upstream
-            .chain
-            .iter()
-            .all(|&i| routes.upstreams[i].prompt_cache_key),
+        anthropic_kind,
+        cache_key,
         min_tokens: state.rewrite.models.caps(model).cache_min_tokens,
         may_change,
         continues: p.conversation.as_mut().and_then(|c| c.from.take()),

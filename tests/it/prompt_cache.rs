@@ -758,3 +758,74 @@ async fn a_conversation_read_on_from_its_previous_request_is_cached_as_read_in_f
     let sent = m1.recorded();
     assert!(markers(&sent.last().unwrap().body).len() >= 2);
 }
+
+/// `visor explain --raw` (with the proxy's config) prints the bytes the
+/// proxy sends, prompt cache included: the breakpoints on a Messages
+/// request to an Anthropic-kind upstream, and the `prompt_cache_key` for
+/// an upstream that opted in; its report counts them.
+#[tokio::test]
+async fn explain_prints_what_the_prompt_cache_adds() {
+    let mock = anthropic(Arc::new(CacheSim::default())).await;
+    let keyed = openai().await;
+    let config = format!(
+        "{}api_key = \"sk-ant-upstream\"\nauth = \"x-api-key\"\nmodels = [\"claude-*\"]\n{}prompt_cache_key = true\nmodels = [\"*\"]\n",
+        mock.upstream_toml("claude"),
+        keyed.upstream_toml("keyed")
+    );
+    let proxy = Visor::start(&config).await;
+    let path = temp_config("explain-cache", &config);
+    let explain = |args: &[&str], body: &str| {
+        let mut child = visor()
+            .arg("explain")
+            .arg("--config")
+            .arg(&path)
+            .args(args)
+            .arg("-")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), body.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    };
+
+    let messages = tool_loop(3, &words(800)).to_string();
+    let (status, _, _) = post_messages(&proxy, messages.clone(), &[]).await;
+    assert_eq!(status, 200);
+    let sent = mock.recorded().pop().unwrap().body;
+    let placed = markers(&sent).len();
+    assert!(placed > 0);
+    let raw = explain(&["--endpoint", "messages", "--raw"], &messages);
+    assert_eq!(
+        String::from_utf8_lossy(&raw),
+        String::from_utf8_lossy(&sent)
+    );
+    let report: Value =
+        serde_json::from_slice(&explain(&["--endpoint", "messages"], &messages)).unwrap();
+    assert_eq!(report["report"]["cache_breakpoints"], placed);
+    // The same dry run inside the proxy.
+    let url = proxy.url("/visor/api/explain?endpoint=messages");
+    let (status, _, out) = send(post_json(&url, messages.clone())).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+    let v: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v["request"], serde_json::from_slice::<Value>(&sent).unwrap());
+    assert_eq!(v["report"]["cache_breakpoints"], placed);
+
+    let mut chat = chat_turns("hello", 2);
+    chat["model"] = json!("gpt-test");
+    let chat = chat.to_string();
+    let (status, _, _) = send(post_json(&proxy.url("/v1/chat/completions"), chat.clone())).await;
+    assert_eq!(status, 200);
+    let sent = keyed.recorded().pop().unwrap().body;
+    assert!(String::from_utf8_lossy(&sent).contains("\"prompt_cache_key\":\"visor-"));
+    assert_eq!(explain(&["--raw"], &chat), sent);
+    let report: Value = serde_json::from_slice(&explain(&[], &chat)).unwrap();
+    assert_eq!(report["report"]["cache_key"], true);
+}
