@@ -586,7 +586,7 @@ fn conversation(
         }
         prev_sent = Some(now_sent);
 
-        let record = Record::new(k as u64 * TURN_MS, model, &client, &a, &places);
+        let record = Record::new(k as u64 * TURN_MS, model, &client, &a, &places, true);
         let judging = Judging {
             reads: Reads::AtBreakpoints,
             min_tokens: min,

@@ -64,6 +64,10 @@ pub struct Record {
     pub sent: Vec<(u64, u32)>,
     /// The breakpoints sent (the client's or visor's).
     pub points: Vec<Point>,
+    /// visor could change the body (the client did not send
+    /// `x-visor-transform: off`): a request that turns that on or off is
+    /// the client's change, whatever visor then sends.
+    pub transformed: bool,
 }
 
 /// The breakpoints of `sent`: the blocks it marks, and `placed`.
@@ -95,8 +99,10 @@ impl Record {
         client: &Anatomy,
         sent: &Anatomy,
         placed: &[Place],
+        transformed: bool,
     ) -> Self {
         Record {
+            transformed,
             at_ms,
             model: xxhash_rust::xxh3::xxh3_64(model.as_bytes()),
             client: client.hashes(),
@@ -113,12 +119,13 @@ impl Record {
         self.sent.iter().map(|&(_, t)| t as u64).sum()
     }
 
-    /// The bytes kept in the store (little-endian, versioned).
+    /// The bytes kept in the store (little-endian, versioned: 2 ends with
+    /// [`Record::transformed`]; 1, an earlier visor's, has it set).
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(
-            1 + 16 + 12 + self.client.len() * 8 + self.sent.len() * 12 + self.points.len() * 16,
+            1 + 16 + 12 + self.client.len() * 8 + self.sent.len() * 12 + self.points.len() * 16 + 1,
         );
-        b.push(1u8);
+        b.push(2u8);
         b.extend_from_slice(&self.at_ms.to_le_bytes());
         b.extend_from_slice(&self.model.to_le_bytes());
         b.extend_from_slice(&(self.client.len() as u32).to_le_bytes());
@@ -136,13 +143,15 @@ impl Record {
             b.extend_from_slice(&p.ordinal.to_le_bytes());
             b.extend_from_slice(&p.tokens.to_le_bytes());
         }
+        b.push(u8::from(self.transformed));
         b
     }
 
     /// `None` for bytes [`Record::encode`] did not write.
     pub fn decode(b: &[u8]) -> Option<Record> {
         let mut r = Reader(b);
-        if r.take(1)? != [1] {
+        let version = r.take(1)?[0];
+        if !matches!(version, 1 | 2) {
             return None;
         }
         let at_ms = r.u64()?;
@@ -163,7 +172,12 @@ impl Record {
                 })
             })
             .collect::<Option<_>>()?;
+        let transformed = match version {
+            1 => true,
+            _ => r.take(1)? != [0],
+        };
         r.0.is_empty().then_some(Record {
+            transformed,
             at_ms,
             model,
             client,
@@ -248,7 +262,12 @@ pub fn judge(prev: Option<&Record>, now: &Record, j: Judging) -> Verdict {
     };
     let readable = readable(prev, now, sent, j);
     let (cause, at) = if sent < client.min(prev.sent.len()) {
-        (Some(Cause::Visor), Some(sent))
+        // Another body for the same messages: visor's doing, unless the
+        // client turned visor's changes on or off between the two.
+        match prev.transformed == now.transformed {
+            true => (Some(Cause::Visor), Some(sent)),
+            false => (Some(Cause::Client), Some(sent)),
+        }
     } else if client < prev.client.len() {
         (Some(Cause::Client), Some(client))
     } else if now.at_ms.saturating_sub(prev.at_ms) > j.expire_after_ms {
@@ -335,6 +354,7 @@ mod tests {
 
     fn rec(at_ms: u64, client: &[u64], sent: &[(u64, u32)], points: &[(u32, u32, u64)]) -> Record {
         Record {
+            transformed: true,
             at_ms,
             model: 7,
             client: client.to_vec(),
@@ -440,6 +460,20 @@ mod tests {
             &[(0, 0, 2000)],
         );
         assert_eq!(judge(Some(&prev), &both, AT).cause, Some(Cause::Client));
+        // The client turning visor's changes off (or on again) between
+        // the two: its own change, where the bodies part.
+        let mut toggled = visor.clone();
+        toggled.transformed = false;
+        let v = judge(Some(&prev), &toggled, AT);
+        assert_eq!((v.cause, v.at), (Some(Cause::Client), Some(1)));
+        let mut off_before = prev.clone();
+        off_before.transformed = false;
+        assert_eq!(
+            judge(Some(&off_before), &visor, AT).cause,
+            Some(Cause::Client)
+        );
+        // The same bodies either way: no miss at all.
+        assert_eq!(judge(Some(&toggled), &visor, AT).cause, None);
         let mut other_model = client.clone();
         other_model.client = prev.client.clone();
         other_model.model = 8;
@@ -473,8 +507,21 @@ mod tests {
     fn a_record_survives_the_store_and_bad_bytes_do_not() {
         let r = rec(42, &[1, 2], &[(1, 2000), (2, 3)], &[(0, 0, 2000)]);
         let bytes = r.encode();
-        assert_eq!(Record::decode(&bytes), Some(r));
+        assert_eq!(Record::decode(&bytes), Some(r.clone()));
         assert_eq!(Record::decode(&bytes[..bytes.len() - 1]), None);
+        let off = Record {
+            transformed: false,
+            ..r.clone()
+        };
+        assert_eq!(Record::decode(&off.encode()), Some(off));
+        // An earlier visor's record (version 1, no flag): visor could
+        // change its body.
+        let mut v1 = bytes[..bytes.len() - 1].to_vec();
+        v1[0] = 1;
+        assert_eq!(Record::decode(&v1), Some(r));
+        let mut v3 = bytes.clone();
+        v3[0] = 3;
+        assert_eq!(Record::decode(&v3), None);
         assert_eq!(Record::decode(b""), None);
         let mut huge = vec![1u8];
         huge.extend_from_slice(&[0; 16]);

@@ -406,6 +406,7 @@ impl PromptCache {
             &received,
             sent,
             &placed,
+            asked.may_change,
         ));
         let judging = Judging {
             // An Anthropic-kind upstream's Messages API caches at breakpoints;

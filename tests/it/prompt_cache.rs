@@ -815,7 +815,10 @@ async fn explain_prints_what_the_prompt_cache_adds() {
     let (status, _, out) = send(post_json(&url, messages.clone())).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
     let v: Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(v["request"], serde_json::from_slice::<Value>(&sent).unwrap());
+    assert_eq!(
+        v["request"],
+        serde_json::from_slice::<Value>(&sent).unwrap()
+    );
     assert_eq!(v["report"]["cache_breakpoints"], placed);
 
     let mut chat = chat_turns("hello", 2);
@@ -828,4 +831,37 @@ async fn explain_prints_what_the_prompt_cache_adds() {
     assert_eq!(explain(&["--raw"], &chat), sent);
     let report: Value = serde_json::from_slice(&explain(&[], &chat)).unwrap();
     assert_eq!(report["report"]["cache_key"], true);
+}
+
+/// A client that turns visor's changes off for one request and on again
+/// (`x-visor-transform: off`): the bodies sent differ where dedup rewrote,
+/// and that is the client's change, never a `visor` miss.
+#[tokio::test]
+async fn turning_the_transforms_off_and_on_is_the_clients_change() {
+    let mock = anthropic(Arc::new(CacheSim::default())).await;
+    let proxy = visor_for(&mock, "").await;
+    let file: String = (0..12)
+        .map(|i| format!("    line {i} of the module under test, long enough to count\n"))
+        .collect();
+    let mut body = tool_loop(3, &words(800));
+    for k in [2, 4] {
+        body["messages"][k]["content"][0]["content"] = json!(file.clone());
+    }
+    let body = body.to_string();
+    let (status, h, _) = post_messages(&proxy, body.clone(), &[("x-visor-transform", "off")]).await;
+    assert_eq!(status, 200);
+    assert!(cache_header(&h).contains("miss=first"), "{h:?}");
+    let (status, h, _) = post_messages(&proxy, body.clone(), &[]).await;
+    assert_eq!(status, 200);
+    let sent = mock.recorded();
+    assert_ne!(sent[0].body, sent[1].body, "dedup changed the second");
+    assert!(cache_header(&h).contains("miss=client"), "{h:?}");
+    let (status, h, _) = post_messages(&proxy, body.clone(), &[("x-visor-transform", "off")]).await;
+    assert_eq!(status, 200);
+    assert!(cache_header(&h).contains("miss=client"), "{h:?}");
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, "visor_cache_misses_total", &[("cause", "visor")]),
+        Some(0.0)
+    );
 }
