@@ -98,12 +98,13 @@ pub async fn rewrite(body: &[u8], plan: &Plan, texts: &Texts<'_>) -> Rewrite {
 /// for a request to the first of `upstreams` that takes `model` (none:
 /// nothing added): breakpoints on a Messages request to an Anthropic-kind
 /// upstream, or a `prompt_cache_key` where the upstream opted in. Asked as
-/// for a request without a proxy key and without `x-visor-session` (a key
-/// or a session would give another `prompt_cache_key`).
+/// for a request that presents no proxy key (`key_name`: what the proxy
+/// counts such a request under) and no `x-visor-session` (another key or a
+/// session would give another `prompt_cache_key`).
 pub fn with_cache(
     cache: &crate::config::Cache,
     upstreams: &[Upstream],
-    (shape, model, min_tokens): (Shape, &str, Option<u32>),
+    (shape, model, min_tokens, key_name): (Shape, &str, Option<u32>, &str),
     received: &[u8],
     rewrite: &mut Rewrite,
 ) {
@@ -121,7 +122,7 @@ pub fn with_cache(
         received: &received,
         prepared: &prepared,
         model,
-        key_name: "none",
+        key_name,
         session: None,
         anthropic_kind,
         cache_key,

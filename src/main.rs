@@ -700,7 +700,11 @@ fn explain(
     let mut rewrite = off
         .rt
         .block_on(visor::explain::rewrite(&body, &plan, &texts));
-    let asked = (shape, model, resolved.caps.cache_min_tokens);
+    // Counted as the proxy counts a request with no proxy key: under the
+    // `[[key]]` that has none, if there is one.
+    let anonymous = cfg.keys.iter().find(|k| k.key.is_none());
+    let key_name = anonymous.map_or("none", |k| k.name.as_str());
+    let asked = (shape, model, resolved.caps.cache_min_tokens, key_name);
     visor::explain::with_cache(&cfg.cache, &cfg.upstreams, asked, &body, &mut rewrite);
     let sent = rewrite.body.as_deref().unwrap_or(&body);
     if raw {

@@ -105,7 +105,14 @@ pub async fn answer(state: &AppState, req: Request<RequestBody>) -> Response<Pro
         Ok(Err(_)) | Err(_) => return refuse(&state.metrics, VisorError::TransformTimeout),
     };
     let upstreams = &state.routes.upstreams;
-    let asked = (shape, model.as_str(), resolved.caps.cache_min_tokens);
+    let gate = &state.gate;
+    let key_name = gate.label(super::headers::Caller::Anonymous, gate.keyless);
+    let asked = (
+        shape,
+        model.as_str(),
+        resolved.caps.cache_min_tokens,
+        &*key_name,
+    );
     explain::with_cache(state.cache.config(), upstreams, asked, &body, &mut rewrite);
     let sent = rewrite.body.as_deref().unwrap_or(&body);
     let request: serde_json::Value = serde_json::from_slice(sent).unwrap_or_default();

@@ -397,7 +397,9 @@ fn code(lower: &str) -> bool {
 /// A code or a status given as a key and its value (`rc=2`, `rc: 2`,
 /// `exit=1`, `exited 1`, `code=1`, `status: 1`, `status=failed`,
 /// `result: error`), not code that reads one (`status = self.status`,
-/// `if code == 1`).
+/// `if code == 1`). A number after `status`, `code`, `state`, `result` or
+/// `outcome` counts only at the line's start: among other fields it is a
+/// record's (`… path=/ status=200`), not an action's outcome.
 fn keyed_code(lower: &str) -> bool {
     const KEYS: &[&str] = &[
         "rc", "exit", "exited", "code", "status", "state", "result", "outcome", "ret", "retval",
@@ -450,7 +452,11 @@ fn keyed_code(lower: &str) -> bool {
             let word_end = value
                 .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                 .unwrap_or(value.len());
-            (digits > 0 && !number[digits..].starts_with(|c: char| c.is_alphanumeric() || c == '.'))
+            let coded = matches!(*key, "rc" | "exit" | "exited" | "ret" | "retval");
+            let leading = lower[..i].trim().is_empty();
+            (digits > 0
+                && (coded || leading)
+                && !number[digits..].starts_with(|c: char| c.is_alphanumeric() || c == '.'))
                 || (!key.starts_with("exit") && VALUES.contains(&&value[..word_end]))
         })
     })
@@ -539,18 +545,38 @@ fn http_status(lower: &str) -> bool {
     })
 }
 
-/// A label in capitals that heads what follows (`ACTION REQUIRED: …`,
-/// `NOTE: …`, `ATTENTION: …`): a tool or a harness speaking to the reader.
+/// A label in capitals that heads what follows and addresses the reader
+/// (`ACTION REQUIRED: …`, `NOTE: …`, `ATTENTION: …`, `DEPRECATED: …`):
+/// a tool or a harness speaking to whoever acts next. Not a log level
+/// (`INFO:`, `DEBUG:`) or a setting (`PORT: 8080`): those are output.
 fn label(t: &str) -> bool {
+    const ADDRESSING: &[&str] = &[
+        "ACTION",
+        "REQUIRED",
+        "ATTENTION",
+        "CAUTION",
+        "DANGER",
+        "IMPORTANT",
+        "NOTE",
+        "HINT",
+        "TIP",
+        "REMINDER",
+        "DEPRECATED",
+        "DEPRECATION",
+        "BREAKING",
+        "SECURITY",
+        "WARNING",
+        "ALERT",
+    ];
     let Some((key, value)) = t.split_once(':') else {
         return false;
     };
     let words: Vec<&str> = key.split(' ').collect();
     words.len() <= 3
-        && key.len() >= 4
         && words
             .iter()
             .all(|w| w.len() >= 2 && w.bytes().all(|b| b.is_ascii_uppercase()))
+        && words.iter().any(|w| ADDRESSING.contains(w))
         && value.starts_with(' ')
         && value.trim().len() >= 2
 }
@@ -1231,6 +1257,11 @@ mod tests {
         "see http/2 and http/3 in the docs",
         "PATH",
         "encoding: utf-8 (the default for this table of names)",
+        "INFO:     127.0.0.1:54321 - \"GET /health HTTP/1.1\" 200 OK",
+        "INFO:     Started server process [1]",
+        "INFO: Analyzed target //app:server (12 packages loaded).",
+        "DEBUG: cache miss for key user:42",
+        "time=2026-11-30T00:01:02Z level=INFO msg=req path=/ status=200 dur=3",
         "okay 3 more to go",
         "ok 1 - reads the config",
         "passes 3 values through",

@@ -762,13 +762,14 @@ async fn a_conversation_read_on_from_its_previous_request_is_cached_as_read_in_f
 /// `visor explain --raw` (with the proxy's config) prints the bytes the
 /// proxy sends, prompt cache included: the breakpoints on a Messages
 /// request to an Anthropic-kind upstream, and the `prompt_cache_key` for
-/// an upstream that opted in; its report counts them.
+/// an upstream that opted in (the key of a request with no proxy key,
+/// counted under the `[[key]]` that has none); its report counts them.
 #[tokio::test]
 async fn explain_prints_what_the_prompt_cache_adds() {
     let mock = anthropic(Arc::new(CacheSim::default())).await;
     let keyed = openai().await;
     let config = format!(
-        "{}api_key = \"sk-ant-upstream\"\nauth = \"x-api-key\"\nmodels = [\"claude-*\"]\n{}prompt_cache_key = true\nmodels = [\"*\"]\n",
+        "[[key]]\nname = \"anyone\"\nrequests_per_minute = 1000\n{}api_key = \"sk-ant-upstream\"\nauth = \"x-api-key\"\nmodels = [\"claude-*\"]\n{}prompt_cache_key = true\nmodels = [\"*\"]\n",
         mock.upstream_toml("claude"),
         keyed.upstream_toml("keyed")
     );
