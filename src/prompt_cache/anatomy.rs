@@ -184,8 +184,15 @@ impl Anatomy {
     /// element was a number the next body goes on writing, `12` then
     /// `123`).
     pub fn of_from(shape: Shape, body: &[u8], prefix: Prefix) -> Option<Anatomy> {
+        Anatomy::read_on(shape, body, prefix).map(|(a, _)| a)
+    }
+
+    /// [`Anatomy::of_from`], and whether it did read on from the prefix
+    /// (`false`: read in full).
+    pub fn read_on(shape: Shape, body: &[u8], prefix: Prefix) -> Option<(Anatomy, bool)> {
+        let full = || Anatomy::of(shape, body).map(|a| (a, false));
         if prefix.marks.shape != shape || prefix.marks.end > body.len() {
-            return Anatomy::of(shape, body);
+            return full();
         }
         let end = prefix.marks.end;
         let mut r = Reading::resumed(prefix);
@@ -197,7 +204,7 @@ impl Anatomy {
                 c.object_rest(|c, key| r.member(c, &key))
             })
             .and_then(|()| r.anatomy(body));
-        read.ok().or_else(|| Anatomy::of(shape, body))
+        read.ok().map(|a| (a, true)).or_else(full)
     }
 
     /// What this reading keeps for the conversation's next request
@@ -1275,7 +1282,22 @@ mod tests {
         );
         let full = Anatomy::of(Shape::Chat, next.as_bytes());
         assert!(full.is_some());
-        assert_eq!(Anatomy::of_from(Shape::Chat, next.as_bytes(), prefix), full);
+        assert_eq!(
+            Anatomy::of_from(Shape::Chat, next.as_bytes(), prefix.clone()),
+            full
+        );
+        // Said as read in full (counted so), where a body that goes on
+        // after an object is read on.
+        let read = Anatomy::read_on(Shape::Chat, next.as_bytes(), prefix);
+        assert_eq!(read.map(|(_, on)| on), Some(false));
+        let object = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        let prefix = Anatomy::of(Shape::Chat, object.as_bytes())
+            .unwrap()
+            .into_prefix()
+            .unwrap();
+        let on = r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"user","content":"x"}]}"#;
+        let read = Anatomy::read_on(Shape::Chat, on.as_bytes(), prefix);
+        assert_eq!(read.map(|(_, on)| on), Some(true));
     }
 
     #[test]

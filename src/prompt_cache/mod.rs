@@ -266,10 +266,10 @@ fn read(asked: &mut Asked<'_>) -> Option<(Anatomy, Option<SentBody>, bool)> {
         Some(p) => Anatomy::of_from(shape, body, p),
         None => Anatomy::of(shape, body),
     };
-    let continued = from_received
-        .as_ref()
-        .is_some_and(|p| p.end() <= asked.received.len());
-    let received = of(asked.received, from_received)?;
+    let (received, continued) = match from_received {
+        Some(p) => Anatomy::read_on(shape, asked.received, p)?,
+        None => (Anatomy::of(shape, asked.received)?, false),
+    };
     // The same bytes (most often the same buffer: not compared).
     let (p, r) = (asked.prepared, asked.received);
     if p.as_ptr() == r.as_ptr() && p.len() == r.len() || p == r {
