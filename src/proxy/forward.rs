@@ -131,7 +131,10 @@ pub async fn handle(
     let conversation = parts.headers.get(&X_VISOR_SESSION).cloned();
     let conversation = conversation.as_ref().and_then(|v| v.to_str().ok());
     let asked = (conversation, &grant, may_change);
-    let mut cache = prompt_cache(state, &call, asked, received, prepared.as_mut()).await; // 5c. cache
+    let (mut cache, read_on) = prompt_cache(state, &call, asked, received, prepared.as_mut()).await; // 5c. cache
+    if let Some(continued) = read_on {
+        count_prefix_read(&state.metrics, "prompt_cache", continued);
+    }
     edge.prepared(prepared.as_ref().map(|p| Counts::of(&p.report)));
     if let (Some(t), Some(p)) = (&call.trace, &prepared) {
         traced::changes(t, &p.report, &p.body);
@@ -650,7 +653,9 @@ async fn transform(
 type CacheAsk<'a> = (Option<&'a str>, &'a Grant, bool);
 
 /// Phase 5c: the prompt cache's breakpoints or key added to the body to
-/// send, and the request judged against its conversation's previous one.
+/// send, and the request judged against its conversation's previous one;
+/// and, for a body that may continue its conversation, whether its reading
+/// went on from the previous one's (for `visor_prefix_reads_total`).
 /// Asked again for a refusal's retry (another body).
 async fn prompt_cache(
     state: &AppState,
@@ -658,9 +663,9 @@ async fn prompt_cache(
     (session, grant, may_change): CacheAsk<'_>,
     received: Option<Bytes>,
     prepared: Option<&mut Prepared>,
-) -> Option<Seen> {
+) -> (Option<Seen>, Option<bool>) {
     let (Some(shape), Some(received), Some(p)) = (call.shape, received, prepared) else {
-        return None;
+        return (None, None);
     };
     let (anthropic_kind, cache_key) =
         crate::config::upstreams::cache_kind(&state.routes.upstreams, call.index);
@@ -683,9 +688,7 @@ async fn prompt_cache(
             .is_some_and(|c| c.kept.get().is_some()),
     };
     let applied = state.cache.apply(asked).await;
-    if p.conversation.is_some() {
-        count_prefix_read(&state.metrics, "prompt_cache", applied.continued);
-    }
+    let read_on = p.conversation.is_some().then_some(applied.continued);
     if let (Some(c), Some(read)) = (&p.conversation, applied.prefixes) {
         c.attach(read);
     }
@@ -704,7 +707,7 @@ async fn prompt_cache(
         p.report.cache_key = shape != crate::api::Shape::Messages;
         p.body = body;
     }
-    applied.seen
+    (applied.seen, read_on)
 }
 
 /// The method, URI and headers of the upstream request, kept while an
@@ -1005,7 +1008,8 @@ async fn learn(
     // Another body: its breakpoints or key, as a request sent so at first
     // would have had them (the client's body is the one the first asked
     // with).
-    let seen = prompt_cache(state, call, asked, Some(learn.original), Some(&mut *p)).await;
+    // (Its reading is not counted again: one request, one count.)
+    let (seen, _) = prompt_cache(state, call, asked, Some(learn.original), Some(&mut *p)).await;
     edge.prepared(Some(Counts::of(&p.report)));
     set_content_length(&mut headers, p.body.len());
     let mut req = Request::new(p.upstream_body());

@@ -516,6 +516,19 @@ async fn a_refusals_retry_is_sent_with_its_breakpoints() {
         "the retry too: {retry:?} / {first:?}"
     );
     assert!(cache_header(&h).starts_with("readable="), "{h:?}");
+    // One request, one reading counted (the retry's body is asked too).
+    let m = visor.metrics().await;
+    let reads: f64 = ["full", "continued"]
+        .iter()
+        .filter_map(|r| {
+            metric(
+                &m,
+                "visor_prefix_reads_total",
+                &[("part", "prompt_cache"), ("read", r)],
+            )
+        })
+        .sum();
+    assert_eq!(reads, 1.0);
     // Kept as sent: the same request again (its image replaced up front
     // now) reads what the retry wrote, with no miss.
     let (status, h, _) = post_messages(&visor, body.to_string(), &[]).await;
