@@ -81,6 +81,23 @@ pub struct Merged {
 }
 
 impl Merged {
+    /// Whether the client's messages hold a tool result for a call the
+    /// inserted history already answers: sent so, the provider would get
+    /// two results for one call, the second with no call before it (a
+    /// client re-sending its last tool result once the reply was stored, or
+    /// a second, different result).
+    pub fn answers_again(&self, client: &[Value]) -> bool {
+        let answered: std::collections::HashSet<&str> =
+            self.history.iter().flat_map(answered_calls).collect();
+        !answered.is_empty()
+            && client
+                .iter()
+                .skip(self.at)
+                .filter(|m| tool_result(m))
+                .flat_map(answered_calls)
+                .any(|id| answered.contains(id))
+    }
+
     /// The messages sent upstream: the client's, with the history at `at`.
     pub fn messages(&self, client: &[Value]) -> Vec<Value> {
         let at = self.at.min(client.len());
@@ -578,6 +595,36 @@ mod tests {
     }
     fn assistant(t: &str) -> Value {
         json!({"role": "assistant", "content": t})
+    }
+
+    #[test]
+    fn a_tool_result_the_history_already_answers_is_a_conflict() {
+        let call = json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+        let result = |t: &str| json!({"role": "tool", "tool_call_id": "t1", "content": t});
+        let stored = vec![
+            user("do it"),
+            call.clone(),
+            result("one"),
+            assistant("done"),
+        ];
+        // Sent again after the reply was stored, the same or another.
+        for again in [result("one"), result("one AGAIN")] {
+            let client = vec![again];
+            let m = merge(&client, &stored, 25);
+            assert!(m.answers_again(&client), "{:?}", m.messages(&client));
+        }
+        // The next turn of the same session, and a call of its own: none.
+        let client = vec![user("next")];
+        assert!(!merge(&client, &stored, 25).answers_again(&client));
+        let stored = vec![user("do it"), call.clone()];
+        let client = vec![result("one")];
+        let m = merge(&client, &stored, 25);
+        assert!(!m.answers_again(&client));
+        assert_eq!(
+            m.messages(&client),
+            vec![user("do it"), call, result("one")]
+        );
     }
 
     #[test]

@@ -175,6 +175,11 @@ async fn open(
         .filter_map(|b| serde_json::from_slice(&b).ok().map(|v| (b, v)))
         .unzip();
     let merged = sessions::merge(&messages, &stored, depth);
+    if merged.answers_again(&messages) {
+        return Err(VisorError::BadRequest(
+            "x-visor-session: a tool result in this request answers a call the session already holds an answer to (the provider would get two results for one call)",
+        ));
+    }
     state
         .metrics
         .session_history

@@ -830,3 +830,36 @@ async fn a_bad_history_depth_is_400_without_a_session_too() {
     assert_eq!(status, 200);
     assert_eq!(mock.count(), 1);
 }
+
+/// A tool result for a call the session already answered (the client sends
+/// its last result again once the reply is stored, or another one): 400,
+/// saying why, and nothing reaches the provider: merged, it would get two
+/// results for one call.
+#[tokio::test]
+async fn a_tool_result_answering_a_call_already_answered_is_refused() {
+    let mock = MockUpstream::start(echo).await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let call = json!({"role": "assistant", "content": null, "tool_calls": [
+        {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+    let result = |t: &str| json!({"role": "tool", "tool_call_id": "t1", "content": t});
+    let first = json!([user("do it"), call, result("result one")]);
+    let (status, _, _) = send(chat(&visor, "dup-result", first, &[])).await;
+    assert_eq!(status, 200);
+    for again in ["result one", "result one AGAIN"] {
+        let got = send(chat(&visor, "dup-result", json!([result(again)]), &[])).await;
+        let message = assert_error(&got, 400, "invalid_request");
+        assert!(message.contains("x-visor-session"), "{message}");
+    }
+    assert_eq!(mock.count(), 1, "nothing more was sent");
+    // The session goes on with what is new.
+    let (status, _, _) = send(chat(&visor, "dup-result", json!([user("next")]), &[])).await;
+    assert_eq!(status, 200);
+    let sent = sent_messages(&mock);
+    let results = sent
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .count();
+    assert_eq!(results, 1, "{sent}");
+}
