@@ -245,7 +245,9 @@ fn merged_body(
     merged: &sessions::Merged,
     rebuilt: impl FnOnce() -> serde_json::Result<Vec<u8>>,
 ) -> Result<Bytes, VisorError> {
-    if merged.history.is_empty() && as_array {
+    // Nothing inserted: the body as it came (a Responses string `input`
+    // stays a string).
+    if merged.history.is_empty() {
         return Ok(body.clone());
     }
     let unmarked: Vec<Option<Vec<u8>>> = stored_raw

@@ -25,15 +25,17 @@ fn echo(req: &Recorded) -> Reply {
     } else {
         &v["messages"]
     };
-    let said: String = items
-        .as_array()
-        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
-        .map(|m| match &m["content"] {
-            Value::String(s) => s.clone(),
-            Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect(),
-            _ => "?".to_owned(),
-        })
-        .unwrap_or_default();
+    // (A Responses string `input` is the user's message itself.)
+    let said: String = items.as_str().map(str::to_owned).unwrap_or_default()
+        + &items
+            .as_array()
+            .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+            .map(|m| match &m["content"] {
+                Value::String(s) => s.clone(),
+                Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect(),
+                _ => "?".to_owned(),
+            })
+            .unwrap_or_default();
     if responses {
         return Reply::json(
             200,
@@ -393,13 +395,16 @@ async fn responses_and_anthropic_sessions() {
         req
     };
     // Responses: a string input is one user message; the reply's output
-    // items are stored without their ids.
-    let (status, _, _) = send(post(
-        "/v1/responses",
-        json!({"model": "gpt-5", "instructions": "be brief", "input": "first"}),
-    ))
-    .await;
+    // items are stored without their ids. Nothing inserted: sent byte for
+    // byte, the string as a string.
+    let first = json!({"model": "gpt-5", "instructions": "be brief", "input": "first"});
+    let (status, _, _) = send(post("/v1/responses", first.clone())).await;
     assert_eq!(status, 200);
+    assert_eq!(
+        mock.recorded()[0].body,
+        serde_json::to_vec(&first).unwrap(),
+        "as the client sent it"
+    );
     let (_, headers, _) = send(post(
         "/v1/responses",
         json!({"model": "gpt-5", "input": [user("second")]}),
