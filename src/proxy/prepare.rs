@@ -982,7 +982,8 @@ fn count(m: &Metrics, report: &Report, failed: &[String]) {
         };
         m.media.with_label_values(&[n.medium, action]).inc();
     }
-    if report.images_replaced + report.media_replaced > 0 {
+    // (Resized images save bytes too: counted as the header counts them.)
+    if report.images_replaced + report.media_replaced + report.images_resized > 0 {
         let images = report.bytes_saved - report.bytes_saved_dedup;
         m.bytes_saved
             .with_label_values(&["images"])

@@ -1180,8 +1180,9 @@ impl Done {
         if let Some(b) = &new {
             report.bytes_saved = body.len() as i64 - b.len() as i64;
             // A rewritten body also goes out compact: that saving counts
-            // with dedup when no image was replaced, else with images.
-            if report.images_replaced + report.media_replaced == 0 {
+            // with dedup when no image was replaced or resized, else with
+            // images.
+            if report.images_replaced + report.media_replaced + report.images_resized == 0 {
                 report.bytes_saved_dedup = report.bytes_saved;
             }
         }

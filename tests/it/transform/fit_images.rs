@@ -137,12 +137,19 @@ async fn a_9000x6000_png_arrives_within_the_providers_limits_and_is_saved() {
     assert_eq!(saved.as_ref(), &original[..]);
     // The next turn sends the same bytes (cached, and deterministic).
     send_messages(&visor, &body).await;
-    let again: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
+    let last = mock.recorded().pop().unwrap().body;
+    let again: Value = serde_json::from_slice(&last).unwrap();
     assert_eq!(image_blocks(&again), images);
     let m = visor.metrics().await;
     assert_eq!(
         metric(&m, "visor_images_total", &[("action", "resized")]),
         Some(2.0)
+    );
+    // What the resizes saved is counted, as the header says it.
+    let each = serde_json::to_vec(&body).unwrap().len() - last.len();
+    assert_eq!(
+        metric(&m, "visor_bytes_saved_total", &[("reason", "images")]),
+        Some(2.0 * each as f64)
     );
 }
 
