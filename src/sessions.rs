@@ -86,16 +86,25 @@ impl Merged {
     /// two results for one call, the second with no call before it (a
     /// client re-sending its last tool result once the reply was stored, or
     /// a second, different result).
+    /// Answered: a result after the call's latest making in the history
+    /// (an upstream that numbers its calls per answer, `call_0`, makes an
+    /// id again, and the client's result answers that one).
     pub fn answers_again(&self, client: &[Value]) -> bool {
-        let answered: std::collections::HashSet<&str> =
-            self.history.iter().flat_map(answered_calls).collect();
-        !answered.is_empty()
-            && client
-                .iter()
-                .skip(self.at)
-                .filter(|m| tool_result(m))
-                .flat_map(answered_calls)
-                .any(|id| answered.contains(id))
+        let h = &self.history;
+        client
+            .iter()
+            .skip(self.at)
+            .filter(|m| tool_result(m))
+            .flat_map(answered_calls)
+            .any(|id| {
+                let made = h.iter().rposition(|m| made_calls(m).any(|c| c == id));
+                // (Results only: a Responses `function_call` carries the
+                // `call_id` its output answers.)
+                h[made.map_or(0, |i| i + 1)..]
+                    .iter()
+                    .filter(|m| tool_result(m))
+                    .any(|m| answered_calls(m).contains(&id))
+            })
     }
 
     /// The messages sent upstream: the client's, with the history at `at`.
@@ -623,8 +632,31 @@ mod tests {
         assert!(!m.answers_again(&client));
         assert_eq!(
             m.messages(&client),
-            vec![user("do it"), call, result("one")]
+            vec![user("do it"), call.clone(), result("one")]
         );
+        // Responses: the call is an item of its own with the `call_id` its
+        // output answers; the output sent after it is no second answer.
+        let fc = json!({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"});
+        let out = |t: &str| json!({"type": "function_call_output", "call_id": "c1", "output": t});
+        let stored = vec![user("do it"), fc.clone()];
+        let client = vec![out("one")];
+        let m = merge(&client, &stored, 25);
+        assert!(!m.answers_again(&client), "{:?}", m.messages(&client));
+        let stored = vec![user("do it"), fc, out("one"), assistant("done")];
+        let client = vec![out("one again")];
+        assert!(merge(&client, &stored, 25).answers_again(&client));
+        // An upstream that makes the same id again (`call_0` each answer):
+        // the client's result answers the newest call.
+        let stored = vec![
+            user("do it"),
+            call.clone(),
+            result("one"),
+            assistant("done"),
+            user("again"),
+            call,
+        ];
+        let client = vec![result("two")];
+        assert!(!merge(&client, &stored, 25).answers_again(&client));
     }
 
     #[test]
