@@ -868,3 +868,42 @@ async fn a_tool_result_answering_a_call_already_answered_is_refused() {
         .count();
     assert_eq!(results, 1, "{sent}");
 }
+
+/// A Responses tool loop that sends only what is new: the call comes back
+/// from the provider and is stored, the client sends its output alone,
+/// and the provider gets the call before it (the call's own `call_id` is
+/// no earlier answer).
+#[tokio::test]
+async fn a_responses_tool_loop_sending_only_new_items_goes_on() {
+    let mock = MockUpstream::start(|req: &Recorded| {
+        let answered = String::from_utf8_lossy(&req.body).contains("function_call_output");
+        let output = match answered {
+            true => json!([{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]}]),
+            false => json!([{"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "sh", "arguments": "{}", "status": "completed"}]),
+        };
+        Reply::json(200, json!({"id": "resp_1", "object": "response", "output": output}).to_string())
+    })
+    .await;
+    let visor = Visor::for_mock(&mock, "").await;
+    let post = |input: Value| {
+        let body = json!({"model": "gpt-5", "input": input});
+        let mut req = post_json(&visor.url("/v1/responses"), body.to_string());
+        req.headers_mut()
+            .insert("x-visor-session", "resp-loop".parse().unwrap());
+        req
+    };
+    let (status, _, _) = send(post(json!([user("run it")]))).await;
+    assert_eq!(status, 200);
+    let out = json!({"type": "function_call_output", "call_id": "c1", "output": "exit code: 0"});
+    let (status, headers, body) = send(post(json!([out]))).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(headers["x-visor-history-used"], "2");
+    let sent: Value = serde_json::from_slice(&mock.recorded().pop().unwrap().body).unwrap();
+    let types: Vec<&str> = sent["input"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["type"].as_str().unwrap_or("message"))
+        .collect();
+    assert_eq!(types, ["message", "function_call", "function_call_output"]);
+}
