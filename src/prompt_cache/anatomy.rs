@@ -1265,16 +1265,21 @@ mod tests {
         );
     }
 
+    /// What a Chat body's reading keeps for the next request.
+    fn chat_prefix(body: &str) -> Prefix {
+        Anatomy::of(Shape::Chat, body.as_bytes())
+            .unwrap()
+            .into_prefix()
+            .unwrap()
+    }
+
     #[test]
     fn a_prefix_that_cannot_be_read_on_reads_in_full() {
         // The list's last element a number the next body writes on: the
         // bytes up to the prefix's end are the same, and only a full
         // reading sees the message list as it is.
         let first = r#"{"model":"m","messages":[{"role":"user","content":"hi"},12]}"#;
-        let prefix = Anatomy::of(Shape::Chat, first.as_bytes())
-            .unwrap()
-            .into_prefix()
-            .unwrap();
+        let prefix = chat_prefix(first);
         let next = r#"{"model":"m","messages":[{"role":"user","content":"hi"},123,{"role":"user","content":"x"}]}"#;
         assert_eq!(
             &next.as_bytes()[..prefix.end()],
@@ -1290,11 +1295,7 @@ mod tests {
         // after an object is read on.
         let read = Anatomy::read_on(Shape::Chat, next.as_bytes(), prefix);
         assert_eq!(read.map(|(_, on)| on), Some(false));
-        let object = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
-        let prefix = Anatomy::of(Shape::Chat, object.as_bytes())
-            .unwrap()
-            .into_prefix()
-            .unwrap();
+        let prefix = chat_prefix(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#);
         let on = r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"user","content":"x"}]}"#;
         let read = Anatomy::read_on(Shape::Chat, on.as_bytes(), prefix);
         assert_eq!(read.map(|(_, on)| on), Some(true));

@@ -127,8 +127,12 @@ pub async fn handle(
     let received = held.clone();
     let may_change = !call.opts.off;
     let mut prepared = transform(&state.rewrite, &mut call, &parts, held, &session).await?; // 5. transform
-    // (Kept for a refusal's retry, whose body is asked of the cache again.)
-    let conversation = parts.headers.get(&X_VISOR_SESSION).cloned();
+    // (Kept for a refusal's retry, whose body is asked of the cache again;
+    // looked up only for a body the cache reads.)
+    let conversation = prepared
+        .as_ref()
+        .and_then(|_| parts.headers.get(&X_VISOR_SESSION))
+        .cloned();
     let conversation = conversation.as_ref().and_then(|v| v.to_str().ok());
     let asked = (conversation, &grant, may_change);
     let (mut cache, read_on) = prompt_cache(state, &call, asked, received, prepared.as_mut()).await; // 5c. cache

@@ -571,12 +571,10 @@ fn label(t: &str) -> bool {
     let Some((key, value)) = t.split_once(':') else {
         return false;
     };
-    let words: Vec<&str> = key.split(' ').collect();
-    words.len() <= 3
-        && words
-            .iter()
-            .all(|w| w.len() >= 2 && w.bytes().all(|b| b.is_ascii_uppercase()))
-        && words.iter().any(|w| ADDRESSING.contains(w))
+    let words = || key.split(' ');
+    words().count() <= 3
+        && words().all(|w| w.len() >= 2 && w.bytes().all(|b| b.is_ascii_uppercase()))
+        && words().any(|w| ADDRESSING.contains(&w))
         && value.starts_with(' ')
         && value.trim().len() >= 2
 }
